@@ -1,0 +1,492 @@
+"""Decode-step benchmark: flash_attn_with_kvcache vs SDPA and FlexAttention on one CUDA GPU.
+
+Shapes: one new query token per sequence, ``nheads`` query heads over ``nheads_k`` KV heads
+(GQA), head dim 128, bf16, cache lengths 4K..128K, batch 1 / 8 / 64 (all configurable).
+
+For every (batch, cache_len) it times, with ``triton.testing.do_bench`` (median, L2 flushed
+between repetitions):
+
+  flashtile             eager call, full cache (cache_seqlens = cache_len), contiguous cache
+  flashtile_cudagraph   the same call captured in a CUDA graph and replayed
+  flashtile_paged_cudagraph   paged cache (--page-size, pages in random order), graph replay
+  flashtile_step_cudagraph    a whole decode step: append 1 new k/v token with rotary at
+                              position cache_len - 1, then attend (graph replay)
+  sdpa_<backend>        torch SDPA restricted to cudnn / flash / efficient / math with
+                        enable_gqa=True (graph replay when capturable, else eager); when a
+                        backend rejects GQA and memory allows, K/V repeated per query head
+                        beforehand (impl suffix ``_repeat_kv``, repeat not timed)
+  flex                  torch.compile(flex_attention, enable_gqa=True)
+
+Achieved bandwidth counts the bytes a decode step must move: the K and V cache read once plus q
+read and out written; ``frac_of_copy_bw`` divides it by the bandwidth of a large device-to-device
+``copy_`` measured at start (bytes read + written / time).
+
+Before timing, a small self-check compares contiguous, paged and append+rotary results (eager and
+CUDA-graph replays over three decode steps with changing lengths) against a float32 reference,
+proving a decode step is capturable.  Results go to ``--out`` as a JSON list of records
+``{impl, batch, cache_len, ms, GBps, frac_of_copy_bw, device, torch, triton, date, ...}`` and a
+table is printed.
+
+    python benchmarks/bench_decode.py --out bench_out/decode_h100.json
+    python benchmarks/bench_decode.py --out /tmp/quick.json --quick
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from flashtile.backends.triton import launch_decode  # noqa: E402
+from flashtile.decode import flash_attn_with_kvcache  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DEVICE = "cuda"
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+def bench_ms(fn, warmup: int, rep: int) -> float:
+    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def capture(fn, warmup_calls: int = 3):
+    """Capture ``fn()`` in a CUDA graph after warming it up on a side stream."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup_calls):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    torch.cuda.synchronize()
+    return graph, result
+
+
+def free_bytes() -> int:
+    return torch.cuda.mem_get_info()[0]
+
+
+def cleanup() -> None:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def copy_bandwidth(warmup: int, rep: int) -> float:
+    """GB/s of a device-to-device copy of 1 GiB (bytes read + bytes written)."""
+    n = 1 << 29
+    x = torch.empty(n, dtype=torch.bfloat16, device=DEVICE).normal_()
+    y = torch.empty_like(x)
+    ms = bench_ms(lambda: y.copy_(x), warmup, rep)
+    del x, y
+    cleanup()
+    return 2 * n * 2 / (ms * 1e-3) / 1e9
+
+
+def rotary_tables(n_pos: int, rotary_dim: int, device):
+    inv = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim))
+    ang = torch.arange(n_pos, device=device, dtype=torch.float32)[:, None] * inv[None, :]
+    return ang.cos(), ang.sin()
+
+
+def reference_attention(q, k, v):
+    """float32 attention of q (B, Sq, H, D) over full k/v (B, L, Hk, D), bottom-right causal."""
+    b, sq, h, d = q.shape
+    g = h // k.shape[2]
+    kf = k.float().repeat_interleave(g, dim=2)
+    vf = v.float().repeat_interleave(g, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kf) * d ** -0.5
+    n = k.shape[1]
+    mask = torch.arange(n, device=q.device)[None, :] <= (torch.arange(sq, device=q.device)[:, None] + n - sq)
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vf)
+
+
+def rope_ref(x, cos, sin, pos):
+    """Interleaved RoPE, float32; x (B, T, H, D), pos (B, T)."""
+    rd = 2 * cos.shape[1]
+    c, s = cos[pos][:, :, None, :], sin[pos][:, :, None, :]
+    a, b2 = x[..., 0:rd:2].float(), x[..., 1:rd:2].float()
+    rot = torch.stack([a * c - b2 * s, a * s + b2 * c], -1).flatten(-2)
+    return torch.cat([rot, x[..., rd:].float()], -1)
+
+
+# --------------------------------------------------------------------------------------------
+# self-check: correctness and CUDA-graph capturability of a decode step
+# --------------------------------------------------------------------------------------------
+def self_check(args, dtype) -> list[dict]:
+    torch.manual_seed(0)
+    dev = DEVICE
+    b, cap, h, hk, d, page = 3, 2048, args.nheads, args.nheads_k, args.headdim, args.page_size
+    records = []
+    tol = 2e-2
+
+    def rec(name, err, ok):
+        records.append(dict(impl=f"check_{name}", max_abs_err=err, ok=bool(ok)))
+        log(f"  self-check {name:<34} max|err| = {err:.3e}  {'ok' if ok else 'FAILED'}")
+
+    q = torch.randn(b, 1, h, d, device=dev, dtype=dtype)
+    kc = torch.randn(b, cap, hk, d, device=dev, dtype=dtype)
+    vc = torch.randn(b, cap, hk, d, device=dev, dtype=dtype)
+    lens = torch.tensor([cap, 1000, 1], dtype=torch.int32, device=dev)
+    out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
+    err = max((out[i:i + 1].float() - reference_attention(q[i:i + 1], kc[i:i + 1, :int(lens[i])],
+                                                          vc[i:i + 1, :int(lens[i])])).abs().max().item()
+              for i in range(b))
+    rec("contiguous", err, err < tol)
+
+    per = cap // page
+    perm = torch.randperm(b * per, device=dev)
+    kp = torch.empty(b * per, page, hk, d, device=dev, dtype=dtype)
+    vp = torch.empty_like(kp)
+    kp[perm] = kc.reshape(b * per, page, hk, d)
+    vp[perm] = vc.reshape(b * per, page, hk, d)
+    table = perm.reshape(b, per).to(torch.int32)
+    out_p = flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table)
+    err = (out_p.float() - out.float()).abs().max().item()
+    rec(f"paged{page}_vs_contiguous", err, err < tol)
+
+    # three decode steps with append + rotary: eager on one cache copy, graph replay on another
+    cos, sin = rotary_tables(cap, d, dev)
+    lens0 = torch.tensor([100, 1500, 0], dtype=torch.int32, device=dev)
+    k_eager, v_eager = kc.clone(), vc.clone()
+    k_graph, v_graph = kc.clone(), vc.clone()
+    s_q = torch.empty_like(q)
+    s_k = torch.empty(b, 1, hk, d, device=dev, dtype=dtype)
+    s_v = torch.empty_like(s_k)
+    s_lens = lens0.clone()
+
+    def step():
+        return flash_attn_with_kvcache(s_q, k_graph, v_graph, s_k, s_v, rotary_cos=cos, rotary_sin=sin,
+                                       cache_seqlens=s_lens, causal=True)
+
+    s_q.normal_(), s_k.normal_(), s_v.normal_()
+    graph, g_out = capture(step)
+    # capture warm-up wrote to k_graph; restore it so both copies start equal
+    k_graph.copy_(kc), v_graph.copy_(vc)
+    errs, ref_errs = [], []
+    for t in range(3):
+        qt = torch.randn_like(q)
+        kt = torch.randn_like(s_k)
+        vt = torch.randn_like(s_v)
+        cur = lens0 + t
+        e_out = flash_attn_with_kvcache(qt, k_eager, v_eager, kt, vt, rotary_cos=cos, rotary_sin=sin,
+                                        cache_seqlens=cur, causal=True)
+        s_q.copy_(qt), s_k.copy_(kt), s_v.copy_(vt), s_lens.copy_(cur)
+        graph.replay()
+        torch.cuda.synchronize()
+        errs.append((g_out.float() - e_out.float()).abs().max().item())
+        for i in range(b):
+            n = int(cur[i]) + 1
+            pos = cur[i:i + 1].long()[:, None]
+            kk = torch.cat([kc[i:i + 1, :int(cur[i])] if t == 0 else k_eager[i:i + 1, :int(cur[i])],
+                            rope_ref(kt[i:i + 1], cos, sin, pos).to(dtype)], dim=1)
+            vv = torch.cat([v_eager[i:i + 1, :int(cur[i])], vt[i:i + 1]], dim=1)
+            ref = reference_attention(rope_ref(qt[i:i + 1], cos, sin, pos).to(dtype), kk[:, :n], vv[:, :n])
+            ref_errs.append((e_out[i:i + 1].float() - ref).abs().max().item())
+    same_cache = torch.equal(k_graph, k_eager) and torch.equal(v_graph, v_eager)
+    rec("step_append_rotary_vs_reference", max(ref_errs), max(ref_errs) < tol)
+    rec("step_cudagraph_replay_vs_eager", max(errs), max(errs) < 1e-6 and same_cache)
+    del kc, vc, kp, vp, k_eager, v_eager, k_graph, v_graph, graph
+    cleanup()
+    return records
+
+
+# --------------------------------------------------------------------------------------------
+# one configuration
+# --------------------------------------------------------------------------------------------
+def run_config(args, dtype, batch, cache_len, copy_bw, meta) -> list[dict]:
+    h, hk, d = args.nheads, args.nheads_k, args.headdim
+    g = h // hk
+    elt = torch.tensor([], dtype=dtype).element_size()
+    kv_bytes = 2 * batch * cache_len * hk * d * elt
+    io_bytes = kv_bytes + 2 * batch * h * d * elt
+    records = []
+
+    def record(impl, ms, mode, **extra):
+        r = dict(impl=impl, batch=batch, cache_len=cache_len, ms=ms, mode=mode,
+                 GBps=(io_bytes / (ms * 1e-3) / 1e9) if ms else None,
+                 frac_of_copy_bw=((io_bytes / (ms * 1e-3) / 1e9) / copy_bw) if ms else None,
+                 nheads=h, nheads_k=hk, headdim=d, dtype=str(dtype).replace("torch.", ""), **meta)
+        r.update(extra)
+        records.append(r)
+        if ms:
+            log(f"  {impl:<34} {mode:<6} {ms:9.4f} ms  {r['GBps']:8.1f} GB/s  {100 * r['frac_of_copy_bw']:5.1f}% of copy")
+        else:
+            log(f"  {impl:<34} skipped: {extra.get('status')}")
+
+    if kv_bytes > 0.85 * free_bytes():
+        record("flashtile", None, "-", status=f"K/V cache of {kv_bytes / 1e9:.1f} GB does not fit")
+        return records
+
+    dev = DEVICE
+    q = torch.empty(batch, 1, h, d, device=dev, dtype=dtype).normal_()
+    kc = torch.empty(batch, cache_len, hk, d, device=dev, dtype=dtype).normal_()
+    vc = torch.empty(batch, cache_len, hk, d, device=dev, dtype=dtype).normal_()
+    lens = torch.full((batch,), cache_len, dtype=torch.int32, device=dev)
+    splits = launch_decode.default_num_splits(q, hk, cache_len)
+
+    def ours():
+        return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
+
+    ref_out = None
+    try:
+        ref_out = ours()
+        record("flashtile", bench_ms(ours, args.warmup, args.rep), "eager", num_splits=splits, status="ok")
+        graph, _ = capture(ours)
+        record("flashtile_cudagraph", bench_ms(graph.replay, args.warmup, args.rep), "graph",
+               num_splits=splits, status="ok")
+        del graph
+        for s in args.sweep_splits:
+            def ours_s(s=s):
+                return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=s)
+            graph, _ = capture(ours_s)
+            record(f"flashtile_splits{s}_cudagraph", bench_ms(graph.replay, args.warmup, args.rep), "graph",
+                   num_splits=s, status="ok")
+            del graph
+    except Exception as exc:  # keep going: record what failed
+        record("flashtile", None, "-", status=f"error: {type(exc).__name__}: {exc}")
+        traceback.print_exc()
+
+    # paged: the same memory viewed as pages of --page-size, visited in random order
+    try:
+        page = args.page_size
+        if cache_len % page == 0:
+            per = cache_len // page
+            kp = kc.view(batch * per, page, hk, d)
+            vp = vc.view(batch * per, page, hk, d)
+            table = torch.randperm(batch * per, device=dev).reshape(batch, per).to(torch.int32)
+
+            def ours_paged():
+                return flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table)
+
+            graph, _ = capture(ours_paged)
+            record("flashtile_paged_cudagraph", bench_ms(graph.replay, args.warmup, args.rep), "graph",
+                   num_splits=splits, page_size=page, status="ok")
+            del graph, table
+    except Exception as exc:
+        record("flashtile_paged_cudagraph", None, "-", status=f"error: {type(exc).__name__}: {exc}")
+        traceback.print_exc()
+
+    # a full decode step: append one token (with rotary) at cache_len - 1, then attend
+    try:
+        cos, sin = rotary_tables(cache_len, d, dev)
+        k_new = torch.empty(batch, 1, hk, d, device=dev, dtype=dtype).normal_()
+        v_new = torch.empty_like(k_new).normal_()
+        lens_step = lens - 1
+
+        def ours_step():
+            return flash_attn_with_kvcache(q, kc, vc, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                           cache_seqlens=lens_step, causal=True)
+
+        graph, _ = capture(ours_step)
+        record("flashtile_step_cudagraph", bench_ms(graph.replay, args.warmup, args.rep), "graph",
+               num_splits=splits, status="ok")
+        del graph
+    except Exception as exc:
+        record("flashtile_step_cudagraph", None, "-", status=f"error: {type(exc).__name__}: {exc}")
+        traceback.print_exc()
+
+    # the step above rewrote cache slot cache_len - 1: recompute what the baselines must match
+    try:
+        ref_out = ours()
+    except Exception:
+        ref_out = None
+
+    # baselines in the (B, H, S, D) layout: transposed views, no copies
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+
+    def check_err(out_bhsd):
+        if ref_out is None:
+            return None
+        return (out_bhsd.transpose(1, 2).float() - ref_out.float()).abs().max().item()
+
+    for name in args.sdpa:
+        backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                   "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
+        impl = f"sdpa_{name}"
+        fn = None
+        try:
+            def fn_gqa(backend=backend):
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+            fn_gqa()
+            fn = fn_gqa
+        except Exception as exc:
+            gqa_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            if 2 * kv_bytes * g * 1.1 < 0.85 * free_bytes():
+                kr = kt.repeat_interleave(g, dim=1)
+                vr = vt.repeat_interleave(g, dim=1)
+
+                def fn_rep(backend=backend, kr=kr, vr=vr):
+                    with sdpa_kernel([backend]):
+                        return F.scaled_dot_product_attention(qt, kr, vr)
+                try:
+                    fn_rep()
+                    fn = fn_rep
+                    impl += "_repeat_kv"
+                except Exception as exc2:
+                    record(impl, None, "-", status=f"enable_gqa: {gqa_error}; repeat_kv: "
+                           f"{type(exc2).__name__}: {str(exc2).splitlines()[0][:200]}")
+            else:
+                record(impl, None, "-", status=f"enable_gqa: {gqa_error}; repeat_kv needs "
+                       f"{2 * kv_bytes * g / 1e9:.1f} GB")
+        if fn is None:
+            cleanup()
+            continue
+        try:
+            err = check_err(fn())
+            try:
+                graph, _ = capture(fn)
+                ms, mode = bench_ms(graph.replay, args.warmup, args.rep), "graph"
+                del graph
+            except Exception:
+                torch.cuda.synchronize()
+                ms, mode = bench_ms(fn, args.warmup, args.rep), "eager"
+            record(impl, ms, mode, max_abs_err_vs_flashtile=err, status="ok")
+        except Exception as exc:
+            record(impl, None, "-", status=f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+        fn = None
+        cleanup()
+
+    if args.flex:
+        try:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            compiled = _compiled_flex(flex_attention)
+
+            def fn_flex():
+                return compiled(qt, kt, vt, enable_gqa=True)
+
+            err = check_err(fn_flex())
+            try:
+                graph, _ = capture(fn_flex)
+                ms, mode = bench_ms(graph.replay, args.warmup, args.rep), "graph"
+                del graph
+            except Exception:
+                torch.cuda.synchronize()
+                ms, mode = bench_ms(fn_flex, args.warmup, args.rep), "eager"
+            record("flex", ms, mode, max_abs_err_vs_flashtile=err, status="ok")
+        except Exception as exc:
+            record("flex", None, "-", status=f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            traceback.print_exc()
+
+    del q, kc, vc, qt, kt, vt, ref_out
+    cleanup()
+    return records
+
+
+_FLEX = {}
+
+
+def _compiled_flex(flex_attention):
+    if "fn" not in _FLEX:
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        if hasattr(torch._dynamo.config, "accumulated_cache_size_limit"):
+            torch._dynamo.config.accumulated_cache_size_limit = max(
+                torch._dynamo.config.accumulated_cache_size_limit, 256)
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["fn"]
+
+
+# --------------------------------------------------------------------------------------------
+def print_table(records) -> None:
+    rows = [r for r in records if r.get("batch") is not None]
+    log("")
+    log(f"{'impl':<36} {'batch':>5} {'cache':>7} {'mode':<6} {'ms':>9} {'GB/s':>8} {'%copy':>6}  status")
+    for r in rows:
+        if r.get("ms"):
+            log(f"{r['impl']:<36} {r['batch']:>5} {r['cache_len']:>7} {r['mode']:<6} {r['ms']:>9.4f} "
+                f"{r['GBps']:>8.1f} {100 * r['frac_of_copy_bw']:>6.1f}  ok")
+        else:
+            log(f"{r['impl']:<36} {r['batch']:>5} {r['cache_len']:>7} {'-':<6} {'-':>9} {'-':>8} {'-':>6}  "
+                f"{r.get('status')}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="JSON file for the records")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--cache-lens", type=int, nargs="+", default=[4096, 16384, 65536, 131072])
+    p.add_argument("--nheads", type=int, default=32)
+    p.add_argument("--nheads-k", type=int, default=8)
+    p.add_argument("--headdim", type=int, default=128)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--sdpa", nargs="*", default=["cudnn", "flash", "efficient", "math"],
+                   choices=["cudnn", "flash", "efficient", "math"])
+    p.add_argument("--no-flex", dest="flex", action="store_false")
+    p.add_argument("--sweep-splits", type=int, nargs="*", default=[],
+                   help="also time flashtile with these explicit num_splits")
+    p.add_argument("--warmup", type=int, default=10, help="do_bench warm-up time (ms)")
+    p.add_argument("--rep", type=int, default=50, help="do_bench measuring time (ms)")
+    p.add_argument("--quick", action="store_true", help="batches 1 8, cache 4K 16K, no flex")
+    p.add_argument("--skip-check", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batches, args.cache_lens, args.flex = [1, 8], [4096, 16384], False
+    if not torch.cuda.is_available():
+        log("bench_decode needs a CUDA GPU")
+        return 2
+    dtype = DTYPES[args.dtype]
+    meta = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    log(f"{meta['device']}  torch {meta['torch']}  triton {meta['triton']}  "
+        f"SMs {launch_decode.num_sms(torch.device('cuda'))}")
+    records = []
+    failed_check = False
+    if not args.skip_check:
+        log("self-check (correctness, CUDA-graph capture of a decode step)")
+        for r in self_check(args, dtype):
+            r.update(meta)
+            records.append(r)
+            failed_check |= not r["ok"]
+    copy_bw = copy_bandwidth(args.warmup, args.rep)
+    log(f"device copy bandwidth: {copy_bw:.1f} GB/s (read + write)")
+    records.append(dict(impl="device_copy", batch=None, cache_len=None, ms=None, GBps=copy_bw,
+                        frac_of_copy_bw=1.0, **meta))
+    try:
+        for batch in args.batches:
+            for cache_len in args.cache_lens:
+                log(f"batch {batch}, cache {cache_len}, heads {args.nheads}/{args.nheads_k}, d {args.headdim}")
+                records.extend(run_config(args, dtype, batch, cache_len, copy_bw, meta))
+                _write(args.out, records)
+    finally:
+        _write(args.out, records)
+    print_table(records)
+    log(f"wrote {len(records)} records to {args.out}")
+    return 1 if failed_check else 0
+
+
+def _write(path, records) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(records, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

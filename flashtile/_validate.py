@@ -1,0 +1,151 @@
+"""Argument checks run before any kernel launches.
+
+Every error names the argument, says what was expected and what was received, and where there
+is an obvious fix, says it.  Shape/dtype/device problems raise ``ValueError`` / ``TypeError``.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def tensor(name: str, x, ndim: int | tuple[int, ...], layout: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(x).__name__}")
+    dims = (ndim,) if isinstance(ndim, int) else ndim
+    if x.dim() not in dims:
+        raise ValueError(f"{name} must have {' or '.join(map(str, dims))} dimensions {layout}, "
+                         f"got shape {tuple(x.shape)}")
+    return x
+
+
+def float_dtype(name: str, x: torch.Tensor) -> None:
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {_dt(x.dtype)}")
+    if x.dtype == torch.bfloat16 and x.device.type == "cuda":
+        if not torch.cuda.is_bf16_supported():
+            raise TypeError(f"{name} is bfloat16, which {torch.cuda.get_device_name(x.device)} "
+                            "does not support; use float16")
+
+
+def same_dtype_device(named: dict[str, torch.Tensor]) -> None:
+    (first_name, first), *rest = named.items()
+    for name, x in rest:
+        if x.dtype != first.dtype:
+            raise TypeError(f"{name} has dtype {_dt(x.dtype)} but {first_name} has "
+                            f"{_dt(first.dtype)}; all of them must share one dtype")
+        if x.device != first.device:
+            raise ValueError(f"{name} is on {x.device} but {first_name} is on {first.device}; "
+                             "move them to one device")
+
+
+def last_dim_contiguous(name: str, x: torch.Tensor) -> None:
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides "
+                         f"{tuple(x.stride())}; call {name}.contiguous() first")
+
+
+def head_dim(d: int, name: str = "q") -> None:
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"headdim of {name} must be between 1 and {MAX_HEAD_DIM}, got {d}")
+
+
+def heads(nheads: int, nheads_k: int) -> None:
+    if nheads_k == 0 or nheads % nheads_k != 0:
+        raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads of k/v "
+                         f"({nheads_k}) (grouped-query attention)")
+
+
+def softmax_scale(scale, head_dim_: int, name: str = "softmax_scale") -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim_)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"{name} must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"{name} must be finite, got {scale}")
+    return float(scale)
+
+
+def dropout(p) -> float:
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(p).__name__}")
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
+    if p > 0.0:
+        raise NotImplementedError("dropout_p > 0 is not implemented yet in flashtile; "
+                                  "use dropout_p=0.0")
+    return float(p)
+
+
+def window(window_size) -> tuple[int, int]:
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool)
+                       for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {window_size}")
+    return left, right
+
+
+def softcap(c) -> float:
+    if isinstance(c, bool) or not isinstance(c, numbers.Real):
+        raise TypeError(f"softcap must be a float, got {type(c).__name__}")
+    if not (c >= 0.0 and math.isfinite(c)):
+        raise ValueError(f"softcap must be >= 0 and finite (0 disables it), got {c}")
+    return float(c)
+
+
+def alibi(slopes, batch: int, nheads: int, device: torch.device):
+    if slopes is None:
+        return None
+    if not isinstance(slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(slopes).__name__}")
+    if slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be float32, got {_dt(slopes.dtype)}")
+    if tuple(slopes.shape) not in ((nheads,), (batch, nheads)):
+        raise ValueError(f"alibi_slopes must have shape (nheads,) = ({nheads},) or "
+                         f"(batch, nheads) = ({batch}, {nheads}), got {tuple(slopes.shape)}")
+    if slopes.device != device:
+        raise ValueError(f"alibi_slopes is on {slopes.device} but q is on {device}")
+    return slopes if slopes.stride(-1) == 1 else slopes.contiguous()
+
+
+def cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen, max_name: str,
+               device: torch.device) -> int:
+    """Checks a cumulative-length vector; returns the batch size."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 torch.Tensor of shape (batch + 1,), "
+                        f"got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {_dt(cu.dtype)}; use {name}.int()")
+    if cu.dim() != 1 or cu.shape[0] < 1:
+        raise ValueError(f"{name} must have shape (batch + 1,), got {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but q is on {device}")
+    if not isinstance(max_seqlen, numbers.Integral) or isinstance(max_seqlen, bool) or max_seqlen < 0:
+        raise TypeError(f"{max_name} must be a non-negative int, got {max_seqlen!r}")
+    # One host read of a (batch + 1)-vector: cheap, and it turns out-of-bounds kernel reads
+    # into a clear error.
+    values = cu.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {values[0]}")
+    lengths = [b - a for a, b in zip(values[:-1], values[1:])]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"{name} must be non-decreasing, got {values}")
+    if values[-1] != total:
+        raise ValueError(f"{name}[-1] = {values[-1]} must equal the number of packed tokens "
+                         f"({total})")
+    if lengths and max(lengths) > max_seqlen:
+        raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest sequence in "
+                         f"{name} ({max(lengths)})")
+    return len(values) - 1

@@ -1,0 +1,86 @@
+"""Backend registry: ``"triton"`` (GPU kernels, or the Triton interpreter) and ``"torch"`` (a
+tiled PyTorch engine for any device).
+
+Selection, first match wins: ``use_backend(name)`` context, ``FLASHTILE_BACKEND`` environment
+variable, then by device: CUDA tensors -> triton; CPU tensors -> triton only when
+``TRITON_INTERPRET=1`` (tests run the kernels that way), else torch.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import threading
+
+import torch
+
+BACKENDS = ("triton", "torch")
+_local = threading.local()
+
+
+def _check_name(name: str, source: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"{source}={name!r} is not a flashtile backend; expected one of "
+                         f"{', '.join(map(repr, BACKENDS))}")
+    return name
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Run the enclosed calls on backend ``name`` ("triton" or "torch")."""
+    _check_name(name, "use_backend")
+    old = getattr(_local, "name", None)
+    _local.name = name
+    try:
+        yield
+    finally:
+        _local.name = old
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """Why the Triton backend cannot run on ``device`` (None when it can)."""
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return "the 'triton' package is not installed (pip install triton)"
+    if device.type == "cuda":
+        if torch.version.hip is None:
+            major, _ = torch.cuda.get_device_capability(device)
+            if major < 8:
+                return (f"{torch.cuda.get_device_name(device)} (sm_{major}x) is older than "
+                        "Ampere; the kernels need sm_80 or newer")
+        return None
+    if _interpreting():
+        return None
+    return (f"Triton cannot compile for {device.type} tensors; set TRITON_INTERPRET=1 to emulate "
+            "the kernels (slow) or use the 'torch' backend")
+
+
+def select(device: torch.device) -> str:
+    """The backend name for tensors on ``device``; raises if an explicit choice is impossible."""
+    name = getattr(_local, "name", None)
+    source = "use_backend"
+    if name is None:
+        env = os.environ.get("FLASHTILE_BACKEND", "").strip()
+        if env:
+            name, source = _check_name(env, "FLASHTILE_BACKEND"), "FLASHTILE_BACKEND"
+    if name is None:
+        if device.type == "cuda" or (device.type == "cpu" and _interpreting()):
+            return "triton" if triton_unavailable_reason(device) is None else "torch"
+        return "torch"
+    if name == "triton":
+        reason = triton_unavailable_reason(device)
+        if reason is not None:
+            raise RuntimeError(f"{source} asks for the triton backend, but {reason}")
+    return name
+
+
+def get(name: str):
+    """The module implementing ``forward``/``backward`` for backend ``name``."""
+    if name == "triton":
+        return importlib.import_module(".triton", __name__)
+    return importlib.import_module(".torch_tiled", __name__)

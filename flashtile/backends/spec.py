@@ -1,0 +1,49 @@
+"""The one description of an attention call that every backend receives.
+
+Both backends implement the same two functions::
+
+    forward(q, k, v, spec, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
+            max_seqlen_q=None, max_seqlen_k=None) -> (out, lse)
+    backward(do, q, k, v, out, lse, spec, *, alibi_slopes=None, cu_seqlens_q=None,
+             cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> (dq, dk, dv)
+
+Layouts (flash-attn's):
+  dense   q ``(B, Sq, H, D)``, k/v ``(B, Sk, Hk, D)``, out like q, lse float32 ``(B, H, Sq)``
+  varlen  q ``(total_q, H, D)``, k/v ``(total_k, Hk, D)``, ``cu_seqlens_*`` int32 ``(B+1,)``,
+          lse float32 ``(H, total_q)``
+``H % Hk == 0``: query head ``h`` reads key/value head ``h // (H // Hk)``; dk/dv are summed over
+the group.  ``lse`` is the natural-log log-sum-exp of the scaled (and soft-capped, biased)
+scores of the keys a row sees; ``-inf`` for a row that sees no key, whose output is 0 and
+whose gradients are 0.
+
+Visibility of key ``j`` to query ``i`` in a sequence of ``sq`` queries and ``sk`` keys:
+``shift = sk - sq`` when ``bottom_right`` else ``0``;
+``j >= i + shift - window_left`` unless ``window_left < 0`` and
+``j <= i + shift + window_right`` unless ``window_right < 0``.
+Causal attention is ``window_right = 0``.
+
+Score of a visible pair: ``s = scale * q.k``; with softcap ``c > 0``: ``s = c * tanh(s / c)``;
+with ALiBi slopes: ``s -= slope[b, h] * |i + sk - sq - j|`` (always bottom-right distance, as
+flash-attn).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnSpec:
+    softmax_scale: float
+    window_left: int = -1
+    window_right: int = -1
+    bottom_right: bool = True
+    softcap: float = 0.0
+    dropout_p: float = 0.0
+
+    @property
+    def causal(self) -> bool:
+        return self.window_right == 0 and self.window_left < 0
+
+    @property
+    def has_window(self) -> bool:
+        return self.window_left >= 0 or self.window_right >= 0

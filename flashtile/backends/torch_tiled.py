@@ -1,0 +1,376 @@
+"""Tiled exact attention on the CPU with PyTorch: FlashAttention-2's schedule in ``torch`` ops.
+
+Forward, for a block of ``BLOCK_M`` queries and every key tile ``j`` it can see::
+
+    S     = tau Q_i K_j^T                       (softcap: c tanh(S / c); ALiBi; window mask)
+    m_new = max(m, rowmax(S))
+    P     = exp(S - m_new)
+    l     = exp(m - m_new) l + rowsum(P)
+    acc   = exp(m - m_new) acc + P V_j
+    ...last tile:  O_i = acc / l,   lse_i = m + log l
+
+Backward recomputes ``P = exp(S - lse)`` tile by tile and uses ``D = rowsum(dO o O)``::
+
+    dV_j += P^T dO_i,   dP = dO_i V_j^T,   dS = P o (dP - D_i)
+    dS   *= 1 - tanh^2(tau q.k / c)          (softcap: d/dx c tanh(x/c) = 1 - tanh^2(x/c))
+    dQ_i += tau dS K_j,  dK_j += tau dS^T Q_i
+
+The tiles hold scores in base 2 (``S * log2(e)``, folded into the pre-scaling of Q and
+the ALiBi slopes) and use ``exp2``: ATen's float32 ``exp`` drops to a path 10-50x slower for
+every input whose result underflows, ``-inf`` included, i.e. for every masked score, while
+``exp2`` only slows down for results in the denormal range.  ``m`` and ``l`` are kept in
+base 2 as well, and ``lse = ln(2) * (m + log2 l)``.
+
+Nothing ``Sq x Sk`` is ever allocated: the live temporaries are a few
+``[B*Hk, BLOCK_M*G, BLOCK_N]`` tiles, so the extra memory is ``O(N * tile)`` on top of
+fp32 copies of the inputs and outputs.
+
+All heads of all batch entries go through one ``bmm`` per tile.  Grouped-query attention
+needs no copy of K/V: for key/value head ``hk`` the ``G = H // Hk`` query heads that read it
+are stacked as extra rows, ordered ``(query, group member)``, so ``Q`` is viewed as
+``[B*Hk, Sq*G, D]`` against ``K`` as ``[B*Hk, Sk, D]``; ``dK``/``dV`` then sum over the group
+for free inside the matmul.
+
+Key tiles that no query of the block can see (causal / sliding window) are skipped, and the
+mask is only built for tiles that straddle the band's edge.  Everything is computed in
+float32; results come back in the input dtype, ``lse`` in float32.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .spec import AttnSpec
+
+__all__ = ["forward", "backward"]
+
+# Keys per tile.  Queries per tile are chosen so that one score tile of all heads holds
+# about TILE_ELEMS floats (a few MiB: it stays in cache across the several passes over it).
+BLOCK_N = 256
+BLOCK_M_MAX = 256
+BLOCK_M_MIN = 16
+TILE_ELEMS = 1 << 20
+
+_NEG_INF = float("-inf")
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+
+# ---------------------------------------------------------------------------------------
+# shared helpers
+
+
+def _check(q, k, v, spec: AttnSpec, varlen: bool):
+    if spec.dropout_p > 0:
+        raise NotImplementedError("dropout in the torch backend is not implemented yet "
+                                  "(use dropout_p=0.0)")
+    nd = 3 if varlen else 4
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != nd:
+            raise ValueError(f"{name} must have {nd} dimensions, got shape {tuple(x.shape)}")
+    H, D = q.shape[-2], q.shape[-1]
+    Hk = k.shape[-2]
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    if k.shape[-1] != D:
+        raise ValueError(f"head dims differ: q has {D}, k has {k.shape[-1]}")
+    if Hk == 0 or H % Hk:
+        raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({Hk})")
+    if not varlen and k.shape[0] != q.shape[0]:
+        raise ValueError("q and k must have the same batch size")
+
+
+def _slopes(alibi_slopes, B, H):
+    """ALiBi slopes as float32 ``(B, H)``, or None."""
+    if alibi_slopes is None:
+        return None
+    s = alibi_slopes.to(torch.float32)
+    if tuple(s.shape) not in ((H,), (B, H)):
+        raise ValueError(f"alibi_slopes must be ({H},) or ({B}, {H}), got {tuple(s.shape)}")
+    return s.expand(B, H)
+
+
+def _rows_first(x, B, S, Hk, G, D):
+    """``(B, S, Hk*G, D)`` (any dtype, any strides) -> contiguous float32 ``[B*Hk, S*G, D]``."""
+    y = torch.empty((B, Hk, S, G, D), dtype=torch.float32, device=x.device)
+    y.copy_(x.reshape(B, S, Hk, G, D).permute(0, 2, 1, 3, 4))
+    return y.view(B * Hk, S * G, D)
+
+
+def _rows_view(x, B, S, Hk, G, D):
+    """``(B, S, Hk*G, D)`` -> a ``[B, Hk, S, G, D]`` view, to write tiles straight into."""
+    return x.view(B, S, Hk, G, D).permute(0, 2, 1, 3, 4)
+
+
+def _lse_view(lse, B, Hk, G, S):
+    """lse ``(B, Hk*G, S)`` -> a ``[B, Hk, S, G]`` view (rows in the ``(query, member)`` order)."""
+    return lse.view(B, Hk, G, S).permute(0, 1, 3, 2)
+
+
+def _block_m(BH, G, D):
+    per_query = max(1, BH * G * max(BLOCK_N, D))
+    bm = TILE_ELEMS // per_query
+    return int(max(BLOCK_M_MIN, min(BLOCK_M_MAX, bm)))
+
+
+class _Band:
+    """Which keys a block of queries can see, per the window rule of ``spec.py``."""
+
+    def __init__(self, spec: AttnSpec, sq: int, sk: int):
+        self.sk = sk
+        self.shift = sk - sq if spec.bottom_right else 0
+        self.wl = spec.window_left
+        self.wr = spec.window_right
+        self.sq = sq
+
+    def key_range(self, i0, i1):
+        """Half-open range of keys visible to at least one query of ``[i0, i1)``."""
+        lo, hi = 0, self.sk
+        if self.wl >= 0:
+            lo = max(lo, i0 + self.shift - self.wl)
+        if self.wr >= 0:
+            hi = min(hi, (i1 - 1) + self.shift + self.wr + 1)
+        return lo, max(lo, hi)
+
+    def fully_visible(self, i0, i1, j0, j1):
+        """True when every key of ``[j0, j1)`` is visible to every query of ``[i0, i1)``."""
+        if self.wl >= 0 and j0 < (i1 - 1) + self.shift - self.wl:
+            return False
+        if self.wr >= 0 and j1 - 1 > i0 + self.shift + self.wr:
+            return False
+        return True
+
+    def hidden(self, i0, i1, j0, j1, device):
+        """Boolean ``[BM, 1, BN]``: True where the pair is NOT visible."""
+        i = torch.arange(i0, i1, device=device).view(-1, 1, 1)
+        j = torch.arange(j0, j1, device=device).view(1, 1, -1)
+        hide = torch.zeros((i1 - i0, 1, j1 - j0), dtype=torch.bool, device=device)
+        if self.wl >= 0:
+            hide |= j < i + self.shift - self.wl
+        if self.wr >= 0:
+            hide |= j > i + self.shift + self.wr
+        return hide
+
+
+class _Scores:
+    """Builds the score tile ``S`` (scale, softcap, ALiBi, mask) shared by forward and backward."""
+
+    def __init__(self, spec: AttnSpec, band: _Band, slopes, B, Hk, G, sq, sk):
+        self.softcap = float(spec.softcap)
+        self.band = band
+        self.G = G
+        self.sq, self.sk = sq, sk
+        # [B*Hk, 1, G, 1]: one slope per (batch, kv head, group member), in base 2
+        self.slopes = None if slopes is None else (slopes * _LOG2E).reshape(B * Hk, 1, G, 1)
+        # what Q is pre-multiplied by, on top of tau, so that Q K^T comes out ready to use:
+        # S / c for softcap's tanh (the outer c and log2(e) are applied after it), else S
+        # already in base 2
+        self.q_factor = 1.0 / self.softcap if self.softcap > 0 else _LOG2E
+
+    def tile(self, b_q, b_kt, i0, i1, j0, j1, keep_tanh=False):
+        """Base-2 score tile ``[BH, BM*G, BN]`` and, with ``keep_tanh``, the tanh tile for dS."""
+        b_s = torch.bmm(b_q, b_kt)  # [BH, BM*G, BN]
+        b_t = None
+        if self.softcap > 0:
+            if keep_tanh:
+                b_t = torch.tanh(b_s)  # [BH, BM*G, BN]
+                b_s = b_t * (self.softcap * _LOG2E)
+            else:
+                b_s.tanh_().mul_(self.softcap * _LOG2E)
+        BH, BN = b_s.shape[0], b_s.shape[2]
+        b_s4 = b_s.view(BH, i1 - i0, self.G, BN)  # [BH, BM, G, BN]
+        if self.slopes is not None:
+            i = torch.arange(i0, i1, dtype=torch.float32, device=b_s.device)
+            j = torch.arange(j0, j1, dtype=torch.float32, device=b_s.device)
+            # ALiBi distance is always measured from the bottom-right diagonal
+            dist = (i.view(-1, 1) + float(self.sk - self.sq) - j.view(1, -1)).abs_()
+            b_s4.addcmul_(self.slopes, dist.view(1, i1 - i0, 1, BN), value=-1.0)
+        if not self.band.fully_visible(i0, i1, j0, j1):
+            b_s4.masked_fill_(self.band.hidden(i0, i1, j0, j1, b_s.device), _NEG_INF)
+        return b_s, b_t
+
+
+# ---------------------------------------------------------------------------------------
+# forward
+
+
+def _forward_dense(q, k, v, spec: AttnSpec, slopes, out, lse):
+    """One dense batch: q ``(B, Sq, H, D)``, k/v ``(B, Sk, Hk, D)``; writes ``out``/``lse``."""
+    B, Sq, H, D = q.shape
+    Sk, Hk = k.shape[1], k.shape[2]
+    G = H // Hk
+    BH = B * Hk
+    out_rows = _rows_view(out, B, Sq, Hk, G, D)  # [B, Hk, Sq, G, D]
+    lse_rows = _lse_view(lse, B, Hk, G, Sq)  # [B, Hk, Sq, G]
+    if Sq == 0 or BH == 0:
+        return
+    band = _Band(spec, Sq, Sk)
+    scores = _Scores(spec, band, slopes, B, Hk, G, Sq, Sk)
+    qs = _rows_first(q, B, Sq, Hk, G, D)  # [BH, Sq*G, D]
+    qs.mul_(spec.softmax_scale * scores.q_factor)
+    ks = _rows_first(k, B, Sk, Hk, 1, D)  # [BH, Sk, D]
+    vs = _rows_first(v, B, Sk, Hk, 1, D)  # [BH, Sk, D]
+    block_m = _block_m(BH, G, D)
+    for i0 in range(0, Sq, block_m):
+        i1 = min(i0 + block_m, Sq)
+        rows = (i1 - i0) * G
+        lo, hi = band.key_range(i0, i1)
+        if lo >= hi:  # no query of this block sees any key
+            out_rows[:, :, i0:i1] = 0
+            lse_rows[:, :, i0:i1] = _NEG_INF
+            continue
+        b_q = qs[:, i0 * G:i1 * G]  # [BH, BM*G, D]
+        b_m = torch.full((BH, rows), _NEG_INF, device=q.device)  # [BH, BM*G]
+        b_l = torch.zeros((BH, rows), device=q.device)  # [BH, BM*G]
+        b_acc = torch.zeros((BH, rows, D), device=q.device)  # [BH, BM*G, D]
+        for j0 in range(lo, hi, BLOCK_N):
+            j1 = min(j0 + BLOCK_N, hi)
+            b_s, _ = scores.tile(b_q, ks[:, j0:j1].transpose(1, 2), i0, i1, j0, j1)
+            b_mnew = torch.maximum(b_m, b_s.amax(dim=-1))  # [BH, BM*G]
+            # A row that has not met a visible key yet still has max -inf, and
+            # exp2(-inf - (-inf)) would be NaN.  Offsetting such rows by 0 instead gives
+            # exp2(-inf - 0) = 0 for all their scores and for their rescale factor, so they
+            # keep l = 0 and acc = 0 until a visible key turns up (or forever).
+            b_off = b_mnew.masked_fill(b_mnew == _NEG_INF, 0.0)  # [BH, BM*G]
+            b_alpha = torch.exp2(b_m - b_off)  # [BH, BM*G]
+            b_p = b_s.sub_(b_off.unsqueeze(-1)).exp2_()  # [BH, BM*G, BN]
+            b_l.mul_(b_alpha).add_(b_p.sum(dim=-1))
+            b_acc.mul_(b_alpha.unsqueeze(-1)).baddbmm_(b_p, vs[:, j0:j1])
+            b_m = b_mnew
+        # l = 0 exactly for rows that saw nothing: their acc is 0 too, so divide by 1
+        b_lsafe = b_l.masked_fill(b_l == 0, 1.0)
+        b_acc.div_(b_lsafe.unsqueeze(-1))
+        out_rows[:, :, i0:i1] = b_acc.view(B, Hk, i1 - i0, G, D)
+        b_lse = torch.where(b_l > 0, (b_m + torch.log2(b_lsafe)) * _LN2, _NEG_INF)  # [BH, BM*G]
+        lse_rows[:, :, i0:i1] = b_lse.view(B, Hk, i1 - i0, G)
+
+
+def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
+            cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+    """Exact attention, tiled.  Returns ``(out, lse)``; layouts as in ``spec.py``.
+
+    ``max_seqlen_*`` are accepted for interface parity and not needed here.
+    """
+    varlen = cu_seqlens_q is not None
+    if varlen != (cu_seqlens_k is not None):
+        raise ValueError("give both cu_seqlens_q and cu_seqlens_k, or neither")
+    _check(q, k, v, spec, varlen)
+    H = q.shape[-2]
+    with torch.no_grad():
+        if not varlen:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+            lse = torch.empty((q.shape[0], H, q.shape[1]), dtype=torch.float32,
+                              device=q.device)
+            _forward_dense(q, k, v, spec, _slopes(alibi_slopes, q.shape[0], H), out, lse)
+            return out, lse
+        out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+        lse = torch.full((H, q.shape[0]), _NEG_INF, dtype=torch.float32, device=q.device)
+        seqs = _sequences(cu_seqlens_q, cu_seqlens_k)
+        slopes = _slopes(alibi_slopes, len(seqs), H)
+        for b, (q0, q1, k0, k1) in enumerate(seqs):
+            _forward_dense(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], spec,
+                           None if slopes is None else slopes[b:b + 1],
+                           out[None, q0:q1], lse[None, :, q0:q1])
+        return out, lse
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k):
+    cq = [int(x) for x in cu_seqlens_q.tolist()]
+    ck = [int(x) for x in cu_seqlens_k.tolist()]
+    if len(cq) != len(ck):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length (B + 1)")
+    return [(cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(len(cq) - 1)]
+
+
+# ---------------------------------------------------------------------------------------
+# backward
+
+
+def _backward_dense(do, q, k, v, out, lse, spec: AttnSpec, slopes, dq, dk, dv):
+    """One dense batch; writes ``dq`` ``(B, Sq, H, D)`` and ``dk``/``dv`` ``(B, Sk, Hk, D)``."""
+    B, Sq, H, D = q.shape
+    Sk, Hk = k.shape[1], k.shape[2]
+    G = H // Hk
+    BH = B * Hk
+    if BH == 0 or Sq == 0 or Sk == 0:
+        return  # dq, dk, dv arrive zeroed
+    band = _Band(spec, Sq, Sk)
+    scores = _Scores(spec, band, slopes, B, Hk, G, Sq, Sk)
+    factor = spec.softmax_scale * scores.q_factor
+    qs = _rows_first(q, B, Sq, Hk, G, D)  # [BH, Sq*G, D]
+    qs.mul_(factor)
+    dos = _rows_first(do, B, Sq, Hk, G, D)  # [BH, Sq*G, D]
+    ks = _rows_first(k, B, Sk, Hk, 1, D)  # [BH, Sk, D]
+    vs = _rows_first(v, B, Sk, Hk, 1, D)  # [BH, Sk, D]
+    # reshape, not view: the caller's out/lse may have any strides (they are only read)
+    out_rows = out.reshape(B, Sq, Hk, G, D).permute(0, 2, 1, 3, 4)  # [B, Hk, Sq, G, D]
+    # rows that saw no key have lse = -inf; +inf instead makes exp2(S - lse) exactly 0 there,
+    # so they contribute nothing to dK/dV and get dQ = 0
+    lse_rows = lse.to(torch.float32).reshape(B, Hk, G, Sq).permute(0, 1, 3, 2)
+    lse_rows = lse_rows.reshape(BH, Sq * G) * _LOG2E
+    lse_rows.masked_fill_(lse_rows == _NEG_INF, float("inf"))  # [BH, Sq*G], base 2
+    dq_rows = _rows_view(dq, B, Sq, Hk, G, D)  # [B, Hk, Sq, G, D]
+    # float32 accumulators (the outputs may be fp16/bf16); rows of one group land on the
+    # same kv head, so the matmuls below also do GQA's sum over the group
+    dk_acc = torch.zeros((BH, Sk, D), device=q.device)  # [BH, Sk, D]
+    dv_acc = torch.zeros((BH, Sk, D), device=q.device)  # [BH, Sk, D]
+    block_m = _block_m(BH, G, D)
+    for i0 in range(0, Sq, block_m):
+        i1 = min(i0 + block_m, Sq)
+        rows = (i1 - i0) * G
+        lo, hi = band.key_range(i0, i1)
+        if lo >= hi:
+            continue
+        b_q = qs[:, i0 * G:i1 * G]  # [BH, BM*G, D]
+        b_do = dos[:, i0 * G:i1 * G]  # [BH, BM*G, D]
+        b_lse = lse_rows[:, i0 * G:i1 * G].unsqueeze(-1)  # [BH, BM*G, 1]
+        b_o = out_rows[:, :, i0:i1].to(torch.float32).reshape(BH, rows, D)  # [BH, BM*G, D]
+        b_delta = (b_o * b_do).sum(dim=-1, keepdim=True)  # [BH, BM*G, 1]
+        b_dq = torch.zeros((BH, rows, D), device=q.device)  # [BH, BM*G, D]
+        for j0 in range(lo, hi, BLOCK_N):
+            j1 = min(j0 + BLOCK_N, hi)
+            b_k = ks[:, j0:j1]  # [BH, BN, D]
+            b_v = vs[:, j0:j1]  # [BH, BN, D]
+            b_s, b_t = scores.tile(b_q, b_k.transpose(1, 2), i0, i1, j0, j1, keep_tanh=True)
+            b_p = b_s.sub_(b_lse).exp2_()  # [BH, BM*G, BN]
+            dv_acc[:, j0:j1].baddbmm_(b_p.transpose(1, 2), b_do)
+            b_dp = torch.bmm(b_do, b_v.transpose(1, 2))  # [BH, BM*G, BN]
+            b_ds = b_dp.sub_(b_delta).mul_(b_p)  # [BH, BM*G, BN]
+            if b_t is not None:
+                b_ds.mul_(b_t.square_().neg_().add_(1.0))
+            b_dq.baddbmm_(b_ds, b_k)
+            dk_acc[:, j0:j1].baddbmm_(b_ds.transpose(1, 2), b_q)
+        b_dq.mul_(spec.softmax_scale)
+        dq_rows[:, :, i0:i1] = b_dq.view(B, Hk, i1 - i0, G, D)
+    # dK was accumulated against the pre-multiplied Q (factor * Q); tau is what it needs
+    dk_acc.mul_(spec.softmax_scale / factor)
+    dk.copy_(dk_acc.view(B, Hk, Sk, D).permute(0, 2, 1, 3))
+    dv.copy_(dv_acc.view(B, Hk, Sk, D).permute(0, 2, 1, 3))
+
+
+def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
+             cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+    """Gradients ``(dq, dk, dv)`` of :func:`forward`, in the dtypes of ``q``, ``k``, ``v``."""
+    varlen = cu_seqlens_q is not None
+    if varlen != (cu_seqlens_k is not None):
+        raise ValueError("give both cu_seqlens_q and cu_seqlens_k, or neither")
+    _check(q, k, v, spec, varlen)
+    H = q.shape[-2]
+    with torch.no_grad():
+        dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
+        dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
+        dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
+        if not varlen:
+            _backward_dense(do, q, k, v, out, lse, spec, _slopes(alibi_slopes, q.shape[0], H),
+                            dq, dk, dv)
+            return dq, dk, dv
+        seqs = _sequences(cu_seqlens_q, cu_seqlens_k)
+        slopes = _slopes(alibi_slopes, len(seqs), H)
+        for b, (q0, q1, k0, k1) in enumerate(seqs):
+            _backward_dense(do[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
+                            out[None, q0:q1], lse[None, :, q0:q1], spec,
+                            None if slopes is None else slopes[b:b + 1],
+                            dq[None, q0:q1], dk[None, k0:k1], dv[None, k0:k1])
+        return dq, dk, dv

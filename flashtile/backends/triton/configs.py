@@ -1,0 +1,106 @@
+"""Block shapes and launch parameters for the Triton kernels.
+
+``TUNED`` holds the winners of ``python -m flashtile.tune`` on real hardware, keyed by
+``(arch, pass, head_dim_bucket, causal, dtype)`` so a first call never autotunes.  A key that is
+missing falls back to ``_heuristic`` (shapes that fit in shared memory and registers for every
+head dim).  Under ``TRITON_INTERPRET=1`` small tiles keep the emulated kernels fast.
+``override(...)`` pins a config (tests use it to prove block-size invariance).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# (arch "sm90", pass, d bucket, causal, dtype) -> (block_m, block_n, num_warps, num_stages)
+# Winners of `python -m flashtile.tune` on an H100 (benchmarks/results/tune_h100_*.json, see
+# docs/performance-notes.md).  fp16 uses the bf16 winners: same tile sizes, same dots.
+TUNED: dict[tuple, tuple[int, int, int, int]] = {
+    ("sm90", "fwd", 128, False, "bfloat16"): (128, 64, 8, 4),
+    ("sm90", "fwd", 128, True, "bfloat16"): (128, 128, 8, 3),
+    ("sm90", "dkdv", 128, False, "bfloat16"): (64, 64, 4, 1),
+    ("sm90", "dkdv", 128, True, "bfloat16"): (64, 64, 4, 1),
+    ("sm90", "dq", 128, False, "bfloat16"): (128, 64, 8, 5),
+    ("sm90", "dq", 128, True, "bfloat16"): (128, 64, 8, 3),
+}
+
+_local = threading.local()
+
+
+def head_dim_bucket(head_dim: int) -> int:
+    """Kernels are compiled for the next power of two >= 16 of the head dim."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _arch(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "cpu"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
+def _heuristic(pass_: str, d: int, arch: str) -> KernelConfig:
+    if pass_ == "fwd":
+        if d <= 64:
+            return KernelConfig(128, 64, 4, 3)
+        if d <= 128:
+            return KernelConfig(128, 64, 8, 3)
+        return KernelConfig(64, 64, 4, 2)
+    if pass_ == "dkdv":
+        if d <= 128:
+            return KernelConfig(32, 128, 4, 3)
+        return KernelConfig(32, 64, 4, 2)
+    if pass_ == "dq":
+        if d <= 128:
+            return KernelConfig(128, 32, 4, 3)
+        return KernelConfig(64, 32, 4, 2)
+    if pass_ == "pre":
+        return KernelConfig(64, 0, 4, 1)
+    raise ValueError(pass_)
+
+
+def get_config(pass_: str, head_dim: int, causal: bool, dtype: torch.dtype,
+               device: torch.device) -> KernelConfig:
+    pinned = getattr(_local, "pinned", None)
+    if pinned and pass_ in pinned:
+        return pinned[pass_]
+    d = head_dim_bucket(head_dim)
+    if interpreting() or device.type != "cuda":
+        return KernelConfig(16, 16, 1, 1) if pass_ != "pre" else KernelConfig(16, 0, 1, 1)
+    arch = _arch(device)
+    if dtype == torch.float32:
+        # fp32 runs ieee dots with twice the register footprint per element.
+        base = _heuristic(pass_, d, arch)
+        return KernelConfig(max(16, base.block_m // 2), max(16, base.block_n // 2) or 0,
+                            base.num_warps, 1 if pass_ == "pre" else 2)
+    key = (arch, pass_, d, bool(causal), "bfloat16")
+    if key in TUNED:
+        return KernelConfig(*TUNED[key])
+    return _heuristic(pass_, d, arch)
+
+
+@contextlib.contextmanager
+def override(**configs: KernelConfig):
+    """Pin configs for passes ``fwd``, ``dkdv``, ``dq``, ``pre`` inside the block."""
+    old = getattr(_local, "pinned", None)
+    _local.pinned = {**(old or {}), **configs}
+    try:
+        yield
+    finally:
+        _local.pinned = old

@@ -1,0 +1,1 @@
+"""Triton kernels; one source per pass."""

@@ -1,0 +1,329 @@
+"""Backward kernels: recompute probabilities tile by tile from the saved log-sum-exp.
+
+With ``p = exp2(s - lse2)`` (``s`` the base-2 score of forward, ``lse2 = log2(e) * lse``)::
+
+    delta = rowsum(dO * O)                  # preprocess, O(N d)
+    dV   += p^T dO
+    dP    = dO V^T
+    dS    = p * (dP - delta)                # gradient w.r.t. the natural-log score
+    dS'   = dS * (1 - tanh(u)^2)            # only with softcap, u = scale * q.k / softcap
+    dQ   += scale * dS' K ,   dK += scale * dS'^T Q
+
+Rows that saw no key have ``lse = -inf``; the preprocess stores ``lse2 = +inf`` for them so
+that ``p = exp2(s - inf) = 0`` and they contribute nothing (never ``inf * 0``).  Invisible
+keys score ``-inf`` during recomputation as in the forward (seed 001's NaN hazard: a padded key
+would score 0 and ``exp2(0 - lse2)`` can overflow for a small lse).
+"""
+import triton
+import triton.language as tl
+
+from .fwd import score_tile
+from .masking import LOG2E, query_range, key_range, tanh, visible
+
+
+@triton.heuristics({"IS_VARLEN": lambda a: a["CU_Q"] is not None})
+@triton.jit
+def attn_bwd_preprocess_kernel(
+    O, DO, LSE, DELTA, LSE2, CU_Q,
+    stride_ob, stride_om, stride_oh,
+    stride_db, stride_dm, stride_dh,
+    stride_lb, stride_lh,
+    seqlen_q, H,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
+    """``delta = rowsum(dO * O)`` and ``lse2 = log2(e) * lse`` (``+inf`` where lse is -inf)."""
+    i_m = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    if IS_VARLEN:
+        q_start = tl.load(CU_Q + i_b)
+        sq = tl.load(CU_Q + i_b + 1) - q_start
+    else:
+        q_start = 0
+        sq = seqlen_q
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if i_m * BLOCK_M >= sq:
+        return
+    o_d = tl.arange(0, BLOCK_D)
+    m_md = (o_m[:, None] < sq) & (o_d[None, :] < HEAD_DIM)
+    p_o = (O + i_b.to(tl.int64) * stride_ob + q_start.to(tl.int64) * stride_om + i_h * stride_oh
+           + o_m[:, None] * stride_om + o_d[None, :])
+    p_do = (DO + i_b.to(tl.int64) * stride_db + q_start.to(tl.int64) * stride_dm + i_h * stride_dh
+            + o_m[:, None] * stride_dm + o_d[None, :])
+    b_o = tl.load(p_o, mask=m_md, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
+    b_do = tl.load(p_do, mask=m_md, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
+    b_delta = tl.sum(b_o * b_do, 1)  # [BLOCK_M]
+    o_l = i_b * stride_lb + i_h * stride_lh + q_start + o_m
+    b_lse = tl.load(LSE + o_l, mask=o_m < sq, other=0.0)
+    b_lse2 = tl.where(b_lse == float("-inf"), float("inf"), b_lse * LOG2E)
+    tl.store(DELTA + o_l, b_delta, mask=o_m < sq)
+    tl.store(LSE2 + o_l, b_lse2, mask=o_m < sq)
+
+
+@triton.jit
+def _ds_tile(b_p, b_dp, b_delta, b_q, b_k, softcap_scale, DOT_PREC: tl.constexpr,
+             HAS_SOFTCAP: tl.constexpr):
+    """Gradient w.r.t. the raw dot product q.k (without the final ``scale``)."""
+    b_ds = b_p * (b_dp - b_delta[:, None])  # [BLOCK_M, BLOCK_N]
+    if HAS_SOFTCAP:
+        # Recompute tanh rather than store it: one extra dot is cheaper than N^2 memory.
+        b_t = tanh(tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * softcap_scale)
+        b_ds = b_ds * (1.0 - b_t * b_t)
+    return b_ds
+
+
+@triton.jit
+def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta,
+                stride_qm, stride_dm, o_n, o_d, m_start, m_end, sq, sk, shift,
+                window_left, window_right, qk_scale, softcap_scale, slope,
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+                EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                HAS_ALIBI: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Accumulate dK, dV of one key tile over query tiles ``[m_start, m_end)``."""
+    m_d = o_d < HEAD_DIM
+    for m0 in range(m_start, m_end, BLOCK_M):
+        m0 = tl.multiple_of(m0, BLOCK_M)
+        o_m = m0 + tl.arange(0, BLOCK_M)
+        p_q = p_q_base + o_m[:, None] * stride_qm + o_d[None, :]
+        p_do = p_do_base + o_m[:, None] * stride_dm + o_d[None, :]
+        if MASKED:
+            m_qd = (o_m[:, None] < sq) & m_d[None, :]
+            b_q = tl.load(p_q, mask=m_qd, other=0.0)  # [BLOCK_M, BLOCK_D]
+            b_do = tl.load(p_do, mask=m_qd, other=0.0)  # [BLOCK_M, BLOCK_D]
+            # +inf lse2 for rows past the end makes their p exactly 0.
+            b_lse2 = tl.load(p_lse2 + o_m, mask=o_m < sq, other=float("inf"))  # [BLOCK_M]
+            b_delta = tl.load(p_delta + o_m, mask=o_m < sq, other=0.0)  # [BLOCK_M]
+        elif EVEN_D:
+            b_q = tl.load(p_q)
+            b_do = tl.load(p_do)
+            b_lse2 = tl.load(p_lse2 + o_m)
+            b_delta = tl.load(p_delta + o_m)
+        else:
+            b_q = tl.load(p_q, mask=m_d[None, :], other=0.0)
+            b_do = tl.load(p_do, mask=m_d[None, :], other=0.0)
+            b_lse2 = tl.load(p_lse2 + o_m)
+            b_delta = tl.load(p_delta + o_m)
+        b_s = score_tile(b_q, b_k, o_m, o_n, sq, sk, qk_scale, softcap_scale, slope,
+                         DOT_PREC, HAS_SOFTCAP, HAS_ALIBI)  # [BLOCK_M, BLOCK_N]
+        if MASKED:
+            m_vis = visible(o_m, o_n, sk, shift, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+            b_s = tl.where(m_vis, b_s, float("-inf"))
+        b_p = tl.math.exp2(b_s - b_lse2[:, None])  # [BLOCK_M, BLOCK_N]
+        b_dv = tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, b_dv, input_precision=DOT_PREC)
+        b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
+        b_ds = _ds_tile(b_p, b_dp, b_delta, b_q, b_k, softcap_scale, DOT_PREC, HAS_SOFTCAP)
+        b_dk = tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q, b_dk, input_precision=DOT_PREC)
+    return b_dk, b_dv
+
+
+@triton.heuristics({
+    "IS_VARLEN": lambda a: a["CU_Q"] is not None,
+    "HAS_ALIBI": lambda a: a["ALIBI"] is not None,
+    "EVEN_D": lambda a: a["HEAD_DIM"] == a["BLOCK_D"],
+})
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, LSE2, DELTA, ALIBI, CU_Q, CU_K,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh,
+    stride_lb, stride_lh, stride_ab,
+    seqlen_q, seqlen_k, HK, GROUP,
+    scale, qk_scale, softcap_scale, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr,
+):
+    """One program owns BLOCK_N keys of one key/value head and loops over every query head of
+    its group and every query tile that sees them, so GQA gradients are summed in registers."""
+    i_n = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // HK
+    i_hk = i_bh % HK
+    if IS_VARLEN:
+        q_start = tl.load(CU_Q + i_b)
+        sq = tl.load(CU_Q + i_b + 1) - q_start
+        k_start = tl.load(CU_K + i_b)
+        sk = tl.load(CU_K + i_b + 1) - k_start
+    else:
+        q_start = 0
+        sq = seqlen_q
+        k_start = 0
+        sk = seqlen_k
+    n_first = i_n * BLOCK_N
+    if n_first >= sk:
+        return
+    if BOTTOM_RIGHT:
+        shift = sk - sq
+    else:
+        shift = 0
+    o_n = n_first + tl.arange(0, BLOCK_N)
+    o_d = tl.arange(0, BLOCK_D)
+    m_kd = (o_n[:, None] < sk) & (o_d[None, :] < HEAD_DIM)  # [BLOCK_N, BLOCK_D]
+    p_k = (K + i_b.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_kn + i_hk * stride_kh
+           + o_n[:, None] * stride_kn + o_d[None, :])
+    p_v = (V + i_b.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vn + i_hk * stride_vh
+           + o_n[:, None] * stride_vn + o_d[None, :])
+    b_k = tl.load(p_k, mask=m_kd, other=0.0)  # [BLOCK_N, BLOCK_D]
+    b_v = tl.load(p_v, mask=m_kd, other=0.0)  # [BLOCK_N, BLOCK_D]
+    b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    lo, full_lo, full_hi, hi = query_range(n_first, n_first + BLOCK_N - 1, sq, sk, shift,
+                                           window_left, window_right, BLOCK_M, HAS_LEFT, HAS_RIGHT)
+    for i_g in range(GROUP):
+        i_h = i_hk * GROUP + i_g
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = tl.load(ALIBI + i_b * stride_ab + i_h).to(tl.float32) * LOG2E
+        p_q_base = Q + i_b.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qm + i_h * stride_qh
+        p_do_base = (DO + i_b.to(tl.int64) * stride_dob + q_start.to(tl.int64) * stride_dom
+                     + i_h * stride_doh)
+        p_lse2 = LSE2 + i_b * stride_lb + i_h * stride_lh + q_start
+        p_delta = DELTA + i_b * stride_lb + i_h * stride_lh + q_start
+        b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta,
+                                 stride_qm, stride_dom, o_n, o_d, lo, full_lo, sq, sk, shift,
+                                 window_left, window_right, qk_scale, softcap_scale, slope,
+                                 HEAD_DIM, BLOCK_M, True, EVEN_D, DOT_PREC, HAS_SOFTCAP,
+                                 HAS_ALIBI, HAS_LEFT, HAS_RIGHT)
+        b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta,
+                                 stride_qm, stride_dom, o_n, o_d, full_lo, full_hi, sq, sk, shift,
+                                 window_left, window_right, qk_scale, softcap_scale, slope,
+                                 HEAD_DIM, BLOCK_M, False, EVEN_D, DOT_PREC, HAS_SOFTCAP,
+                                 HAS_ALIBI, HAS_LEFT, HAS_RIGHT)
+        b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta,
+                                 stride_qm, stride_dom, o_n, o_d, full_hi, hi, sq, sk, shift,
+                                 window_left, window_right, qk_scale, softcap_scale, slope,
+                                 HEAD_DIM, BLOCK_M, True, EVEN_D, DOT_PREC, HAS_SOFTCAP,
+                                 HAS_ALIBI, HAS_LEFT, HAS_RIGHT)
+    p_dk = (DK + i_b.to(tl.int64) * stride_dkb + k_start.to(tl.int64) * stride_dkn
+            + i_hk * stride_dkh + o_n[:, None] * stride_dkn + o_d[None, :])
+    p_dv = (DV + i_b.to(tl.int64) * stride_dvb + k_start.to(tl.int64) * stride_dvn
+            + i_hk * stride_dvh + o_n[:, None] * stride_dvn + o_d[None, :])
+    tl.store(p_dk, (b_dk * scale).to(DK.dtype.element_ty), mask=m_kd)
+    tl.store(p_dv, b_dv.to(DV.dtype.element_ty), mask=m_kd)
+
+
+@triton.jit
+def _dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn,
+              o_m, o_d, n_start, n_end, sq, sk, shift, window_left, window_right,
+              qk_scale, softcap_scale, slope,
+              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+              EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+              HAS_ALIBI: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Accumulate dQ of one query tile over key tiles ``[n_start, n_end)``."""
+    m_d = o_d < HEAD_DIM
+    for n0 in range(n_start, n_end, BLOCK_N):
+        n0 = tl.multiple_of(n0, BLOCK_N)
+        o_n = n0 + tl.arange(0, BLOCK_N)
+        p_k = p_k_base + o_n[:, None] * stride_kn + o_d[None, :]
+        p_v = p_v_base + o_n[:, None] * stride_vn + o_d[None, :]
+        if MASKED:
+            m_kv = (o_n[:, None] < sk) & m_d[None, :]
+            b_k = tl.load(p_k, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
+            b_v = tl.load(p_v, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
+        elif EVEN_D:
+            b_k = tl.load(p_k)
+            b_v = tl.load(p_v)
+        else:
+            b_k = tl.load(p_k, mask=m_d[None, :], other=0.0)
+            b_v = tl.load(p_v, mask=m_d[None, :], other=0.0)
+        b_s = score_tile(b_q, b_k, o_m, o_n, sq, sk, qk_scale, softcap_scale, slope,
+                         DOT_PREC, HAS_SOFTCAP, HAS_ALIBI)  # [BLOCK_M, BLOCK_N]
+        if MASKED:
+            m_vis = visible(o_m, o_n, sk, shift, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+            b_s = tl.where(m_vis, b_s, float("-inf"))
+        b_p = tl.math.exp2(b_s - b_lse2[:, None])  # [BLOCK_M, BLOCK_N]
+        b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
+        b_ds = _ds_tile(b_p, b_dp, b_delta, b_q, b_k, softcap_scale, DOT_PREC, HAS_SOFTCAP)
+        b_dq = tl.dot(b_ds.to(b_k.dtype), b_k, b_dq, input_precision=DOT_PREC)
+    return b_dq
+
+
+@triton.heuristics({
+    "IS_VARLEN": lambda a: a["CU_Q"] is not None,
+    "HAS_ALIBI": lambda a: a["ALIBI"] is not None,
+    "EVEN_D": lambda a: a["HEAD_DIM"] == a["BLOCK_D"],
+})
+@triton.jit
+def attn_bwd_dq_kernel(
+    Q, K, V, DO, DQ, LSE2, DELTA, ALIBI, CU_Q, CU_K,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dqb, stride_dqm, stride_dqh,
+    stride_lb, stride_lh, stride_ab,
+    seqlen_q, seqlen_k, H, GROUP,
+    scale, qk_scale, softcap_scale, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr,
+):
+    """One program owns BLOCK_M query rows of one head and streams the key tiles they see."""
+    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    i_hk = i_h // GROUP
+    if IS_VARLEN:
+        q_start = tl.load(CU_Q + i_b)
+        sq = tl.load(CU_Q + i_b + 1) - q_start
+        k_start = tl.load(CU_K + i_b)
+        sk = tl.load(CU_K + i_b + 1) - k_start
+    else:
+        q_start = 0
+        sq = seqlen_q
+        k_start = 0
+        sk = seqlen_k
+    m_first = i_m * BLOCK_M
+    if m_first >= sq:
+        return
+    if BOTTOM_RIGHT:
+        shift = sk - sq
+    else:
+        shift = 0
+    m_last = tl.minimum(m_first + BLOCK_M, sq) - 1
+    o_m = m_first + tl.arange(0, BLOCK_M)
+    o_d = tl.arange(0, BLOCK_D)
+    m_qd = (o_m[:, None] < sq) & (o_d[None, :] < HEAD_DIM)  # [BLOCK_M, BLOCK_D]
+    p_q = (Q + i_b.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qm + i_h * stride_qh
+           + o_m[:, None] * stride_qm + o_d[None, :])
+    p_do = (DO + i_b.to(tl.int64) * stride_dob + q_start.to(tl.int64) * stride_dom
+            + i_h * stride_doh + o_m[:, None] * stride_dom + o_d[None, :])
+    b_q = tl.load(p_q, mask=m_qd, other=0.0)  # [BLOCK_M, BLOCK_D]
+    b_do = tl.load(p_do, mask=m_qd, other=0.0)  # [BLOCK_M, BLOCK_D]
+    o_l = i_b * stride_lb + i_h * stride_lh + q_start + o_m
+    b_lse2 = tl.load(LSE2 + o_l, mask=o_m < sq, other=float("inf"))  # [BLOCK_M]
+    b_delta = tl.load(DELTA + o_l, mask=o_m < sq, other=0.0)  # [BLOCK_M]
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + i_b * stride_ab + i_h).to(tl.float32) * LOG2E
+    p_k_base = K + i_b.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_kn + i_hk * stride_kh
+    p_v_base = V + i_b.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vn + i_hk * stride_vh
+    b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    lo, full_lo, full_hi, hi = key_range(m_first, m_last, sk, shift, window_left, window_right,
+                                         BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    b_dq = _dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn,
+                     o_m, o_d, lo, full_lo, sq, sk, shift, window_left, window_right, qk_scale,
+                     softcap_scale, slope, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC,
+                     HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT)
+    b_dq = _dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn,
+                     o_m, o_d, full_lo, full_hi, sq, sk, shift, window_left, window_right,
+                     qk_scale, softcap_scale, slope, HEAD_DIM, BLOCK_N, False, EVEN_D, DOT_PREC,
+                     HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT)
+    b_dq = _dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn,
+                     o_m, o_d, full_hi, hi, sq, sk, shift, window_left, window_right, qk_scale,
+                     softcap_scale, slope, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC,
+                     HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT)
+    p_dq = (DQ + i_b.to(tl.int64) * stride_dqb + q_start.to(tl.int64) * stride_dqm
+            + i_h * stride_dqh + o_m[:, None] * stride_dqm + o_d[None, :])
+    tl.store(p_dq, (b_dq * scale).to(DQ.dtype.element_ty), mask=m_qd)

@@ -1,0 +1,179 @@
+"""Forward kernel: one program owns BLOCK_M query rows of one head and streams key/value tiles.
+
+For each visible key tile ``j`` (scores in base 2, ``log2(e)`` folded into the scale)::
+
+    s_j   = log2(e) * score(q, k_j)                      # [BLOCK_M, BLOCK_N]
+    m_new = max(m, rowmax(s_j))
+    p_j   = exp2(s_j - m_new)
+    l     = l * exp2(m - m_new) + rowsum(p_j)
+    acc   = acc * exp2(m - m_new) + p_j @ v_j
+    m     = m_new
+
+and once at the end ``out = acc / l`` and ``lse = ln(2) * (m + log2(l))`` (natural log, ``-inf``
+for a row that saw no key, whose output is 0).  ``score`` is ``scale * q.k``, optionally
+soft-capped (``c * tanh(.../c)``) and ALiBi-biased (``- slope * |i + sk - sq - j|``); invisible
+keys score ``-inf`` *before* the row max so they contribute exactly 0.
+"""
+import triton
+import triton.language as tl
+
+from .masking import LOG2E, key_range, tanh, visible
+
+
+@triton.jit
+def score_tile(b_q, b_k, o_m, o_n, sq, sk, qk_scale, softcap_scale, slope,
+               DOT_PREC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Base-2 scores of one tile before masking, ``# [BLOCK_M, BLOCK_N]``.
+
+    Without softcap ``qk_scale = scale * log2(e)``; with it ``qk_scale = softcap * log2(e)``
+    and ``softcap_scale = scale / softcap``.  ``slope`` is already multiplied by log2(e).
+    """
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
+    if HAS_SOFTCAP:
+        b_s = tanh(b_s * softcap_scale)
+    b_s = b_s * qk_scale
+    if HAS_ALIBI:
+        b_dist = (o_m[:, None] + (sk - sq)) - o_n[None, :]  # [BLOCK_M, BLOCK_N]
+        b_s = b_s - slope * tl.abs(b_dist).to(tl.float32)
+    return b_s
+
+
+@triton.jit
+def _fwd_inner(b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn,
+               o_m, o_d, n_start, n_end, sq, sk, shift, window_left, window_right,
+               qk_scale, softcap_scale, slope,
+               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+               EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+               HAS_ALIBI: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Online-softmax update over key tiles ``[n_start, n_end)``; MASKED applies visibility."""
+    m_d = o_d < HEAD_DIM
+    for n0 in range(n_start, n_end, BLOCK_N):
+        n0 = tl.multiple_of(n0, BLOCK_N)
+        o_n = n0 + tl.arange(0, BLOCK_N)
+        p_k = p_k_base + o_n[:, None] * stride_kn + o_d[None, :]
+        p_v = p_v_base + o_n[:, None] * stride_vn + o_d[None, :]
+        if MASKED:
+            m_kv = (o_n[:, None] < sk) & m_d[None, :]
+            b_k = tl.load(p_k, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
+        elif EVEN_D:
+            b_k = tl.load(p_k)
+        else:
+            b_k = tl.load(p_k, mask=m_d[None, :], other=0.0)
+        b_s = score_tile(b_q, b_k, o_m, o_n, sq, sk, qk_scale, softcap_scale, slope,
+                         DOT_PREC, HAS_SOFTCAP, HAS_ALIBI)  # [BLOCK_M, BLOCK_N]
+        if MASKED:
+            m_vis = visible(o_m, o_n, sk, shift, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+            b_s = tl.where(m_vis, b_s, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))  # [BLOCK_M]
+        if MASKED:
+            # A row that has seen no visible key yet has max -inf; subtracting it would give
+            # exp2(-inf + inf) = NaN.  Clamping it to 0 makes its p and alpha exactly 0.
+            b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        else:
+            b_m_use = b_m_new
+        b_p = tl.math.exp2(b_s - b_m_use[:, None])  # [BLOCK_M, BLOCK_N]
+        b_alpha = tl.math.exp2(b_m - b_m_use)  # [BLOCK_M]
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        if MASKED:
+            b_v = tl.load(p_v, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
+        elif EVEN_D:
+            b_v = tl.load(p_v)
+        else:
+            b_v = tl.load(p_v, mask=m_d[None, :], other=0.0)
+        b_acc = b_acc * b_alpha[:, None]
+        b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc, input_precision=DOT_PREC)
+        b_m = b_m_new
+    return b_acc, b_l, b_m
+
+
+@triton.heuristics({
+    "IS_VARLEN": lambda a: a["CU_Q"] is not None,
+    "HAS_ALIBI": lambda a: a["ALIBI"] is not None,
+    "EVEN_D": lambda a: a["HEAD_DIM"] == a["BLOCK_D"],
+})
+@triton.jit
+def attn_fwd_kernel(
+    Q, K, V, O, LSE, ALIBI, CU_Q, CU_K,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_om, stride_oh,
+    stride_lb, stride_lh, stride_ab,
+    seqlen_q, seqlen_k, H, GROUP,
+    qk_scale, softcap_scale, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr,
+):
+    # Heaviest causal tiles (the last query rows) are scheduled first so the tail of the grid
+    # is made of cheap programs.
+    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    i_hk = i_h // GROUP
+    if IS_VARLEN:
+        q_start = tl.load(CU_Q + i_b)
+        sq = tl.load(CU_Q + i_b + 1) - q_start
+        k_start = tl.load(CU_K + i_b)
+        sk = tl.load(CU_K + i_b + 1) - k_start
+    else:
+        q_start = 0
+        sq = seqlen_q
+        k_start = 0
+        sk = seqlen_k
+    m_first = i_m * BLOCK_M
+    if m_first >= sq:
+        return
+    if BOTTOM_RIGHT:
+        shift = sk - sq
+    else:
+        shift = 0
+    m_last = tl.minimum(m_first + BLOCK_M, sq) - 1
+
+    o_m = m_first + tl.arange(0, BLOCK_M)
+    o_d = tl.arange(0, BLOCK_D)
+    m_q = (o_m[:, None] < sq) & (o_d[None, :] < HEAD_DIM)  # [BLOCK_M, BLOCK_D]
+    p_q = (Q + i_b.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qm + i_h * stride_qh
+           + o_m[:, None] * stride_qm + o_d[None, :])
+    b_q = tl.load(p_q, mask=m_q, other=0.0)  # [BLOCK_M, BLOCK_D]
+    p_k_base = K + i_b.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_kn + i_hk * stride_kh
+    p_v_base = V + i_b.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vn + i_hk * stride_vh
+
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + i_b * stride_ab + i_h).to(tl.float32) * LOG2E
+
+    b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    lo, full_lo, full_hi, hi = key_range(m_first, m_last, sk, shift, window_left, window_right,
+                                         BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    # Stage 1: tiles cut by the left window edge.  Stage 2: interior tiles, no predicate.
+    # Stage 3: tiles cut by the right edge (the causal diagonal) or the end of the sequence.
+    b_acc, b_l, b_m = _fwd_inner(b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn,
+                                 o_m, o_d, lo, full_lo, sq, sk, shift, window_left, window_right,
+                                 qk_scale, softcap_scale, slope, HEAD_DIM, BLOCK_N, True, EVEN_D,
+                                 DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT)
+    b_acc, b_l, b_m = _fwd_inner(b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn,
+                                 o_m, o_d, full_lo, full_hi, sq, sk, shift, window_left,
+                                 window_right, qk_scale, softcap_scale, slope, HEAD_DIM, BLOCK_N,
+                                 False, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT,
+                                 HAS_RIGHT)
+    b_acc, b_l, b_m = _fwd_inner(b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn,
+                                 o_m, o_d, full_hi, hi, sq, sk, shift, window_left, window_right,
+                                 qk_scale, softcap_scale, slope, HEAD_DIM, BLOCK_N, True, EVEN_D,
+                                 DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT)
+
+    # Rows that saw no key keep l == 0: they output 0 and report lse = -inf.
+    m_empty = b_l == 0.0
+    b_l_safe = tl.where(m_empty, 1.0, b_l)
+    b_out = b_acc / b_l_safe[:, None]  # [BLOCK_M, BLOCK_D]
+    b_lse = tl.where(m_empty, float("-inf"), (b_m + tl.math.log2(b_l_safe)) * 0.6931471805599453)
+    p_o = (O + i_b.to(tl.int64) * stride_ob + q_start.to(tl.int64) * stride_om + i_h * stride_oh
+           + o_m[:, None] * stride_om + o_d[None, :])
+    tl.store(p_o, b_out.to(O.dtype.element_ty), mask=m_q)
+    p_lse = LSE + i_b * stride_lb + i_h * stride_lh + q_start + o_m
+    tl.store(p_lse, b_lse, mask=o_m < sq)

@@ -1,0 +1,101 @@
+"""Visibility ranges and score modifications shared by the forward and backward kernels.
+
+A key ``j`` is visible to query ``i`` (both local to one sequence of ``sq`` queries and ``sk``
+keys) when ``j < sk`` and, with ``shift = sk - sq`` (bottom-right) or ``0`` (top-left),
+
+    i + shift - window_left <= j <= i + shift + window_right
+
+where a missing bound (``HAS_LEFT``/``HAS_RIGHT`` false) is unbounded.  Causal attention is
+``window_right = 0``.  Tiles are classified into *masked* tiles (some element may be invisible;
+the element-wise predicate is applied) and *full* tiles (every element visible; no predicate,
+no bound checks), so the common path pays for nothing.
+"""
+import triton
+import triton.language as tl
+
+# A constexpr so kernels may read it as a global.
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def key_range(m_first, m_last, sk, shift, window_left, window_right,
+              BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Key tiles for the query rows ``[m_first, m_last]``.
+
+    Returns ``lo <= full_lo <= full_hi <= hi`` (multiples of BLOCK_N except ``hi``): tiles in
+    ``[lo, full_lo)`` and ``[full_hi, hi)`` need the mask, tiles in ``[full_lo, full_hi)`` do not.
+    Tiles outside ``[lo, hi)`` hold no visible key for any of the rows and are skipped.
+    """
+    lo = 0
+    hi = sk
+    if HAS_LEFT:
+        lo = tl.maximum(m_first + shift - window_left, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    if HAS_RIGHT:
+        hi = tl.minimum(m_last + shift + window_right + 1, sk)
+    hi = tl.maximum(hi, lo)
+    # A tile is free of the left bound once its first key is visible to the *last* row.
+    full_lo = lo
+    if HAS_LEFT:
+        full_lo = tl.maximum(m_last + shift - window_left, 0)
+        full_lo = tl.cdiv(full_lo, BLOCK_N) * BLOCK_N
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    # ... and free of the right bound (and of the sequence end) once its last key is visible
+    # to the *first* row.
+    full_hi = sk
+    if HAS_RIGHT:
+        full_hi = tl.minimum(m_first + shift + window_right + 1, sk)
+    full_hi = (full_hi // BLOCK_N) * BLOCK_N
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def query_range(n_first, n_last, sq, sk, shift, window_left, window_right,
+                BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Query tiles that see any of the keys ``[n_first, n_last]``; same contract as key_range.
+
+    Row ``i`` sees key ``j`` iff ``j - shift - window_right <= i <= j - shift + window_left``.
+    A tile is *full* only if every row is in the sequence, every key of the block is
+    (``n_last < sk``) and both bounds hold for the whole block.
+    """
+    lo = 0
+    hi = sq
+    if HAS_RIGHT:
+        lo = tl.maximum(n_first - shift - window_right, 0)
+        lo = (lo // BLOCK_M) * BLOCK_M
+    if HAS_LEFT:
+        hi = tl.minimum(n_last - shift + window_left + 1, sq)
+    hi = tl.maximum(hi, lo)
+    full_lo = lo
+    if HAS_RIGHT:
+        full_lo = tl.maximum(n_last - shift - window_right, 0)
+        full_lo = tl.cdiv(full_lo, BLOCK_M) * BLOCK_M
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = sq
+    if HAS_LEFT:
+        full_hi = tl.minimum(n_first - shift + window_left + 1, sq)
+    full_hi = (full_hi // BLOCK_M) * BLOCK_M
+    # Keys past the end of the sequence exist only in the last key block: no tile is full there.
+    full_hi = tl.where(n_last < sk, full_hi, full_lo)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def visible(o_m, o_n, sk, shift, window_left, window_right,
+            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Element-wise visibility predicate, ``# [BLOCK_M, BLOCK_N]``."""
+    m_vis = o_n[None, :] < sk
+    if HAS_RIGHT:
+        m_vis = m_vis & (o_n[None, :] <= o_m[:, None] + (shift + window_right))
+    if HAS_LEFT:
+        m_vis = m_vis & (o_n[None, :] >= o_m[:, None] + (shift - window_left))
+    return m_vis
+
+
+@triton.jit
+def tanh(x):
+    # tanh(x) = 1 - 2 / (exp(2x) + 1): exp2 overflows to inf for large x and gives exactly 1,
+    # underflows to 0 for very negative x and gives exactly -1, so no clamping is needed.
+    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)

@@ -1,0 +1,273 @@
+"""Launch side of the decode kernels: block shapes, the split heuristic, workspaces and grids.
+
+Nothing here reads a tensor's values on the host: every size comes from static shapes, so a
+whole decode step (append + split-KV + combine) can be captured in a CUDA graph.  Arguments
+arrive validated and normalised by :mod:`flashtile.decode` (int32 ``cache_seqlens`` tensor,
+bool tree mask, last dimension contiguous).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from .kernels.decode import _combine_kernel, _rotary_append_kernel, _split_kv_kernel
+
+__all__ = ["decode_forward", "merge_states", "choose_num_splits", "default_num_splits", "num_sms",
+           "attn_config", "MAX_SPLITS"]
+
+MAX_SPLITS = 128
+# a split should stream at least this many key tiles, or its fixed cost (q load, partial
+# store, combine read) outweighs the parallelism it buys
+MIN_TILES_PER_SPLIT = 4
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _on_gpu(x: torch.Tensor) -> bool:
+    """Compiled kernels (True) or the interpreter (False) run for tensors like ``x``."""
+    return x.device.type == "cuda"
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; 1 for anything that is not a CUDA device."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count(index)
+
+
+def attn_config(on_gpu: bool, head_dim: int, rows: int, dtype: torch.dtype) -> dict:
+    """Block shapes of the split-KV kernel.
+
+    ``rows = seqlen_q * (nheads // nheads_k)`` query rows share each K/V tile; up to 64 of
+    them go into one program (``BLOCK_M``, at least 16 for ``tl.dot``).  ``BLOCK_N`` keys per
+    tile is independent of the page size because pages are looked up per key.
+    """
+    block_d = max(16, _next_pow2(head_dim))
+    block_m = min(64, max(16, _next_pow2(rows)))
+    if not on_gpu:
+        # the interpreter runs every program in numpy: small tiles keep splits meaningful on
+        # short test caches
+        return dict(BLOCK_M=block_m, BLOCK_N=16, BLOCK_D=block_d, num_warps=1, num_stages=1)
+    wide = dtype == torch.float32  # fp32 tiles take twice the shared memory
+    if block_d <= 64:
+        block_n, warps, stages = 64, 4, 3
+    elif block_d <= 128:
+        block_n, warps, stages = 64, 4, (2 if wide else 3)
+    else:
+        block_n, warps, stages = 32, 4, 2
+        if wide:
+            block_n = 16
+    if block_m * block_d >= 64 * 256:
+        warps = 8
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages)
+
+
+def choose_num_splits(n_programs: int, n_sms: int, n_tiles: int, max_splits: int = MAX_SPLITS) -> int:
+    """How many slices to cut each row's keys into so that the grid fills the GPU.
+
+    ``n_programs``: programs without splitting (batch * kv heads * query blocks);
+    ``n_tiles``: key tiles of a full cache row.  No split when the grid already covers most
+    SMs (or on the CPU).  Otherwise consider up to about two waves of programs, keeping
+    ``MIN_TILES_PER_SPLIT`` tiles per split, and among the counts whose last wave is well
+    filled (wave efficiency ``w / ceil(w)`` within 10% of the best) take the largest.
+    """
+    if n_sms <= 1 or n_programs >= 0.8 * n_sms:
+        return 1
+    cap = min(max_splits, max(1, n_tiles // MIN_TILES_PER_SPLIT), _cdiv(2 * n_sms, n_programs))
+    effs = []
+    for s in range(1, cap + 1):
+        waves = n_programs * s / n_sms
+        effs.append(waves / _cdiv(n_programs * s, n_sms))
+    best = max(effs)
+    return max(s for s, e in zip(range(1, cap + 1), effs) if e >= 0.9 * best)
+
+
+def default_num_splits(q: torch.Tensor, nheads_k: int, capacity: int) -> int:
+    """The split count ``num_splits=0`` resolves to for query ``q (B, Sq, H, D)`` against a
+    cache of ``nheads_k`` heads and ``capacity`` key slots per row."""
+    b, sq, h, d = q.shape
+    cfg = attn_config(_on_gpu(q), d, sq * (h // nheads_k), q.dtype)
+    m_blocks = _cdiv(sq * (h // nheads_k), cfg["BLOCK_M"])
+    return choose_num_splits(b * nheads_k * m_blocks, num_sms(q.device), _cdiv(capacity, cfg["BLOCK_N"]))
+
+
+def _check_runnable(x: torch.Tensor) -> None:
+    if not _on_gpu(x) and not _interpreting():
+        raise RuntimeError(
+            f"the triton decode kernels cannot run on {x.device.type} tensors; set TRITON_INTERPRET=1 "
+            "(before triton kernels are imported) to emulate them, or use FLASHTILE_BACKEND=torch")
+
+
+def _rotary_append(x, y, xo, yo, cos, sin, seqlens, batch_idx, block_table, *, rotary_dim,
+                   interleaved, per_token, to_cache, capacity):
+    b, t, h, d = x.shape
+    block_d = max(16, _next_pow2(d))
+    block_h = min(_next_pow2(h), max(1, 4096 // block_d))
+    page_size = int(xo.shape[1]) if (to_cache and block_table is not None) else 1
+    sy = y.stride() if y is not None else (0, 0, 0, 0)
+    syo = yo.stride() if yo is not None else (0, 0, 0, 0)
+    grid = (t, b, _cdiv(h, block_h))
+    _rotary_append_kernel[grid](
+        x, y, xo, yo, cos, sin, seqlens, batch_idx, block_table,
+        x.stride(0), x.stride(1), x.stride(2),
+        sy[0], sy[1], sy[2],
+        xo.stride(0), xo.stride(1), xo.stride(2),
+        syo[0], syo[1], syo[2],
+        cos.stride(0) if cos is not None else 0, sin.stride(0) if sin is not None else 0,
+        block_table.stride(0) if block_table is not None else 0,
+        h, d, int(cos.shape[0]) if cos is not None else 0, capacity,
+        ROTARY_DIM=rotary_dim, INTERLEAVED=bool(interleaved), PER_TOKEN=bool(per_token),
+        TO_CACHE=bool(to_cache), PAGE_SIZE=page_size, BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=4 if _on_gpu(x) else 1,
+    )
+
+
+def merge_states(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """LSE-combine ``n`` partial results into ``out``/``lse`` (written in place).
+
+    ``o_part``: ``(n, B, Sq, H, D)`` (any float dtype, last dim contiguous); ``lse_part``:
+    ``(n, B, H, Sq)`` float32 with contiguous last dim; ``out``: ``(B, Sq, H, D)``;
+    ``lse``: ``(B, H, Sq)`` float32 with contiguous last dim.
+    """
+    _check_runnable(out)
+    n, b, sq, h, d = o_part.shape
+    if lse_part.stride(-1) != 1 or lse.stride(-1) != 1 or o_part.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("merge_states: the last dimension of every tensor must be contiguous")
+    block_s = max(2, _next_pow2(n))
+    block_d = max(16, _next_pow2(d))
+    warps = 4 if block_s * block_d <= 8192 else 8
+    if b * sq * h == 0:
+        return
+    _combine_kernel[(b * sq * h,)](
+        o_part, lse_part, out, lse,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        sq, h, n, d,
+        BLOCK_S=block_s, BLOCK_D=block_d, num_warps=warps if _on_gpu(out) else 1,
+    )
+
+
+def decode_forward(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    rotary_cos: torch.Tensor | None,
+    rotary_sin: torch.Tensor | None,
+    cache_seqlens: torch.Tensor,
+    cache_batch_idx: torch.Tensor | None,
+    cache_leftpad: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    *,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    rotary_interleaved: bool,
+    rotary_q_per_token: bool,
+    alibi_slopes: torch.Tensor | None,
+    num_splits: int,
+    tree_mask: torch.Tensor | None,
+):
+    """Append (with rotary), attend and combine.  Returns ``(out (B, Sq, H, D), lse (B, H, Sq))``.
+
+    ``cache_seqlens``: int32 ``(B,)`` lengths before the append; ``tree_mask``: bool
+    ``(B | 1, Sq, Sq)``; ``num_splits = 0`` picks the count with :func:`choose_num_splits`.
+    """
+    _check_runnable(q)
+    b, sq, h, d = q.shape
+    hk = k_cache.shape[2]
+    group = h // hk
+    paged = block_table is not None
+    page_size = int(k_cache.shape[1]) if paged else 1
+    capacity = int(block_table.shape[1]) * int(k_cache.shape[1]) if paged else int(k_cache.shape[1])
+    seqlen_new = 0 if k is None else int(k.shape[1])
+
+    if seqlen_new > 0:
+        rot_dim = int(rotary_cos.shape[1]) * 2 if rotary_cos is not None else 0
+        _rotary_append(k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                       block_table, rotary_dim=rot_dim, interleaved=rotary_interleaved, per_token=True,
+                       to_cache=True, capacity=capacity)
+    if rotary_cos is not None:
+        q_rot = torch.empty_like(q, memory_format=torch.contiguous_format)
+        _rotary_append(q, None, q_rot, None, rotary_cos, rotary_sin, cache_seqlens, None, None,
+                       rotary_dim=int(rotary_cos.shape[1]) * 2, interleaved=rotary_interleaved,
+                       per_token=rotary_q_per_token, to_cache=False, capacity=capacity)
+        q = q_rot
+
+    out = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    if b * sq * h == 0:
+        return out, lse
+
+    cfg = attn_config(_on_gpu(q), d, sq * group, q.dtype)
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    m_blocks = _cdiv(sq * group, block_m)
+    if num_splits <= 0:
+        num_splits = default_num_splits(q, hk, capacity)
+    num_splits = max(1, min(int(num_splits), MAX_SPLITS))
+
+    if num_splits == 1:
+        o_part, lse_part = out, lse
+        so = (0, out.stride(0), out.stride(1), out.stride(2))
+        sl = (0, lse.stride(0), lse.stride(1))
+    else:
+        o_part = torch.empty((num_splits, b, sq, h, d), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((num_splits, b, h, sq), dtype=torch.float32, device=q.device)
+        so = o_part.stride()[:4]
+        sl = lse_part.stride()[:3]
+
+    tree_u8 = None
+    stb = stq = 0
+    if tree_mask is not None:
+        tree_u8 = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask.to(torch.uint8)
+        stb = tree_u8.stride(0) if tree_u8.shape[0] > 1 else 0
+        stq = tree_u8.stride(1)
+        if tree_u8.stride(2) != 1:
+            tree_u8 = tree_u8.contiguous()
+            stb = tree_u8.stride(0) if tree_u8.shape[0] > 1 else 0
+            stq = tree_u8.stride(1)
+    stride_ab = 0
+    if alibi_slopes is not None and alibi_slopes.dim() == 2:
+        stride_ab = alibi_slopes.stride(0)
+
+    grid = (b * hk, num_splits, m_blocks)
+    _split_kv_kernel[grid](
+        q, k_cache, v_cache, o_part, lse_part,
+        cache_seqlens, cache_leftpad, cache_batch_idx, block_table, alibi_slopes, tree_u8,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        so[0], so[1], so[2], so[3],
+        sl[0], sl[1], sl[2],
+        block_table.stride(0) if paged else 0, stride_ab, stb, stq,
+        sq, seqlen_new, hk, capacity, d,
+        float(softmax_scale), float(softcap), int(window_left), int(window_right), num_splits,
+        GROUP=group, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=cfg["BLOCK_D"],
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if num_splits > 1:
+        merge_states(o_part, lse_part, out, lse)
+    return out, lse

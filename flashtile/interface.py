@@ -1,0 +1,229 @@
+"""Public attention functions: flash-attn 2.x compatible calls and a PyTorch SDPA drop-in.
+
+Every function validates its arguments (``flashtile._validate``) before any kernel runs, builds
+an ``AttnSpec`` and calls the one differentiable op in ``flashtile.autograd``.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _validate as V
+from .autograd import attention
+from .backends.spec import AttnSpec
+from .decode import flash_attn_with_kvcache  # noqa: F401  (documented there; exported here)
+from .masks import attention_probs
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _check_qkv(q, k, v, layout_q: str, layout_kv: str, ndim: int, names=("q", "k", "v")):
+    nq, nk, nv = names
+    V.tensor(nq, q, ndim, layout_q)
+    V.tensor(nk, k, ndim, layout_kv)
+    V.tensor(nv, v, ndim, layout_kv)
+    named = dict(zip(names, (q, k, v)))
+    for name, x in named.items():
+        V.float_dtype(name, x)
+    V.same_dtype_device(named)
+    for name, x in named.items():
+        V.last_dim_contiguous(name, x)
+    if k.shape != v.shape:
+        raise ValueError(f"{nk} and {nv} must have the same shape {layout_kv}, got {nk} "
+                         f"{tuple(k.shape)} and {nv} {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"headdim of {nq} ({q.shape[-1]}) and {nk}/{nv} ({k.shape[-1]}) "
+                         "must match")
+    V.head_dim(q.shape[-1], nq)
+    V.heads(q.shape[-2], k.shape[-2])
+
+
+def _spec(q, softmax_scale, causal, window_size, softcap, dropout_p, bottom_right=True):
+    left, right = V.window(window_size)
+    if causal:
+        right = 0
+    return AttnSpec(V.softmax_scale(softmax_scale, q.shape[-1]), left, right, bottom_right,
+                    V.softcap(softcap), V.dropout(dropout_p))
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False):
+    """Exact attention ``softmax(q k^T * softmax_scale) v`` without an N x N matrix.
+
+    Arguments (flash-attn 2.x names, order and defaults):
+        q: ``(batch, seqlen_q, nheads, headdim)``, float16 / bfloat16 / float32.
+        k, v: ``(batch, seqlen_k, nheads_k, headdim)``; ``nheads % nheads_k == 0`` (GQA/MQA:
+            query head ``h`` uses key/value head ``h // (nheads // nheads_k)``).
+        dropout_p: must be 0.0 for now (dropout is not implemented yet).
+        softmax_scale: defaults to ``1 / sqrt(headdim)``.
+        causal: bottom-right aligned when ``seqlen_q != seqlen_k`` (query ``i`` sees keys
+            ``j <= i + seqlen_k - seqlen_q``); a query row that sees no key outputs 0::
+
+                seqlen_q=2, seqlen_k=5        seqlen_q=5, seqlen_k=2
+                    1 1 1 1 0                     0 0
+                    1 1 1 1 1                     0 0
+                                                  0 0
+                                                  1 0
+                                                  1 1
+        window_size: ``(left, right)``; query ``i`` sees keys in
+            ``[i + sk - sq - left, i + sk - sq + right]``, -1 meaning unbounded.
+        softcap: if > 0, scores become ``softcap * tanh(scores / softcap)``.
+        alibi_slopes: float32 ``(nheads,)`` or ``(batch, nheads)``; adds
+            ``-slope * |i + seqlen_k - seqlen_q - j|`` to the scores.
+        deterministic: accepted for compatibility; the backward is always deterministic.
+        return_attn_probs: also return the log-sum-exp and the probabilities (testing only:
+            the probabilities are an N x N tensor).
+
+    Returns:
+        out ``(batch, seqlen_q, nheads, headdim)`` in the input dtype; with
+        ``return_attn_probs=True``, ``(out, softmax_lse, S_dmask)`` where ``softmax_lse`` is
+        float32 ``(batch, nheads, seqlen_q)`` (natural log, ``-inf`` for rows that see no key)
+        and ``S_dmask`` float32 ``(batch, nheads, seqlen_q, seqlen_k)`` holds the normalised
+        probabilities.
+    """
+    _check_qkv(q, k, v, "(batch, seqlen, nheads, headdim)", "(batch, seqlen_k, nheads_k, headdim)", 4)
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"batch of q ({q.shape[0]}) and k/v ({k.shape[0]}) must match")
+    spec = _spec(q, softmax_scale, causal, window_size, softcap, dropout_p)
+    slopes = V.alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
+    out, lse = attention(q, k, v, spec, alibi_slopes=slopes)
+    if not return_attn_probs:
+        return out
+    with torch.no_grad():
+        probs = attention_probs(q, k, lse, spec, slopes)
+    return out, lse, probs
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None):
+    """Attention over sequences of different lengths packed into one tensor.
+
+    Arguments:
+        q: ``(total_q, nheads, headdim)``: the queries of all sequences, one after another.
+        k, v: ``(total_k, nheads_k, headdim)``.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)``, starting at 0: sequence ``b`` owns
+            rows ``cu_seqlens[b]:cu_seqlens[b + 1]``.  No attention crosses sequences::
+
+                cu_seqlens = [0, 2, 5]      keys  0 1 | 2 3 4
+                                query 0           1 1 | 0 0 0
+                                query 1           1 1 | 0 0 0
+                                query 2           0 0 | 1 1 1
+                                ...
+        max_seqlen_q, max_seqlen_k: the longest sequence lengths (ints).
+        Other arguments as in ``flash_attn_func``; causal and windows are bottom-right aligned
+        per sequence.  ``block_table`` (paged keys/values) is not supported here yet.
+
+    Returns:
+        out ``(total_q, nheads, headdim)``; with ``return_attn_probs=True``
+        ``(out, softmax_lse, None)`` with ``softmax_lse`` float32 ``(nheads, total_q)``.
+    """
+    _check_qkv(q, k, v, "(total_q, nheads, headdim)", "(total_k, nheads_k, headdim)", 3)
+    if block_table is not None:
+        raise NotImplementedError("block_table (paged KV) in flash_attn_varlen_func is not "
+                                  "implemented yet; use flash_attn_with_kvcache for paged caches")
+    if not _compiling():
+        batch = V.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q,
+                             "max_seqlen_q", q.device)
+        batch_k = V.cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k,
+                               "max_seqlen_k", q.device)
+        if batch != batch_k:
+            raise ValueError(f"cu_seqlens_q describes {batch} sequences but cu_seqlens_k "
+                             f"describes {batch_k}")
+    else:
+        batch = cu_seqlens_q.shape[0] - 1
+    spec = _spec(q, softmax_scale, causal, window_size, softcap, dropout_p)
+    slopes = V.alibi(alibi_slopes, batch, q.shape[1], q.device)
+    out, lse = attention(q, k, v, spec, alibi_slopes=slopes, cu_seqlens_q=cu_seqlens_q,
+                         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                         max_seqlen_k=max_seqlen_k)
+    if return_attn_probs:
+        return out, lse, None
+    return out
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False):
+    """``flash_attn_func`` on ``qkv`` of shape ``(batch, seqlen, 3, nheads, headdim)``."""
+    V.tensor("qkv", qkv, 5, "(batch, seqlen, 3, nheads, headdim)")
+    if qkv.shape[2] != 3:
+        raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got "
+                         f"{tuple(qkv.shape)}")
+    q, k, v = qkv.unbind(dim=2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False):
+    """``flash_attn_func`` with ``kv`` of shape ``(batch, seqlen_k, 2, nheads_k, headdim)``."""
+    V.tensor("kv", kv, 5, "(batch, seqlen_k, 2, nheads_k, headdim)")
+    if kv.shape[2] != 2:
+        raise ValueError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got "
+                         f"{tuple(kv.shape)}")
+    k, v = kv.unbind(dim=2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False):
+    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Arguments follow PyTorch: ``query (..., H, L, E)``, ``key``/``value (..., H_kv, S, E)``
+    with the same leading batch dimensions; ``is_causal`` is *top-left* aligned (query ``i``
+    sees keys ``j <= i``), as in PyTorch::
+
+        L=2, S=5, is_causal=True
+            1 0 0 0 0
+            1 1 0 0 0
+
+    ``scale`` defaults to ``1 / sqrt(E)``; ``enable_gqa=True`` lets ``H`` be a multiple of
+    ``H_kv``.  ``attn_mask`` and ``dropout_p > 0`` are not implemented yet and raise
+    ``NotImplementedError``.  The value head dim must equal the query head dim.
+
+    Returns ``(..., H, L, E)`` in the input dtype (a transposed view of a ``(..., L, H, E)``
+    buffer, like PyTorch's flash backend).
+    """
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 3:
+            raise ValueError(f"{name} must have shape (..., heads, seq, headdim) with at least 3 "
+                             f"dimensions, got {tuple(x.shape)}")
+    if not (query.dim() == key.dim() == value.dim()):
+        raise ValueError(f"query, key and value must have the same number of dimensions, got "
+                         f"{query.dim()}, {key.dim()}, {value.dim()}")
+    if attn_mask is not None:
+        raise NotImplementedError("attn_mask is not implemented yet in flashtile; use "
+                                  "is_causal=True for causal masks")
+    lead = query.shape[:-3]
+    if key.shape[:-3] != lead or value.shape[:-3] != lead:
+        raise ValueError(f"query, key and value must share their batch dimensions, got "
+                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    if key.shape[-2] != value.shape[-2] or key.shape[-3] != value.shape[-3]:
+        raise ValueError(f"key and value must have the same number of heads and keys, got "
+                         f"{tuple(key.shape)} and {tuple(value.shape)}")
+    if value.shape[-1] != query.shape[-1] or key.shape[-1] != query.shape[-1]:
+        raise ValueError(f"query, key and value must share the head dim, got "
+                         f"{query.shape[-1]}, {key.shape[-1]}, {value.shape[-1]}")
+    nheads, nheads_k = query.shape[-3], key.shape[-3]
+    if nheads != nheads_k and not enable_gqa:
+        raise ValueError(f"query has {nheads} heads but key/value have {nheads_k}; pass "
+                         "enable_gqa=True for grouped-query attention")
+
+    def to_flash(x):  # (..., H, L, E) -> (B, L, H, E) view; copies only a strided last dim
+        x = x.reshape(-1, *x.shape[-3:]).transpose(1, 2)
+        return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
+
+    q, k, v = to_flash(query), to_flash(key), to_flash(value)
+    _check_qkv(q, k, v, "(..., heads, seq, headdim)", "(..., heads_kv, seq, headdim)", 4,
+               names=("query", "key", "value"))
+    spec = _spec(q, scale, is_causal, (-1, -1), 0.0, dropout_p, bottom_right=False)
+    out, _ = attention(q, k, v, spec)
+    return out.transpose(1, 2).reshape(*lead, nheads, query.shape[-2], query.shape[-1])

@@ -1,0 +1,285 @@
+"""The tiled PyTorch CPU backend against the float64 reference."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flashtile.backends import torch_tiled
+from flashtile.backends.spec import AttnSpec
+from flashtile.reference import naive
+
+from helpers_reference import (as_f64, assert_close, low_precision_bound, make_gen,
+                               math_attention, naive_kwargs, randn)
+
+FP32_RTOL = 1e-5
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles of 8 queries x 16 keys, so that short test sequences still span many tiles."""
+    monkeypatch.setattr(torch_tiled, "BLOCK_N", 16)
+    monkeypatch.setattr(torch_tiled, "BLOCK_M_MAX", 8)
+    monkeypatch.setattr(torch_tiled, "BLOCK_M_MIN", 8)
+
+
+def _fp32_tol(want):
+    """``~1e-5`` relative, measured against the quantity's own scale."""
+    w = as_f64(want)
+    finite = w[np.isfinite(w)]
+    scale = float(np.abs(finite).max()) if finite.size else 1.0
+    return dict(atol=FP32_RTOL * max(scale, 1.0), rtol=FP32_RTOL)
+
+
+def _inputs(seed, B, sq, sk, H, Hk, D, dtype=torch.float32, alibi=None):
+    g = make_gen(seed)
+    q = randn(g, B, sq, H, D, dtype=dtype)
+    k = randn(g, B, sk, Hk, D, dtype=dtype)
+    v = randn(g, B, sk, Hk, D, dtype=dtype)
+    do = randn(g, B, sq, H, D, dtype=dtype)
+    slopes = None
+    if alibi == "h":
+        slopes = torch.rand(H, generator=g) * 0.5
+    elif alibi == "bh":
+        slopes = torch.rand(B, H, generator=g) * 0.5
+    return q, k, v, do, slopes
+
+
+def _run(q, k, v, do, spec, slopes, **kw):
+    out, lse = torch_tiled.forward(q, k, v, spec, alibi_slopes=slopes, **kw)
+    grads = torch_tiled.backward(do, q, k, v, out, lse, spec, alibi_slopes=slopes, **kw)
+    return out, lse, grads
+
+
+def _reference(q, k, v, do, spec, slopes, **kw):
+    nkw = naive_kwargs(spec, alibi_slopes=slopes, **kw)
+    out, lse = naive.attention(q, k, v, **nkw)
+    return out, lse, naive.attention_backward(do, q, k, v, **nkw)
+
+
+# (id, B, Sq, Sk, H, Hk, D, spec fields, alibi)
+CASES = [
+    ("plain", 2, 37, 37, 2, 2, 16, {}, None),
+    ("sq<sk-odd", 1, 19, 53, 2, 2, 8, {}, None),
+    ("sq>sk-odd", 2, 53, 19, 2, 2, 8, {}, None),
+    ("causal", 2, 45, 45, 2, 2, 16, dict(window_right=0), None),
+    ("causal-sq<sk", 1, 23, 61, 3, 3, 8, dict(window_right=0), None),
+    ("causal-sq>sk", 1, 61, 23, 2, 1, 8, dict(window_right=0), None),
+    ("causal-top-left", 1, 61, 23, 2, 2, 8, dict(window_right=0, bottom_right=False), None),
+    ("window", 2, 50, 50, 2, 2, 8, dict(window_left=7, window_right=3), None),
+    ("window-left-only", 1, 50, 64, 2, 2, 8, dict(window_left=9), None),
+    ("window-right-only", 1, 50, 40, 2, 2, 8, dict(window_right=5), None),
+    ("window-top-left", 1, 33, 47, 2, 2, 8, dict(window_left=4, window_right=11,
+                                                bottom_right=False), None),
+    ("softcap", 2, 40, 33, 2, 2, 16, dict(softcap=2.0), None),
+    ("softcap-causal", 1, 40, 40, 2, 2, 16, dict(softcap=0.7, window_right=0), None),
+    ("alibi-h", 2, 35, 41, 4, 4, 8, {}, "h"),
+    ("alibi-bh-causal", 2, 41, 35, 4, 2, 8, dict(window_right=0), "bh"),
+    ("gqa-2", 2, 30, 30, 4, 2, 8, {}, None),
+    ("gqa-4-causal", 1, 30, 45, 8, 2, 8, dict(window_right=0), None),
+    ("mqa-window-softcap-alibi", 2, 30, 45, 4, 1, 8,
+     dict(window_left=5, window_right=2, softcap=1.5), "bh"),
+    ("headdim-1", 1, 21, 21, 2, 2, 1, dict(window_right=0), None),
+    ("headdim-3", 1, 21, 21, 2, 2, 3, {}, None),
+    ("headdim-256", 1, 20, 24, 2, 1, 256, dict(window_right=0), None),
+    ("single-query", 2, 1, 40, 2, 2, 8, dict(window_right=0), None),
+    ("single-key", 2, 40, 1, 2, 2, 8, {}, None),
+]
+
+
+def _case_id(c):
+    return c[0]
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_fp32_matches_reference(case, small_tiles):
+    name, B, sq, sk, H, Hk, D, fields, alibi = case
+    q, k, v, do, slopes = _inputs(len(name) + 7 * sq + sk, B, sq, sk, H, Hk, D, alibi=alibi)
+    spec = AttnSpec(softmax_scale=D ** -0.5, **fields)
+    out, lse, (dq, dk, dv) = _run(q, k, v, do, spec, slopes)
+    want_out, want_lse, (want_dq, want_dk, want_dv) = _reference(q, k, v, do, spec, slopes)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    assert lse.shape == (B, H, sq)
+    for n, got, want in (("out", out, want_out), ("lse", lse, want_lse), ("dq", dq, want_dq),
+                         ("dk", dk, want_dk), ("dv", dv, want_dv)):
+        assert_close(n, got, want, **_fp32_tol(want))
+
+
+@pytest.mark.parametrize("fields", [{}, dict(window_right=0), dict(window_left=100,
+                                                                   window_right=40)],
+                         ids=["full", "causal", "window"])
+def test_fp32_default_tiles(fields):
+    # sequences longer than one default tile, with the module's own tile sizes
+    B, sq, sk, H, Hk, D = 1, 300, 520, 2, 1, 32
+    q, k, v, do, _ = _inputs(sq + len(fields), B, sq, sk, H, Hk, D)
+    spec = AttnSpec(softmax_scale=0.2, **fields)
+    out, lse, grads = _run(q, k, v, do, spec, None)
+    want_out, want_lse, want_grads = _reference(q, k, v, do, spec, None)
+    assert_close("out", out, want_out, **_fp32_tol(want_out))
+    assert_close("lse", lse, want_lse, **_fp32_tol(want_lse))
+    for n, got, want in zip(("dq", "dk", "dv"), grads, want_grads):
+        assert_close(n, got, want, **_fp32_tol(want))
+
+
+LOW_CASES = [c for c in CASES if c[0] in {
+    "plain", "causal-sq>sk", "window", "softcap-causal", "alibi-bh-causal",
+    "mqa-window-softcap-alibi", "headdim-256"}]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", LOW_CASES, ids=_case_id)
+def test_low_precision_accuracy_rule(case, dtype, small_tiles):
+    name, B, sq, sk, H, Hk, D, fields, alibi = case
+    q, k, v, do, slopes = _inputs(len(name) + sq, B, sq, sk, H, Hk, D, dtype=dtype,
+                                  alibi=alibi)
+    spec = AttnSpec(softmax_scale=D ** -0.5, **fields)
+    out, lse, (dq, dk, dv) = _run(q, k, v, do, spec, slopes)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert dq.dtype == dtype and dk.dtype == dtype and dv.dtype == dtype
+    # float64 truth on exactly the same (rounded) inputs
+    want_out, want_lse, (want_dq, want_dk, want_dv) = _reference(q, k, v, do, spec, slopes)
+
+    qa, ka, va = (x.clone().requires_grad_() for x in (q, k, v))
+    base_out, _ = math_attention(qa, ka, va, **naive_kwargs(spec, alibi_slopes=slopes))
+    base_out.backward(do)
+    low_precision_bound("out", out, want_out, base_out, 2.0)
+    low_precision_bound("dq", dq, want_dq, qa.grad, 3.0)
+    low_precision_bound("dk", dk, want_dk, ka.grad, 3.0)
+    low_precision_bound("dv", dv, want_dv, va.grad, 3.0)
+    # lse is computed in float32 from the rounded inputs, so it is held to float32 accuracy
+    assert_close("lse", lse, want_lse, atol=1e-4, rtol=1e-5)
+
+
+def _cu(lens):
+    return torch.tensor([0] + list(np.cumsum(lens)), dtype=torch.int32)
+
+
+VARLEN_CASES = [
+    ("plain", [5, 17, 1, 30], [5, 17, 1, 30], {}, None),
+    ("causal-uneven", [7, 20, 0, 33], [12, 9, 6, 33], dict(window_right=0), "bh"),
+    ("window-gqa-softcap", [25, 3, 40], [25, 30, 2], dict(window_left=4, window_right=6,
+                                                         softcap=2.5), "h"),
+]
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=_case_id)
+def test_varlen_matches_dense_per_sequence(case, small_tiles):
+    name, lens_q, lens_k, fields, alibi = case
+    H, Hk, D = 4, 2, 16
+    g = make_gen(len(name))
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    tq, tk = int(cu_q[-1]), int(cu_k[-1])
+    q, k, v = randn(g, tq, H, D), randn(g, tk, Hk, D), randn(g, tk, Hk, D)
+    do = randn(g, tq, H, D)
+    nseq = len(lens_q)
+    slopes = {"h": torch.rand(H, generator=g), "bh": torch.rand(nseq, H, generator=g),
+              None: None}[alibi]
+    spec = AttnSpec(softmax_scale=0.3, **fields)
+    vk = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
+              max_seqlen_k=max(lens_k))
+    out, lse, (dq, dk, dv) = _run(q, k, v, do, spec, slopes, **vk)
+    assert out.shape == q.shape and lse.shape == (H, tq)
+    want_out, want_lse, want = _reference(q, k, v, do, spec, slopes, cu_seqlens_q=cu_q,
+                                          cu_seqlens_k=cu_k)
+    assert_close("varlen out", out, want_out, **_fp32_tol(want_out))
+    assert_close("varlen lse", lse, want_lse, **_fp32_tol(want_lse))
+    for n, got, w in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        assert_close(f"varlen {n}", got, w, **_fp32_tol(w))
+    for b in range(nseq):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        sb = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b:b + 1])
+        o_b, lse_b, (dq_b, dk_b, dv_b) = _run(q[None, q0:q1], k[None, k0:k1],
+                                              v[None, k0:k1], do[None, q0:q1], spec, sb)
+        tol = dict(atol=1e-6, rtol=1e-6)
+        assert_close(f"seq{b} out", out[q0:q1], o_b[0], **tol)
+        assert_close(f"seq{b} lse", lse[:, q0:q1], lse_b[0], **tol)
+        assert_close(f"seq{b} dq", dq[q0:q1], dq_b[0], **tol)
+        assert_close(f"seq{b} dk", dk[k0:k1], dk_b[0], **tol)
+        assert_close(f"seq{b} dv", dv[k0:k1], dv_b[0], **tol)
+
+
+@pytest.mark.parametrize("sq,sk", [(0, 9), (9, 0), (0, 0)], ids=["sq0", "sk0", "both0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_empty_sequences(sq, sk, dtype):
+    q, k, v, do, _ = _inputs(3, 2, sq, sk, 4, 2, 8, dtype=dtype)
+    spec = AttnSpec(softmax_scale=0.35, window_right=0)
+    out, lse, (dq, dk, dv) = _run(q, k, v, do, spec, None)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert lse.shape == (2, 4, sq) and lse.dtype == torch.float32
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert_close("out", out, torch.zeros(out.shape), 0, 0)
+    assert_close("lse", lse, torch.full(lse.shape, float("-inf")), 0, 0)
+    for n, g in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert_close(n, g, torch.zeros(g.shape), 0, 0)
+
+
+MASKED_ROWS = [
+    # bottom-right causal with more queries than keys: the first sq - sk rows see nothing
+    ("causal-sq>sk", 40, 13, dict(window_right=0), None),
+    # a one-key band on the bottom-right diagonal
+    ("diagonal-band", 40, 13, dict(window_left=0, window_right=0), None),
+    # the same with softcap and ALiBi, whose extra terms must not leak into empty rows
+    ("band-softcap-alibi", 40, 21, dict(window_left=3, window_right=1, softcap=1.0), "bh"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", MASKED_ROWS, ids=_case_id)
+def test_rows_that_see_nothing(case, dtype, small_tiles):
+    name, sq, sk, fields, alibi = case
+    q, k, v, do, slopes = _inputs(sq + sk, 2, sq, sk, 4, 2, 8, dtype=dtype, alibi=alibi)
+    spec = AttnSpec(softmax_scale=0.35, **fields)
+    out, lse, (dq, dk, dv) = _run(q, k, v, do, spec, slopes)
+    want_out, want_lse, (want_dq, want_dk, want_dv) = _reference(q, k, v, do, spec, slopes)
+    for n, t in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert not torch.isnan(t).any(), f"{n}: NaN"
+    empty = torch.from_numpy(np.isneginf(want_lse))  # (B, H, Sq)
+    assert empty.any(), "the case should have rows that see no key"
+    assert torch.equal(torch.isneginf(lse), empty), "lse must be -inf exactly on empty rows"
+    rows_out = out.permute(0, 2, 1, 3)[empty]  # (n_empty, D)
+    rows_dq = dq.permute(0, 2, 1, 3)[empty]
+    assert_close("out of empty rows", rows_out, torch.zeros(rows_out.shape), 0, 0)
+    assert_close("dq of empty rows", rows_dq, torch.zeros(rows_dq.shape), 0, 0)
+    if dtype == torch.float32:
+        # empty rows must add nothing to dK/dV either
+        assert_close("dk", dk, want_dk, **_fp32_tol(want_dk))
+        assert_close("dv", dv, want_dv, **_fp32_tol(want_dv))
+
+
+def test_non_contiguous_inputs(small_tiles):
+    g = make_gen(12)
+    # (B, H, S, D) storage seen through a transpose, as an SDPA-layout caller would pass it
+    q = randn(g, 2, 4, 33, 16).transpose(1, 2)
+    k = randn(g, 2, 2, 40, 16).transpose(1, 2)
+    v = randn(g, 2, 2, 40, 16).transpose(1, 2)
+    do = randn(g, 2, 4, 33, 16).transpose(1, 2)
+    spec = AttnSpec(softmax_scale=0.25, window_right=0)
+    out, lse, grads = _run(q, k, v, do, spec, None)
+    want_out, want_lse, want_grads = _reference(q, k, v, do, spec, None)
+    assert_close("out", out, want_out, **_fp32_tol(want_out))
+    assert_close("lse", lse, want_lse, **_fp32_tol(want_lse))
+    for n, got, want in zip(("dq", "dk", "dv"), grads, want_grads):
+        assert_close(n, got, want, **_fp32_tol(want))
+    # the saved out/lse handed back with other strides give the same gradients
+    out_nc = out.transpose(1, 2).contiguous().transpose(1, 2)
+    lse_nc = lse.transpose(1, 2).contiguous().transpose(1, 2)
+    grads_nc = torch_tiled.backward(do, q, k, v, out_nc, lse_nc, spec)
+    for n, got, want in zip(("dq", "dk", "dv"), grads_nc, grads):
+        assert_close(f"{n} from strided out/lse", got, want, 0, 0)
+
+
+def test_dropout_is_not_implemented():
+    q, k, v, do, _ = _inputs(0, 1, 8, 8, 2, 2, 8)
+    spec = AttnSpec(softmax_scale=0.35, dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match="dropout in the torch backend"):
+        torch_tiled.forward(q, k, v, spec)
+    out = torch.zeros_like(q)
+    lse = torch.zeros(1, 2, 8)
+    with pytest.raises(NotImplementedError, match="dropout in the torch backend"):
+        torch_tiled.backward(do, q, k, v, out, lse, spec)
+
+
+def test_rejects_bad_head_ratio():
+    q, k, v, _, _ = _inputs(0, 1, 8, 8, 3, 2, 8)
+    with pytest.raises(ValueError, match="multiple"):
+        torch_tiled.forward(q, k, v, AttnSpec(softmax_scale=0.3))
