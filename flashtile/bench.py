@@ -649,7 +649,8 @@ def _common_arguments(p: argparse.ArgumentParser, outputs: str) -> None:
                    help=f"output directory for {outputs} (default: bench_out)")
     p.add_argument("--merge-into", type=Path, default=None, metavar="FILE",
                    help="also merge this run's records into FILE (a JSON list); a record "
-                        "replaces an older one with the same device/impl/mode/causal/dtype/d/n/batch/heads")
+                        "replaces an older one with the same "
+                        "device/impl/mode/causal/dtype/d/n/batch/heads")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="default: cuda when available, else cpu")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="skip the PNG plots")
@@ -787,16 +788,37 @@ class _Silent(_Counter):
         pass
 
 
+class _Tqdm:
+    """tqdm bar on stderr; redrawn at most every 30 s when stderr is not a terminal."""
+
+    def __init__(self, total: int, tqdm_cls):
+        self._tqdm = tqdm_cls
+        interactive = hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
+        self.bar = tqdm_cls(total=total, file=sys.stderr, dynamic_ncols=True, unit="case",
+                            mininterval=0.1 if interactive else 30.0)
+
+    def set_description(self, text: str) -> None:
+        self.bar.set_description(text, refresh=False)
+
+    def update(self, k: int = 1) -> None:
+        self.bar.update(k)
+
+    def write(self, text: str) -> None:
+        self._tqdm.write(text, file=sys.stderr)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def make_progress(total: int, enabled: bool = True):
+    """A progress reporter on stderr: tqdm when importable, else ``[i/n] case`` lines."""
     if not enabled:
         return _Silent(total)
     try:
         from tqdm import tqdm
     except ImportError:
         return _Counter(total)
-    bar = tqdm(total=total, file=sys.stderr, dynamic_ncols=True, unit="case")
-    bar.write = lambda text: tqdm.write(text, file=sys.stderr)  # type: ignore[method-assign]
-    return bar
+    return _Tqdm(total, tqdm)
 
 
 def _log(msg: str) -> None:

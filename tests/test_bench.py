@@ -1063,6 +1063,19 @@ def test_counter_progress_without_tqdm(monkeypatch, capsys):
     assert capsys.readouterr().err.splitlines() == ["[1/2] case a", "[2/2] case b"]
 
 
+def test_tqdm_progress(capsys):
+    pytest.importorskip("tqdm")
+    progress = bench.make_progress(2)
+    assert isinstance(progress, bench._Tqdm)
+    progress.set_description("case a")
+    progress.update()
+    progress.write("a message")
+    progress.update()
+    progress.close()
+    err = capsys.readouterr().err
+    assert "a message" in err and "2/2" in err
+
+
 def test_silent_progress(capsys):
     progress = bench.make_progress(3, enabled=False)
     progress.set_description("x")

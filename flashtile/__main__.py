@@ -1,0 +1,147 @@
+"""``python -m flashtile``: check correctness on this machine, then compare speed and memory
+with PyTorch's attention.  The ``flashtile`` console script adds subcommands::
+
+    flashtile            the same as python -m flashtile
+    flashtile check      full correctness suite (python -m flashtile.check)
+    flashtile bench ...  benchmark harness (python -m flashtile.bench)
+    flashtile tune ...   block-shape search on a GPU (python -m flashtile.tune)
+
+On a GPU the Triton kernels run (bf16, N up to 8K); on a CPU the tiled torch backend runs
+(fp32, N up to 4K) and the whole job takes well under a minute.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import torch
+
+from .backends import select
+
+
+def _time_ms(fn, device) -> float:
+    if device.type == "cuda":
+        from triton.testing import do_bench
+        return do_bench(fn, warmup=10, rep=50, return_mode="median")
+    fn()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _naive(q, k, v, causal):
+    """Standard attention: materialises the (B, H, N, N) score matrix."""
+    s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        n = q.shape[-2]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v)
+
+
+def _proc_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1])
+    raise OSError(key)
+
+
+def cpu_peak_mib(fn) -> float | None:
+    """Peak resident memory that ``fn()`` adds, in MiB: Linux lets a process reset its
+    high-water mark (``/proc/self/clear_refs``), so the peak is read around the call alone.
+    None where /proc is not available."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = _proc_kib("VmRSS")
+        fn()
+        return (_proc_kib("VmHWM") - before) / 1024
+    except OSError:
+        return None
+
+
+def main() -> int:
+    from .check import Case, run_case
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gpu = device.type == "cuda"
+    name = torch.cuda.get_device_name(device) if gpu else "CPU"
+    print(f"flashtile on {name}: backend '{select(device)}', torch {torch.__version__}")
+
+    dtype = torch.bfloat16 if gpu else torch.float32
+    checks = [Case("causal-gqa", 2, 200, 200, 8, 2, 64, dtype, causal=True),
+              Case("sq<sk-odd-d", 1, 77, 301, 4, 4, 40, dtype),
+              Case("window-softcap", 1, 256, 256, 4, 2, 64, dtype, window=(64, 0), softcap=20.0)]
+    ok = True
+    for c in checks:
+        r = run_case(c, device)
+        ok &= r["ok"]
+        print(f"  check {c.name:<16} out err {r['out']:.1e} (bound {r['out_bound']:.1e}), "
+              f"dq {r['dq']:.1e}, dk {r['dk']:.1e}, dv {r['dv']:.1e}: {'ok' if r['ok'] else 'FAILED'}")
+
+    from . import scaled_dot_product_attention
+    sizes = [1024, 4096, 8192] if gpu else [512, 1024, 2048]
+    d, heads = (128, 16) if gpu else (64, 8)
+    print(f"\n  causal fwd+bwd, d={d}, {heads} heads, {str(dtype)[6:]}; time in ms "
+          "(lower is better)")
+    print(f"  {'N':>6} {'flashtile':>10} {'torch SDPA':>11} {'standard':>9}")
+    for n in sizes:
+        batch = max(1, 8192 // n) if gpu else 1
+        q, k, v, do = (torch.randn(batch, heads, n, d, device=device, dtype=dtype,
+                                   requires_grad=(i < 3)) for i in range(4))
+        row = []
+        for fn in (lambda: scaled_dot_product_attention(q, k, v, is_causal=True),
+                   lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+                   lambda: _naive(q, k, v, True)):
+            def step(fn=fn):
+                torch.autograd.grad(fn(), (q, k, v), do)
+            try:
+                row.append(f"{_time_ms(step, device):.2f}")
+            except torch.OutOfMemoryError:
+                row.append("OOM")
+            if gpu:
+                torch.cuda.empty_cache()
+        print(f"  {n:>6} {row[0]:>10} {row[1]:>11} {row[2]:>9}")
+
+    n = 8192 if gpu else 4096
+    print(f"\n  peak extra memory of one causal fwd+bwd at N={n}, d={d}, {heads} heads:")
+    q, k, v, do = (torch.randn(1, heads, n, d, device=device, dtype=dtype, requires_grad=(i < 3))
+                   for i in range(4))
+    impls = {"flashtile": lambda: scaled_dot_product_attention(q, k, v, is_causal=True),
+             "torch SDPA": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+             "standard": lambda: _naive(q, k, v, True)}
+    for label, fn in impls.items():
+        def step(fn=fn):
+            torch.autograd.grad(fn(), (q, k, v), do)
+        if gpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            step()
+            torch.cuda.synchronize()
+            mib = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+            torch.cuda.empty_cache()
+        else:
+            mib = cpu_peak_mib(step)
+        print(f"  {label:>11}: " + ("n/a" if mib is None else f"{mib:9.1f} MiB"))
+    print("\nall checks passed" if ok else "\nSOME CHECKS FAILED")
+    return 0 if ok else 1
+
+
+def cli(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("check", "bench", "tune"):
+        import importlib
+        return importlib.import_module(f".{argv[0]}", __package__).main(argv[1:])
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    return main()
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
