@@ -43,8 +43,15 @@ parents ``[-1, 0, 0, 1]`` (A is the root, B and C its children, D a child of B):
         query C        1  1  ...    1        1  0  1  0
         query D        1  1  ...    1        1  1  0  1
 
-Autograd is not supported (as in flash-attn): the function runs under ``torch.no_grad()`` and
-its outputs never require grad.
+Autograd is not supported (as in flash-attn): nothing is recorded for autograd (the torch
+backend runs under ``torch.no_grad()``; the triton path only launches kernels into fresh
+outputs) and the outputs never require grad.
+
+Eager host cost: on a GPU the triton path performs no host/device synchronisation and reads no
+tensor values, so an eager call costs the Python work of validation and launch preparation plus
+one Triton launch per kernel (split-KV, and the combine only when ``num_splits > 1``; the
+append/rotary kernels only when ``k``/``v``/rotary tables are given).
+``benchmarks/decode_host_profile.py`` measures that Python work on the CPU.
 """
 from __future__ import annotations
 
@@ -78,6 +85,19 @@ def select_decode_backend(device: torch.device) -> str:
     """``"triton"`` or ``"torch"`` for tensors on ``device``: the package-wide rule of
     ``flashtile.backends.select`` (``use_backend``, then ``FLASHTILE_BACKEND``, then device)."""
     return backends.select(device)
+
+
+_LAUNCH_DECODE = None
+
+
+def _triton_launcher():
+    """:mod:`flashtile.backends.triton.launch_decode`, imported on first use (it imports triton)."""
+    global _LAUNCH_DECODE
+    if _LAUNCH_DECODE is None:
+        from .backends.triton import launch_decode
+
+        _LAUNCH_DECODE = launch_decode
+    return _LAUNCH_DECODE
 
 
 def _check_indices_enabled(device: torch.device) -> bool:
@@ -224,8 +244,7 @@ def merge_attention_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torc
             raise ValueError(f"merge_attention_states: {name} is on {x.device}, out_a on {out_a.device}")
     with torch.no_grad():
         if select_decode_backend(out_a.device) == "triton" and out_a.dtype in _FLOAT_DTYPES:
-            from .backends.triton import launch_decode
-
+            launch_decode = _triton_launcher()
             o_part = torch.stack([out_a, out_b]).contiguous()
             l_part = torch.stack([lse_a.float(), lse_b.float()]).contiguous()
             out = torch.empty((b, s, h, out_a.shape[3]), dtype=out_a.dtype, device=out_a.device)
@@ -284,6 +303,17 @@ def _need_int32(name: str, x, shape: tuple, device: torch.device, layout: str) -
         raise ValueError(f"{name} must have shape {layout} = {shape}, got {tuple(x.shape)}")
     _need_device(name, x, device)
     return x
+
+
+def _is_int(x) -> bool:
+    """An integer that is not a bool (``numbers.Integral``); exact ``int`` is tested first
+    because the abstract-class check costs several times more."""
+    return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
+
+
+def _is_real(x) -> bool:
+    """A real number that is not a bool (``numbers.Real``); exact ``float``/``int`` first."""
+    return type(x) is float or type(x) is int or (isinstance(x, numbers.Real) and not isinstance(x, bool))
 
 
 def _last_dim_contiguous(name: str, x: torch.Tensor) -> None:
@@ -363,13 +393,13 @@ def _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, 
     if cache_seqlens is None:
         static_len = capacity
         seqlens_t = None
-    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+    elif isinstance(cache_seqlens, torch.Tensor):
+        seqlens_t = _need_int32("cache_seqlens", cache_seqlens, (b,), device, "(batch,)")
+    elif _is_int(cache_seqlens):
         static_len = int(cache_seqlens)
         seqlens_t = None
         if static_len < 0:
             raise ValueError(f"cache_seqlens must be >= 0, got {static_len}")
-    elif isinstance(cache_seqlens, torch.Tensor):
-        seqlens_t = _need_int32("cache_seqlens", cache_seqlens, (b,), device, "(batch,)")
     else:
         raise TypeError(f"cache_seqlens must be an int or an int32 tensor (batch,), got {type(cache_seqlens).__name__}")
     if static_len is not None and static_len + seqlen_new > capacity:
@@ -436,20 +466,20 @@ def _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, 
                             f"(batch|1, seqlen_q) bitmask, got {_dt(tree_mask.dtype)}")
 
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
-            and all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)):
+            and _is_int(window_size[0]) and _is_int(window_size[1])):
         raise ValueError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
-    wl, wr = (int(w) for w in window_size)
+    wl, wr = int(window_size[0]), int(window_size[1])
     wl = -1 if wl < 0 else wl
     wr = -1 if wr < 0 else wr
     if causal:
         wr = 0
-    if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool) or not softcap >= 0 or math.isinf(softcap):
+    if not _is_real(softcap) or not softcap >= 0 or math.isinf(softcap):
         raise ValueError(f"softcap must be a finite float >= 0, got {softcap!r}")
     if softmax_scale is None:
         softmax_scale = d ** -0.5
-    elif not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, bool) or not math.isfinite(softmax_scale):
+    elif not _is_real(softmax_scale) or not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be a finite float or None, got {softmax_scale!r}")
-    if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool) or not 0 <= num_splits <= _MAX_SPLITS:
+    if not _is_int(num_splits) or not 0 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [0, {_MAX_SPLITS}] (0 = heuristic), got {num_splits!r}")
     if not isinstance(rotary_interleaved, bool):
         raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
@@ -683,18 +713,18 @@ def flash_attn_with_kvcache(
     a = _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                   cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
                   rotary_interleaved, alibi_slopes, num_splits, tree_mask)
-    with torch.no_grad():
-        if select_decode_backend(q.device) == "triton":
-            from .backends.triton import launch_decode
-
-            out, lse = launch_decode.decode_forward(
-                a.q, k_cache, v_cache, a.k, a.v, rotary_cos, rotary_sin, a.cache_seqlens,
-                a.cache_batch_idx, a.cache_leftpad, a.block_table,
-                softmax_scale=a.softmax_scale, window_left=a.window_left, window_right=a.window_right,
-                softcap=a.softcap, rotary_interleaved=rotary_interleaved,
-                rotary_q_per_token=a.rotary_q_per_token, alibi_slopes=alibi_slopes,
-                num_splits=a.num_splits, tree_mask=a.tree_mask)
-        else:
+    if select_decode_backend(q.device) == "triton":
+        # only fresh torch.empty outputs written by the kernels: nothing to record for autograd,
+        # so no grad-mode switch on this path
+        out, lse = _triton_launcher().decode_forward(
+            a.q, k_cache, v_cache, a.k, a.v, rotary_cos, rotary_sin, a.cache_seqlens,
+            a.cache_batch_idx, a.cache_leftpad, a.block_table,
+            softmax_scale=a.softmax_scale, window_left=a.window_left, window_right=a.window_right,
+            softcap=a.softcap, rotary_interleaved=rotary_interleaved,
+            rotary_q_per_token=a.rotary_q_per_token, alibi_slopes=alibi_slopes,
+            num_splits=a.num_splits, tree_mask=a.tree_mask)
+    else:
+        with torch.no_grad():
             out, lse = _torch_forward(a.q, k_cache, v_cache, a.k, a.v, rotary_cos, rotary_sin,
                                       a.cache_seqlens, a.cache_batch_idx, a.cache_leftpad, a.block_table, a,
                                       rotary_interleaved, alibi_slopes)

@@ -568,6 +568,85 @@ def test_num_splits_heuristic():
             assert 1 <= choose_num_splits(n_prog, 132, tiles) <= 128
 
 
+# --------------------------------------------------------------------------------------------
+# host side of the triton path (no kernel runs: launches are recorded, not executed)
+# --------------------------------------------------------------------------------------------
+def _record_launches(monkeypatch):
+    """Replace the innermost ``run`` of each decode kernel (below ``triton.heuristics``) with a
+    recorder; returns the list of launched kernel names."""
+    from flashtile.backends.triton import launch_decode
+
+    launches = []
+    for name in ("_split_kv_kernel", "_combine_kernel", "_rotary_append_kernel"):
+        inner = getattr(launch_decode, name)
+        while hasattr(inner, "fn") and hasattr(inner.fn, "run"):
+            inner = inner.fn
+        monkeypatch.setattr(inner, "run", lambda *a, _name=name, **kw: launches.append(_name))
+    return launches
+
+
+@pytest.mark.skipif(not INTERP, reason=f"runs in the TRITON_INTERPRET=1 child process ({SUBPROCESS_TEST})")
+@pytest.mark.parametrize("case,expected", [
+    ("attend", ["_split_kv_kernel"]),
+    ("attend-splits", ["_split_kv_kernel", "_combine_kernel"]),
+    ("append", ["_rotary_append_kernel", "_split_kv_kernel"]),
+    ("append-rotary", ["_rotary_append_kernel", "_rotary_append_kernel", "_split_kv_kernel"]),
+])
+def test_triton_launches_only_what_the_call_uses(monkeypatch, case, expected):
+    launches = _record_launches(monkeypatch)
+    gen = _seed("launches-" + case)
+    b, cap, h, hk, d = 2, 48, 4, 2, 16
+    q = torch.randn(b, 1, h, d, generator=gen).requires_grad_()
+    kc, vc = torch.randn(b, cap, hk, d, generator=gen), torch.randn(b, cap, hk, d, generator=gen)
+    kw = dict(cache_seqlens=torch.tensor([30, 7], dtype=torch.int32), return_softmax_lse=True)
+    if case == "attend-splits":
+        kw["num_splits"] = 3
+    if case.startswith("append"):
+        kw["k"], kw["v"] = torch.randn(b, 1, hk, d, generator=gen), torch.randn(b, 1, hk, d, generator=gen)
+    if case == "append-rotary":
+        kw["rotary_cos"], kw["rotary_sin"] = torch.ones(cap, 4), torch.zeros(cap, 4)
+    out, lse = flash_attn_with_kvcache(q, kc, vc, **kw)
+    assert launches == expected
+    assert out.shape == q.shape and lse.shape == (b, h, 1)
+    assert not out.requires_grad and not lse.requires_grad
+
+
+@pytest.mark.parametrize("kernel_name", ["_split_kv_kernel", "_rotary_append_kernel"])
+def test_triton_launch_helper_derives_the_same_constexprs_as_triton(monkeypatch, kernel_name):
+    """``launch_decode._launch`` evaluates a kernel's ``triton.heuristics`` itself; the jitted
+    function must receive exactly what Triton's own wrapper would pass it."""
+    from triton.runtime.autotuner import Heuristics
+
+    from flashtile.backends.triton import launch_decode
+
+    kernel = getattr(launch_decode, kernel_name)
+    assert isinstance(kernel, Heuristics)
+    seen = []
+    monkeypatch.setattr(kernel.fn, "run", lambda *a, **kw: seen.append((a, kw)))
+    n_pos = sum(1 for n in kernel.arg_names if not n.isupper())  # runtime arguments come first
+    assert all(not n.isupper() for n in kernel.arg_names[:n_pos])
+    meta = {n: 16 for n in kernel.arg_names[n_pos:] if n not in kernel.values}
+    meta["num_warps"] = 4
+    marker = torch.zeros(1)
+    for variant in range(8):
+        args = []
+        for i, name in enumerate(kernel.arg_names[:n_pos]):
+            if name.endswith("_ptr"):
+                args.append(marker if (variant >> (i % 3)) & 1 or name in ("q_ptr", "x_ptr") else None)
+            elif name == "softcap":
+                args.append(2.5 if variant & 1 else 0.0)
+            elif name in ("window_left", "window_right"):
+                args.append((-1, 0, 7)[(variant + i) % 3])
+            else:
+                args.append(i + variant)
+        grid = (3, 1 + variant, 1)
+        kernel[grid](*args, **meta)  # Triton's wrapper
+        launch_decode._launch(kernel, grid, tuple(args), dict(meta))
+        (a_ref, kw_ref), (a_new, kw_new) = seen[-2:]
+        assert a_new == a_ref and kw_new == kw_ref
+        assert set(kernel.values) <= set(kw_new)
+
+
 def test_backend_selection(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setenv("FLASHTILE_BACKEND", "torch")

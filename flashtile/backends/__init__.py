@@ -8,7 +8,9 @@ variable, then by device: CUDA tensors -> triton; CPU tensors -> triton only whe
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import importlib.util
 import os
 import threading
 
@@ -41,19 +43,28 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_reason(index: int | None) -> str | None:
+    # Cached per device: the capability query costs microseconds on every call otherwise.
+    if torch.version.hip is None:
+        major, _ = torch.cuda.get_device_capability(index)
+        if major < 8:
+            return (f"{torch.cuda.get_device_name(index)} (sm_{major}x) is older than "
+                    "Ampere; the kernels need sm_80 or newer")
+    return None
+
+
 def triton_unavailable_reason(device: torch.device) -> str | None:
     """Why the Triton backend cannot run on ``device`` (None when it can)."""
-    try:
-        importlib.import_module("triton")
-    except ImportError:
+    if not _triton_importable():
         return "the 'triton' package is not installed (pip install triton)"
     if device.type == "cuda":
-        if torch.version.hip is None:
-            major, _ = torch.cuda.get_device_capability(device)
-            if major < 8:
-                return (f"{torch.cuda.get_device_name(device)} (sm_{major}x) is older than "
-                        "Ampere; the kernels need sm_80 or newer")
-        return None
+        return _cuda_reason(device.index)
     if _interpreting():
         return None
     return (f"Triton cannot compile for {device.type} tensors; set TRITON_INTERPRET=1 to emulate "

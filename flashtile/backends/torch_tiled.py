@@ -46,13 +46,15 @@ from .spec import AttnSpec
 __all__ = ["forward", "backward"]
 
 # Keys per tile.  Queries per tile are chosen so that one score tile of all heads holds
-# about TILE_ELEMS floats (a few MiB: it stays in cache across the several passes over it).
-BLOCK_N = 256
+# about TILE_ELEMS floats (2 MiB, the size of one core's L2 on the machine this was tuned on:
+# the tile is read and written several times - max, exp2, sum, P V - and should stay there).
+BLOCK_N = 128
 BLOCK_M_MAX = 256
 BLOCK_M_MIN = 16
-TILE_ELEMS = 1 << 20
+TILE_ELEMS = 1 << 19
 
 _NEG_INF = float("-inf")
+_F32_LOWEST = torch.finfo(torch.float32).min
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
@@ -238,13 +240,14 @@ def _forward_dense(q, k, v, spec: AttnSpec, slopes, out, lse):
             b_s, _ = scores.tile(b_q, ks[:, j0:j1].transpose(1, 2), i0, i1, j0, j1)
             b_mnew = torch.maximum(b_m, b_s.amax(dim=-1))  # [BH, BM*G]
             # A row that has not met a visible key yet still has max -inf, and
-            # exp2(-inf - (-inf)) would be NaN.  Offsetting such rows by 0 instead gives
-            # exp2(-inf - 0) = 0 for all their scores and for their rescale factor, so they
-            # keep l = 0 and acc = 0 until a visible key turns up (or forever).
-            b_off = b_mnew.masked_fill(b_mnew == _NEG_INF, 0.0)  # [BH, BM*G]
-            b_alpha = torch.exp2(b_m - b_off)  # [BH, BM*G]
+            # exp2(-inf - (-inf)) would be NaN.  Clamping the offset to the most negative
+            # finite float keeps exp2(-inf - offset) = 0 for all such a row's scores and for
+            # its rescale factor, so it keeps l = 0 and acc = 0 until a visible key turns up
+            # (or forever); rows with a finite max are left untouched.
+            b_off = b_mnew.clamp_min(_F32_LOWEST)  # [BH, BM*G]
+            b_alpha = torch.exp2(b_m.sub_(b_off))  # [BH, BM*G]
             b_p = b_s.sub_(b_off.unsqueeze(-1)).exp2_()  # [BH, BM*G, BN]
-            b_l.mul_(b_alpha).add_(b_p.sum(dim=-1))
+            b_l = b_p.sum(dim=-1).addcmul_(b_l, b_alpha)  # [BH, BM*G]
             b_acc.mul_(b_alpha.unsqueeze(-1)).baddbmm_(b_p, vs[:, j0:j1])
             b_m = b_mnew
         # l = 0 exactly for rows that saw nothing: their acc is 0 too, so divide by 1

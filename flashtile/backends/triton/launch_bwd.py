@@ -6,7 +6,7 @@ import torch
 from ..spec import AttnSpec
 from .configs import get_config
 from .kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
-from .launch_common import (alibi_args, block_d, cdiv, dot_precision, empty, layout,
+from .launch_common import (alibi_args, block_d, cdiv, dot_precision, empty, launch, layout,
                             lse_strides, scalar_args, seq_strides)
 
 
@@ -31,29 +31,26 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
     lse_b, lse_h = lse_strides(lse, varlen)
 
     pre = get_config("pre", head_dim, spec.causal, q.dtype, q.device)
-    attn_bwd_preprocess_kernel[(cdiv(sq, pre.block_m), batch * nheads)](
+    launch(attn_bwd_preprocess_kernel, (cdiv(sq, pre.block_m), batch * nheads), (
         out, do, lse, delta, lse2, cu_seqlens_q,
         *seq_strides(out, varlen), *seq_strides(do, varlen), lse_b, lse_h, sq, nheads,
-        HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=pre.block_m, num_warps=pre.num_warps,
-    )
+    ), dict(HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=pre.block_m, num_warps=pre.num_warps))
     common = dict(HEAD_DIM=head_dim, BLOCK_D=bd, DOT_PREC=prec, **scalars)
 
     cfg = get_config("dkdv", head_dim, spec.causal, q.dtype, q.device)
-    attn_bwd_dkdv_kernel[(cdiv(sk, cfg.block_n), batch * nheads_k)](
+    launch(attn_bwd_dkdv_kernel, (cdiv(sk, cfg.block_n), batch * nheads_k), (
         q, k, v, do, dk, dv, lse2, delta, alibi, cu_seqlens_q, cu_seqlens_k,
         *seq_strides(q, varlen), *seq_strides(k, varlen), *seq_strides(v, varlen),
         *seq_strides(do, varlen), *seq_strides(dk, varlen), *seq_strides(dv, varlen),
         lse_b, lse_h, stride_ab, sq, sk, nheads_k, group, spec.softmax_scale,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **common,
-    )
+    ), dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **common))
     cfg = get_config("dq", head_dim, spec.causal, q.dtype, q.device)
-    attn_bwd_dq_kernel[(cdiv(sq, cfg.block_m), batch * nheads)](
+    launch(attn_bwd_dq_kernel, (cdiv(sq, cfg.block_m), batch * nheads), (
         q, k, v, do, dq, lse2, delta, alibi, cu_seqlens_q, cu_seqlens_k,
         *seq_strides(q, varlen), *seq_strides(k, varlen), *seq_strides(v, varlen),
         *seq_strides(do, varlen), *seq_strides(dq, varlen),
         lse_b, lse_h, stride_ab, sq, sk, nheads, group, spec.softmax_scale,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **common,
-    )
+    ), dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **common))
     return dq, dk, dv

@@ -1,7 +1,10 @@
 """Launch side of the decode kernels: block shapes, the split heuristic, workspaces and grids.
 
 Nothing here reads a tensor's values on the host: every size comes from static shapes, so a
-whole decode step (append + split-KV + combine) can be captured in a CUDA graph.  Arguments
+whole decode step (append + split-KV + combine) can be captured in a CUDA graph.  The host
+work of an eager call is kept small: the block shapes and split count are memoised per shape
+(:func:`_plan`), and each kernel's ``triton.heuristics`` constexprs are evaluated once per
+launch from a single argument mapping (:func:`launch_common.launch`).  Arguments
 arrive validated and normalised by :mod:`flashtile.decode` (int32 ``cache_seqlens`` tensor,
 bool tree mask, last dimension contiguous).
 """
@@ -11,8 +14,8 @@ import functools
 import os
 
 import torch
-
 from .kernels.decode import _combine_kernel, _rotary_append_kernel, _split_kv_kernel
+from .launch_common import launch as _launch
 
 __all__ = ["decode_forward", "merge_states", "choose_num_splits", "default_num_splits", "num_sms",
            "attn_config", "MAX_SPLITS"]
@@ -60,12 +63,19 @@ def attn_config(on_gpu: bool, head_dim: int, rows: int, dtype: torch.dtype) -> d
     them go into one program (``BLOCK_M``, at least 16 for ``tl.dot``).  ``BLOCK_N`` keys per
     tile is independent of the page size because pages are looked up per key.
     """
+    block_m, block_n, block_d, warps, stages = _attn_config(bool(on_gpu), int(head_dim), int(rows), dtype)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages)
+
+
+@functools.lru_cache(maxsize=1024)
+def _attn_config(on_gpu: bool, head_dim: int, rows: int, dtype: torch.dtype) -> tuple:
+    """``(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages)``; see :func:`attn_config`."""
     block_d = max(16, _next_pow2(head_dim))
     block_m = min(64, max(16, _next_pow2(rows)))
     if not on_gpu:
         # the interpreter runs every program in numpy: small tiles keep splits meaningful on
         # short test caches
-        return dict(BLOCK_M=block_m, BLOCK_N=16, BLOCK_D=block_d, num_warps=1, num_stages=1)
+        return block_m, 16, block_d, 1, 1
     wide = dtype == torch.float32  # fp32 tiles take twice the shared memory
     if block_d <= 64:
         block_n, warps, stages = 64, 4, 3
@@ -77,9 +87,10 @@ def attn_config(on_gpu: bool, head_dim: int, rows: int, dtype: torch.dtype) -> d
             block_n = 16
     if block_m * block_d >= 64 * 256:
         warps = 8
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages)
+    return block_m, block_n, block_d, warps, stages
 
 
+@functools.lru_cache(maxsize=4096)
 def choose_num_splits(n_programs: int, n_sms: int, n_tiles: int, max_splits: int = MAX_SPLITS) -> int:
     """How many slices to cut each row's keys into so that the grid fills the GPU.
 
@@ -88,6 +99,7 @@ def choose_num_splits(n_programs: int, n_sms: int, n_tiles: int, max_splits: int
     SMs (or on the CPU).  Otherwise consider up to about two waves of programs, keeping
     ``MIN_TILES_PER_SPLIT`` tiles per split, and among the counts whose last wave is well
     filled (wave efficiency ``w / ceil(w)`` within 10% of the best) take the largest.
+    Memoised: a decode loop asks for the same shapes every step.
     """
     if n_sms <= 1 or n_programs >= 0.8 * n_sms:
         return 1
@@ -104,9 +116,21 @@ def default_num_splits(q: torch.Tensor, nheads_k: int, capacity: int) -> int:
     """The split count ``num_splits=0`` resolves to for query ``q (B, Sq, H, D)`` against a
     cache of ``nheads_k`` heads and ``capacity`` key slots per row."""
     b, sq, h, d = q.shape
-    cfg = attn_config(_on_gpu(q), d, sq * (h // nheads_k), q.dtype)
-    m_blocks = _cdiv(sq * (h // nheads_k), cfg["BLOCK_M"])
-    return choose_num_splits(b * nheads_k * m_blocks, num_sms(q.device), _cdiv(capacity, cfg["BLOCK_N"]))
+    return _plan(_on_gpu(q), d, sq, h // nheads_k, q.dtype, b, nheads_k, capacity, num_sms(q.device), 0)[-1]
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(on_gpu: bool, head_dim: int, seqlen_q: int, group: int, dtype: torch.dtype, batch: int,
+          nheads_k: int, capacity: int, n_sms: int, num_splits: int) -> tuple:
+    """Launch shape of the split-KV kernel for one call signature (memoised):
+    ``(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages, m_blocks, num_splits)``, with
+    ``num_splits <= 0`` resolved by :func:`choose_num_splits`."""
+    block_m, block_n, block_d, warps, stages = _attn_config(on_gpu, head_dim, seqlen_q * group, dtype)
+    m_blocks = _cdiv(seqlen_q * group, block_m)
+    if num_splits <= 0:
+        num_splits = choose_num_splits(batch * nheads_k * m_blocks, n_sms, _cdiv(capacity, block_n))
+    num_splits = max(1, min(int(num_splits), MAX_SPLITS))
+    return block_m, block_n, block_d, warps, stages, m_blocks, num_splits
 
 
 def _check_runnable(x: torch.Tensor) -> None:
@@ -122,22 +146,25 @@ def _rotary_append(x, y, xo, yo, cos, sin, seqlens, batch_idx, block_table, *, r
     block_d = max(16, _next_pow2(d))
     block_h = min(_next_pow2(h), max(1, 4096 // block_d))
     page_size = int(xo.shape[1]) if (to_cache and block_table is not None) else 1
+    sx = x.stride()
     sy = y.stride() if y is not None else (0, 0, 0, 0)
+    sxo = xo.stride()
     syo = yo.stride() if yo is not None else (0, 0, 0, 0)
     grid = (t, b, _cdiv(h, block_h))
-    _rotary_append_kernel[grid](
+    args = (
         x, y, xo, yo, cos, sin, seqlens, batch_idx, block_table,
-        x.stride(0), x.stride(1), x.stride(2),
+        sx[0], sx[1], sx[2],
         sy[0], sy[1], sy[2],
-        xo.stride(0), xo.stride(1), xo.stride(2),
+        sxo[0], sxo[1], sxo[2],
         syo[0], syo[1], syo[2],
         cos.stride(0) if cos is not None else 0, sin.stride(0) if sin is not None else 0,
         block_table.stride(0) if block_table is not None else 0,
         h, d, int(cos.shape[0]) if cos is not None else 0, capacity,
-        ROTARY_DIM=rotary_dim, INTERLEAVED=bool(interleaved), PER_TOKEN=bool(per_token),
-        TO_CACHE=bool(to_cache), PAGE_SIZE=page_size, BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=4 if _on_gpu(x) else 1,
     )
+    meta = dict(ROTARY_DIM=rotary_dim, INTERLEAVED=bool(interleaved), PER_TOKEN=bool(per_token),
+                TO_CACHE=bool(to_cache), PAGE_SIZE=page_size, BLOCK_H=block_h, BLOCK_D=block_d,
+                num_warps=4 if _on_gpu(x) else 1)
+    _launch(_rotary_append_kernel, grid, args, meta)
 
 
 def merge_states(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -148,23 +175,30 @@ def merge_states(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor
     ``lse``: ``(B, H, Sq)`` float32 with contiguous last dim.
     """
     _check_runnable(out)
-    n, b, sq, h, d = o_part.shape
     if lse_part.stride(-1) != 1 or lse.stride(-1) != 1 or o_part.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("merge_states: the last dimension of every tensor must be contiguous")
+    _merge(o_part, lse_part, out, lse)
+
+
+def _merge(o_part, lse_part, out, lse) -> None:
+    """The combine launch of :func:`merge_states`, for arguments already known to be valid."""
+    n, b, sq, h, d = o_part.shape
+    if b * sq * h == 0:
+        return
     block_s = max(2, _next_pow2(n))
     block_d = max(16, _next_pow2(d))
     warps = 4 if block_s * block_d <= 8192 else 8
-    if b * sq * h == 0:
-        return
-    _combine_kernel[(b * sq * h,)](
+    sop, slp, sout, slse = o_part.stride(), lse_part.stride(), out.stride(), lse.stride()
+    args = (
         o_part, lse_part, out, lse,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
-        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1),
+        sop[0], sop[1], sop[2], sop[3],
+        slp[0], slp[1], slp[2],
+        sout[0], sout[1], sout[2],
+        slse[0], slse[1],
         sq, h, n, d,
-        BLOCK_S=block_s, BLOCK_D=block_d, num_warps=warps if _on_gpu(out) else 1,
     )
+    meta = dict(BLOCK_S=block_s, BLOCK_D=block_d, num_warps=warps if _on_gpu(out) else 1)
+    _launch(_combine_kernel, (b * sq * h,), args, meta)
 
 
 def decode_forward(
@@ -194,8 +228,12 @@ def decode_forward(
 
     ``cache_seqlens``: int32 ``(B,)`` lengths before the append; ``tree_mask``: bool
     ``(B | 1, Sq, Sq)``; ``num_splits = 0`` picks the count with :func:`choose_num_splits`.
+    Launches: the append (only with new k/v), the q rotation (only with rotary tables), the
+    split-KV kernel, and the combine (only when there is more than one split).
     """
-    _check_runnable(q)
+    on_gpu = _on_gpu(q)
+    if not on_gpu:
+        _check_runnable(q)
     b, sq, h, d = q.shape
     hk = k_cache.shape[2]
     group = h // hk
@@ -203,6 +241,7 @@ def decode_forward(
     page_size = int(k_cache.shape[1]) if paged else 1
     capacity = int(block_table.shape[1]) * int(k_cache.shape[1]) if paged else int(k_cache.shape[1])
     seqlen_new = 0 if k is None else int(k.shape[1])
+    device = q.device
 
     if seqlen_new > 0:
         rot_dim = int(rotary_cos.shape[1]) * 2 if rotary_cos is not None else 0
@@ -216,58 +255,55 @@ def decode_forward(
                        per_token=rotary_q_per_token, to_cache=False, capacity=capacity)
         q = q_rot
 
-    out = torch.empty((b, sq, h, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    out = torch.empty((b, sq, h, d), dtype=q.dtype, device=device)
+    lse = torch.empty((b, h, sq), dtype=torch.float32, device=device)
     if b * sq * h == 0:
         return out, lse
 
-    cfg = attn_config(_on_gpu(q), d, sq * group, q.dtype)
-    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    m_blocks = _cdiv(sq * group, block_m)
-    if num_splits <= 0:
-        num_splits = default_num_splits(q, hk, capacity)
-    num_splits = max(1, min(int(num_splits), MAX_SPLITS))
+    block_m, block_n, block_d, warps, stages, m_blocks, num_splits = _plan(
+        on_gpu, d, sq, group, q.dtype, b, hk, capacity, num_sms(device) if num_splits <= 0 else 1,
+        int(num_splits))
 
     if num_splits == 1:
         o_part, lse_part = out, lse
-        so = (0, out.stride(0), out.stride(1), out.stride(2))
-        sl = (0, lse.stride(0), lse.stride(1))
+        s_out, s_lse = out.stride(), lse.stride()
+        so = (0, s_out[0], s_out[1], s_out[2])
+        sl = (0, s_lse[0], s_lse[1])
     else:
-        o_part = torch.empty((num_splits, b, sq, h, d), dtype=torch.float32, device=q.device)
-        lse_part = torch.empty((num_splits, b, h, sq), dtype=torch.float32, device=q.device)
-        so = o_part.stride()[:4]
-        sl = lse_part.stride()[:3]
+        o_part = torch.empty((num_splits, b, sq, h, d), dtype=torch.float32, device=device)
+        lse_part = torch.empty((num_splits, b, h, sq), dtype=torch.float32, device=device)
+        so = o_part.stride()
+        sl = lse_part.stride()
 
     tree_u8 = None
     stb = stq = 0
     if tree_mask is not None:
         tree_u8 = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask.to(torch.uint8)
-        stb = tree_u8.stride(0) if tree_u8.shape[0] > 1 else 0
-        stq = tree_u8.stride(1)
         if tree_u8.stride(2) != 1:
             tree_u8 = tree_u8.contiguous()
-            stb = tree_u8.stride(0) if tree_u8.shape[0] > 1 else 0
-            stq = tree_u8.stride(1)
+        stb = tree_u8.stride(0) if tree_u8.shape[0] > 1 else 0
+        stq = tree_u8.stride(1)
     stride_ab = 0
     if alibi_slopes is not None and alibi_slopes.dim() == 2:
         stride_ab = alibi_slopes.stride(0)
 
-    grid = (b * hk, num_splits, m_blocks)
-    _split_kv_kernel[grid](
+    s_q, s_k, s_v = q.stride(), k_cache.stride(), v_cache.stride()
+    args = (
         q, k_cache, v_cache, o_part, lse_part,
         cache_seqlens, cache_leftpad, cache_batch_idx, block_table, alibi_slopes, tree_u8,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        s_q[0], s_q[1], s_q[2],
+        s_k[0], s_k[1], s_k[2],
+        s_v[0], s_v[1], s_v[2],
         so[0], so[1], so[2], so[3],
         sl[0], sl[1], sl[2],
         block_table.stride(0) if paged else 0, stride_ab, stb, stq,
         sq, seqlen_new, hk, capacity, d,
         float(softmax_scale), float(softcap), int(window_left), int(window_right), num_splits,
-        GROUP=group, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=cfg["BLOCK_D"],
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    meta = dict(GROUP=group, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                num_warps=warps, num_stages=stages)
+    _launch(_split_kv_kernel, (b * hk, num_splits, m_blocks), args, meta)
     if num_splits > 1:
-        merge_states(o_part, lse_part, out, lse)
+        _merge(o_part, lse_part, out, lse)
     return out, lse

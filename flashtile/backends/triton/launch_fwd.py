@@ -6,7 +6,7 @@ import torch
 from ..spec import AttnSpec
 from .configs import get_config
 from .kernels.fwd import attn_fwd_kernel
-from .launch_common import (alibi_args, block_d, cdiv, dot_precision, empty, layout,
+from .launch_common import (alibi_args, block_d, cdiv, dot_precision, empty, launch, layout,
                             lse_strides, scalar_args, seq_strides)
 
 
@@ -24,13 +24,12 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu
     cfg = get_config("fwd", head_dim, spec.causal, q.dtype, q.device, max(sq, sk))
     alibi, stride_ab = alibi_args(alibi_slopes, batch)
     grid = (cdiv(sq, cfg.block_m), batch * nheads)
-    attn_fwd_kernel[grid](
+    launch(attn_fwd_kernel, grid, (
         q, k, v, out, lse, alibi, cu_seqlens_q, cu_seqlens_k,
         *seq_strides(q, varlen), *seq_strides(k, varlen), *seq_strides(v, varlen),
         *seq_strides(out, varlen), *lse_strides(lse, varlen), stride_ab,
         sq, sk, nheads, nheads // nheads_k,
-        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        DOT_PREC=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **scalar_args(spec),
-    )
+    ), dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, DOT_PREC=dot_precision(q.dtype), num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **scalar_args(spec)))
     return out, lse
