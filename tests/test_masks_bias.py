@@ -194,3 +194,32 @@ def test_bad_attn_mask_rejected_before_any_kernel(kind, monkeypatch):
     q, kv, mask, kw, exc = _bad(kind)
     with pytest.raises(exc, match="attn_mask"):
         flashtile.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bias_composes_with_window_softcap_alibi_dropout_in_the_backends(backend):
+    """The backend contract allows a bias with every other feature: bias + sliding window +
+    softcap + ALiBi + GQA + dropout, forward and backward (dbias included) vs float64."""
+    from flashtile.backends import get
+
+    impl = get(backend)
+    gen = torch.Generator().manual_seed(70)
+    b, sq, sk, h, hk, d, p = 2, 19, 26, 4, 2, 16, 0.2
+    q, do = (randn(b, sq, h, d, gen=gen) for _ in range(2))
+    k, v = (randn(b, sk, hk, d, gen=gen) for _ in range(2))
+    bias = randn(b, 1, sq, sk, gen=gen)
+    slopes = torch.rand(h, generator=gen) * 0.3
+    spec = AttnSpec(0.3, 5, 2, True, 4.0, p)
+    seed = 2 ** 50 + 3
+    rng = torch.tensor([seed])
+    dbias = torch.empty_like(bias)
+    with poison_outputs():
+        out, lse = impl.forward(q, k, v, spec, alibi_slopes=slopes, attn_bias=bias, rng_seed=rng)
+        grads = impl.backward(do, q, k, v, out, lse, spec, alibi_slopes=slopes, attn_bias=bias,
+                              rng_seed=rng, dbias=dbias)
+    keep = keep_mask(seed, p, b, h, sq, sk)
+
+    def ref(q_, k_, v_, bias_, dtype):
+        return reference(q_, k_, v_, spec, slopes, dtype=dtype, attn_bias=bias_, keep=keep)
+
+    check_flash_rule("composed", out, (*grads, dbias), (q, k, v, bias), do, ref, torch.float32)
