@@ -223,3 +223,42 @@ def test_bias_composes_with_window_softcap_alibi_dropout_in_the_backends(backend
         return reference(q_, k_, v_, spec, slopes, dtype=dtype, attn_bias=bias_, keep=keep)
 
     check_flash_rule("composed", out, (*grads, dbias), (q, k, v, bias), do, ref, torch.float32)
+
+
+def _tiled_features_run(bm, bn):
+    """SDPA with a learnable bias and dropout, and block-sparse + causal + dropout, on the
+    Triton backend with pinned tile sizes: outputs and gradients."""
+    from flashtile.backends.triton.configs import KernelConfig, override
+
+    gen = torch.Generator().manual_seed(80)
+    q, do = (randn(1, 40, 2, 16, gen=gen) for _ in range(2))
+    k, v = (randn(1, 54, 2, 16, gen=gen) for _ in range(2))
+    bias = randn(1, 2, 40, 54, gen=gen)
+    block_mask = torch.rand(1, 2, 2, 2, generator=gen) > 0.3
+    block_mask[0, :, 1, 1] = True
+    pins = dict(fwd=KernelConfig(bm, bn), dkdv=KernelConfig(bn, bm), dq=KernelConfig(bm, bn))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, bias)]
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    with flashtile.use_backend("triton"), override(**pins), poison_outputs():
+        torch.manual_seed(9)
+        a = t(flashtile.scaled_dot_product_attention(*(t(x) for x in leaves[:3]),
+                                                     attn_mask=leaves[3], dropout_p=0.3))
+        torch.manual_seed(9)
+        s = flashtile.block_sparse_attn_func(*leaves[:3], block_mask, block_size=(32, 32),
+                                             dropout_p=0.3, causal=True)
+        return (a, s, *torch.autograd.grad(a + s, leaves, do))
+
+
+_BASE = {}
+
+
+@pytest.mark.parametrize("cfg", [(32, 16), (64, 64)], ids=lambda c: f"{c[0]}x{c[1]}")
+def test_triton_features_are_tile_size_invariant(cfg):
+    """Dropout counters, bias tiles, dBias and block lists do not depend on the kernels' tile
+    sizes (GPUs run larger tiles than the interpreter's default 16 x 16; tiles larger than a
+    mask block are cut down to divide it)."""
+    if "base" not in _BASE:
+        _BASE["base"] = _tiled_features_run(16, 16)
+    names = ("sdpa out", "block-sparse out", "dq", "dk", "dv", "dbias")
+    for name, got, want in zip(names, _tiled_features_run(*cfg), _BASE["base"]):
+        assert_close(f"{name} {cfg}", got, want, atol=2e-5, rtol=1e-5)
