@@ -12,6 +12,12 @@ import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+_bf16_ok: dict[int, bool] = {}
+
+
+def _real(x) -> bool:
+    # type() first: the numbers.Real ABC check costs microseconds on every call.
+    return type(x) in (float, int) or (isinstance(x, numbers.Real) and not isinstance(x, bool))
 
 
 def _dt(dtype: torch.dtype) -> str:
@@ -32,7 +38,10 @@ def float_dtype(name: str, x: torch.Tensor) -> None:
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{name} must be float16, bfloat16 or float32, got {_dt(x.dtype)}")
     if x.dtype == torch.bfloat16 and x.device.type == "cuda":
-        if not torch.cuda.is_bf16_supported():
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        if index not in _bf16_ok:
+            _bf16_ok[index] = torch.cuda.get_device_capability(index) >= (8, 0)
+        if not _bf16_ok[index]:
             raise TypeError(f"{name} is bfloat16, which {torch.cuda.get_device_name(x.device)} "
                             "does not support; use float16")
 
@@ -68,7 +77,7 @@ def heads(nheads: int, nheads_k: int) -> None:
 def softmax_scale(scale, head_dim_: int, name: str = "softmax_scale") -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim_)
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+    if not _real(scale):
         raise TypeError(f"{name} must be a float or None, got {type(scale).__name__}")
     if not math.isfinite(scale):
         raise ValueError(f"{name} must be finite, got {scale}")
@@ -76,7 +85,7 @@ def softmax_scale(scale, head_dim_: int, name: str = "softmax_scale") -> float:
 
 
 def dropout(p) -> float:
-    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+    if not _real(p):
         raise TypeError(f"dropout_p must be a float in [0, 1), got {type(p).__name__}")
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {p}")
@@ -84,6 +93,8 @@ def dropout(p) -> float:
 
 
 def window(window_size) -> tuple[int, int]:
+    if window_size == (-1, -1):
+        return -1, -1
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool)
                        for w in window_size)):
@@ -95,7 +106,7 @@ def window(window_size) -> tuple[int, int]:
 
 
 def softcap(c) -> float:
-    if isinstance(c, bool) or not isinstance(c, numbers.Real):
+    if not _real(c):
         raise TypeError(f"softcap must be a float, got {type(c).__name__}")
     if not (c >= 0.0 and math.isfinite(c)):
         raise ValueError(f"softcap must be >= 0 and finite (0 disables it), got {c}")

@@ -1,9 +1,12 @@
 """The one differentiable attention op.
 
-``flashtile::attn_fwd`` and ``flashtile::attn_bwd`` are ``torch.library`` custom ops with fake
-(meta) implementations, so ``torch.compile(fullgraph=True)`` traces through them without graph
-breaks; ``attn_fwd``'s autograd formula calls ``attn_bwd``, which recomputes the probabilities
-from the saved log-sum-exp (no N x N tensor is ever saved).  Each op dispatches to a backend
+``FlashAttnFunction`` is the autograd function: its forward saves ``(q, k, v, out, lse)`` and
+its backward recomputes the probabilities from the saved log-sum-exp (no N x N tensor is ever
+saved).  For ``torch.compile`` the same two halves are registered as the ``torch.library``
+custom ops ``flashtile::attn_fwd`` / ``flashtile::attn_bwd`` with fake (meta) implementations,
+so ``torch.compile(fullgraph=True)`` traces through them without graph breaks.  Eager calls skip
+the custom-op dispatcher (tens of microseconds a call, which shows at short sequences); compiled
+graphs call the ops.  Both run ``_forward`` / ``_backward_impl`` below, which pick a backend
 (``flashtile.backends``) at run time.
 
 Optional inputs: ``attn_bias`` (a bool mask or an additive float bias of shape
@@ -50,6 +53,33 @@ def _kwargs(alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     return kw
 
 
+def _forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+             softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p,
+             attn_bias, rng_seed, block_mask, block_m, block_n):
+    spec = _spec(softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p)
+    impl = backends.get(backends.select(q.device))
+    return impl.forward(q, k, v, spec, **_kwargs(alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                                                 max_seqlen_q, max_seqlen_k, attn_bias, rng_seed,
+                                                 block_mask, block_m, block_n))
+
+
+def _backward_impl(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                   max_seqlen_k, softmax_scale, window_left, window_right, bottom_right, softcap,
+                   dropout_p, attn_bias, rng_seed, block_mask, block_m, block_n, bias_grad):
+    """``(dq, dk, dv, dbias)``; ``dbias`` is an empty ``(0,)`` tensor unless ``bias_grad``."""
+    spec = _spec(softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p)
+    impl = backends.get(backends.select(q.device))
+    kw = _kwargs(alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 attn_bias, rng_seed, block_mask, block_m, block_n)
+    if bias_grad:
+        dbias = torch.empty_like(attn_bias, memory_format=torch.contiguous_format)
+        dq, dk, dv = impl.backward(do, q, k, v, out, lse, spec, dbias=dbias, **kw)
+    else:
+        dbias = q.new_empty((0,))
+        dq, dk, dv = impl.backward(do, q, k, v, out, lse, spec, **kw)
+    return dq, dk, dv, dbias
+
+
 @torch.library.custom_op("flashtile::attn_fwd", mutates_args=())
 def attn_fwd(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor],
              cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
@@ -57,11 +87,9 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor],
              bottom_right: bool, softcap: float, dropout_p: float, attn_bias: Optional[Tensor],
              rng_seed: Optional[Tensor], block_mask: Optional[Tensor], block_m: int,
              block_n: int) -> tuple[Tensor, Tensor]:
-    spec = _spec(softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p)
-    impl = backends.get(backends.select(q.device))
-    return impl.forward(q, k, v, spec, **_kwargs(alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                                                 max_seqlen_q, max_seqlen_k, attn_bias, rng_seed,
-                                                 block_mask, block_m, block_n))
+    return _forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p,
+                    attn_bias, rng_seed, block_mask, block_m, block_n)
 
 
 @attn_fwd.register_fake
@@ -81,18 +109,10 @@ def attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tens
              softcap: float, dropout_p: float, attn_bias: Optional[Tensor],
              rng_seed: Optional[Tensor], block_mask: Optional[Tensor], block_m: int,
              block_n: int, bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv, dbias)``; ``dbias`` is an empty ``(0,)`` tensor unless ``bias_grad``."""
-    spec = _spec(softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p)
-    impl = backends.get(backends.select(q.device))
-    kw = _kwargs(alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                 attn_bias, rng_seed, block_mask, block_m, block_n)
-    if bias_grad:
-        dbias = torch.empty_like(attn_bias, memory_format=torch.contiguous_format)
-        dq, dk, dv = impl.backward(do, q, k, v, out, lse, spec, dbias=dbias, **kw)
-    else:
-        dbias = q.new_empty((0,))
-        dq, dk, dv = impl.backward(do, q, k, v, out, lse, spec, **kw)
-    return dq, dk, dv, dbias
+    return _backward_impl(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                          max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
+                          bottom_right, softcap, dropout_p, attn_bias, rng_seed, block_mask,
+                          block_m, block_n, bias_grad)
 
 
 @attn_bwd.register_fake
@@ -118,18 +138,18 @@ def _setup_context(ctx, inputs, output):
     ctx.params = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
                   bottom_right, softcap, dropout_p)
     ctx.block = (block_m, block_n)
+    ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, dout, dlse):
+def _grads(ctx, dout, bwd):
     # The log-sum-exp is an auxiliary output (as in flash-attn): its gradient is not propagated.
     (q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_bias, rng_seed,
      block_mask) = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     bias_grad = bool(attn_bias is not None and ctx.needs_input_grad[_BIAS_INDEX])
-    dq, dk, dv, dbias = attn_bwd(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q,
-                                 cu_seqlens_k, *ctx.params, attn_bias, rng_seed, block_mask,
-                                 *ctx.block, bias_grad)
+    dq, dk, dv, dbias = bwd(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                            *ctx.params, attn_bias, rng_seed, block_mask, *ctx.block, bias_grad)
     grads = [None] * _N_INPUTS
     grads[0], grads[1], grads[2] = dq, dk, dv
     if bias_grad:
@@ -137,7 +157,24 @@ def _backward(ctx, dout, dlse):
     return tuple(grads)
 
 
-attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+attn_fwd.register_autograd(lambda ctx, dout, dlse: _grads(ctx, dout, attn_bwd),
+                           setup_context=_setup_context)
+
+
+class FlashAttnFunction(torch.autograd.Function):
+    """Eager autograd function: the same forward/backward as the custom ops, minus the
+    dispatcher."""
+
+    @staticmethod
+    def forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *params):
+        return _forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *params)
+
+    setup_context = staticmethod(_setup_context)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, dlse):
+        return _grads(ctx, dout, _backward_impl)
 
 
 def dropout_seed(spec: AttnSpec, device: torch.device) -> Optional[Tensor]:
@@ -155,7 +192,13 @@ def attention(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
     """
     if spec.dropout_p > 0 and rng_seed is None:
         rng_seed = draw_seed(q.device)
-    return attn_fwd(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                    int(max_seqlen_k), spec.softmax_scale, spec.window_left, spec.window_right,
-                    spec.bottom_right, spec.softcap, spec.dropout_p, attn_bias, rng_seed,
-                    block_mask, int(block_size[0]), int(block_size[1]))
+    args = (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+            int(max_seqlen_k), spec.softmax_scale, spec.window_left, spec.window_right,
+            spec.bottom_right, spec.softcap, spec.dropout_p, attn_bias, rng_seed, block_mask,
+            int(block_size[0]), int(block_size[1]))
+    if torch.compiler.is_compiling():
+        return attn_fwd(*args)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (attn_bias is not None and attn_bias.requires_grad)):
+        return FlashAttnFunction.apply(*args)
+    return _forward(*args)

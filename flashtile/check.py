@@ -21,6 +21,7 @@ import dataclasses
 import itertools
 import json
 import math
+import re
 import sys
 import time
 
@@ -288,11 +289,17 @@ def main(argv=None) -> int:
     parser.add_argument("--features", action="store_true",
                         help="only the dropout / mask / bias / block-sparse cases")
     parser.add_argument("--json", help="write the results to this file")
+    parser.add_argument("--only", default="", help="run only cases whose name matches this "
+                        "regular expression (e.g. ^bfloat16); several processes with disjoint "
+                        "filters compile in parallel")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     t0 = time.time()
     todo = feature_cases(device, args.quick) if args.features else cases(device, args.quick)
-    results = [run_case(c, device) for c in todo]
+    results = [run_case(c, device) for c in todo if re.search(args.only, c.name)]
+    if not results:
+        print(f"no case matches --only {args.only!r}")
+        return 1
     width = max(len(r["case"]) for r in results)
     print(f"flashtile.check on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"
           f" (backend {select(device)}, torch {torch.__version__})")

@@ -16,10 +16,10 @@ Backward recomputes ``P = exp(S - lse)`` tile by tile and uses ``D = rowsum(dO o
     dQ_i += tau dS K_j,  dK_j += tau dS^T Q_i
 
 The tiles hold scores in base 2 (``S * log2(e)``, folded into the pre-scaling of Q and
-the ALiBi slopes) and use ``exp2``: ATen's float32 ``exp`` drops to a path 10-50x slower for
-every input whose result underflows, ``-inf`` included, i.e. for every masked score, while
-``exp2`` only slows down for results in the denormal range.  ``m`` and ``l`` are kept in
-base 2 as well, and ``lse = ln(2) * (m + log2 l)``.
+the ALiBi slopes) and use ``exp2``: on the x86 builds measured, ATen's float32 ``exp`` takes
+a path 10-50x slower for every input whose result underflows, ``-inf`` included, i.e. for
+every masked score, while ``exp2`` only slows down for results in the denormal range.
+``m`` and ``l`` are kept in base 2 as well, and ``lse = ln(2) * (m + log2 l)``.
 
 Nothing ``Sq x Sk`` is ever allocated: the live temporaries are a few
 ``[B*Hk, BLOCK_M*G, BLOCK_N]`` tiles, so the extra memory is ``O(N * tile)`` on top of
@@ -119,7 +119,16 @@ def _lse_view(lse, B, Hk, G, S):
     return lse.view(B, Hk, G, S).permute(0, 1, 3, 2)
 
 
+def _sequences(cu_seqlens_q, cu_seqlens_k):
+    cq = [int(x) for x in cu_seqlens_q.tolist()]
+    ck = [int(x) for x in cu_seqlens_k.tolist()]
+    if len(cq) != len(ck):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length (B + 1)")
+    return [(cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(len(cq) - 1)]
+
+
 def _block_m(BH, G, D):
+    """Queries per tile: a score tile (or, for very wide heads, the accumulator) ~ TILE_ELEMS."""
     per_query = max(1, BH * G * max(BLOCK_N, D))
     bm = TILE_ELEMS // per_query
     return int(max(BLOCK_M_MIN, min(BLOCK_M_MAX, bm)))
@@ -133,7 +142,6 @@ class _Band:
         self.shift = sk - sq if spec.bottom_right else 0
         self.wl = spec.window_left
         self.wr = spec.window_right
-        self.sq = sq
 
     def key_range(self, i0, i1):
         """Half-open range of keys visible to at least one query of ``[i0, i1)``."""
@@ -406,14 +414,6 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
                            None if slopes is None else slopes[b:b + 1],
                            out[None, q0:q1], lse[None, :, q0:q1], _for_sequence(extras, b))
         return out, lse
-
-
-def _sequences(cu_seqlens_q, cu_seqlens_k):
-    cq = [int(x) for x in cu_seqlens_q.tolist()]
-    ck = [int(x) for x in cu_seqlens_k.tolist()]
-    if len(cq) != len(ck):
-        raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length (B + 1)")
-    return [(cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(len(cq) - 1)]
 
 
 # ---------------------------------------------------------------------------------------

@@ -84,8 +84,8 @@ class _Forward:
 
     def __init__(self, q, k, v, scale, window_left, window_right, bottom_right, softcap,
                  slopes, bias, keep, dropout_p):
-        B, Sq, H, D = q.shape
-        _, Sk, Hk, _ = k.shape
+        H = q.shape[2]
+        Sq, Sk, Hk = q.shape[1], k.shape[1], k.shape[2]
         if H % Hk:
             raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({Hk})")
         group = H // Hk
@@ -132,7 +132,7 @@ class _Forward:
         self.out = out.transpose(0, 2, 1, 3)
 
     def backward(self, do, want_dbias):
-        B, Sq, H, D = do.shape
+        B, H, D = do.shape[0], do.shape[2], do.shape[3]
         doh = do.transpose(0, 2, 1, 3)
         Hk = H // self.group
         dvh = self.p_dropped.swapaxes(-1, -2) @ doh  # [B, H, Sk, D]

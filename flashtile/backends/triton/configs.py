@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import threading
 
@@ -28,13 +29,30 @@ class KernelConfig:
 # Winners of `python -m flashtile.tune` on an H100 (benchmarks/results/tune_h100_*.json, see
 # docs/performance-notes.md).  fp16 uses the bf16 winners: same tile sizes, same dots.
 TUNED: dict[tuple, tuple[int, int, int, int]] = {
+    ("sm90", "fwd", 64, False, "bfloat16"): (64, 64, 4, 3),
+    ("sm90", "fwd", 64, True, "bfloat16"): (64, 64, 4, 3),
+    ("sm90", "dkdv", 64, False, "bfloat16"): (64, 64, 4, 5),
+    ("sm90", "dkdv", 64, True, "bfloat16"): (64, 64, 4, 5),
+    ("sm90", "dq", 64, False, "bfloat16"): (128, 64, 8, 3),
+    ("sm90", "dq", 64, True, "bfloat16"): (128, 64, 8, 3),
     ("sm90", "fwd", 128, False, "bfloat16"): (128, 64, 8, 4),
     ("sm90", "fwd", 128, True, "bfloat16"): (128, 128, 8, 3),
     ("sm90", "dkdv", 128, False, "bfloat16"): (64, 64, 4, 1),
     ("sm90", "dkdv", 128, True, "bfloat16"): (64, 64, 4, 1),
     ("sm90", "dq", 128, False, "bfloat16"): (128, 64, 8, 5),
     ("sm90", "dq", 128, True, "bfloat16"): (128, 64, 8, 3),
+    ("sm90", "fwd", 256, False, "bfloat16"): (128, 64, 8, 2),
+    ("sm90", "fwd", 256, True, "bfloat16"): (128, 64, 8, 2),
+    ("sm90", "dkdv", 256, False, "bfloat16"): (64, 32, 4, 3),
+    ("sm90", "dkdv", 256, True, "bfloat16"): (64, 32, 4, 3),
+    ("sm90", "dq", 256, False, "bfloat16"): (64, 32, 4, 3),
+    ("sm90", "dq", 256, True, "bfloat16"): (64, 32, 4, 3),
+    # Sequences of at most SHORT_SEQ keys: fewer, smaller tiles keep all SMs busy
+    # (benchmarks/results/overhead_h100.json, N=512 and 1K).
+    ("sm90", "fwd", 128, False, "bfloat16", "short"): (128, 32, 8, 3),
+    ("sm90", "fwd", 128, True, "bfloat16", "short"): (64, 64, 4, 3),
 }
+SHORT_SEQ = 1024
 
 _local = threading.local()
 
@@ -76,20 +94,28 @@ def _heuristic(pass_: str, d: int, arch: str) -> KernelConfig:
 
 
 def get_config(pass_: str, head_dim: int, causal: bool, dtype: torch.dtype,
-               device: torch.device) -> KernelConfig:
+               device: torch.device, seqlen: int = 0) -> KernelConfig:
     pinned = getattr(_local, "pinned", None)
     if pinned and pass_ in pinned:
         return pinned[pass_]
-    d = head_dim_bucket(head_dim)
     if interpreting() or device.type != "cuda":
         return KernelConfig(16, 16, 1, 1) if pass_ != "pre" else KernelConfig(16, 0, 1, 1)
+    return _cuda_config(pass_, head_dim_bucket(head_dim), bool(causal), dtype, device.index,
+                        0 < seqlen <= SHORT_SEQ)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_config(pass_, d, causal, dtype, index, short) -> KernelConfig:
+    device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
     arch = _arch(device)
     if dtype == torch.float32:
         # fp32 runs ieee dots with twice the register footprint per element.
         base = _heuristic(pass_, d, arch)
         return KernelConfig(max(16, base.block_m // 2), max(16, base.block_n // 2) or 0,
                             base.num_warps, 1 if pass_ == "pre" else 2)
-    key = (arch, pass_, d, bool(causal), "bfloat16")
+    key = (arch, pass_, d, causal, "bfloat16")
+    if short and key + ("short",) in TUNED:
+        return KernelConfig(*TUNED[key + ("short",)])
     if key in TUNED:
         return KernelConfig(*TUNED[key])
     return _heuristic(pass_, d, arch)

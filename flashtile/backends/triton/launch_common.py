@@ -31,9 +31,8 @@ def empty(shape, dtype, device) -> torch.Tensor:
 
 def seq_strides(x: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
     """(batch, position, head) strides; a packed varlen tensor has no batch stride."""
-    if varlen:
-        return 0, x.stride(0), x.stride(1)
-    return x.stride(0), x.stride(1), x.stride(2)
+    st = x.stride()
+    return (0, st[0], st[1]) if varlen else (st[0], st[1], st[2])
 
 
 def lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int]:

@@ -23,7 +23,7 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu
         if lse.numel():
             lse.fill_(float("-inf"))
         return out.zero_(), lse
-    cfg = get_config("fwd", head_dim, spec.causal, q.dtype, q.device)
+    cfg = get_config("fwd", head_dim, spec.causal, q.dtype, q.device, max(sq, sk))
     block_m, block_n = cfg.block_m, cfg.block_n
     alibi, stride_ab = alibi_args(alibi_slopes, batch)
     bias, bias_strides = bias_args(attn_bias)
