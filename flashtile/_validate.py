@@ -89,9 +89,6 @@ def dropout(p) -> float:
         raise TypeError(f"dropout_p must be a float in [0, 1), got {type(p).__name__}")
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {p}")
-    if p > 0.0:
-        raise NotImplementedError("dropout_p > 0 is not implemented yet in flashtile; "
-                                  "use dropout_p=0.0")
     return float(p)
 
 
@@ -160,3 +157,60 @@ def cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen, max_name: st
         raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest sequence in "
                          f"{name} ({max(lengths)})")
     return len(values) - 1
+
+
+def attn_mask(mask, query: torch.Tensor, target: tuple[int, ...]) -> torch.Tensor:
+    """SDPA's ``attn_mask``: bool (True = attend) or float (query's dtype or float32),
+    broadcastable to ``target = (..., H, L, S)``, on query's device."""
+    shape = "(..., heads, L, S) (broadcastable)"
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor of shape {shape} or None, got "
+                        f"{type(mask).__name__}")
+    if mask.dtype != torch.bool and mask.dtype not in (query.dtype, torch.float32):
+        raise TypeError(f"attn_mask must be bool (True = attend) or a float additive mask of "
+                        f"the query's dtype ({_dt(query.dtype)}) or float32, got "
+                        f"{_dt(mask.dtype)}")
+    if mask.device != query.device:
+        raise ValueError(f"attn_mask is on {mask.device} but query is on {query.device}")
+    ok = mask.dim() <= len(target)
+    if ok:
+        for n, t in zip(reversed(mask.shape), reversed(target)):
+            if n != 1 and n != t:
+                ok = False
+    if not ok:
+        raise ValueError(f"attn_mask of shape {tuple(mask.shape)} is not broadcastable to "
+                         f"(..., heads, L, S) = {tuple(target)}")
+    return mask
+
+
+def block_size(bs) -> tuple[int, int]:
+    """``(block_m, block_n)`` of a block-sparse mask: positive multiples of 16."""
+    if isinstance(bs, numbers.Integral) and not isinstance(bs, bool):
+        bs = (bs, bs)
+    if (not isinstance(bs, (tuple, list)) or len(bs) != 2
+            or not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in bs)):
+        raise TypeError(f"block_size must be an int or a pair of ints (block_m, block_n), "
+                        f"got {bs!r}")
+    if not all(b > 0 and b % 16 == 0 for b in bs):
+        raise ValueError(f"block_size entries must be positive multiples of 16 (the smallest "
+                         f"kernel tile), got {tuple(bs)}")
+    return int(bs[0]), int(bs[1])
+
+
+def block_mask(mask, batch: int, nheads: int, nblocks_q: int, nblocks_k: int,
+               device: torch.device) -> torch.Tensor:
+    """Bool ``(batch|1, nheads|1, nblocks_q, nblocks_k)`` block mask."""
+    want = f"(batch|1, nheads|1, ceil(seqlen_q/block_m), ceil(seqlen_k/block_n)) = " \
+           f"({batch}|1, {nheads}|1, {nblocks_q}, {nblocks_k})"
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"block_mask must be a bool torch.Tensor of shape {want}, got "
+                        f"{type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"block_mask must be bool (True = compute the block), got "
+                        f"{_dt(mask.dtype)}")
+    if (mask.dim() != 4 or mask.shape[0] not in (1, batch) or mask.shape[1] not in (1, nheads)
+            or tuple(mask.shape[2:]) != (nblocks_q, nblocks_k)):
+        raise ValueError(f"block_mask must have shape {want}, got {tuple(mask.shape)}")
+    if mask.device != device:
+        raise ValueError(f"block_mask is on {mask.device} but q is on {device}")
+    return mask

@@ -8,6 +8,12 @@ so ``torch.compile(fullgraph=True)`` traces through them without graph breaks.  
 the custom-op dispatcher (tens of microseconds a call, which shows at short sequences); compiled
 graphs call the ops.  Both run ``_forward`` / ``_backward_impl`` below, which pick a backend
 (``flashtile.backends``) at run time.
+
+Optional inputs: ``attn_bias`` (a bool mask or an additive float bias of shape
+``(B|1, H|1, Sq|1, Sk|1)``; its gradient ``dS`` is returned when it requires grad),
+``rng_seed`` (int64 ``(1,)``, required when ``dropout_p > 0``; saved with the LSE so the
+backward regenerates the same keep mask) and ``block_mask`` (bool ``(B|1, H|1, R, C)`` over
+blocks of ``block_m x block_n``).
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from torch import Tensor
 
 from . import backends
 from .backends.spec import AttnSpec
+from .rng import draw_seed
 
 
 def _spec(softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p):
@@ -31,41 +38,64 @@ def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor], max_seqlen_q: int):
     return (q.shape[0], q.shape[2], q.shape[1])
 
 
-def _varlen_kwargs(alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    return dict(alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+def _kwargs(alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_bias,
+            rng_seed, block_mask, block_m, block_n):
+    kw = dict(alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    # Only pass the optional features that are used, so backends without them keep working.
+    if attn_bias is not None:
+        kw["attn_bias"] = attn_bias
+    if rng_seed is not None:
+        kw["rng_seed"] = rng_seed
+    if block_mask is not None:
+        kw["block_mask"] = block_mask
+        kw["block_size"] = (block_m, block_n)
+    return kw
 
 
 def _forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-             softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p):
+             softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p,
+             attn_bias, rng_seed, block_mask, block_m, block_n):
     spec = _spec(softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p)
     impl = backends.get(backends.select(q.device))
-    return impl.forward(q, k, v, spec, **_varlen_kwargs(alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                                                        max_seqlen_q, max_seqlen_k))
+    return impl.forward(q, k, v, spec, **_kwargs(alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                                                 max_seqlen_q, max_seqlen_k, attn_bias, rng_seed,
+                                                 block_mask, block_m, block_n))
 
 
 def _backward_impl(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                    max_seqlen_k, softmax_scale, window_left, window_right, bottom_right, softcap,
-                   dropout_p):
+                   dropout_p, attn_bias, rng_seed, block_mask, block_m, block_n, bias_grad):
+    """``(dq, dk, dv, dbias)``; ``dbias`` is an empty ``(0,)`` tensor unless ``bias_grad``."""
     spec = _spec(softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p)
     impl = backends.get(backends.select(q.device))
-    return impl.backward(do, q, k, v, out, lse, spec,
-                         **_varlen_kwargs(alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                                          max_seqlen_q, max_seqlen_k))
+    kw = _kwargs(alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 attn_bias, rng_seed, block_mask, block_m, block_n)
+    if bias_grad:
+        dbias = torch.empty_like(attn_bias, memory_format=torch.contiguous_format)
+        dq, dk, dv = impl.backward(do, q, k, v, out, lse, spec, dbias=dbias, **kw)
+    else:
+        dbias = q.new_empty((0,))
+        dq, dk, dv = impl.backward(do, q, k, v, out, lse, spec, **kw)
+    return dq, dk, dv, dbias
 
 
 @torch.library.custom_op("flashtile::attn_fwd", mutates_args=())
 def attn_fwd(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor],
              cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
              max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
-             bottom_right: bool, softcap: float, dropout_p: float) -> tuple[Tensor, Tensor]:
+             bottom_right: bool, softcap: float, dropout_p: float, attn_bias: Optional[Tensor],
+             rng_seed: Optional[Tensor], block_mask: Optional[Tensor], block_m: int,
+             block_n: int) -> tuple[Tensor, Tensor]:
     return _forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p)
+                    softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p,
+                    attn_bias, rng_seed, block_mask, block_m, block_n)
 
 
 @attn_fwd.register_fake
 def _(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-      softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p):
+      softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p, attn_bias,
+      rng_seed, block_mask, block_m, block_n):
     out = q.new_empty(q.shape)
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q, max_seqlen_q), dtype=torch.float32)
     return out, lse
@@ -76,38 +106,55 @@ def attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tens
              alibi_slopes: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
              cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
              softmax_scale: float, window_left: int, window_right: int, bottom_right: bool,
-             softcap: float, dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
+             softcap: float, dropout_p: float, attn_bias: Optional[Tensor],
+             rng_seed: Optional[Tensor], block_mask: Optional[Tensor], block_m: int,
+             block_n: int, bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _backward_impl(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                           max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
-                          bottom_right, softcap, dropout_p)
+                          bottom_right, softcap, dropout_p, attn_bias, rng_seed, block_mask,
+                          block_m, block_n, bias_grad)
 
 
 @attn_bwd.register_fake
 def _(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-      max_seqlen_k, softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+      max_seqlen_k, softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p,
+      attn_bias, rng_seed, block_mask, block_m, block_n, bias_grad):
+    dbias = attn_bias.new_empty(attn_bias.shape) if bias_grad else q.new_empty((0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
-_PARAMS = ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "window_left", "window_right",
-           "bottom_right", "softcap", "dropout_p")
+_N_INPUTS = 19
+_BIAS_INDEX = 14
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *params) = inputs
+    (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+     softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p, attn_bias,
+     rng_seed, block_mask, block_m, block_n) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
-    ctx.params = params
+    # The dropout seed is saved next to the LSE: the backward regenerates the keep mask.
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                          attn_bias, rng_seed, block_mask)
+    ctx.params = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
+                  bottom_right, softcap, dropout_p)
+    ctx.block = (block_m, block_n)
     ctx.mark_non_differentiable(lse)
 
 
 def _grads(ctx, dout, bwd):
     # The log-sum-exp is an auxiliary output (as in flash-attn): its gradient is not propagated.
-    q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    (q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_bias, rng_seed,
+     block_mask) = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                     *ctx.params)
-    return (dq, dk, dv) + (None,) * (3 + len(_PARAMS))
+    bias_grad = bool(attn_bias is not None and ctx.needs_input_grad[_BIAS_INDEX])
+    dq, dk, dv, dbias = bwd(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                            *ctx.params, attn_bias, rng_seed, block_mask, *ctx.block, bias_grad)
+    grads = [None] * _N_INPUTS
+    grads[0], grads[1], grads[2] = dq, dk, dv
+    if bias_grad:
+        grads[_BIAS_INDEX] = dbias
+    return tuple(grads)
 
 
 attn_fwd.register_autograd(lambda ctx, dout, dlse: _grads(ctx, dout, attn_bwd),
@@ -130,14 +177,28 @@ class FlashAttnFunction(torch.autograd.Function):
         return _grads(ctx, dout, _backward_impl)
 
 
+def dropout_seed(spec: AttnSpec, device: torch.device) -> Optional[Tensor]:
+    """A fresh seed from the default generator of ``device`` when ``spec`` has dropout."""
+    return draw_seed(device) if spec.dropout_p > 0 else None
+
+
 def attention(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
-              cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
-    """Differentiable ``(out, lse)`` for validated inputs (layouts of ``backends.spec``)."""
+              cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, attn_bias=None, rng_seed=None,
+              block_mask=None, block_size=(0, 0)):
+    """Differentiable ``(out, lse)`` for validated inputs (layouts of ``backends.spec``).
+
+    With ``spec.dropout_p > 0``, ``rng_seed`` (see :func:`dropout_seed`) fixes the keep mask;
+    one is drawn here when it is None.
+    """
+    if spec.dropout_p > 0 and rng_seed is None:
+        rng_seed = draw_seed(q.device)
     args = (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
             int(max_seqlen_k), spec.softmax_scale, spec.window_left, spec.window_right,
-            spec.bottom_right, spec.softcap, spec.dropout_p)
+            spec.bottom_right, spec.softcap, spec.dropout_p, attn_bias, rng_seed, block_mask,
+            int(block_size[0]), int(block_size[1]))
     if torch.compiler.is_compiling():
         return attn_fwd(*args)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (attn_bias is not None and attn_bias.requires_grad)):
         return FlashAttnFunction.apply(*args)
     return _forward(*args)

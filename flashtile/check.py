@@ -8,6 +8,10 @@ gradient buffers, and compares against a float64 reference using flash-attn's ru
 
 where ``torch_same_dtype`` is plain attention computed by PyTorch in the input dtype (softmax
 in float32).  On a GPU it runs the Triton kernels; on a CPU the torch backend (small shapes).
+Feature cases (``--features`` runs only those) cover dropout (the reference applies the keep
+mask read back from ``S_dmask``, or regenerated from the call's seed), SDPA attention masks and
+learnable biases (``dbias`` checked with the gradient rule) and block-sparse attention (the
+reference is the dense masked attention of the expanded block mask).
 Exit status 1 if any case fails.
 """
 from __future__ import annotations
@@ -20,17 +24,28 @@ import math
 import re
 import sys
 import time
+import zlib
 
 import torch
 
 from .backends import select
 from .backends.spec import AttnSpec
+from .block_sparse import (block_sparse_attn_func, butterfly_block_mask, expand_block_mask,
+                           local_block_mask)
 from .interface import flash_attn_func, flash_attn_varlen_func, scaled_dot_product_attention
 from .masks import visible_mask
+from .rng import draw_seed, keep_mask
 
 
-def reference(q, k, v, spec: AttnSpec, alibi_slopes=None, dtype=torch.float64):
-    """Plain attention in ``dtype`` (softmax in at least float32); dense flash layout."""
+def reference(q, k, v, spec: AttnSpec, alibi_slopes=None, dtype=torch.float64, attn_bias=None,
+              keep=None):
+    """Plain attention in ``dtype`` (softmax in at least float32); dense flash layout.
+
+    ``attn_bias``: bool mask (True = attend) or additive float bias broadcastable to
+    ``(B, H, Sq, Sk)`` (differentiable).  ``keep``: bool dropout keep mask ``(B, H, Sq, Sk)``;
+    kept probabilities are scaled by ``1 / (1 - spec.dropout_p)``.  Rows that see no key give
+    0 and zero gradients.
+    """
     batch, sq, nheads, d = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
     qd, kd, vd = (x.to(dtype).transpose(1, 2) for x in (q, k, v))
@@ -45,9 +60,17 @@ def reference(q, k, v, spec: AttnSpec, alibi_slopes=None, dtype=torch.float64):
         i = torch.arange(sq, device=q.device)[:, None]
         j = torch.arange(sk, device=q.device)[None, :]
         s = s - alibi_slopes.to(soft_dtype).reshape(-1, nheads, 1, 1) * (i + sk - sq - j).abs()
+    if attn_bias is not None:
+        if attn_bias.dtype == torch.bool:
+            s = s.masked_fill(~attn_bias, float("-inf"))
+        else:
+            s = s + attn_bias.to(soft_dtype)
     vis = visible_mask(sq, sk, spec.window_left, spec.window_right, spec.bottom_right, q.device)
     s = s.masked_fill(~vis, float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    seen = (s > float("-inf")).any(dim=-1, keepdim=True)
+    p = torch.softmax(torch.where(seen, s, torch.zeros_like(s)), dim=-1) * seen
+    if keep is not None:
+        p = p * keep.to(p.dtype) / (1.0 - spec.dropout_p)
     out = torch.matmul(p.to(dtype), vd)
     return out.transpose(1, 2)
 
@@ -68,14 +91,33 @@ class Case:
     alibi: bool = False
     varlen: bool = False
     sdpa: bool = False
+    dropout: float = 0.0
+    # SDPA attn_mask: "bool" (B, 1, L, S), "bias" (B, H, L, S) learnable, "bias-bcast"
+    # (1, H, 1, S) learnable
+    mask: str = ""
+    # block-sparse: "butterfly" or "local" over blocks of `block` x `block`
+    sparse: str = ""
+    block: int = 128
+
+    @property
+    def feature(self) -> bool:
+        return bool(self.dropout or self.mask or self.sparse)
 
 
 def _max_err(a, b):
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
 
+def _mask_for(c: Case, device, gen):
+    if c.mask == "bool":
+        m = torch.rand(c.batch, 1, c.sq, c.sk, device=device, generator=gen) > 0.3
+        return m, False
+    shape = (c.batch, c.nheads, c.sq, c.sk) if c.mask == "bias" else (1, c.nheads, 1, c.sk)
+    return torch.randn(*shape, device=device, generator=gen, dtype=c.dtype), True
+
+
 def run_case(c: Case, device) -> dict:
-    gen = torch.Generator(device=device).manual_seed(hash(c.name) % (2 ** 31))
+    gen = torch.Generator(device=device).manual_seed(zlib.crc32(c.name.encode()))
     mk = lambda *s: torch.randn(*s, device=device, dtype=c.dtype, generator=gen)  # noqa: E731
     q = mk(c.batch, c.sq, c.nheads, c.d)
     k = mk(c.batch, c.sk, c.nheads_k, c.d)
@@ -83,12 +125,30 @@ def run_case(c: Case, device) -> dict:
     do = mk(c.batch, c.sq, c.nheads, c.d)
     slopes = (torch.rand(c.batch, c.nheads, device=device, generator=gen) * 0.3) if c.alibi else None
     right = 0 if c.causal else c.window[1]
-    spec = AttnSpec(1.0 / math.sqrt(c.d), c.window[0], right, not c.sdpa, c.softcap)
+    spec = AttnSpec(1.0 / math.sqrt(c.d), c.window[0], right, not (c.sdpa or c.mask), c.softcap,
+                    c.dropout)
+    mask, learn = (None, False)
+    if c.mask:
+        mask, learn = _mask_for(c, device, gen)
+    bmask = None
+    if c.sparse:
+        build = butterfly_block_mask if c.sparse == "butterfly" else local_block_mask
+        bmask = build(c.sq, c.sk, c.block, device=device).expand(c.batch, c.nheads, -1, -1)
+    seen = {}
 
-    def ours(q_, k_, v_):
+    def ours(q_, k_, v_, *extra):
+        if c.mask:
+            return scaled_dot_product_attention(
+                q_.transpose(1, 2), k_.transpose(1, 2), v_.transpose(1, 2),
+                attn_mask=extra[0] if extra else mask, dropout_p=c.dropout,
+                enable_gqa=True).transpose(1, 2)
+        if c.sparse:
+            return block_sparse_attn_func(q_, k_, v_, bmask, (c.block, c.block), c.dropout,
+                                          causal=c.causal)
         if c.sdpa:
             return scaled_dot_product_attention(q_.transpose(1, 2), k_.transpose(1, 2),
                                                 v_.transpose(1, 2), is_causal=c.causal,
+                                                dropout_p=c.dropout,
                                                 enable_gqa=True).transpose(1, 2)
         if c.varlen:
             lens_q = [c.sq] * c.batch
@@ -98,26 +158,56 @@ def run_case(c: Case, device) -> dict:
                                 dtype=torch.int32, device=device)
             o = flash_attn_varlen_func(q_.reshape(-1, c.nheads, c.d), k_.reshape(-1, c.nheads_k, c.d),
                                        v_.reshape(-1, c.nheads_k, c.d), cu_q, cu_k, c.sq, c.sk,
-                                       causal=c.causal, window_size=c.window, softcap=c.softcap,
+                                       dropout_p=c.dropout, causal=c.causal,
+                                       window_size=c.window, softcap=c.softcap,
                                        alibi_slopes=slopes)
             return o.reshape(c.batch, c.sq, c.nheads, c.d)
+        if c.dropout:
+            o, _, s_dmask = flash_attn_func(q_, k_, v_, dropout_p=c.dropout, causal=c.causal,
+                                            window_size=c.window, softcap=c.softcap,
+                                            alibi_slopes=slopes, return_attn_probs=True)
+            seen["keep"] = s_dmask >= 0
+            return o
         return flash_attn_func(q_, k_, v_, causal=c.causal, window_size=c.window,
                                softcap=c.softcap, alibi_slopes=slopes)
 
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    if learn:
+        leaves.append(mask.detach().clone().requires_grad_())
+    rng_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
     out = ours(*leaves)
+    keep = seen.get("keep")
+    if c.dropout and keep is None:
+        # the call drew its seed from the default generator: draw it again from the same state
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(rng_state, device)
+        else:
+            torch.set_rng_state(rng_state)
+        keep = keep_mask(int(draw_seed(device)[0]), c.dropout, c.batch, c.nheads, c.sq, c.sk,
+                         device=device)
     grads = torch.autograd.grad(out, leaves, do)
-    ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    ref = reference(*ref_leaves, spec, slopes)
-    ref_grads = torch.autograd.grad(ref, ref_leaves, do.double())
-    low_leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    low = reference(*low_leaves, spec, slopes, dtype=c.dtype)
-    low_grads = torch.autograd.grad(low, low_leaves, do)
+    bias = mask
+    if bmask is not None:
+        bias = expand_block_mask(bmask, (c.block, c.block), c.sq, c.sk)
+
+    def ref_run(dtype):
+        ref_leaves = [x.detach().to(dtype if dtype == torch.float64 else x.dtype).requires_grad_()
+                      for x in (q, k, v)]
+        b = bias
+        if learn:
+            b = mask.detach().to(dtype if dtype == torch.float64 else mask.dtype).requires_grad_()
+            ref_leaves.append(b)
+        r = reference(*ref_leaves[:3], spec, slopes, dtype=dtype, attn_bias=b, keep=keep)
+        return r, torch.autograd.grad(r, ref_leaves, do.to(r.dtype))
+
+    ref, ref_grads = ref_run(torch.float64)
+    low, low_grads = ref_run(c.dtype)
 
     eps = 1e-5 if c.dtype == torch.float32 else 1e-4
     result = {"case": c.name, "dtype": str(c.dtype).replace("torch.", ""), "ok": True}
+    names = ("dq", "dk", "dv", "dbias")
     for name, got, want, base, factor in [("out", out, ref, low, 2)] + [
-            (n, g, r, b, 3) for n, g, r, b in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads)]:
+            (n, g, r, b, 3) for n, g, r, b in zip(names, grads, ref_grads, low_grads)]:
         err = _max_err(got, want)
         bound = factor * _max_err(base, want) + eps
         finite = bool(torch.isfinite(got).all())
@@ -154,6 +244,41 @@ def cases(device: torch.device, quick: bool) -> list[Case]:
         ]
     if gpu:
         out.append(Case("float32-d64", 1, 512, 512, 4, 4, 64, torch.float32, True))
+    return out + feature_cases(device, quick)
+
+
+def feature_cases(device: torch.device, quick: bool) -> list[Case]:
+    """Dropout, attention masks / biases and block-sparse attention."""
+    gpu = device.type == "cuda"
+    dtypes = [torch.float16, torch.bfloat16] if gpu else [torch.float32, torch.bfloat16]
+    n = 1024 if gpu else 128
+    d = 128 if gpu else 64
+    blk = 128 if gpu else 32
+    out = []
+    for dtype in dtypes:
+        t = str(dtype)[6:]
+        out += [
+            Case(f"{t}-dropout", 2, n, n, 4, 4, d, dtype, dropout=0.17),
+            Case(f"{t}-dropout-causal-gqa-odd", 2, n // 2 + 7, n + 5, 8, 2, 64, dtype, True,
+                 dropout=0.3),
+            Case(f"{t}-dropout-window-softcap-alibi", 1, n, n, 4, 2, 64, dtype, window=(100, 20),
+                 softcap=30.0, alibi=True, dropout=0.1),
+            Case(f"{t}-mask-bool-dropout", 2, n // 2 + 3, n - 9, 4, 2, 64, dtype, mask="bool",
+                 dropout=0.2),
+            Case(f"{t}-bias-full-grad", 2, n // 2, n // 2 + 13, 4, 4, d, dtype, mask="bias"),
+            Case(f"{t}-bias-bcast-grad", 2, n // 2 + 5, n // 2, 4, 2, 64, dtype,
+                 mask="bias-bcast"),
+            Case(f"{t}-sparse-butterfly", 2, n, n, 4, 2, d, dtype, sparse="butterfly", block=blk),
+            Case(f"{t}-sparse-local-causal-dropout", 1, n + 40, n + 40, 4, 4, 64, dtype, True,
+                 sparse="local", block=blk, dropout=0.1),
+        ]
+        if not quick:
+            out += [
+                Case(f"{t}-dropout-varlen-causal", 3, n // 2, n // 2 + 31, 4, 2, 64, dtype, True,
+                     varlen=True, dropout=0.25),
+                Case(f"{t}-dropout-sdpa-causal", 2, n // 2, n, 4, 2, 64, dtype, True, sdpa=True,
+                     dropout=0.15),
+            ]
     return out
 
 
@@ -162,6 +287,8 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="fewer cases")
+    parser.add_argument("--features", action="store_true",
+                        help="only the dropout / mask / bias / block-sparse cases")
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--only", default="", help="run only cases whose name matches this "
                         "regular expression (e.g. ^bfloat16); several processes with disjoint "
@@ -169,7 +296,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     t0 = time.time()
-    results = [run_case(c, device) for c in cases(device, args.quick) if re.search(args.only, c.name)]
+    todo = feature_cases(device, args.quick) if args.features else cases(device, args.quick)
+    results = [run_case(c, device) for c in todo if re.search(args.only, c.name)]
     if not results:
         print(f"no case matches --only {args.only!r}")
         return 1
@@ -180,7 +308,8 @@ def main(argv=None) -> int:
           f"  {'dv err/bound':>19}  ok")
     for r in results:
         cols = "  ".join(f"{r[n]:9.2e}/{r[n + '_bound']:9.2e}" for n in ("out", "dq", "dk", "dv"))
-        print(f"{r['case']:<{width}}  {cols}  {'yes' if r['ok'] else 'NO'}")
+        extra = f"  dbias {r['dbias']:9.2e}/{r['dbias_bound']:9.2e}" if "dbias" in r else ""
+        print(f"{r['case']:<{width}}  {cols}  {'yes' if r['ok'] else 'NO'}{extra}")
     failed = [r["case"] for r in results if not r["ok"]]
     print(f"{len(results) - len(failed)} passed, {len(failed)} failed in {time.time() - t0:.1f}s")
     if args.json:

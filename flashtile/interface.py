@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 
 from . import _validate as V
-from .autograd import attention
+from .autograd import attention, dropout_seed
 from .backends.spec import AttnSpec
 from .decode import flash_attn_with_kvcache  # noqa: F401  (documented there; exported here)
-from .masks import attention_probs
+from .masks import attention_probs, attention_probs_varlen, sign_dropped
 
 
 def _compiling() -> bool:
@@ -56,7 +56,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         q: ``(batch, seqlen_q, nheads, headdim)``, float16 / bfloat16 / float32.
         k, v: ``(batch, seqlen_k, nheads_k, headdim)``; ``nheads % nheads_k == 0`` (GQA/MQA:
             query head ``h`` uses key/value head ``h // (nheads // nheads_k)``).
-        dropout_p: must be 0.0 for now (dropout is not implemented yet).
+        dropout_p: probability in ``[0, 1)`` of dropping each normalised attention
+            probability; kept ones are scaled by ``1 / (1 - dropout_p)`` (``lse`` is
+            unaffected).  The keep mask comes from a seed drawn from PyTorch's default
+            generator for q's device, so ``torch.manual_seed(s)`` makes calls repeatable; the
+            backward regenerates it (no N x N mask is stored).  See ``flashtile.rng``.
         softmax_scale: defaults to ``1 / sqrt(headdim)``.
         causal: bottom-right aligned when ``seqlen_q != seqlen_k`` (query ``i`` sees keys
             ``j <= i + seqlen_k - seqlen_q``); a query row that sees no key outputs 0::
@@ -68,11 +72,20 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                                                   1 0
                                                   1 1
         window_size: ``(left, right)``; query ``i`` sees keys in
-            ``[i + sk - sq - left, i + sk - sq + right]``, -1 meaning unbounded.
+            ``[i + sk - sq - left, i + sk - sq + right]``, -1 meaning unbounded::
+
+                window_size=(2, 1), seqlen_q = seqlen_k = 6
+                    1 1 0 0 0 0
+                    1 1 1 0 0 0
+                    1 1 1 1 0 0
+                    0 1 1 1 1 0
+                    0 0 1 1 1 1
+                    0 0 0 1 1 1
         softcap: if > 0, scores become ``softcap * tanh(scores / softcap)``.
         alibi_slopes: float32 ``(nheads,)`` or ``(batch, nheads)``; adds
             ``-slope * |i + seqlen_k - seqlen_q - j|`` to the scores.
-        deterministic: accepted for compatibility; the backward is always deterministic.
+        deterministic: accepted for compatibility; the backward is always deterministic
+            (no atomics: two backward calls give bitwise-identical gradients).
         return_attn_probs: also return the log-sum-exp and the probabilities (testing only:
             the probabilities are an N x N tensor).
 
@@ -81,18 +94,21 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         ``return_attn_probs=True``, ``(out, softmax_lse, S_dmask)`` where ``softmax_lse`` is
         float32 ``(batch, nheads, seqlen_q)`` (natural log, ``-inf`` for rows that see no key)
         and ``S_dmask`` float32 ``(batch, nheads, seqlen_q, seqlen_k)`` holds the normalised
-        probabilities.
+        probabilities P (before dropout) with the sign flipped where dropout dropped the
+        element: ``S_dmask >= 0`` is the keep mask and ``S_dmask.abs()`` is P.  Entries that
+        are exactly 0 (masked keys) count as kept.
     """
     _check_qkv(q, k, v, "(batch, seqlen, nheads, headdim)", "(batch, seqlen_k, nheads_k, headdim)", 4)
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"batch of q ({q.shape[0]}) and k/v ({k.shape[0]}) must match")
     spec = _spec(q, softmax_scale, causal, window_size, softcap, dropout_p)
     slopes = V.alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
-    out, lse = attention(q, k, v, spec, alibi_slopes=slopes)
+    seed = dropout_seed(spec, q.device)
+    out, lse = attention(q, k, v, spec, alibi_slopes=slopes, rng_seed=seed)
     if not return_attn_probs:
         return out
     with torch.no_grad():
-        probs = attention_probs(q, k, lse, spec, slopes)
+        probs = sign_dropped(attention_probs(q, k, lse, spec, slopes), seed, spec.dropout_p)
     return out, lse, probs
 
 
@@ -116,10 +132,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         max_seqlen_q, max_seqlen_k: the longest sequence lengths (ints).
         Other arguments as in ``flash_attn_func``; causal and windows are bottom-right aligned
         per sequence.  ``block_table`` (paged keys/values) is not supported here yet.
+        Dropout decides element ``(b, h, i, j)`` (``i``, ``j`` local to sequence ``b``) with
+        the counter ``((b * nheads + h) * max_seqlen_q + i) * max_seqlen_k + j``, so the mask
+        depends on the ``max_seqlen_*`` values passed (equal-length sequences with exact
+        maxima give the dense call's mask).
 
     Returns:
         out ``(total_q, nheads, headdim)``; with ``return_attn_probs=True``
-        ``(out, softmax_lse, None)`` with ``softmax_lse`` float32 ``(nheads, total_q)``.
+        ``(out, softmax_lse, S_dmask)`` with ``softmax_lse`` float32 ``(nheads, total_q)`` and
+        ``S_dmask`` float32 ``(batch, nheads, max_seqlen_q, max_seqlen_k)`` as in
+        ``flash_attn_func``, sequence ``b`` in the top-left ``(len_q, len_k)`` corner of
+        ``S_dmask[b]`` (zeros elsewhere).
     """
     _check_qkv(q, k, v, "(total_q, nheads, headdim)", "(total_k, nheads_k, headdim)", 3)
     if block_table is not None:
@@ -137,12 +160,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         batch = cu_seqlens_q.shape[0] - 1
     spec = _spec(q, softmax_scale, causal, window_size, softcap, dropout_p)
     slopes = V.alibi(alibi_slopes, batch, q.shape[1], q.device)
+    seed = dropout_seed(spec, q.device)
     out, lse = attention(q, k, v, spec, alibi_slopes=slopes, cu_seqlens_q=cu_seqlens_q,
                          cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                         max_seqlen_k=max_seqlen_k)
-    if return_attn_probs:
-        return out, lse, None
-    return out
+                         max_seqlen_k=max_seqlen_k, rng_seed=seed)
+    if not return_attn_probs:
+        return out
+    with torch.no_grad():
+        probs = attention_probs_varlen(q, k, lse, spec, cu_seqlens_q, cu_seqlens_k,
+                                       int(max_seqlen_q), int(max_seqlen_k), slopes)
+        probs = sign_dropped(probs, seed, spec.dropout_p)
+    return out, lse, probs
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -183,9 +211,30 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             1 0 0 0 0
             1 1 0 0 0
 
+    ``attn_mask``: broadcastable to ``(..., H, L, S)``; either bool (True = attend) or a float
+    additive mask of the query's dtype or float32, added to ``scale * q.k`` before the softmax
+    (``-inf`` hides a key).  It is read tile by tile through its broadcast strides (a
+    ``(1, H, 1, S)`` mask is never expanded in memory)::
+
+        bool attn_mask (L=3, S=4)        float attn_mask
+            1 1 0 1                         0    -1.5  -inf  0
+            1 0 0 1                         0     0     0.7  -inf
+            0 0 0 0   -> output row 0       ...
+
+    A row whose mask hides every key outputs 0 (flash-attn's convention and what PyTorch's
+    fused CPU kernel does; PyTorch's documented math formula would give NaN).  When a float
+    mask requires grad, its gradient is ``dS = P * (dP - rowsum(dO * O))``, the gradient with
+    respect to the (natural-log) score, summed over the mask's broadcast dimensions.  A full
+    ``(..., H, L, S)`` mask receives it directly; a broadcast mask costs a temporary float32
+    ``(B, H, L, S)`` buffer in the Triton backend (the torch backend reduces tile by tile).
+    ``attn_mask`` together with ``is_causal=True`` is rejected (PyTorch's documented
+    semantics); put the causal mask into ``attn_mask`` instead.
+
+    ``dropout_p`` in ``[0, 1)`` drops normalised probabilities (kept ones are scaled by
+    ``1 / (1 - dropout_p)``), always applied like PyTorch's (pass 0.0 in eval); the keep mask
+    is drawn as in ``flash_attn_func`` (``torch.manual_seed`` makes it repeatable).
     ``scale`` defaults to ``1 / sqrt(E)``; ``enable_gqa=True`` lets ``H`` be a multiple of
-    ``H_kv``.  ``attn_mask`` and ``dropout_p > 0`` are not implemented yet and raise
-    ``NotImplementedError``.  The value head dim must equal the query head dim.
+    ``H_kv``.  The value head dim must equal the query head dim.
 
     Returns ``(..., H, L, E)`` in the input dtype (a transposed view of a ``(..., L, H, E)``
     buffer, like PyTorch's flash backend).
@@ -199,9 +248,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if not (query.dim() == key.dim() == value.dim()):
         raise ValueError(f"query, key and value must have the same number of dimensions, got "
                          f"{query.dim()}, {key.dim()}, {value.dim()}")
-    if attn_mask is not None:
-        raise NotImplementedError("attn_mask is not implemented yet in flashtile; use "
-                                  "is_causal=True for causal masks")
     lead = query.shape[:-3]
     if key.shape[:-3] != lead or value.shape[:-3] != lead:
         raise ValueError(f"query, key and value must share their batch dimensions, got "
@@ -216,6 +262,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if nheads != nheads_k and not enable_gqa:
         raise ValueError(f"query has {nheads} heads but key/value have {nheads_k}; pass "
                          "enable_gqa=True for grouped-query attention")
+    bias = None
+    if attn_mask is not None:
+        target = (*lead, nheads, query.shape[-2], key.shape[-2])
+        V.attn_mask(attn_mask, query, target)
+        if is_causal:
+            raise ValueError("attn_mask cannot be combined with is_causal=True (PyTorch's "
+                             "semantics); fold the causal mask into attn_mask")
+        bias = _mask_4d(attn_mask, target)
 
     def to_flash(x):  # (..., H, L, E) -> (B, L, H, E) view; copies only a strided last dim
         x = x.reshape(-1, *x.shape[-3:]).transpose(1, 2)
@@ -225,5 +279,17 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     _check_qkv(q, k, v, "(..., heads, seq, headdim)", "(..., heads_kv, seq, headdim)", 4,
                names=("query", "key", "value"))
     spec = _spec(q, scale, is_causal, (-1, -1), 0.0, dropout_p, bottom_right=False)
-    out, _ = attention(q, k, v, spec)
+    out, _ = attention(q, k, v, spec, attn_bias=bias, rng_seed=dropout_seed(spec, q.device))
     return out.transpose(1, 2).reshape(*lead, nheads, query.shape[-2], query.shape[-1])
+
+
+def _mask_4d(mask: torch.Tensor, target: tuple[int, ...]) -> torch.Tensor:
+    """``attn_mask`` as ``(B|1, H|1, L|1, S|1)`` over the flattened batch ``B``, keeping size-1
+    (broadcast) dimensions so the kernels read it with stride 0.  Views where possible;
+    autograd carries the gradient back to the caller's shape."""
+    nlead = len(target) - 3
+    m = mask.reshape((1,) * (len(target) - mask.dim()) + tuple(mask.shape))
+    lead_m = m.shape[:nlead]
+    if all(n == 1 for n in lead_m):
+        return m.reshape(1, *m.shape[nlead:])
+    return m.expand(*target[:nlead], *m.shape[nlead:]).reshape(-1, *m.shape[nlead:])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .backends.spec import AttnSpec
+from .rng import keep_mask
 
 
 def visible_mask(seqlen_q: int, seqlen_k: int, window_left: int = -1, window_right: int = -1,
@@ -57,3 +58,39 @@ def attention_probs(q, k, lse, spec: AttnSpec, alibi_slopes=None) -> torch.Tenso
     s = scores(q, k, spec, alibi_slopes)
     p = torch.exp(s - lse[..., None].float())
     return torch.nan_to_num(p, nan=0.0)
+
+
+def attention_probs_varlen(q, k, lse, spec: AttnSpec, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, alibi_slopes=None) -> torch.Tensor:
+    """Packed layouts: float32 ``(batch, H, max_seqlen_q, max_seqlen_k)``; sequence ``b`` fills
+    the top-left ``(len_q[b], len_k[b])`` corner, the rest is 0."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    batch, nheads = len(cq) - 1, q.shape[1]
+    probs = torch.zeros(batch, nheads, max_seqlen_q, max_seqlen_k, dtype=torch.float32,
+                        device=q.device)
+    for b in range(batch):
+        (q0, q1), (k0, k1) = (cq[b], cq[b + 1]), (ck[b], ck[b + 1])
+        if q1 == q0:
+            continue
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = alibi_slopes[b:b + 1] if alibi_slopes.dim() == 2 else alibi_slopes
+        probs[b, :, :q1 - q0, :k1 - k0] = attention_probs(q[None, q0:q1], k[None, k0:k1],
+                                                          lse[None, :, q0:q1], spec, slopes)[0]
+    return probs
+
+
+def sign_dropped(probs: torch.Tensor, rng_seed, dropout_p: float) -> torch.Tensor:
+    """flash-attn's ``S_dmask``: ``probs`` ``(B, H, Sq, Sk)`` with the sign flipped where dropout
+    dropped the element, so ``S_dmask >= 0`` is the keep mask and ``S_dmask.abs()`` is P.
+
+    ``Sq``/``Sk`` are the counter strides of :mod:`flashtile.rng` (``max_seqlen_*`` for
+    varlen).  A dropped element whose probability is exactly 0 gives ``-0.0``, which compares
+    ``>= 0``: entries that are exactly 0 count as kept (they contribute nothing either way).
+    """
+    if dropout_p <= 0:
+        return probs
+    batch, nheads, sq, sk = probs.shape
+    keep = keep_mask(int(rng_seed.reshape(-1)[0]), dropout_p, batch, nheads, sq, sk,
+                     device=probs.device)
+    return torch.where(keep, probs, -probs)

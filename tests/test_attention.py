@@ -7,6 +7,7 @@ poisoning the kernels' output buffers with NaN.
 from __future__ import annotations
 
 import itertools
+import zlib
 import math
 
 import pytest
@@ -74,7 +75,7 @@ def _compare(name, q, k, v, do, spec, slopes, out, lse, grads, dtype):
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     low = reference(*leaves, spec, slopes, dtype=dtype)
     low_grads = torch.autograd.grad(low, leaves, do)
-    floor = 1e-6 if dtype == torch.float32 else 1e-4
+    floor = 4e-6 if dtype == torch.float32 else 1e-4
     assert_flash_rule(f"{name}: out", out, ref, low, 2, floor)
     for g_name, got, want, base in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads):
         assert_flash_rule(f"{name}: {g_name}", got, want, base, 3, floor)
@@ -101,7 +102,7 @@ def _scores64(q, k, spec, slopes):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_flash_attn_func_matches_float64(case, dtype, backend):
-    q, k, v, do, kw = _inputs(case, dtype, seed=hash(case[0]) % 1000)
+    q, k, v, do, kw = _inputs(case, dtype, seed=zlib.crc32(case[0].encode()) % 1000)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     with flashtile.use_backend(backend), poison_outputs():
         out, lse, _ = flashtile.flash_attn_func(*leaves, return_attn_probs=True, **kw)

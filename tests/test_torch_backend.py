@@ -268,14 +268,14 @@ def test_non_contiguous_inputs(small_tiles):
         assert_close(f"{n} from strided out/lse", got, want, 0, 0)
 
 
-def test_dropout_is_not_implemented():
+def test_dropout_needs_a_seed():
     q, k, v, do, _ = _inputs(0, 1, 8, 8, 2, 2, 8)
     spec = AttnSpec(softmax_scale=0.35, dropout_p=0.1)
-    with pytest.raises(NotImplementedError, match="dropout in the torch backend"):
+    with pytest.raises(ValueError, match="rng_seed"):
         torch_tiled.forward(q, k, v, spec)
     out = torch.zeros_like(q)
     lse = torch.zeros(1, 2, 8)
-    with pytest.raises(NotImplementedError, match="dropout in the torch backend"):
+    with pytest.raises(ValueError, match="rng_seed"):
         torch_tiled.backward(do, q, k, v, out, lse, spec)
 
 

@@ -3,9 +3,23 @@
 Both backends implement the same two functions::
 
     forward(q, k, v, spec, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
-            max_seqlen_q=None, max_seqlen_k=None) -> (out, lse)
+            max_seqlen_q=None, max_seqlen_k=None, attn_bias=None, rng_seed=None,
+            block_mask=None, block_size=None) -> (out, lse)
     backward(do, q, k, v, out, lse, spec, *, alibi_slopes=None, cu_seqlens_q=None,
-             cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> (dq, dk, dv)
+             cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, attn_bias=None,
+             rng_seed=None, block_mask=None, block_size=None, dbias=None) -> (dq, dk, dv)
+
+Optional features (each may be combined with every other):
+  attn_bias   bool mask (True = visible) or additive float bias ``(B|1, H|1, Sq|1, Sk|1)``
+              (query heads; positions local to the sequence for varlen), added to the score
+              in natural-log units; ``backward`` writes ``dS`` (the gradient w.r.t. the
+              score, before softcap's factor) summed to the bias's shape into ``dbias``.
+  rng_seed    int64 ``(1,)`` tensor, required when ``spec.dropout_p > 0``: element
+              ``(b, h, i, j)`` is kept iff ``tl.rand(seed, ((b*H + h)*Sq + i)*Sk + j) >= p``
+              (``Sq``/``Sk`` = ``max_seqlen_*`` for varlen); see ``flashtile.rng``.  Kept
+              probabilities (after normalisation) are scaled by ``1 / (1 - p)``.
+  block_mask  bool ``(B|1, H|1, ceil(Sq/bm), ceil(Sk/bn))`` with ``block_size = (bm, bn)``
+              (multiples of 16): key ``j`` is visible to query ``i`` only if its block is set.
 
 Layouts (flash-attn's):
   dense   q ``(B, Sq, H, D)``, k/v ``(B, Sk, Hk, D)``, out like q, lse float32 ``(B, H, Sq)``

@@ -34,6 +34,18 @@ for free inside the matmul.
 Key tiles that no query of the block can see (causal / sliding window) are skipped, and the
 mask is only built for tiles that straddle the band's edge.  Everything is computed in
 float32; results come back in the input dtype, ``lse`` in float32.
+
+Optional features, with the Triton kernels' semantics (``_Extras``):
+
+* ``attn_bias``: bool mask or additive float bias ``(B|1, H|1, Sq|1, Sk|1)``, sliced per tile
+  and broadcast into it (never expanded in memory); its gradient ``dS`` is summed over the
+  broadcast dims tile by tile into ``dbias``.
+* dropout: the keep mask of a tile comes from ``flashtile.rng`` (the same Philox counters as
+  the kernels, so both backends drop the same elements for the same seed); it multiplies
+  ``P`` after ``l`` is updated, and the output is scaled by ``1 / (1 - p)``; the backward
+  regenerates it (``dV += (P Z r)^T dO``, ``dP = (dO V^T) Z r``).
+* ``block_mask`` over ``block_size`` blocks: expanded per tile into an element mask; tiles
+  whose blocks are all zero are skipped.
 """
 from __future__ import annotations
 
@@ -41,6 +53,7 @@ import math
 
 import torch
 
+from ..rng import dropout_counters, philox_uniform
 from .spec import AttnSpec
 
 __all__ = ["forward", "backward"]
@@ -64,9 +77,6 @@ _LN2 = math.log(2.0)
 
 
 def _check(q, k, v, spec: AttnSpec, varlen: bool):
-    if spec.dropout_p > 0:
-        raise NotImplementedError("dropout in the torch backend is not implemented yet "
-                                  "(use dropout_p=0.0)")
     nd = 3 if varlen else 4
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != nd:
@@ -164,10 +174,91 @@ class _Band:
         return hide
 
 
+class _Extras:
+    """Bias / bool mask, block mask and dropout of one dense batch (all optional).
+
+    Tiles are ``[B, Hk, BM, G, BN]`` views of the ``[BH, BM*G, BN]`` score tiles; a
+    ``(B|1, H|1, ...)`` tensor is brought to ``(B|1, Hk|1, BM, G|1, BN)`` to broadcast into it.
+    """
+
+    def __init__(self, B, H, Hk, attn_bias=None, block_mask=None, block_size=None,
+                 seed=None, dropout_p=0.0, batch_offset=0, seqlen_q=0, seqlen_k=0):
+        self.B, self.H, self.Hk, self.G = B, H, Hk, H // Hk
+        self.bias = attn_bias
+        self.bias_bool = attn_bias is not None and attn_bias.dtype == torch.bool
+        self.block_mask = block_mask
+        self.bm, self.bn = block_size if block_size is not None else (1, 1)
+        self.seed = seed
+        self.dropout_p = float(dropout_p)
+        self.b0, self.cq, self.ck = batch_offset, seqlen_q, seqlen_k
+
+    @property
+    def active(self) -> bool:
+        return self.bias is not None or self.block_mask is not None
+
+    def _heads(self, t):
+        """``(B|1, H|1, BM, BN)`` -> ``(B|1, Hk|1, BM, G|1, BN)``."""
+        b, h, m, n = t.shape
+        if h == 1:
+            return t.view(b, 1, m, 1, n)
+        return t.view(b, self.Hk, self.G, m, n).permute(0, 1, 3, 2, 4)
+
+    def _block_tile(self, i0, i1, j0, j1):
+        dev = self.block_mask.device
+        rb = torch.arange(i0, i1, device=dev) // self.bm
+        cb = torch.arange(j0, j1, device=dev) // self.bn
+        return self.block_mask[:, :, rb][:, :, :, cb]  # [B|1, H|1, BM, BN]
+
+    def skip(self, i0, i1, j0, j1) -> bool:
+        """True when the block mask zeroes the whole tile (it is then never computed)."""
+        if self.block_mask is None:
+            return False
+        sub = self.block_mask[:, :, i0 // self.bm:(i1 - 1) // self.bm + 1,
+                              j0 // self.bn:(j1 - 1) // self.bn + 1]
+        return not bool(sub.any())
+
+    def apply(self, b_s5, i0, i1, j0, j1):
+        """Adds the bias (base 2) / hides masked elements of a ``[B, Hk, BM, G, BN]`` tile."""
+        if self.bias is not None:
+            rows = slice(i0, i1) if self.bias.shape[2] > 1 else slice(0, 1)
+            cols = slice(j0, j1) if self.bias.shape[3] > 1 else slice(0, 1)
+            t = self.bias[:, :, rows, cols]
+            if self.bias_bool:
+                b_s5.masked_fill_(~self._heads(t), _NEG_INF)
+            else:
+                b_s5.add_(self._heads(t.to(torch.float32)), alpha=_LOG2E)
+        if self.block_mask is not None:
+            b_s5.masked_fill_(~self._heads(self._block_tile(i0, i1, j0, j1)), _NEG_INF)
+
+    def keep(self, i0, i1, j0, j1, device):
+        """Dropout keep mask of the tile, float32 ``[B*Hk, BM*G, BN]`` of 0 / ``1 / (1 - p)``."""
+        b = torch.arange(self.b0, self.b0 + self.B, device=device).view(-1, 1, 1, 1, 1)
+        h = torch.arange(self.H, device=device).view(1, self.Hk, 1, self.G, 1)
+        i = torch.arange(i0, i1, device=device).view(1, 1, -1, 1, 1)
+        j = torch.arange(j0, j1, device=device).view(1, 1, 1, 1, -1)
+        u = philox_uniform(self.seed, dropout_counters(b, h, i, j, self.H, self.cq, self.ck))
+        p32 = torch.tensor(self.dropout_p, dtype=torch.float32, device=device)
+        z = (u >= p32).to(torch.float32) * (1.0 / (1.0 - self.dropout_p))
+        return z.view(self.B * self.Hk, (i1 - i0) * self.G, j1 - j0)
+
+    def reduce_ds(self, b_ds, dbias, i0, i1, j0, j1):
+        """Adds the tile's ``dS`` (``[BH, BM*G, BN]``) to ``dbias`` (the bias's shape)."""
+        BM, BN = i1 - i0, j1 - j0
+        t = b_ds.view(self.B, self.Hk, BM, self.G, BN).permute(0, 1, 3, 2, 4)
+        t = t.reshape(self.B, self.H, BM, BN)
+        dims = [d for d in range(4) if dbias.shape[d] == 1 and t.shape[d] != 1]
+        if dims:
+            t = t.sum(dim=dims, keepdim=True)
+        rows = slice(i0, i1) if dbias.shape[2] > 1 else slice(0, 1)
+        cols = slice(j0, j1) if dbias.shape[3] > 1 else slice(0, 1)
+        dbias[:, :, rows, cols] += t
+
+
 class _Scores:
     """Builds the score tile ``S`` (scale, softcap, ALiBi, mask) shared by forward and backward."""
 
-    def __init__(self, spec: AttnSpec, band: _Band, slopes, B, Hk, G, sq, sk):
+    def __init__(self, spec: AttnSpec, band: _Band, slopes, B, Hk, G, sq, sk, extras=None):
+        self.extras = extras if extras is not None and extras.active else None
         self.softcap = float(spec.softcap)
         self.band = band
         self.G = G
@@ -197,6 +288,9 @@ class _Scores:
             # ALiBi distance is always measured from the bottom-right diagonal
             dist = (i.view(-1, 1) + float(self.sk - self.sq) - j.view(1, -1)).abs_()
             b_s4.addcmul_(self.slopes, dist.view(1, i1 - i0, 1, BN), value=-1.0)
+        if self.extras is not None:
+            self.extras.apply(b_s4.view(self.extras.B, self.extras.Hk, i1 - i0, self.G, BN),
+                              i0, i1, j0, j1)
         if not self.band.fully_visible(i0, i1, j0, j1):
             b_s4.masked_fill_(self.band.hidden(i0, i1, j0, j1, b_s.device), _NEG_INF)
         return b_s, b_t
@@ -206,7 +300,7 @@ class _Scores:
 # forward
 
 
-def _forward_dense(q, k, v, spec: AttnSpec, slopes, out, lse):
+def _forward_dense(q, k, v, spec: AttnSpec, slopes, out, lse, extras=None):
     """One dense batch: q ``(B, Sq, H, D)``, k/v ``(B, Sk, Hk, D)``; writes ``out``/``lse``."""
     B, Sq, H, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
@@ -217,7 +311,8 @@ def _forward_dense(q, k, v, spec: AttnSpec, slopes, out, lse):
     if Sq == 0 or BH == 0:
         return
     band = _Band(spec, Sq, Sk)
-    scores = _Scores(spec, band, slopes, B, Hk, G, Sq, Sk)
+    scores = _Scores(spec, band, slopes, B, Hk, G, Sq, Sk, extras)
+    dropout = extras is not None and extras.seed is not None
     qs = _rows_first(q, B, Sq, Hk, G, D)  # [BH, Sq*G, D]
     qs.mul_(spec.softmax_scale * scores.q_factor)
     ks = _rows_first(k, B, Sk, Hk, 1, D)  # [BH, Sk, D]
@@ -237,6 +332,8 @@ def _forward_dense(q, k, v, spec: AttnSpec, slopes, out, lse):
         b_acc = torch.zeros((BH, rows, D), device=q.device)  # [BH, BM*G, D]
         for j0 in range(lo, hi, BLOCK_N):
             j1 = min(j0 + BLOCK_N, hi)
+            if extras is not None and extras.skip(i0, i1, j0, j1):
+                continue
             b_s, _ = scores.tile(b_q, ks[:, j0:j1].transpose(1, 2), i0, i1, j0, j1)
             b_mnew = torch.maximum(b_m, b_s.amax(dim=-1))  # [BH, BM*G]
             # A row that has not met a visible key yet still has max -inf, and
@@ -248,21 +345,53 @@ def _forward_dense(q, k, v, spec: AttnSpec, slopes, out, lse):
             b_alpha = torch.exp2(b_m.sub_(b_off))  # [BH, BM*G]
             b_p = b_s.sub_(b_off.unsqueeze(-1)).exp2_()  # [BH, BM*G, BN]
             b_l = b_p.sum(dim=-1).addcmul_(b_l, b_alpha)  # [BH, BM*G]
+            if dropout:  # after l: dropout acts on the normalised probabilities
+                b_p.mul_(extras.keep(i0, i1, j0, j1, q.device))
             b_acc.mul_(b_alpha.unsqueeze(-1)).baddbmm_(b_p, vs[:, j0:j1])
             b_m = b_mnew
         # l = 0 exactly for rows that saw nothing: their acc is 0 too, so divide by 1
         b_lsafe = b_l.masked_fill(b_l == 0, 1.0)
         b_acc.div_(b_lsafe.unsqueeze(-1))
+        # (dropout's 1 / (1 - p) is already inside the keep tiles)
         out_rows[:, :, i0:i1] = b_acc.view(B, Hk, i1 - i0, G, D)
         b_lse = torch.where(b_l > 0, (b_m + torch.log2(b_lsafe)) * _LN2, _NEG_INF)  # [BH, BM*G]
         lse_rows[:, :, i0:i1] = b_lse.view(B, Hk, i1 - i0, G)
 
 
+def _extras(q, k, spec: AttnSpec, varlen, attn_bias, rng_seed, block_mask, block_size,
+            max_seqlen_q, max_seqlen_k):
+    """Per-call ``_Extras`` (None when no optional feature is used), for batch entry 0."""
+    if attn_bias is None and block_mask is None and spec.dropout_p <= 0:
+        return None
+    seed = None
+    if spec.dropout_p > 0:
+        if rng_seed is None:
+            raise ValueError("dropout_p > 0 needs rng_seed (an int64 tensor of shape (1,))")
+        seed = int(rng_seed.reshape(-1)[0])
+    H, Hk = q.shape[-2], k.shape[-2]
+    if varlen:
+        B, cq, ck = 1, int(max_seqlen_q or 0), int(max_seqlen_k or 0)
+    else:
+        B, cq, ck = q.shape[0], q.shape[1], k.shape[1]
+    return _Extras(B, H, Hk, attn_bias, block_mask, block_size, seed, spec.dropout_p, 0, cq, ck)
+
+
+def _for_sequence(extras, b):
+    """The extras of varlen sequence ``b`` (batch offset ``b``, batch-sliced tensors)."""
+    if extras is None:
+        return None
+    pick = lambda t: None if t is None else t[b:b + 1] if t.shape[0] > 1 else t  # noqa: E731
+    return _Extras(1, extras.H, extras.Hk, pick(extras.bias), pick(extras.block_mask),
+                   (extras.bm, extras.bn), extras.seed, extras.dropout_p, b, extras.cq,
+                   extras.ck)
+
+
 def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
-            cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+            cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, attn_bias=None,
+            rng_seed=None, block_mask=None, block_size=None):
     """Exact attention, tiled.  Returns ``(out, lse)``; layouts as in ``spec.py``.
 
-    ``max_seqlen_*`` are accepted for interface parity and not needed here.
+    ``max_seqlen_*`` only matter with dropout (they are the varlen counter strides).
     """
     varlen = cu_seqlens_q is not None
     if varlen != (cu_seqlens_k is not None):
@@ -270,11 +399,14 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
     _check(q, k, v, spec, varlen)
     H = q.shape[-2]
     with torch.no_grad():
+        extras = _extras(q, k, spec, varlen, attn_bias, rng_seed, block_mask, block_size,
+                         max_seqlen_q, max_seqlen_k)
         if not varlen:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
             lse = torch.empty((q.shape[0], H, q.shape[1]), dtype=torch.float32,
                               device=q.device)
-            _forward_dense(q, k, v, spec, _slopes(alibi_slopes, q.shape[0], H), out, lse)
+            _forward_dense(q, k, v, spec, _slopes(alibi_slopes, q.shape[0], H), out, lse,
+                           extras)
             return out, lse
         out = torch.zeros_like(q, memory_format=torch.contiguous_format)
         lse = torch.full((H, q.shape[0]), _NEG_INF, dtype=torch.float32, device=q.device)
@@ -283,7 +415,7 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
         for b, (q0, q1, k0, k1) in enumerate(seqs):
             _forward_dense(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], spec,
                            None if slopes is None else slopes[b:b + 1],
-                           out[None, q0:q1], lse[None, :, q0:q1])
+                           out[None, q0:q1], lse[None, :, q0:q1], _for_sequence(extras, b))
         return out, lse
 
 
@@ -291,8 +423,10 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
 # backward
 
 
-def _backward_dense(do, q, k, v, out, lse, spec: AttnSpec, slopes, dq, dk, dv):
-    """One dense batch; writes ``dq`` ``(B, Sq, H, D)`` and ``dk``/``dv`` ``(B, Sk, Hk, D)``."""
+def _backward_dense(do, q, k, v, out, lse, spec: AttnSpec, slopes, dq, dk, dv, extras=None,
+                    dbias=None):
+    """One dense batch; writes ``dq`` ``(B, Sq, H, D)`` and ``dk``/``dv`` ``(B, Sk, Hk, D)``;
+    adds the bias gradient into ``dbias`` (float32, the bias's shape) when given."""
     B, Sq, H, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     G = H // Hk
@@ -300,7 +434,8 @@ def _backward_dense(do, q, k, v, out, lse, spec: AttnSpec, slopes, dq, dk, dv):
     if BH == 0 or Sq == 0 or Sk == 0:
         return  # dq, dk, dv arrive zeroed
     band = _Band(spec, Sq, Sk)
-    scores = _Scores(spec, band, slopes, B, Hk, G, Sq, Sk)
+    scores = _Scores(spec, band, slopes, B, Hk, G, Sq, Sk, extras)
+    dropout = extras is not None and extras.seed is not None
     factor = spec.softmax_scale * scores.q_factor
     qs = _rows_first(q, B, Sq, Hk, G, D)  # [BH, Sq*G, D]
     qs.mul_(factor)
@@ -334,13 +469,22 @@ def _backward_dense(do, q, k, v, out, lse, spec: AttnSpec, slopes, dq, dk, dv):
         b_dq = torch.zeros((BH, rows, D), device=q.device)  # [BH, BM*G, D]
         for j0 in range(lo, hi, BLOCK_N):
             j1 = min(j0 + BLOCK_N, hi)
+            if extras is not None and extras.skip(i0, i1, j0, j1):
+                continue
             b_k = ks[:, j0:j1]  # [BH, BN, D]
             b_v = vs[:, j0:j1]  # [BH, BN, D]
             b_s, b_t = scores.tile(b_q, b_k.transpose(1, 2), i0, i1, j0, j1, keep_tanh=True)
             b_p = b_s.sub_(b_lse).exp2_()  # [BH, BM*G, BN]
-            dv_acc[:, j0:j1].baddbmm_(b_p.transpose(1, 2), b_do)
             b_dp = torch.bmm(b_do, b_v.transpose(1, 2))  # [BH, BM*G, BN]
+            if dropout:
+                b_z = extras.keep(i0, i1, j0, j1, q.device)  # [BH, BM*G, BN], 0 or 1/(1-p)
+                dv_acc[:, j0:j1].baddbmm_((b_p * b_z).transpose(1, 2), b_do)
+                b_dp.mul_(b_z)
+            else:
+                dv_acc[:, j0:j1].baddbmm_(b_p.transpose(1, 2), b_do)
             b_ds = b_dp.sub_(b_delta).mul_(b_p)  # [BH, BM*G, BN]
+            if dbias is not None:
+                extras.reduce_ds(b_ds, dbias, i0, i1, j0, j1)
             if b_t is not None:
                 b_ds.mul_(b_t.square_().neg_().add_(1.0))
             b_dq.baddbmm_(b_ds, b_k)
@@ -354,26 +498,41 @@ def _backward_dense(do, q, k, v, out, lse, spec: AttnSpec, slopes, dq, dk, dv):
 
 
 def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
-             cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
-    """Gradients ``(dq, dk, dv)`` of :func:`forward`, in the dtypes of ``q``, ``k``, ``v``."""
+             cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, attn_bias=None,
+             rng_seed=None, block_mask=None, block_size=None, dbias=None):
+    """Gradients ``(dq, dk, dv)`` of :func:`forward`, in the dtypes of ``q``, ``k``, ``v``.
+
+    With ``dbias`` (a tensor shaped like ``attn_bias``) the bias gradient is written into it.
+    """
     varlen = cu_seqlens_q is not None
     if varlen != (cu_seqlens_k is not None):
         raise ValueError("give both cu_seqlens_q and cu_seqlens_k, or neither")
     _check(q, k, v, spec, varlen)
     H = q.shape[-2]
     with torch.no_grad():
+        extras = _extras(q, k, spec, varlen, attn_bias, rng_seed, block_mask, block_size,
+                         max_seqlen_q, max_seqlen_k)
+        db_acc = None
+        if dbias is not None:
+            db_acc = torch.zeros(dbias.shape, dtype=torch.float32, device=dbias.device)
         dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
         dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
         dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
         if not varlen:
             _backward_dense(do, q, k, v, out, lse, spec, _slopes(alibi_slopes, q.shape[0], H),
-                            dq, dk, dv)
-            return dq, dk, dv
-        seqs = _sequences(cu_seqlens_q, cu_seqlens_k)
-        slopes = _slopes(alibi_slopes, len(seqs), H)
-        for b, (q0, q1, k0, k1) in enumerate(seqs):
-            _backward_dense(do[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
-                            out[None, q0:q1], lse[None, :, q0:q1], spec,
-                            None if slopes is None else slopes[b:b + 1],
-                            dq[None, q0:q1], dk[None, k0:k1], dv[None, k0:k1])
+                            dq, dk, dv, extras, db_acc)
+        else:
+            seqs = _sequences(cu_seqlens_q, cu_seqlens_k)
+            slopes = _slopes(alibi_slopes, len(seqs), H)
+            for b, (q0, q1, k0, k1) in enumerate(seqs):
+                db_b = None
+                if db_acc is not None:
+                    db_b = db_acc[b:b + 1] if db_acc.shape[0] > 1 else db_acc
+                _backward_dense(do[None, q0:q1], q[None, q0:q1], k[None, k0:k1],
+                                v[None, k0:k1], out[None, q0:q1], lse[None, :, q0:q1], spec,
+                                None if slopes is None else slopes[b:b + 1],
+                                dq[None, q0:q1], dk[None, k0:k1], dv[None, k0:k1],
+                                _for_sequence(extras, b), db_b)
+        if dbias is not None:
+            dbias.copy_(db_acc)
         return dq, dk, dv

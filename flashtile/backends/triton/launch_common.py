@@ -1,4 +1,5 @@
-"""Shared launch helpers: output allocation, strides of the two layouts, scalar arguments."""
+"""Shared launch helpers: output allocation, strides of the two layouts, scalar arguments, and
+the arguments of the optional features (bias / mask, dropout, block sparsity)."""
 from __future__ import annotations
 
 import contextlib
@@ -102,3 +103,54 @@ def launch(kernel, grid, args: tuple, meta: dict) -> None:
             named[name] = meta[name] = rule(named)
         kernel = kernel.fn
     kernel[grid](*args, **meta)
+
+
+def broadcast_strides(x: torch.Tensor) -> tuple[int, ...]:
+    """Strides of ``x`` with 0 on every size-1 dim, so it indexes like its broadcast."""
+    return tuple(0 if n == 1 else st for n, st in zip(x.shape, x.stride()))
+
+
+def bias_args(attn_bias):
+    """(tensor the kernel reads, its 4 broadcast strides) for a ``(B|1, H|1, Sq|1, Sk|1)`` bias
+    or bool mask.  A bool mask is read through a uint8 view (same storage, same strides)."""
+    if attn_bias is None:
+        return None, (0, 0, 0, 0)
+    t = attn_bias.view(torch.uint8) if attn_bias.dtype == torch.bool else attn_bias
+    return t, broadcast_strides(t)
+
+
+def dropout_args(spec: AttnSpec, rng_seed):
+    """(seed tensor or None, dropout_p, 1 / (1 - p)) for the kernels."""
+    if spec.dropout_p <= 0:
+        return None, 0.0, 1.0
+    if rng_seed is None:
+        raise ValueError("dropout_p > 0 needs rng_seed (an int64 tensor of shape (1,))")
+    return rng_seed, float(spec.dropout_p), 1.0 / (1.0 - spec.dropout_p)
+
+
+def block_lists(block_mask: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """Per row of a ``(B|1, H|1, R, C)`` bool block mask: ``[count, nonzero column indices...]``,
+    int32 ``(B|1, H|1, R, C + 1)`` (``transpose`` lists the nonzero rows of every column)."""
+    m = block_mask.transpose(-1, -2) if transpose else block_mask
+    ncol = m.shape[-1]
+    cols = torch.arange(ncol, device=m.device, dtype=torch.int32)
+    # nonzero columns first, in increasing order; the padding after them is never read
+    order = torch.where(m, cols, cols + ncol).sort(dim=-1).values
+    counts = m.sum(dim=-1, keepdim=True, dtype=torch.int32)
+    return torch.cat([counts, order.clamp_(max=max(ncol - 1, 0))], dim=-1).contiguous()
+
+
+def sparse_args(block_mask, block_size, transpose=False):
+    """(index lists or None, (stride_b, stride_h, stride_row), bs_m, bs_n)."""
+    if block_mask is None:
+        return None, (0, 0, 0), 1, 1
+    idx = block_lists(block_mask, transpose)
+    st = broadcast_strides(idx)
+    return idx, st[:3], int(block_size[0]), int(block_size[1])
+
+
+def fit_block(block: int, size: int) -> int:
+    """The largest ``block / 2^k`` that divides ``size`` (tiles must not straddle mask blocks)."""
+    while block > 16 and size % block:
+        block //= 2
+    return block

@@ -6,12 +6,14 @@ import torch
 from ..spec import AttnSpec
 from .configs import get_config
 from .kernels.fwd import attn_fwd_kernel
-from .launch_common import (alibi_args, block_d, cdiv, dot_precision, empty, launch, layout,
-                            lse_strides, scalar_args, seq_strides)
+from .launch_common import (launch, alibi_args, bias_args, block_d, cdiv, dot_precision, dropout_args,
+                            empty, fit_block, layout, lse_strides, scalar_args, seq_strides,
+                            sparse_args)
 
 
 def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
-            max_seqlen_q=None, max_seqlen_k=None):
+            max_seqlen_q=None, max_seqlen_k=None, attn_bias=None, rng_seed=None,
+            block_mask=None, block_size=None):
     varlen, batch, sq, sk, nheads, nheads_k, head_dim = layout(q, k, cu_seqlens_q, max_seqlen_q,
                                                                max_seqlen_k)
     out = empty(q.shape, q.dtype, q.device)
@@ -22,14 +24,20 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu
             lse.fill_(float("-inf"))
         return out.zero_(), lse
     cfg = get_config("fwd", head_dim, spec.causal, q.dtype, q.device, max(sq, sk))
+    block_m, block_n = cfg.block_m, cfg.block_n
     alibi, stride_ab = alibi_args(alibi_slopes, batch)
-    grid = (cdiv(sq, cfg.block_m), batch * nheads)
+    bias, bias_strides = bias_args(attn_bias)
+    seed, dropout_p, dropout_scale = dropout_args(spec, rng_seed)
+    bs_idx, bs_strides, bs_m, bs_n = sparse_args(block_mask, block_size)
+    if bs_idx is not None:
+        block_m, block_n = fit_block(block_m, bs_m), fit_block(block_n, bs_n)
+    grid = (cdiv(sq, block_m), batch * nheads)
     launch(attn_fwd_kernel, grid, (
-        q, k, v, out, lse, alibi, cu_seqlens_q, cu_seqlens_k,
+        q, k, v, out, lse, alibi, cu_seqlens_q, cu_seqlens_k, bias, seed, bs_idx,
         *seq_strides(q, varlen), *seq_strides(k, varlen), *seq_strides(v, varlen),
-        *seq_strides(out, varlen), *lse_strides(lse, varlen), stride_ab,
-        sq, sk, nheads, nheads // nheads_k,
-    ), dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n, DOT_PREC=dot_precision(q.dtype), num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **scalar_args(spec)))
+        *seq_strides(out, varlen), *lse_strides(lse, varlen), stride_ab, *bias_strides,
+        *bs_strides, bs_m, bs_n, sq, sk, nheads, nheads // nheads_k,
+    ), dict(dropout_p=dropout_p, dropout_scale=dropout_scale, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
+            BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=dot_precision(q.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **scalar_args(spec)))
     return out, lse

@@ -5,7 +5,7 @@ With ``p = exp2(s - lse2)`` (``s`` the base-2 score of forward, ``lse2 = log2(e)
     delta = rowsum(dO * O)                  # preprocess, O(N d)
     dV   += p^T dO
     dP    = dO V^T
-    dS    = p * (dP - delta)                # gradient w.r.t. the natural-log score
+    dS    = p * (dP - delta)                # gradient w.r.t. the natural-log score (= dBias)
     dS'   = dS * (1 - tanh(u)^2)            # only with softcap, u = scale * q.k / softcap
     dQ   += scale * dS' K ,   dK += scale * dS'^T Q
 
@@ -13,12 +13,25 @@ Rows that saw no key have ``lse = -inf``; the preprocess stores ``lse2 = +inf`` 
 that ``p = exp2(s - inf) = 0`` and they contribute nothing (never ``inf * 0``).  Invisible
 keys score ``-inf`` during recomputation as in the forward (seed 001's NaN hazard: a padded key
 would score 0 and ``exp2(0 - lse2)`` can overflow for a small lse).
+
+Dropout (``HAS_DROPOUT``) regenerates the forward's keep mask ``Z`` from the same seed and
+counters (nothing N x N is stored) and follows Algorithm 4 of the paper, ``r = 1 / (1 - p)``::
+
+    dV   += (p o Z r)^T dO ,   dP = (dO V^T) o Z r ,   dS = p * (dP - delta)
+
+``delta = rowsum(dO * O)`` still equals ``sum_j p_j dP_j`` because ``O`` is the dropped output.
+With an attention bias (``HAS_BIAS``) the scores are recomputed with it; the dQ kernel also
+writes ``dS`` (natural-log units, before the softcap factor) to ``DBIAS`` when given: every
+``(b, h, i, j)`` is visited by exactly one dQ program, so the write needs no atomics.
+Block sparsity (``SPARSE``) walks the nonzero blocks of the mask (transposed lists for the dK/dV
+kernel) exactly as the forward.
 """
 import triton
 import triton.language as tl
 
 from .fwd import score_tile
-from .masking import LOG2E, query_range, key_range, tanh, visible
+from .masking import (LOG2E, block_tiles, dropout_keep, dropout_row_base, key_range,
+                      query_range, tanh, visible)
 
 
 @triton.heuristics({"IS_VARLEN": lambda a: a["CU_Q"] is not None})
@@ -63,10 +76,9 @@ def attn_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _ds_tile(b_p, b_dp, b_delta, b_q, b_k, softcap_scale, DOT_PREC: tl.constexpr,
-             HAS_SOFTCAP: tl.constexpr):
-    """Gradient w.r.t. the raw dot product q.k (without the final ``scale``)."""
-    b_ds = b_p * (b_dp - b_delta[:, None])  # [BLOCK_M, BLOCK_N]
+def _softcap_ds(b_ds, b_q, b_k, softcap_scale, DOT_PREC: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr):
+    """Gradient w.r.t. the raw dot product q.k (without the final ``scale``) from ``dS``."""
     if HAS_SOFTCAP:
         # Recompute tanh rather than store it: one extra dot is cheaper than N^2 memory.
         b_t = tanh(tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * softcap_scale)
@@ -78,9 +90,12 @@ def _ds_tile(b_p, b_dp, b_delta, b_q, b_k, softcap_scale, DOT_PREC: tl.constexpr
 def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta,
                 stride_qm, stride_dm, o_n, o_d, m_start, m_end, sq, sk, shift,
                 window_left, window_right, qk_scale, softcap_scale, slope,
+                p_bias, stride_bm, stride_bn, seed, bh, seqlen_q, seqlen_k, dropout_p,
+                dropout_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                 EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                HAS_ALIBI: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+                HAS_ALIBI: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                HAS_BIAS: tl.constexpr, BIAS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """Accumulate dK, dV of one key tile over query tiles ``[m_start, m_end)``."""
     m_d = o_d < HEAD_DIM
     for m0 in range(m_start, m_end, BLOCK_M):
@@ -106,14 +121,24 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta,
             b_lse2 = tl.load(p_lse2 + o_m)
             b_delta = tl.load(p_delta + o_m)
         b_s = score_tile(b_q, b_k, o_m, o_n, sq, sk, qk_scale, softcap_scale, slope,
-                         DOT_PREC, HAS_SOFTCAP, HAS_ALIBI)  # [BLOCK_M, BLOCK_N]
+                         p_bias, stride_bm, stride_bn, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI,
+                         HAS_BIAS, BIAS_BOOL)  # [BLOCK_M, BLOCK_N]
         if MASKED:
             m_vis = visible(o_m, o_n, sk, shift, window_left, window_right, HAS_LEFT, HAS_RIGHT)
             b_s = tl.where(m_vis, b_s, float("-inf"))
         b_p = tl.math.exp2(b_s - b_lse2[:, None])  # [BLOCK_M, BLOCK_N]
-        b_dv = tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, b_dv, input_precision=DOT_PREC)
+        if HAS_DROPOUT:
+            m_keep = dropout_keep(seed, dropout_row_base(bh, seqlen_q, seqlen_k, o_m), o_n,
+                                  dropout_p)
+            b_pd = tl.where(m_keep, b_p * dropout_scale, 0.0)
+        else:
+            b_pd = b_p
+        b_dv = tl.dot(tl.trans(b_pd.to(b_do.dtype)), b_do, b_dv, input_precision=DOT_PREC)
         b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
-        b_ds = _ds_tile(b_p, b_dp, b_delta, b_q, b_k, softcap_scale, DOT_PREC, HAS_SOFTCAP)
+        if HAS_DROPOUT:
+            b_dp = tl.where(m_keep, b_dp * dropout_scale, 0.0)
+        b_ds = b_p * (b_dp - b_delta[:, None])  # [BLOCK_M, BLOCK_N]
+        b_ds = _softcap_ds(b_ds, b_q, b_k, softcap_scale, DOT_PREC, HAS_SOFTCAP)
         b_dk = tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q, b_dk, input_precision=DOT_PREC)
     return b_dk, b_dv
 
@@ -122,10 +147,14 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta,
     "IS_VARLEN": lambda a: a["CU_Q"] is not None,
     "HAS_ALIBI": lambda a: a["ALIBI"] is not None,
     "EVEN_D": lambda a: a["HEAD_DIM"] == a["BLOCK_D"],
+    "HAS_BIAS": lambda a: a["BIAS"] is not None,
+    "BIAS_BOOL": lambda a: a["BIAS"] is not None and not a["BIAS"].dtype.is_floating_point,
+    "HAS_DROPOUT": lambda a: a["RNG"] is not None,
+    "SPARSE": lambda a: a["BS_IDX"] is not None,
 })
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE2, DELTA, ALIBI, CU_Q, CU_K,
+    Q, K, V, DO, DK, DV, LSE2, DELTA, ALIBI, CU_Q, CU_K, BIAS, RNG, BS_IDX,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -133,15 +162,20 @@ def attn_bwd_dkdv_kernel(
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
     stride_lb, stride_lh, stride_ab,
+    stride_biasb, stride_biash, stride_biasm, stride_biasn,
+    stride_bsb, stride_bsh, stride_bsr, bs_m, bs_n,
     seqlen_q, seqlen_k, HK, GROUP,
-    scale, qk_scale, softcap_scale, window_left, window_right,
+    scale, qk_scale, softcap_scale, window_left, window_right, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    SPARSE: tl.constexpr,
 ):
     """One program owns BLOCK_N keys of one key/value head and loops over every query head of
-    its group and every query tile that sees them, so GQA gradients are summed in registers."""
+    its group and every query tile that sees them, so GQA gradients are summed in registers.
+    With SPARSE, ``BS_IDX`` holds the transposed lists (nonzero query blocks per key block)."""
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // HK
@@ -174,6 +208,9 @@ def attn_bwd_dkdv_kernel(
     b_v = tl.load(p_v, mask=m_kd, other=0.0)  # [BLOCK_N, BLOCK_D]
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(RNG)
 
     lo, full_lo, full_hi, hi = query_range(n_first, n_first + BLOCK_N - 1, sq, sk, shift,
                                            window_left, window_right, BLOCK_M, HAS_LEFT, HAS_RIGHT)
@@ -182,26 +219,66 @@ def attn_bwd_dkdv_kernel(
         slope = 0.0
         if HAS_ALIBI:
             slope = tl.load(ALIBI + i_b * stride_ab + i_h).to(tl.float32) * LOG2E
+        p_bias = BIAS
+        if HAS_BIAS:
+            p_bias = BIAS + i_b.to(tl.int64) * stride_biasb + i_h.to(tl.int64) * stride_biash
+        bh = (i_b * (HK * GROUP) + i_h).to(tl.int64)
         p_q_base = Q + i_b.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qm + i_h * stride_qh
         p_do_base = (DO + i_b.to(tl.int64) * stride_dob + q_start.to(tl.int64) * stride_dom
                      + i_h * stride_doh)
         p_lse2 = LSE2 + i_b * stride_lb + i_h * stride_lh + q_start
         p_delta = DELTA + i_b * stride_lb + i_h * stride_lh + q_start
-        b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta,
-                                 stride_qm, stride_dom, o_n, o_d, lo, full_lo, sq, sk, shift,
-                                 window_left, window_right, qk_scale, softcap_scale, slope,
-                                 HEAD_DIM, BLOCK_M, True, EVEN_D, DOT_PREC, HAS_SOFTCAP,
-                                 HAS_ALIBI, HAS_LEFT, HAS_RIGHT)
-        b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta,
-                                 stride_qm, stride_dom, o_n, o_d, full_lo, full_hi, sq, sk, shift,
-                                 window_left, window_right, qk_scale, softcap_scale, slope,
-                                 HEAD_DIM, BLOCK_M, False, EVEN_D, DOT_PREC, HAS_SOFTCAP,
-                                 HAS_ALIBI, HAS_LEFT, HAS_RIGHT)
-        b_dk, b_dv = _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta,
-                                 stride_qm, stride_dom, o_n, o_d, full_hi, hi, sq, sk, shift,
-                                 window_left, window_right, qk_scale, softcap_scale, slope,
-                                 HEAD_DIM, BLOCK_M, True, EVEN_D, DOT_PREC, HAS_SOFTCAP,
-                                 HAS_ALIBI, HAS_LEFT, HAS_RIGHT)
+        if SPARSE:
+            p_bs = BS_IDX + i_b * stride_bsb + i_h * stride_bsh + (n_first // bs_n) * stride_bsr
+            n_blocks = tl.load(p_bs)
+            for t in range(n_blocks):
+                blk = tl.load(p_bs + 1 + t)
+                s1, e1, s2, e2, s3, e3 = block_tiles(blk * bs_m,
+                                                     tl.minimum(blk * bs_m + bs_m, sq),
+                                                     lo, full_lo, full_hi, hi)
+                b_dk, b_dv = _dkdv_inner(
+                    b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta, stride_qm,
+                    stride_dom, o_n, o_d, s1, e1, sq, sk, shift, window_left, window_right,
+                    qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, bh,
+                    seqlen_q, seqlen_k, dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, True,
+                    EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS,
+                    BIAS_BOOL, HAS_DROPOUT)
+                b_dk, b_dv = _dkdv_inner(
+                    b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta, stride_qm,
+                    stride_dom, o_n, o_d, s2, e2, sq, sk, shift, window_left, window_right,
+                    qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, bh,
+                    seqlen_q, seqlen_k, dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, False,
+                    EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS,
+                    BIAS_BOOL, HAS_DROPOUT)
+                b_dk, b_dv = _dkdv_inner(
+                    b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta, stride_qm,
+                    stride_dom, o_n, o_d, s3, e3, sq, sk, shift, window_left, window_right,
+                    qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, bh,
+                    seqlen_q, seqlen_k, dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, True,
+                    EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS,
+                    BIAS_BOOL, HAS_DROPOUT)
+        else:
+            b_dk, b_dv = _dkdv_inner(
+                b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta, stride_qm,
+                stride_dom, o_n, o_d, lo, full_lo, sq, sk, shift, window_left, window_right,
+                qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, bh,
+                seqlen_q, seqlen_k, dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, True, EVEN_D,
+                DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL,
+                HAS_DROPOUT)
+            b_dk, b_dv = _dkdv_inner(
+                b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta, stride_qm,
+                stride_dom, o_n, o_d, full_lo, full_hi, sq, sk, shift, window_left,
+                window_right, qk_scale, softcap_scale, slope, p_bias, stride_biasm,
+                stride_biasn, seed, bh, seqlen_q, seqlen_k, dropout_p, dropout_scale, HEAD_DIM,
+                BLOCK_M, False, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
+                HAS_BIAS, BIAS_BOOL, HAS_DROPOUT)
+            b_dk, b_dv = _dkdv_inner(
+                b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta, stride_qm,
+                stride_dom, o_n, o_d, full_hi, hi, sq, sk, shift, window_left, window_right,
+                qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, bh,
+                seqlen_q, seqlen_k, dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, True, EVEN_D,
+                DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL,
+                HAS_DROPOUT)
     p_dk = (DK + i_b.to(tl.int64) * stride_dkb + k_start.to(tl.int64) * stride_dkn
             + i_hk * stride_dkh + o_n[:, None] * stride_dkn + o_d[None, :])
     p_dv = (DV + i_b.to(tl.int64) * stride_dvb + k_start.to(tl.int64) * stride_dvn
@@ -213,10 +290,13 @@ def attn_bwd_dkdv_kernel(
 @triton.jit
 def _dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn,
               o_m, o_d, n_start, n_end, sq, sk, shift, window_left, window_right,
-              qk_scale, softcap_scale, slope,
+              qk_scale, softcap_scale, slope, p_bias, stride_bm, stride_bn, seed, row_base,
+              dropout_p, dropout_scale, p_dbias, stride_dbm, stride_dbn,
               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
               EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-              HAS_ALIBI: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+              HAS_ALIBI: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+              HAS_BIAS: tl.constexpr, BIAS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              STORE_DBIAS: tl.constexpr):
     """Accumulate dQ of one query tile over key tiles ``[n_start, n_end)``."""
     m_d = o_d < HEAD_DIM
     for n0 in range(n_start, n_end, BLOCK_N):
@@ -235,13 +315,22 @@ def _dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, s
             b_k = tl.load(p_k, mask=m_d[None, :], other=0.0)
             b_v = tl.load(p_v, mask=m_d[None, :], other=0.0)
         b_s = score_tile(b_q, b_k, o_m, o_n, sq, sk, qk_scale, softcap_scale, slope,
-                         DOT_PREC, HAS_SOFTCAP, HAS_ALIBI)  # [BLOCK_M, BLOCK_N]
+                         p_bias, stride_bm, stride_bn, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI,
+                         HAS_BIAS, BIAS_BOOL)  # [BLOCK_M, BLOCK_N]
         if MASKED:
             m_vis = visible(o_m, o_n, sk, shift, window_left, window_right, HAS_LEFT, HAS_RIGHT)
             b_s = tl.where(m_vis, b_s, float("-inf"))
         b_p = tl.math.exp2(b_s - b_lse2[:, None])  # [BLOCK_M, BLOCK_N]
         b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
-        b_ds = _ds_tile(b_p, b_dp, b_delta, b_q, b_k, softcap_scale, DOT_PREC, HAS_SOFTCAP)
+        if HAS_DROPOUT:
+            m_keep = dropout_keep(seed, row_base, o_n, dropout_p)
+            b_dp = tl.where(m_keep, b_dp * dropout_scale, 0.0)
+        b_ds = b_p * (b_dp - b_delta[:, None])  # [BLOCK_M, BLOCK_N]
+        if STORE_DBIAS:
+            p_db = p_dbias + o_m[:, None] * stride_dbm + o_n[None, :] * stride_dbn
+            m_db = (o_m[:, None] < sq) & (o_n[None, :] < sk)
+            tl.store(p_db, b_ds.to(p_dbias.dtype.element_ty), mask=m_db)
+        b_ds = _softcap_ds(b_ds, b_q, b_k, softcap_scale, DOT_PREC, HAS_SOFTCAP)
         b_dq = tl.dot(b_ds.to(b_k.dtype), b_k, b_dq, input_precision=DOT_PREC)
     return b_dq
 
@@ -250,22 +339,32 @@ def _dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, s
     "IS_VARLEN": lambda a: a["CU_Q"] is not None,
     "HAS_ALIBI": lambda a: a["ALIBI"] is not None,
     "EVEN_D": lambda a: a["HEAD_DIM"] == a["BLOCK_D"],
+    "HAS_BIAS": lambda a: a["BIAS"] is not None,
+    "BIAS_BOOL": lambda a: a["BIAS"] is not None and not a["BIAS"].dtype.is_floating_point,
+    "HAS_DROPOUT": lambda a: a["RNG"] is not None,
+    "SPARSE": lambda a: a["BS_IDX"] is not None,
+    "STORE_DBIAS": lambda a: a["DBIAS"] is not None,
 })
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE2, DELTA, ALIBI, CU_Q, CU_K,
+    Q, K, V, DO, DQ, LSE2, DELTA, ALIBI, CU_Q, CU_K, BIAS, RNG, BS_IDX, DBIAS,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_dqb, stride_dqm, stride_dqh,
     stride_lb, stride_lh, stride_ab,
+    stride_biasb, stride_biash, stride_biasm, stride_biasn,
+    stride_dbb, stride_dbh, stride_dbm, stride_dbn,
+    stride_bsb, stride_bsh, stride_bsr, bs_m, bs_n,
     seqlen_q, seqlen_k, H, GROUP,
-    scale, qk_scale, softcap_scale, window_left, window_right,
+    scale, qk_scale, softcap_scale, window_left, window_right, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    SPARSE: tl.constexpr, STORE_DBIAS: tl.constexpr,
 ):
     """One program owns BLOCK_M query rows of one head and streams the key tiles they see."""
     i_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -306,24 +405,73 @@ def attn_bwd_dq_kernel(
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(ALIBI + i_b * stride_ab + i_h).to(tl.float32) * LOG2E
+    p_bias = BIAS
+    if HAS_BIAS:
+        p_bias = BIAS + i_b.to(tl.int64) * stride_biasb + i_h.to(tl.int64) * stride_biash
+    p_dbias = DBIAS
+    if STORE_DBIAS:
+        p_dbias = DBIAS + i_b.to(tl.int64) * stride_dbb + i_h.to(tl.int64) * stride_dbh
+    seed = 0
+    row_base = o_m
+    if HAS_DROPOUT:
+        seed = tl.load(RNG)
+        row_base = dropout_row_base((i_b * H + i_h).to(tl.int64), seqlen_q, seqlen_k, o_m)
     p_k_base = K + i_b.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_kn + i_hk * stride_kh
     p_v_base = V + i_b.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vn + i_hk * stride_vh
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, full_lo, full_hi, hi = key_range(m_first, m_last, sk, shift, window_left, window_right,
                                          BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    b_dq = _dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn,
-                     o_m, o_d, lo, full_lo, sq, sk, shift, window_left, window_right, qk_scale,
-                     softcap_scale, slope, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC,
-                     HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT)
-    b_dq = _dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn,
-                     o_m, o_d, full_lo, full_hi, sq, sk, shift, window_left, window_right,
-                     qk_scale, softcap_scale, slope, HEAD_DIM, BLOCK_N, False, EVEN_D, DOT_PREC,
-                     HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT)
-    b_dq = _dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn,
-                     o_m, o_d, full_hi, hi, sq, sk, shift, window_left, window_right, qk_scale,
-                     softcap_scale, slope, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC,
-                     HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT)
+    if SPARSE:
+        p_bs = BS_IDX + i_b * stride_bsb + i_h * stride_bsh + (m_first // bs_m) * stride_bsr
+        n_blocks = tl.load(p_bs)
+        for t in range(n_blocks):
+            blk = tl.load(p_bs + 1 + t)
+            s1, e1, s2, e2, s3, e3 = block_tiles(blk * bs_n, tl.minimum(blk * bs_n + bs_n, sk),
+                                                 lo, full_lo, full_hi, hi)
+            b_dq = _dq_inner(
+                b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn, o_m,
+                o_d, s1, e1, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale,
+                slope, p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p,
+                dropout_scale, p_dbias, stride_dbm, stride_dbn, HEAD_DIM, BLOCK_N, True, EVEN_D,
+                DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL,
+                HAS_DROPOUT, STORE_DBIAS)
+            b_dq = _dq_inner(
+                b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn, o_m,
+                o_d, s2, e2, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale,
+                slope, p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p,
+                dropout_scale, p_dbias, stride_dbm, stride_dbn, HEAD_DIM, BLOCK_N, False, EVEN_D,
+                DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL,
+                HAS_DROPOUT, STORE_DBIAS)
+            b_dq = _dq_inner(
+                b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn, o_m,
+                o_d, s3, e3, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale,
+                slope, p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p,
+                dropout_scale, p_dbias, stride_dbm, stride_dbn, HEAD_DIM, BLOCK_N, True, EVEN_D,
+                DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL,
+                HAS_DROPOUT, STORE_DBIAS)
+    else:
+        b_dq = _dq_inner(
+            b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d,
+            lo, full_lo, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale,
+            slope, p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, dropout_scale,
+            p_dbias, stride_dbm, stride_dbn, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC,
+            HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT,
+            STORE_DBIAS)
+        b_dq = _dq_inner(
+            b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d,
+            full_lo, full_hi, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale,
+            slope, p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, dropout_scale,
+            p_dbias, stride_dbm, stride_dbn, HEAD_DIM, BLOCK_N, False, EVEN_D, DOT_PREC,
+            HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT,
+            STORE_DBIAS)
+        b_dq = _dq_inner(
+            b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d,
+            full_hi, hi, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale,
+            slope, p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, dropout_scale,
+            p_dbias, stride_dbm, stride_dbn, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC,
+            HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT,
+            STORE_DBIAS)
     p_dq = (DQ + i_b.to(tl.int64) * stride_dqb + q_start.to(tl.int64) * stride_dqm
             + i_h * stride_dqh + o_m[:, None] * stride_dqm + o_d[None, :])
     tl.store(p_dq, (b_dq * scale).to(DQ.dtype.element_ty), mask=m_qd)

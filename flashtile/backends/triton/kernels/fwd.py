@@ -13,17 +13,32 @@ and once at the end ``out = acc / l`` and ``lse = ln(2) * (m + log2(l))`` (natur
 for a row that saw no key, whose output is 0).  ``score`` is ``scale * q.k``, optionally
 soft-capped (``c * tanh(.../c)``) and ALiBi-biased (``- slope * |i + sk - sq - j|``); invisible
 keys score ``-inf`` *before* the row max so they contribute exactly 0.
+
+Optional features (constexpr flags, derived from which optional pointers are None):
+
+* ``HAS_BIAS``: a bool mask (``BIAS_BOOL``; False scores ``-inf``) or an additive float bias,
+  streamed tile by tile with its broadcast strides, applied to every tile (not only the masked
+  ones), so rows may become empty anywhere and the ``-inf`` row-max guard runs on every tile.
+* ``HAS_DROPOUT``: ``p_j`` is zeroed where the Philox keep mask is False *after* it entered
+  ``l`` (dropout acts on the normalised probabilities; lse is unaffected), and the output is
+  scaled by ``1 / (1 - p)``.
+* ``SPARSE``: the key tiles come from the list of nonzero mask blocks of this query block
+  (``BS_IDX[b, h, row] = [count, block indices...]``); each block is cut into the same three
+  stages, so zero blocks are never loaded.
 """
 import triton
 import triton.language as tl
 
-from .masking import LOG2E, key_range, tanh, visible
+from .masking import (LOG2E, apply_bias, block_tiles, dropout_keep, dropout_row_base,
+                      key_range, tanh, visible)
 
 
 @triton.jit
 def score_tile(b_q, b_k, o_m, o_n, sq, sk, qk_scale, softcap_scale, slope,
-               DOT_PREC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
-    """Base-2 scores of one tile before masking, ``# [BLOCK_M, BLOCK_N]``.
+               p_bias, stride_bm, stride_bn,
+               DOT_PREC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+               HAS_BIAS: tl.constexpr, BIAS_BOOL: tl.constexpr):
+    """Base-2 scores of one tile before the visibility mask, ``# [BLOCK_M, BLOCK_N]``.
 
     Without softcap ``qk_scale = scale * log2(e)``; with it ``qk_scale = softcap * log2(e)``
     and ``softcap_scale = scale / softcap``.  ``slope`` is already multiplied by log2(e).
@@ -35,16 +50,20 @@ def score_tile(b_q, b_k, o_m, o_n, sq, sk, qk_scale, softcap_scale, slope,
     if HAS_ALIBI:
         b_dist = (o_m[:, None] + (sk - sq)) - o_n[None, :]  # [BLOCK_M, BLOCK_N]
         b_s = b_s - slope * tl.abs(b_dist).to(tl.float32)
+    if HAS_BIAS:
+        b_s = apply_bias(b_s, p_bias, stride_bm, stride_bn, o_m, o_n, sq, sk, BIAS_BOOL)
     return b_s
 
 
 @triton.jit
 def _fwd_inner(b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn,
                o_m, o_d, n_start, n_end, sq, sk, shift, window_left, window_right,
-               qk_scale, softcap_scale, slope,
+               qk_scale, softcap_scale, slope, p_bias, stride_bm, stride_bn,
+               seed, row_base, dropout_p,
                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-               HAS_ALIBI: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+               HAS_ALIBI: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               HAS_BIAS: tl.constexpr, BIAS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """Online-softmax update over key tiles ``[n_start, n_end)``; MASKED applies visibility."""
     m_d = o_d < HEAD_DIM
     for n0 in range(n_start, n_end, BLOCK_N):
@@ -60,12 +79,13 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn,
         else:
             b_k = tl.load(p_k, mask=m_d[None, :], other=0.0)
         b_s = score_tile(b_q, b_k, o_m, o_n, sq, sk, qk_scale, softcap_scale, slope,
-                         DOT_PREC, HAS_SOFTCAP, HAS_ALIBI)  # [BLOCK_M, BLOCK_N]
+                         p_bias, stride_bm, stride_bn, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI,
+                         HAS_BIAS, BIAS_BOOL)  # [BLOCK_M, BLOCK_N]
         if MASKED:
             m_vis = visible(o_m, o_n, sk, shift, window_left, window_right, HAS_LEFT, HAS_RIGHT)
             b_s = tl.where(m_vis, b_s, float("-inf"))
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1))  # [BLOCK_M]
-        if MASKED:
+        if MASKED or HAS_BIAS:
             # A row that has seen no visible key yet has max -inf; subtracting it would give
             # exp2(-inf + inf) = NaN.  Clamping it to 0 makes its p and alpha exactly 0.
             b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
@@ -74,6 +94,9 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn,
         b_p = tl.math.exp2(b_s - b_m_use[:, None])  # [BLOCK_M, BLOCK_N]
         b_alpha = tl.math.exp2(b_m - b_m_use)  # [BLOCK_M]
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        if HAS_DROPOUT:
+            # after l: dropout acts on the normalised probabilities, not on the normaliser
+            b_p = tl.where(dropout_keep(seed, row_base, o_n, dropout_p), b_p, 0.0)
         if MASKED:
             b_v = tl.load(p_v, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
         elif EVEN_D:
@@ -90,21 +113,29 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn,
     "IS_VARLEN": lambda a: a["CU_Q"] is not None,
     "HAS_ALIBI": lambda a: a["ALIBI"] is not None,
     "EVEN_D": lambda a: a["HEAD_DIM"] == a["BLOCK_D"],
+    "HAS_BIAS": lambda a: a["BIAS"] is not None,
+    "BIAS_BOOL": lambda a: a["BIAS"] is not None and not a["BIAS"].dtype.is_floating_point,
+    "HAS_DROPOUT": lambda a: a["RNG"] is not None,
+    "SPARSE": lambda a: a["BS_IDX"] is not None,
 })
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, O, LSE, ALIBI, CU_Q, CU_K,
+    Q, K, V, O, LSE, ALIBI, CU_Q, CU_K, BIAS, RNG, BS_IDX,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh,
     stride_lb, stride_lh, stride_ab,
+    stride_biasb, stride_biash, stride_biasm, stride_biasn,
+    stride_bsb, stride_bsh, stride_bsr, bs_m, bs_n,
     seqlen_q, seqlen_k, H, GROUP,
-    qk_scale, softcap_scale, window_left, window_right,
+    qk_scale, softcap_scale, window_left, window_right, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    SPARSE: tl.constexpr,
 ):
     # Heaviest causal tiles (the last query rows) are scheduled first so the tail of the grid
     # is made of cheap programs.
@@ -144,6 +175,14 @@ def attn_fwd_kernel(
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(ALIBI + i_b * stride_ab + i_h).to(tl.float32) * LOG2E
+    p_bias = BIAS
+    if HAS_BIAS:
+        p_bias = BIAS + i_b.to(tl.int64) * stride_biasb + i_h.to(tl.int64) * stride_biash
+    seed = 0
+    row_base = o_m
+    if HAS_DROPOUT:
+        seed = tl.load(RNG)
+        row_base = dropout_row_base((i_b * H + i_h).to(tl.int64), seqlen_q, seqlen_k, o_m)
 
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -151,26 +190,61 @@ def attn_fwd_kernel(
 
     lo, full_lo, full_hi, hi = key_range(m_first, m_last, sk, shift, window_left, window_right,
                                          BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    # Stage 1: tiles cut by the left window edge.  Stage 2: interior tiles, no predicate.
-    # Stage 3: tiles cut by the right edge (the causal diagonal) or the end of the sequence.
-    b_acc, b_l, b_m = _fwd_inner(b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn,
-                                 o_m, o_d, lo, full_lo, sq, sk, shift, window_left, window_right,
-                                 qk_scale, softcap_scale, slope, HEAD_DIM, BLOCK_N, True, EVEN_D,
-                                 DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT)
-    b_acc, b_l, b_m = _fwd_inner(b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn,
-                                 o_m, o_d, full_lo, full_hi, sq, sk, shift, window_left,
-                                 window_right, qk_scale, softcap_scale, slope, HEAD_DIM, BLOCK_N,
-                                 False, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT,
-                                 HAS_RIGHT)
-    b_acc, b_l, b_m = _fwd_inner(b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn,
-                                 o_m, o_d, full_hi, hi, sq, sk, shift, window_left, window_right,
-                                 qk_scale, softcap_scale, slope, HEAD_DIM, BLOCK_N, True, EVEN_D,
-                                 DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT)
+    if SPARSE:
+        # Only the nonzero mask blocks of this query block, each cut into the three stages.
+        p_bs = BS_IDX + i_b * stride_bsb + i_h * stride_bsh + (m_first // bs_m) * stride_bsr
+        n_blocks = tl.load(p_bs)
+        for t in range(n_blocks):
+            blk = tl.load(p_bs + 1 + t)
+            s1, e1, s2, e2, s3, e3 = block_tiles(blk * bs_n, tl.minimum(blk * bs_n + bs_n, sk),
+                                                 lo, full_lo, full_hi, hi)
+            b_acc, b_l, b_m = _fwd_inner(
+                b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, s1,
+                e1, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
+                p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, HEAD_DIM, BLOCK_N,
+                True, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS,
+                BIAS_BOOL, HAS_DROPOUT)
+            b_acc, b_l, b_m = _fwd_inner(
+                b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, s2,
+                e2, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
+                p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, HEAD_DIM, BLOCK_N,
+                False, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS,
+                BIAS_BOOL, HAS_DROPOUT)
+            b_acc, b_l, b_m = _fwd_inner(
+                b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, s3,
+                e3, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
+                p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, HEAD_DIM, BLOCK_N,
+                True, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS,
+                BIAS_BOOL, HAS_DROPOUT)
+    else:
+        # Stage 1: tiles cut by the left window edge.  Stage 2: interior tiles, no predicate.
+        # Stage 3: tiles cut by the right edge (the causal diagonal) or the end of the sequence.
+        b_acc, b_l, b_m = _fwd_inner(
+            b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, lo,
+            full_lo, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
+            p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, HEAD_DIM, BLOCK_N,
+            True, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS,
+            BIAS_BOOL, HAS_DROPOUT)
+        b_acc, b_l, b_m = _fwd_inner(
+            b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, full_lo,
+            full_hi, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
+            p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, HEAD_DIM, BLOCK_N,
+            False, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS,
+            BIAS_BOOL, HAS_DROPOUT)
+        b_acc, b_l, b_m = _fwd_inner(
+            b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, full_hi,
+            hi, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
+            p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, HEAD_DIM, BLOCK_N,
+            True, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS,
+            BIAS_BOOL, HAS_DROPOUT)
 
     # Rows that saw no key keep l == 0: they output 0 and report lse = -inf.
     m_empty = b_l == 0.0
     b_l_safe = tl.where(m_empty, 1.0, b_l)
-    b_out = b_acc / b_l_safe[:, None]  # [BLOCK_M, BLOCK_D]
+    if HAS_DROPOUT:
+        b_out = b_acc * (dropout_scale / b_l_safe)[:, None]  # [BLOCK_M, BLOCK_D]
+    else:
+        b_out = b_acc / b_l_safe[:, None]  # [BLOCK_M, BLOCK_D]
     b_lse = tl.where(m_empty, float("-inf"), (b_m + tl.math.log2(b_l_safe)) * 0.6931471805599453)
     p_o = (O + i_b.to(tl.int64) * stride_ob + q_start.to(tl.int64) * stride_om + i_h * stride_oh
            + o_m[:, None] * stride_om + o_d[None, :])

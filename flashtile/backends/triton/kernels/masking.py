@@ -9,6 +9,16 @@ where a missing bound (``HAS_LEFT``/``HAS_RIGHT`` false) is unbounded.  Causal a
 ``window_right = 0``.  Tiles are classified into *masked* tiles (some element may be invisible;
 the element-wise predicate is applied) and *full* tiles (every element visible; no predicate,
 no bound checks), so the common path pays for nothing.
+
+Optional element-wise features, each behind a constexpr flag of the kernels:
+
+* an attention mask / additive bias ``(B|1, H|1, Sq|1, Sk|1)`` read with its broadcast strides
+  (stride 0 on broadcast dims), tile by tile (:func:`apply_bias`);
+* dropout: element ``(b, h, i, j)`` is kept iff ``tl.rand(seed, counter) >= p`` with the int64
+  counter ``((b * H + h) * seqlen_q + i) * seqlen_k + j`` (:func:`dropout_keep`; the same rule
+  as ``flashtile.rng``);
+* block sparsity: :func:`block_tiles` intersects one nonzero mask block with the three stages of
+  ``key_range``/``query_range`` so zero blocks are never loaded.
 """
 import triton
 import triton.language as tl
@@ -99,3 +109,46 @@ def tanh(x):
     # tanh(x) = 1 - 2 / (exp(2x) + 1): exp2 overflows to inf for large x and gives exactly 1,
     # underflows to 0 for very negative x and gives exactly -1, so no clamping is needed.
     return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
+@triton.jit
+def apply_bias(b_s, p_bias, stride_bm, stride_bn, o_m, o_n, sq, sk, BIAS_BOOL: tl.constexpr):
+    """Base-2 scores plus the additive bias (natural-log units), or ``-inf`` where a bool mask
+    is False.  Elements outside the sequence read a neutral value (they are masked elsewhere)."""
+    m_in = (o_m[:, None] < sq) & (o_n[None, :] < sk)
+    p_b = p_bias + o_m[:, None] * stride_bm + o_n[None, :] * stride_bn
+    if BIAS_BOOL:
+        b_b = tl.load(p_b, mask=m_in, other=1)  # [BLOCK_M, BLOCK_N]
+        b_s = tl.where(b_b != 0, b_s, float("-inf"))
+    else:
+        b_b = tl.load(p_b, mask=m_in, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_N]
+        b_s = b_s + b_b * LOG2E
+    return b_s
+
+
+@triton.jit
+def dropout_keep(seed, row_base, o_n, dropout_p):
+    """Keep mask ``# [BLOCK_M, BLOCK_N]``; ``row_base`` is the int64 counter of key 0 per row."""
+    b_u = tl.rand(seed, row_base[:, None] + o_n[None, :].to(tl.int64))
+    return b_u >= dropout_p
+
+
+@triton.jit
+def dropout_row_base(bh, seqlen_q, seqlen_k, o_m):
+    """int64 ``(bh * seqlen_q + i) * seqlen_k`` for the rows ``o_m``, with ``bh = b * H + h``
+    already int64, ``# [BLOCK]``."""
+    return (bh * seqlen_q + o_m.to(tl.int64)) * seqlen_k
+
+
+@triton.jit
+def block_tiles(blk_start, blk_end, lo, full_lo, full_hi, hi):
+    """The three stages of a range (``lo <= full_lo <= full_hi <= hi``) restricted to one mask
+    block ``[blk_start, blk_end)``: returns ``(s1, e1, s2, e2, s3, e3)``, masked / full /
+    masked.  ``blk_start`` is a multiple of the tile size, so every range starts on a tile."""
+    s1 = tl.maximum(blk_start, lo)
+    e1 = tl.minimum(blk_end, full_lo)
+    s2 = tl.maximum(blk_start, full_lo)
+    e2 = tl.minimum(blk_end, full_hi)
+    s3 = tl.maximum(blk_start, full_hi)
+    e3 = tl.minimum(blk_end, hi)
+    return s1, e1, s2, e2, s3, e3
