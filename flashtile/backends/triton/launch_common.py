@@ -6,6 +6,7 @@ import contextlib
 
 import torch
 from triton.runtime.autotuner import Heuristics
+from triton.runtime.errors import OutOfResources
 
 from ..spec import AttnSpec
 
@@ -102,7 +103,24 @@ def launch(kernel, grid, args: tuple, meta: dict) -> None:
         for name, rule in kernel.values.items():
             named[name] = meta[name] = rule(named)
         kernel = kernel.fn
-    kernel[grid](*args, **meta)
+    key = (kernel, tuple(sorted((k, v) for k, v in meta.items() if k != "num_stages"
+                                and isinstance(v, (int, float, str, bool, type(None))))))
+    stages = _fitted_stages.get(key)
+    if stages is not None:
+        meta["num_stages"] = stages
+    while True:
+        try:
+            kernel[grid](*args, **meta)
+            return
+        except OutOfResources:
+            # Optional features (bias tiles, dropout state) add shared memory to a config tuned
+            # without them: fewer pipeline stages always fit in less.  Remembered per variant.
+            if meta.get("num_stages", 1) <= 1:
+                raise
+            meta["num_stages"] = _fitted_stages[key] = meta["num_stages"] - 1
+
+
+_fitted_stages: dict = {}
 
 
 def broadcast_strides(x: torch.Tensor) -> tuple[int, ...]:
