@@ -75,7 +75,7 @@ def _compare(name, q, k, v, do, spec, slopes, out, lse, grads, dtype):
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     low = reference(*leaves, spec, slopes, dtype=dtype)
     low_grads = torch.autograd.grad(low, leaves, do)
-    floor = 4e-6 if dtype == torch.float32 else 1e-4
+    floor = 1e-5 if dtype == torch.float32 else 1e-4  # fp32: torch.testing's default atol
     assert_flash_rule(f"{name}: out", out, ref, low, 2, floor)
     for g_name, got, want, base in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads):
         assert_flash_rule(f"{name}: {g_name}", got, want, base, 3, floor)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import flashtile
 from flashtile.backends.spec import AttnSpec
@@ -43,7 +43,7 @@ def _check(s, backend, dtype):
     low_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     low = reference(*low_leaves, spec, dtype=dtype)
     low_grads = torch.autograd.grad(low, low_leaves, do, allow_unused=True)
-    floor = 4e-6 if dtype == torch.float32 else 1e-4
+    floor = 1e-5 if dtype == torch.float32 else 1e-4  # fp32: torch.testing's default atol
     assert_flash_rule("out", out, ref, low, 2, floor)
     for name, g, r, b in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads):
         z = torch.zeros_like
@@ -51,14 +51,17 @@ def _check(s, backend, dtype):
                           z(ref_leaves[0]) if b is None else b, 3, floor)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(s=shapes(max_len=300, max_d=256))
+@example(s=dict(batch=1, sq=63, sk=1, h=1, hk=1, d=131, causal=False, seed=0))  # exact dk = 0
 def test_torch_backend_any_shape(s):
     _check(s, "torch", torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(s=shapes(max_len=300, max_d=256))
 def test_triton_interpreter_any_shape(s, dtype):
     _check(s, "triton", dtype)

@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from .fwd import score_tile
-from .masking import (LOG2E, block_tiles, dropout_keep, dropout_row_base, key_range,
-                      query_range, tanh, visible)
+from .masking import (FEATURE_FLAGS, LOG2E, block_tiles, dropout_keep, dropout_row_base,
+                      key_range, query_range, sequence, tanh, visible)
 
 
 @triton.heuristics({"IS_VARLEN": lambda a: a["CU_Q"] is not None})
@@ -50,12 +50,7 @@ def attn_bwd_preprocess_kernel(
     i_bh = tl.program_id(1)
     i_b = i_bh // H
     i_h = i_bh % H
-    if IS_VARLEN:
-        q_start = tl.load(CU_Q + i_b)
-        sq = tl.load(CU_Q + i_b + 1) - q_start
-    else:
-        q_start = 0
-        sq = seqlen_q
+    q_start, sq, _, _, _ = sequence(CU_Q, CU_Q, i_b, seqlen_q, seqlen_q, IS_VARLEN, False)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if i_m * BLOCK_M >= sq:
         return
@@ -143,15 +138,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta,
     return b_dk, b_dv
 
 
-@triton.heuristics({
-    "IS_VARLEN": lambda a: a["CU_Q"] is not None,
-    "HAS_ALIBI": lambda a: a["ALIBI"] is not None,
-    "EVEN_D": lambda a: a["HEAD_DIM"] == a["BLOCK_D"],
-    "HAS_BIAS": lambda a: a["BIAS"] is not None,
-    "BIAS_BOOL": lambda a: a["BIAS"] is not None and not a["BIAS"].dtype.is_floating_point,
-    "HAS_DROPOUT": lambda a: a["RNG"] is not None,
-    "SPARSE": lambda a: a["BS_IDX"] is not None,
-})
+@triton.heuristics(FEATURE_FLAGS)
 @triton.jit
 def attn_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, LSE2, DELTA, ALIBI, CU_Q, CU_K, BIAS, RNG, BS_IDX,
@@ -180,23 +167,11 @@ def attn_bwd_dkdv_kernel(
     i_bh = tl.program_id(1)
     i_b = i_bh // HK
     i_hk = i_bh % HK
-    if IS_VARLEN:
-        q_start = tl.load(CU_Q + i_b)
-        sq = tl.load(CU_Q + i_b + 1) - q_start
-        k_start = tl.load(CU_K + i_b)
-        sk = tl.load(CU_K + i_b + 1) - k_start
-    else:
-        q_start = 0
-        sq = seqlen_q
-        k_start = 0
-        sk = seqlen_k
+    q_start, sq, k_start, sk, shift = sequence(CU_Q, CU_K, i_b, seqlen_q, seqlen_k, IS_VARLEN,
+                                               BOTTOM_RIGHT)
     n_first = i_n * BLOCK_N
     if n_first >= sk:
         return
-    if BOTTOM_RIGHT:
-        shift = sk - sq
-    else:
-        shift = 0
     o_n = n_first + tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
     m_kd = (o_n[:, None] < sk) & (o_d[None, :] < HEAD_DIM)  # [BLOCK_N, BLOCK_D]
@@ -336,13 +311,7 @@ def _dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, s
 
 
 @triton.heuristics({
-    "IS_VARLEN": lambda a: a["CU_Q"] is not None,
-    "HAS_ALIBI": lambda a: a["ALIBI"] is not None,
-    "EVEN_D": lambda a: a["HEAD_DIM"] == a["BLOCK_D"],
-    "HAS_BIAS": lambda a: a["BIAS"] is not None,
-    "BIAS_BOOL": lambda a: a["BIAS"] is not None and not a["BIAS"].dtype.is_floating_point,
-    "HAS_DROPOUT": lambda a: a["RNG"] is not None,
-    "SPARSE": lambda a: a["BS_IDX"] is not None,
+    **FEATURE_FLAGS,
     "STORE_DBIAS": lambda a: a["DBIAS"] is not None,
 })
 @triton.jit
@@ -372,23 +341,11 @@ def attn_bwd_dq_kernel(
     i_b = i_bh // H
     i_h = i_bh % H
     i_hk = i_h // GROUP
-    if IS_VARLEN:
-        q_start = tl.load(CU_Q + i_b)
-        sq = tl.load(CU_Q + i_b + 1) - q_start
-        k_start = tl.load(CU_K + i_b)
-        sk = tl.load(CU_K + i_b + 1) - k_start
-    else:
-        q_start = 0
-        sq = seqlen_q
-        k_start = 0
-        sk = seqlen_k
+    q_start, sq, k_start, sk, shift = sequence(CU_Q, CU_K, i_b, seqlen_q, seqlen_k, IS_VARLEN,
+                                               BOTTOM_RIGHT)
     m_first = i_m * BLOCK_M
     if m_first >= sq:
         return
-    if BOTTOM_RIGHT:
-        shift = sk - sq
-    else:
-        shift = 0
     m_last = tl.minimum(m_first + BLOCK_M, sq) - 1
     o_m = m_first + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)

@@ -29,8 +29,8 @@ Optional features (constexpr flags, derived from which optional pointers are Non
 import triton
 import triton.language as tl
 
-from .masking import (LOG2E, apply_bias, block_tiles, dropout_keep, dropout_row_base,
-                      key_range, tanh, visible)
+from .masking import (FEATURE_FLAGS, LOG2E, apply_bias, block_tiles, dropout_keep, dropout_row_base,
+                      key_range, sequence, tanh, visible)
 
 
 @triton.jit
@@ -109,15 +109,7 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn,
     return b_acc, b_l, b_m
 
 
-@triton.heuristics({
-    "IS_VARLEN": lambda a: a["CU_Q"] is not None,
-    "HAS_ALIBI": lambda a: a["ALIBI"] is not None,
-    "EVEN_D": lambda a: a["HEAD_DIM"] == a["BLOCK_D"],
-    "HAS_BIAS": lambda a: a["BIAS"] is not None,
-    "BIAS_BOOL": lambda a: a["BIAS"] is not None and not a["BIAS"].dtype.is_floating_point,
-    "HAS_DROPOUT": lambda a: a["RNG"] is not None,
-    "SPARSE": lambda a: a["BS_IDX"] is not None,
-})
+@triton.heuristics(FEATURE_FLAGS)
 @triton.jit
 def attn_fwd_kernel(
     Q, K, V, O, LSE, ALIBI, CU_Q, CU_K, BIAS, RNG, BS_IDX,
@@ -144,23 +136,11 @@ def attn_fwd_kernel(
     i_b = i_bh // H
     i_h = i_bh % H
     i_hk = i_h // GROUP
-    if IS_VARLEN:
-        q_start = tl.load(CU_Q + i_b)
-        sq = tl.load(CU_Q + i_b + 1) - q_start
-        k_start = tl.load(CU_K + i_b)
-        sk = tl.load(CU_K + i_b + 1) - k_start
-    else:
-        q_start = 0
-        sq = seqlen_q
-        k_start = 0
-        sk = seqlen_k
+    q_start, sq, k_start, sk, shift = sequence(CU_Q, CU_K, i_b, seqlen_q, seqlen_k, IS_VARLEN,
+                                               BOTTOM_RIGHT)
     m_first = i_m * BLOCK_M
     if m_first >= sq:
         return
-    if BOTTOM_RIGHT:
-        shift = sk - sq
-    else:
-        shift = 0
     m_last = tl.minimum(m_first + BLOCK_M, sq) - 1
 
     o_m = m_first + tl.arange(0, BLOCK_M)

@@ -23,6 +23,42 @@ Optional element-wise features, each behind a constexpr flag of the kernels:
 import triton
 import triton.language as tl
 
+# Optional features of the attention kernels, each derived from whether its argument is None
+# (or, for EVEN_D, whether the head dim is a power of two): one kernel source, a constexpr flag
+# per feature, and a disabled feature compiles to nothing.
+FEATURE_FLAGS = {
+    "IS_VARLEN": lambda a: a["CU_Q"] is not None,
+    "HAS_ALIBI": lambda a: a["ALIBI"] is not None,
+    "EVEN_D": lambda a: a["HEAD_DIM"] == a["BLOCK_D"],
+    "HAS_BIAS": lambda a: a["BIAS"] is not None,
+    "BIAS_BOOL": lambda a: a["BIAS"] is not None and not a["BIAS"].dtype.is_floating_point,
+    "HAS_DROPOUT": lambda a: a["RNG"] is not None,
+    "SPARSE": lambda a: a["BS_IDX"] is not None,
+}
+
+
+@triton.jit
+def sequence(CU_Q, CU_K, i_b, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr,
+             BOTTOM_RIGHT: tl.constexpr):
+    """``(q_start, sq, k_start, sk, shift)`` of batch entry ``i_b``: where its rows start in a
+    packed varlen tensor (0 when dense), its lengths, and the diagonal's shift."""
+    if IS_VARLEN:
+        q_start = tl.load(CU_Q + i_b)
+        sq = tl.load(CU_Q + i_b + 1) - q_start
+        k_start = tl.load(CU_K + i_b)
+        sk = tl.load(CU_K + i_b + 1) - k_start
+    else:
+        q_start = seqlen_q * 0
+        sq = seqlen_q
+        k_start = seqlen_k * 0
+        sk = seqlen_k
+    if BOTTOM_RIGHT:
+        shift = sk - sq
+    else:
+        shift = sk * 0
+    return q_start, sq, k_start, sk, shift
+
+
 # A constexpr so kernels may read it as a global.
 LOG2E = tl.constexpr(1.4426950408889634)
 
