@@ -29,6 +29,6 @@ grep " NO$\|Error\|Traceback" "$OUT/check_all.txt" | head -20
 timeout ${BENCH_S:-150} python3 -m flashtile.bench --dtype bf16 --d 128 --n 512 1K 2K --out "$OUT/b" \
   --merge-into "$OUT/short.json" --no-plot --no-progress --no-device-ceilings > "$OUT/bench.txt" 2>&1
 tail -n 22 "$OUT/bench.txt" | cut -c1-150
-timeout 120 python3 benchmarks/bench_decode.py --out "$OUT/decode_b1.json" --batches 1 8 \
+timeout 120 python3 -m flashtile.bench decode --out "$OUT/decode_b1.json" --batches 1 8 \
   --cache-lens 16384 65536 --no-flex --sdpa cudnn --skip-check > "$OUT/decode_b1.txt" 2>&1
 grep -E "^(flashtile|flashtile_cudagraph|sdpa_cudnn) " "$OUT/decode_b1.txt"

@@ -1513,14 +1513,18 @@ def run_report(argv: Sequence[str], stdout=None) -> int:
 # Entry point
 # --------------------------------------------------------------------------------------------
 
-SUBCOMMANDS = ("speed", "memory", "report")
+SUBCOMMANDS = ("speed", "memory", "report", "decode")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``[speed] FLAGS`` | ``memory FLAGS`` | ``report FILES``. Exit status 1 when a flashtile
-    case failed with an unexpected error, 2 for usage problems."""
+    """``[speed] FLAGS`` | ``memory FLAGS`` | ``report FILES`` | ``decode FLAGS`` (the KV-cache
+    decode benchmark, ``flashtile.bench_decode``). Exit status 1 when a flashtile case failed
+    with an unexpected error, 2 for usage problems."""
     argv = list(sys.argv[1:] if argv is None else argv)
     sub = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "speed"
+    if sub == "decode":
+        from . import bench_decode
+        return bench_decode.main(argv)
     if sub == "report":
         return run_report(argv)
     if sub == "memory":

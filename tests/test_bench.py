@@ -1082,3 +1082,12 @@ def test_silent_progress(capsys):
     progress.write("y")
     progress.update()
     assert capsys.readouterr().err == ""
+
+
+def test_decode_subcommand_routes_to_the_decode_benchmark(monkeypatch, tmp_path):
+    """`python -m flashtile.bench decode ...` runs flashtile.bench_decode with the remaining flags."""
+    from flashtile import bench, bench_decode
+    seen = {}
+    monkeypatch.setattr(bench_decode, "main", lambda argv: seen.setdefault("argv", argv) and 0)
+    assert bench.main(["decode", "--quick", "--out", str(tmp_path / "d.json")]) == 0
+    assert seen["argv"] == ["--quick", "--out", str(tmp_path / "d.json")]

@@ -27,8 +27,8 @@ proving a decode step is capturable.  Results go to ``--out`` as a JSON list of 
 ``{impl, batch, cache_len, ms, GBps, frac_of_copy_bw, device, torch, triton, date, ...}`` and a
 table is printed.
 
-    python benchmarks/bench_decode.py --out bench_out/decode_h100.json
-    python benchmarks/bench_decode.py --out /tmp/quick.json --quick
+    python -m flashtile.bench decode --out bench_out/decode_h100.json
+    python -m flashtile.bench decode --out /tmp/quick.json --quick
 """
 from __future__ import annotations
 
@@ -42,12 +42,10 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import triton
+from triton.testing import do_bench
 
-import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
-
-from flashtile.backends.triton import launch_decode  # noqa: E402
+from flashtile.backends.triton import launch_decode
 from flashtile.decode import flash_attn_with_kvcache  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
