@@ -79,6 +79,18 @@ def capture(fn, warmup_calls: int = 3):
     return graph, result
 
 
+
+def graph_or_eager_ms(fn, args):
+    """Median ms of ``fn`` replayed from a CUDA graph, or called eagerly where capture fails."""
+    try:
+        graph, _ = capture(fn)
+        ms = bench_ms(graph.replay, args.warmup, args.rep)
+        del graph
+        return ms, "graph"
+    except Exception:
+        torch.cuda.synchronize()
+        return bench_ms(fn, args.warmup, args.rep), "eager"
+
 def free_bytes() -> int:
     return torch.cuda.mem_get_info()[0]
 
@@ -356,13 +368,7 @@ def run_config(args, dtype, batch, cache_len, copy_bw, meta) -> list[dict]:
             continue
         try:
             err = check_err(fn())
-            try:
-                graph, _ = capture(fn)
-                ms, mode = bench_ms(graph.replay, args.warmup, args.rep), "graph"
-                del graph
-            except Exception:
-                torch.cuda.synchronize()
-                ms, mode = bench_ms(fn, args.warmup, args.rep), "eager"
+            ms, mode = graph_or_eager_ms(fn, args)
             record(impl, ms, mode, max_abs_err_vs_flashtile=err, status="ok")
         except Exception as exc:
             record(impl, None, "-", status=f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
@@ -379,13 +385,7 @@ def run_config(args, dtype, batch, cache_len, copy_bw, meta) -> list[dict]:
                 return compiled(qt, kt, vt, enable_gqa=True)
 
             err = check_err(fn_flex())
-            try:
-                graph, _ = capture(fn_flex)
-                ms, mode = bench_ms(graph.replay, args.warmup, args.rep), "graph"
-                del graph
-            except Exception:
-                torch.cuda.synchronize()
-                ms, mode = bench_ms(fn_flex, args.warmup, args.rep), "eager"
+            ms, mode = graph_or_eager_ms(fn_flex, args)
             record("flex", ms, mode, max_abs_err_vs_flashtile=err, status="ok")
         except Exception as exc:
             record("flex", None, "-", status=f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
