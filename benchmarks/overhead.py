@@ -1,12 +1,19 @@
-"""Host-side cost per call and short-sequence configs (GPU): ``python benchmarks/overhead.py``.
+"""Host cost per call and the short-sequence forward, with and without direct launches (GPU).
 
-1. Wall-clock microseconds per call on a tiny input (the GPU work is negligible, so this is the
-   Python + launch cost): flashtile's public call, its Triton launcher alone, and SDPA flash.
-2. Forward TFLOP/s at N=512 and 1K (16K tokens, hidden 2048, d=128, bf16) for several tilings,
-   to see whether short sequences want other tiles than the N=8K winners.
+    python benchmarks/overhead.py OUT.json [--profile]
+
+1. Wall-clock microseconds per call on a tiny input, where the GPU work is negligible, so this
+   is the Python + launch cost: SDPA flash, flashtile's public forward and forward+backward, and
+   the Triton forward launcher alone; each with ``launch_common._DIRECT`` on and off.
+2. Forward milliseconds at N=512 and 1K (16K tokens, hidden 2048, d=64 and 128, bf16, causal and
+   not) through ``flash_attn_func`` against SDPA flash, medians of ``triton.testing.do_bench``.
+3. ``--profile``: the cProfile of a forward+backward through the public call, direct launches on.
 """
+import cProfile
+import io
 import json
 import math
+import pstats
 import sys
 import time
 
@@ -16,8 +23,7 @@ from triton.testing import do_bench
 
 import flashtile
 from flashtile.backends.spec import AttnSpec
-from flashtile.backends.triton import forward
-from flashtile.backends.triton.configs import KernelConfig, override
+from flashtile.backends.triton import forward, launch_common
 
 
 def per_call_us(fn, n=2000):
@@ -31,59 +37,86 @@ def per_call_us(fn, n=2000):
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def main(out_path):
-    rec = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+def host_costs() -> dict:
     q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
+    qg = q.clone().requires_grad_()
     spec = AttnSpec(0.125, -1, 0)
     qt = q.transpose(1, 2)
+    rec = {}
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        rec["sdpa_flash_us"] = per_call_us(
+        rec["sdpa_flash_fwd_us"] = per_call_us(
             lambda: torch.nn.functional.scaled_dot_product_attention(qt, qt, qt, is_causal=True))
-    rec["flashtile_us"] = per_call_us(lambda: flashtile.flash_attn_func(q, q, q, causal=True))
-    rec["launcher_us"] = per_call_us(lambda: forward(q, q, q, spec))
-    print({k: round(v, 1) if isinstance(v, float) else v for k, v in rec.items()})
+        qtg = qg.transpose(1, 2)
+        rec["sdpa_flash_fwd_bwd_us"] = per_call_us(
+            lambda: torch.nn.functional.scaled_dot_product_attention(qtg, qtg, qtg, is_causal=True)
+            .sum().backward(), n=500)
+    for direct in (False, True):
+        launch_common._DIRECT = direct
+        tag = "direct" if direct else "triton_run"
+        rec[f"flashtile_fwd_us_{tag}"] = per_call_us(lambda: flashtile.flash_attn_func(q, q, q, causal=True))
+        rec[f"flashtile_fwd_bwd_us_{tag}"] = per_call_us(
+            lambda: flashtile.flash_attn_func(qg, qg, qg, causal=True).sum().backward(), n=500)
+        rec[f"launcher_fwd_us_{tag}"] = per_call_us(lambda: forward(q, q, q, spec))
+    return rec
+
+
+def short_n() -> list:
     rows = []
-    for n in (512, 1024):
-        b, h, d = 16384 // n, 16, 128
-        qq, kk, vv = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        for causal in (False, True):
-            sp = AttnSpec(1 / math.sqrt(d), -1, 0 if causal else -1)
-            flops = 4 * b * h * n * n * d * (0.5 if causal else 1)
-            for cfg in [(128, 64, 8, 4), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3),
-                        (64, 128, 4, 3), (128, 32, 8, 3), (64, 32, 4, 2)]:
-                with override(fwd=KernelConfig(*cfg)):
-                    ms = do_bench(lambda: forward(qq, kk, vv, sp), warmup=25, rep=100,
-                                  return_mode="median")
-                rows.append(dict(n=n, causal=causal, cfg=cfg, tflops=flops / ms / 1e9))
-                print(rows[-1])
-    rec["short_n"] = rows
-    with open(out_path, "w") as f:
-        json.dump(rec, f, indent=1)
+    for d in (64, 128):
+        for n in (512, 1024):
+            b, h = 16384 // n, 2048 // d
+            q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+            for causal in (False, True):
+                flops = 4 * b * h * n * n * d * (0.5 if causal else 1)
+                row = dict(d=d, n=n, causal=causal)
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    row["sdpa_flash_ms"] = do_bench(
+                        lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal),
+                        warmup=25, rep=100, return_mode="median")
+                for direct in (False, True):
+                    launch_common._DIRECT = direct
+                    row[f"flashtile_ms_{'direct' if direct else 'triton_run'}"] = do_bench(
+                        lambda: flashtile.flash_attn_func(q, k, v, causal=causal), warmup=25, rep=100,
+                        return_mode="median")
+                row["ratio_vs_fa2_direct"] = row["sdpa_flash_ms"] / row["flashtile_ms_direct"]
+                row["tflops_direct"] = flops / row["flashtile_ms_direct"] / 1e9
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
 
 
+def profile_call(n=1000, top=30) -> str:
+    q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    launch_common._DIRECT = True
 
+    def step():
+        flashtile.flash_attn_func(q, q, q, causal=True).sum().backward()
 
-def profile_launch(n=2000, top=25):
-    """cProfile of the Triton launcher on a tiny input: where the host time goes."""
-    import cProfile
-    import io
-    import pstats
-    q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
-    spec = AttnSpec(0.125, -1, 0)
     for _ in range(50):
-        forward(q, q, q, spec)
+        step()
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(n):
-        forward(q, q, q, spec)
+        step()
     prof.disable()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
     return buf.getvalue()
 
 
-if __name__ == "__main__":
+def main(out_path):
+    rec = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%d")}
+    rec.update(host_costs())
+    print({k: round(v, 1) if isinstance(v, float) else v for k, v in rec.items()}, flush=True)
+    rec["short_n"] = short_n()
     if "--profile" in sys.argv:
-        print(profile_launch())
-    else:
-        main(sys.argv[1] if len(sys.argv) > 1 else "overhead.json")
+        rec["profile"] = profile_call()
+        print(rec["profile"])
+    with open(out_path, "w") as f:
+        json.dump(rec, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else "overhead.json")

@@ -3,8 +3,10 @@
 Shapes: one new query token per sequence, ``nheads`` query heads over ``nheads_k`` KV heads
 (GQA), head dim 128, bf16, cache lengths 4K..128K, batch 1 / 8 / 64 (all configurable).
 
-For every (batch, cache_len) it times, with ``triton.testing.do_bench`` (median, L2 flushed
-between repetitions):
+For every (batch, cache_len) it times the median of many calls, L2 emptied before each one
+(``--l2-flush read``, the default: a 256 MB buffer is read, leaving L2 cold and clean; ``write``:
+``triton.testing.do_bench``'s memset, which leaves ~50 MB of dirty lines whose write-back the
+timed call pays for, ~17 us on an H100, a third of a batch-1 16K decode step):
 
   flashtile             eager call, full cache (cache_seqlens = cache_len), contiguous cache
   flashtile_cudagraph   the same call captured in a CUDA graph and replayed
@@ -59,8 +61,46 @@ def log(msg: str) -> None:
 # --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
+# How the L2 cache is emptied before each timed call: "write" is do_bench's (a 256 MB memset,
+# which leaves ~50 MB of dirty lines that the timed kernel then waits on while they are written
+# back), "read" reads a 256 MB buffer instead, so the timed call starts from a cold and clean L2.
+L2_FLUSH = "read"
+_FLUSH_BYTES = 256 << 20
+
+
 def bench_ms(fn, warmup: int, rep: int) -> float:
-    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    """Median milliseconds of ``fn`` with L2 emptied before every call (see ``L2_FLUSH``)."""
+    if L2_FLUSH == "write":
+        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    buf = torch.empty(_FLUSH_BYTES // 4, dtype=torch.float32, device=DEVICE).normal_()
+    sink = torch.empty((), dtype=torch.float32, device=DEVICE)
+
+    def flush():
+        torch.sum(buf, 0, out=sink)
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flush()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = max(start.elapsed_time(end) / 5, 1e-3)
+    n_warmup, n_rep = max(1, int(warmup / estimate)), max(1, int(rep / estimate))
+    for _ in range(n_warmup):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
+    for s, e in zip(starts, ends):
+        flush()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return float(times[len(times) // 2])
 
 
 def capture(fn, warmup_calls: int = 3):
@@ -442,6 +482,10 @@ def main(argv=None) -> int:
                    help="also time flashtile with these explicit num_splits")
     p.add_argument("--warmup", type=int, default=10, help="do_bench warm-up time (ms)")
     p.add_argument("--rep", type=int, default=50, help="do_bench measuring time (ms)")
+    p.add_argument("--l2-flush", choices=["read", "write"], default="read",
+                   help="empty L2 before each timed call by reading a 256 MB buffer (default) or, "
+                   "as triton.testing.do_bench does, by a memset whose dirty lines the timed call "
+                   "then waits on")
     p.add_argument("--quick", action="store_true", help="batches 1 8, cache 4K 16K, no flex")
     p.add_argument("--skip-check", action="store_true")
     args = p.parse_args(argv)
@@ -451,8 +495,11 @@ def main(argv=None) -> int:
         log("bench_decode needs a CUDA GPU")
         return 2
     dtype = DTYPES[args.dtype]
+    global L2_FLUSH
+    L2_FLUSH = args.l2_flush
     meta = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                l2_flush=args.l2_flush)
     log(f"{meta['device']}  torch {meta['torch']}  triton {meta['triton']}  "
         f"SMs {launch_decode.num_sms(torch.device('cuda'))}")
     records = []

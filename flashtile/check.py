@@ -282,6 +282,46 @@ def feature_cases(device: torch.device, quick: bool) -> list[Case]:
     return out
 
 
+def direct_launch_check(device: torch.device) -> list[str]:
+    """Launches through cached compiled kernels (``launch_common._DIRECT``) against
+    ``kernel[grid]``: forward and backward must be bitwise equal for every variant below,
+    including inputs whose pointer alignment differs from the call that filled the cache.
+    Returns the names of the variants that differ (GPU only)."""
+    from .backends.triton import launch_common
+
+    gen = torch.Generator(device=device).manual_seed(7)
+    buf = torch.randn(3 * 2 * 200 * 4 * 64 + 8, generator=gen, device=device, dtype=torch.float16)
+
+    def views(offset):  # q, k, v of (2, 200, 4, 64) starting `offset` elements into `buf`
+        n = 2 * 200 * 4 * 64
+        return [buf[offset + i * n: offset + (i + 1) * n].view(2, 200, 4, 64) for i in range(3)]
+
+    bias = torch.randn(2, 4, 200, 200, generator=gen, device=device, dtype=torch.float16)
+    variants = {
+        "causal": lambda q, k, v: flash_attn_func(q, k, v, causal=True),
+        "window": lambda q, k, v: flash_attn_func(q, k, v, window_size=(37, 5), softcap=20.0),
+        "gqa": lambda q, k, v: flash_attn_func(q, k[:, :, :2], v[:, :, :2]),
+        "dropout": lambda q, k, v: flash_attn_func(q, k, v, dropout_p=0.2),
+        "bias": lambda q, k, v: scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias).transpose(1, 2),
+    }
+    failed = []
+    for name, fn in variants.items():
+        for offset in (0, 1, 0):  # aligned, misaligned (a different specialisation), aligned
+            results = []
+            for direct in (False, True, True):
+                launch_common._DIRECT = direct
+                q, k, v = (x.detach().requires_grad_() for x in views(offset))
+                torch.manual_seed(11)
+                out = fn(q, k, v)
+                out.backward(torch.ones_like(out))
+                results.append([out.detach(), q.grad, k.grad, v.grad])
+            launch_common._DIRECT = True
+            if not all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0], r)):
+                failed.append(f"{name}@offset{offset}")
+    return failed
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashtile.check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -290,12 +330,18 @@ def main(argv=None) -> int:
     parser.add_argument("--features", action="store_true",
                         help="only the dropout / mask / bias / block-sparse cases")
     parser.add_argument("--json", help="write the results to this file")
+    parser.add_argument("--direct-launch", action="store_true",
+                        help="only check that cached direct launches equal kernel[grid] launches")
     parser.add_argument("--only", default="", help="run only cases whose name matches this "
                         "regular expression (e.g. ^bfloat16); several processes with disjoint "
                         "filters compile in parallel")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     t0 = time.time()
+    if args.direct_launch:
+        failed = direct_launch_check(device) if device.type == "cuda" else []
+        print(f"direct launches: {'differ for ' + ', '.join(failed) if failed else 'all bitwise equal'}")
+        return 1 if failed else 0
     todo = feature_cases(device, args.quick) if args.features else cases(device, args.quick)
     results = [run_case(c, device) for c in todo if re.search(args.only, c.name)]
     if not results:

@@ -3,14 +3,23 @@ the arguments of the optional features (bias / mask, dropout, block sparsity).""
 from __future__ import annotations
 
 import contextlib
+import operator
+import os
 
 import torch
+from triton import knobs as _knobs
 from triton.runtime.autotuner import Heuristics
 from triton.runtime.errors import OutOfResources
+from triton.runtime.jit import JITFunction
 
 from ..spec import AttnSpec
 
 LOG2E = 1.4426950408889634
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
 _poison = False
 
 
@@ -90,12 +99,15 @@ def layout(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q, max_seqlen_q, max_seq
 
 
 def launch(kernel, grid, args: tuple, meta: dict) -> None:
-    """``kernel[grid](*args, **meta)``.
+    """``kernel[grid](*args, **meta)``, through a cheaper host path once a variant is compiled.
 
     For a ``triton.heuristics`` kernel the derived constexprs are computed here, from one
     name -> value mapping, and the wrapped jitted function is launched with them: the wrapper
     rebuilds that mapping of every argument once per heuristic, which on an H100 host costs
     ~18 us a launch (benchmarks/overhead.py --profile).  Same rules, same order, same values.
+
+    After the first launch of a variant its compiled kernel is called directly (see
+    :func:`_direct_key`); ``FLASHTILE_DIRECT_LAUNCH=0`` turns that off.
     """
     if isinstance(kernel, Heuristics):
         named = dict(zip(kernel.arg_names, args))
@@ -103,21 +115,102 @@ def launch(kernel, grid, args: tuple, meta: dict) -> None:
         for name, rule in kernel.values.items():
             named[name] = meta[name] = rule(named)
         kernel = kernel.fn
-    key = (kernel, tuple(sorted((k, v) for k, v in meta.items() if k != "num_stages"
-                                and isinstance(v, (int, float, str, bool, type(None))))))
-    stages = _fitted_stages.get(key)
+    else:
+        named = None
+    direct = _DIRECT and grid[0] and kernel.__class__ is JITFunction
+    if direct:
+        if named is None:
+            named = dict(zip(kernel.arg_names, args))
+            named.update(meta)
+        key = _direct_key(kernel, named, meta)
+        try:
+            compiled = _compiled.get(key) if key is not None else None
+        except TypeError:  # an unhashable scalar argument
+            compiled = key = None
+        if compiled is not None and _no_launch_hooks():
+            compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                         _raw_stream(key[1]), compiled.function, compiled.packed_metadata,
+                         None, None, None, *named_values(kernel, named))
+            return
+    fit_key = (kernel, tuple(sorted((k, v) for k, v in meta.items() if k != "num_stages"
+                                    and isinstance(v, (int, float, str, bool, type(None))))))
+    stages = _fitted_stages.get(fit_key)
     if stages is not None:
         meta["num_stages"] = stages
     while True:
         try:
-            kernel[grid](*args, **meta)
-            return
+            compiled = kernel[grid](*args, **meta)
+            break
         except OutOfResources:
             # Optional features (bias tiles, dropout state) add shared memory to a config tuned
             # without them: fewer pipeline stages always fit in less.  Remembered per variant.
             if meta.get("num_stages", 1) <= 1:
                 raise
-            meta["num_stages"] = _fitted_stages[key] = meta["num_stages"] - 1
+            meta["num_stages"] = _fitted_stages[fit_key] = meta["num_stages"] - 1
+    if direct and key is not None and compiled is not None:
+        if len(_compiled) >= _MAX_COMPILED:
+            _compiled.clear()
+        # under the key of the requested options: a retry that lowered num_stages is remembered
+        # by the next lookup too
+        _compiled[key] = compiled
+
+
+# Direct launches.  ``JITFunction.run`` binds every argument, derives its specialisation
+# (dtype, 16-byte alignment, ints equal to 1 or divisible by 16), hashes that into a cache key
+# and builds launch metadata on every call, although a training step repeats the same few
+# variants.  Here the compiled kernel of a variant is remembered under a key that determines
+# that specialisation: the exact value and type of every non-tensor argument (ints, floats,
+# bools, None, constexprs) and the launch options, and each tensor's dtype and 16-byte
+# alignment.  Equal keys imply equal Triton cache keys, so the kernel called is the one
+# ``kernel[grid]`` would call (``python -m flashtile.check --direct-launch`` compares the two
+# bitwise on the GPU).
+_DIRECT = os.environ.get("FLASHTILE_DIRECT_LAUNCH", "1") != "0" and not _interpreting()
+_MAX_COMPILED = 4096
+_compiled: dict = {}
+_arg_names: dict = {}
+_layouts: dict = {}
+
+
+def _no_launch_hooks() -> bool:
+    hook = _knobs.runtime.launch_enter_hook  # a HookChain; profilers add calls to it
+    return hook is None or not getattr(hook, "calls", True)
+
+
+def _direct_key(kernel, named: dict, meta: dict):
+    """``(kernel, device, scalars, their types, tensors, options)``, or None when the plain path
+    must run (a parameter left at its default, or a tensor where the first call had a scalar)."""
+    lay = _layouts.get(kernel)
+    if lay is None:
+        names = _arg_names[kernel] = tuple(kernel.arg_names)
+        if any(n not in named for n in names):
+            return None
+        ptr = tuple(n for n in names if named[n] is None or isinstance(named[n], torch.Tensor))
+        scalar = tuple(n for n in names if n not in ptr)
+        params = frozenset(names)
+        lay = _layouts[kernel] = (_tuple_getter(ptr), _tuple_getter(scalar), params)
+    get_ptr, get_scalar, params = lay
+    try:
+        scalars = get_scalar(named)
+        tensors = tuple([None if a is None else (a.dtype, a.data_ptr() & 15 == 0) for a in get_ptr(named)])
+    except (KeyError, AttributeError):
+        return None
+    options = tuple([(k, v) for k, v in meta.items() if k not in params])
+    return kernel, torch.cuda.current_device(), scalars, tuple(map(type, scalars)), tensors, options
+
+
+def _tuple_getter(names: tuple):
+    """``d -> tuple(d[n] for n in names)`` at C speed (``itemgetter`` of one name is not a tuple)."""
+    if len(names) >= 2:
+        return operator.itemgetter(*names)
+    return (lambda d: (d[names[0]],)) if names else (lambda d: ())
+
+
+def named_values(kernel, named: dict) -> list:
+    return [named[n] for n in _arg_names[kernel]]
+
+
+def _raw_stream(device: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device)
 
 
 _fitted_stages: dict = {}
