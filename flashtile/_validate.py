@@ -128,9 +128,12 @@ def alibi(slopes, batch: int, nheads: int, device: torch.device):
     return slopes if slopes.stride(-1) == 1 else slopes.contiguous()
 
 
-def cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen, max_name: str,
-               device: torch.device) -> int:
-    """Checks a cumulative-length vector; returns the batch size."""
+def cu_seqlens(name: str, cu: torch.Tensor, total: int | None, max_seqlen, max_name: str,
+               device: torch.device) -> list[int]:
+    """Checks a cumulative-length vector; returns the sequence lengths (``batch`` of them).
+
+    ``total`` is the number of packed rows ``cu[-1]`` must equal; None skips that check
+    (paged keys: the pool's size is unrelated to the number of keys)."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be an int32 torch.Tensor of shape (batch + 1,), "
                         f"got {type(cu).__name__}")
@@ -150,13 +153,55 @@ def cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen, max_name: st
     lengths = [b - a for a, b in zip(values[:-1], values[1:])]
     if any(n < 0 for n in lengths):
         raise ValueError(f"{name} must be non-decreasing, got {values}")
-    if values[-1] != total:
+    if total is not None and values[-1] != total:
         raise ValueError(f"{name}[-1] = {values[-1]} must equal the number of packed tokens "
                          f"({total})")
     if lengths and max(lengths) > max_seqlen:
         raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest sequence in "
                          f"{name} ({max(lengths)})")
-    return len(values) - 1
+    return lengths
+
+
+def block_table(table, lengths_k: list[int], k: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``block_table`` of a varlen call with paged ``k``/``v`` ``(num_blocks, page_size, Hk, D)``:
+    int32 ``(batch, max_num_blocks)`` on q's device whose first ``ceil(len_k / page_size)``
+    entries of row ``b`` are pages of the pool (the entries past them are never read)."""
+    from .paged_kv import check_page_size
+
+    batch = len(lengths_k)
+    layout = "(batch, max_num_blocks)"
+    if not isinstance(table, torch.Tensor):
+        raise TypeError(f"block_table must be an int32 torch.Tensor of shape {layout}, got "
+                        f"{type(table).__name__}")
+    if table.dtype != torch.int32:
+        raise TypeError(f"block_table must be int32, got {_dt(table.dtype)}; use "
+                        "block_table.int()")
+    if table.dim() != 2 or table.shape[0] != batch:
+        raise ValueError(f"block_table must have shape {layout} with batch = {batch} (from "
+                         f"cu_seqlens_k), got {tuple(table.shape)}")
+    if table.device != device:
+        raise ValueError(f"block_table is on {table.device} but q is on {device}")
+    page_size, num_blocks = int(k.shape[1]), int(k.shape[0])
+    check_page_size(page_size, "paged k/v (with block_table)")
+    capacity = int(table.shape[1]) * page_size
+    for b, n in enumerate(lengths_k):
+        if n > capacity:
+            raise ValueError(f"sequence {b} has {n} keys (cu_seqlens_k) but block_table rows "
+                             f"address at most {table.shape[1]} pages x page_size {page_size} "
+                             f"= {capacity} keys; it needs ceil({n} / {page_size}) = "
+                             f"{-(-n // page_size)} pages")
+    # One host read of the (small) table, as for cu_seqlens: a bad page index would otherwise
+    # be an out-of-bounds read inside the kernel.
+    t = table.to("cpu", torch.int64)
+    need = torch.tensor([-(-n // page_size) for n in lengths_k], dtype=torch.int64)
+    used = torch.arange(t.shape[1])[None, :] < need[:, None]  # pages the call reads
+    bad = used & ((t < 0) | (t >= num_blocks))
+    if bad.any():
+        r, c = (int(i) for i in torch.nonzero(bad)[0])
+        raise ValueError(f"block_table[{r}, {c}] = {int(t[r, c])} is not a page of k/v "
+                         f"(num_blocks = {num_blocks}); sequence {r} reads its first "
+                         f"{int(need[r])} entries")
+    return table
 
 
 def attn_mask(mask, query: torch.Tensor, target: tuple[int, ...]) -> torch.Tensor:

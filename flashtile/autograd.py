@@ -12,8 +12,12 @@ graphs call the ops.  Both run ``_forward`` / ``_backward_impl`` below, which pi
 Optional inputs: ``attn_bias`` (a bool mask or an additive float bias of shape
 ``(B|1, H|1, Sq|1, Sk|1)``; its gradient ``dS`` is returned when it requires grad),
 ``rng_seed`` (int64 ``(1,)``, required when ``dropout_p > 0``; saved with the LSE so the
-backward regenerates the same keep mask) and ``block_mask`` (bool ``(B|1, H|1, R, C)`` over
-blocks of ``block_m x block_n``).
+backward regenerates the same keep mask), ``block_mask`` (bool ``(B|1, H|1, R, C)`` over
+blocks of ``block_m x block_n``) and ``block_table`` (varlen only: int32 ``(B, max_num_blocks)``,
+``k``/``v`` are then page pools ``(num_blocks, page_size, Hk, D)``).  With a block table the
+backends' forward reads the pages (the Triton kernel in place); the backward gathers the keys
+and values the call used into packed ``(total_k, Hk, D)`` tensors, runs the ordinary varlen
+backward on them and adds dK/dV back into the paged layout (``flashtile.paged_kv``).
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backends
+from . import backends, paged_kv
 from .backends.spec import AttnSpec
 from .rng import draw_seed
 
@@ -39,7 +43,7 @@ def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor], max_seqlen_q: int):
 
 
 def _kwargs(alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_bias,
-            rng_seed, block_mask, block_m, block_n):
+            rng_seed, block_mask, block_m, block_n, block_table=None):
     kw = dict(alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     # Only pass the optional features that are used, so backends without them keep working.
@@ -50,33 +54,47 @@ def _kwargs(alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     if block_mask is not None:
         kw["block_mask"] = block_mask
         kw["block_size"] = (block_m, block_n)
+    if block_table is not None:
+        kw["block_table"] = block_table
     return kw
 
 
 def _forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
              softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p,
-             attn_bias, rng_seed, block_mask, block_m, block_n):
+             attn_bias, rng_seed, block_mask, block_m, block_n, block_table=None):
     spec = _spec(softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p)
     impl = backends.get(backends.select(q.device))
     return impl.forward(q, k, v, spec, **_kwargs(alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                                                  max_seqlen_q, max_seqlen_k, attn_bias, rng_seed,
-                                                 block_mask, block_m, block_n))
+                                                 block_mask, block_m, block_n, block_table))
 
 
 def _backward_impl(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                    max_seqlen_k, softmax_scale, window_left, window_right, bottom_right, softcap,
-                   dropout_p, attn_bias, rng_seed, block_mask, block_m, block_n, bias_grad):
-    """``(dq, dk, dv, dbias)``; ``dbias`` is an empty ``(0,)`` tensor unless ``bias_grad``."""
+                   dropout_p, attn_bias, rng_seed, block_mask, block_m, block_n, bias_grad,
+                   block_table=None):
+    """``(dq, dk, dv, dbias)``; ``dbias`` is an empty ``(0,)`` tensor unless ``bias_grad``.
+
+    Paged ``k``/``v`` (``block_table``): the backward runs on the packed keys/values the call
+    read, and dK/dV come back in the paged layout (zero in slots no key maps to, summed where
+    sequences share a page)."""
     spec = _spec(softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p)
     impl = backends.get(backends.select(q.device))
     kw = _kwargs(alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                  attn_bias, rng_seed, block_mask, block_m, block_n)
+    k_pool, v_pool, slots = k, v, None
+    if block_table is not None:
+        slots = paged_kv.varlen_slots(block_table, cu_seqlens_k, int(k.shape[1]))
+        k, v = paged_kv.gather_varlen(k, slots), paged_kv.gather_varlen(v, slots)
     if bias_grad:
         dbias = torch.empty_like(attn_bias, memory_format=torch.contiguous_format)
         dq, dk, dv = impl.backward(do, q, k, v, out, lse, spec, dbias=dbias, **kw)
     else:
         dbias = q.new_empty((0,))
         dq, dk, dv = impl.backward(do, q, k, v, out, lse, spec, **kw)
+    if slots is not None:
+        dk = paged_kv.scatter_add_varlen(dk, slots, k_pool)
+        dv = paged_kv.scatter_add_varlen(dv, slots, v_pool)
     return dq, dk, dv, dbias
 
 
@@ -86,16 +104,16 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor],
              max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
              bottom_right: bool, softcap: float, dropout_p: float, attn_bias: Optional[Tensor],
              rng_seed: Optional[Tensor], block_mask: Optional[Tensor], block_m: int,
-             block_n: int) -> tuple[Tensor, Tensor]:
+             block_n: int, block_table: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     return _forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p,
-                    attn_bias, rng_seed, block_mask, block_m, block_n)
+                    attn_bias, rng_seed, block_mask, block_m, block_n, block_table)
 
 
 @attn_fwd.register_fake
 def _(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
       softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p, attn_bias,
-      rng_seed, block_mask, block_m, block_n):
+      rng_seed, block_mask, block_m, block_n, block_table):
     out = q.new_empty(q.shape)
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q, max_seqlen_q), dtype=torch.float32)
     return out, lse
@@ -108,33 +126,34 @@ def attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tens
              softmax_scale: float, window_left: int, window_right: int, bottom_right: bool,
              softcap: float, dropout_p: float, attn_bias: Optional[Tensor],
              rng_seed: Optional[Tensor], block_mask: Optional[Tensor], block_m: int,
-             block_n: int, bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+             block_n: int, bias_grad: bool,
+             block_table: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _backward_impl(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                           max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
                           bottom_right, softcap, dropout_p, attn_bias, rng_seed, block_mask,
-                          block_m, block_n, bias_grad)
+                          block_m, block_n, bias_grad, block_table)
 
 
 @attn_bwd.register_fake
 def _(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
       max_seqlen_k, softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p,
-      attn_bias, rng_seed, block_mask, block_m, block_n, bias_grad):
+      attn_bias, rng_seed, block_mask, block_m, block_n, bias_grad, block_table):
     dbias = attn_bias.new_empty(attn_bias.shape) if bias_grad else q.new_empty((0,))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
-_N_INPUTS = 19
+_N_INPUTS = 20
 _BIAS_INDEX = 14
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
      softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p, attn_bias,
-     rng_seed, block_mask, block_m, block_n) = inputs
+     rng_seed, block_mask, block_m, block_n, block_table) = inputs
     out, lse = output
     # The dropout seed is saved next to the LSE: the backward regenerates the keep mask.
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                          attn_bias, rng_seed, block_mask)
+                          attn_bias, rng_seed, block_mask, block_table)
     ctx.params = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
                   bottom_right, softcap, dropout_p)
     ctx.block = (block_m, block_n)
@@ -144,12 +163,13 @@ def _setup_context(ctx, inputs, output):
 def _grads(ctx, dout, bwd):
     # The log-sum-exp is an auxiliary output (as in flash-attn): its gradient is not propagated.
     (q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_bias, rng_seed,
-     block_mask) = ctx.saved_tensors
+     block_mask, block_table) = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     bias_grad = bool(attn_bias is not None and ctx.needs_input_grad[_BIAS_INDEX])
     dq, dk, dv, dbias = bwd(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                            *ctx.params, attn_bias, rng_seed, block_mask, *ctx.block, bias_grad)
+                            *ctx.params, attn_bias, rng_seed, block_mask, *ctx.block, bias_grad,
+                            block_table)
     grads = [None] * _N_INPUTS
     grads[0], grads[1], grads[2] = dq, dk, dv
     if bias_grad:
@@ -184,7 +204,7 @@ def dropout_seed(spec: AttnSpec, device: torch.device) -> Optional[Tensor]:
 
 def attention(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
               cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, attn_bias=None, rng_seed=None,
-              block_mask=None, block_size=(0, 0)):
+              block_mask=None, block_size=(0, 0), block_table=None):
     """Differentiable ``(out, lse)`` for validated inputs (layouts of ``backends.spec``).
 
     With ``spec.dropout_p > 0``, ``rng_seed`` (see :func:`dropout_seed`) fixes the keep mask;
@@ -195,7 +215,7 @@ def attention(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
     args = (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
             int(max_seqlen_k), spec.softmax_scale, spec.window_left, spec.window_right,
             spec.bottom_right, spec.softcap, spec.dropout_p, attn_bias, rng_seed, block_mask,
-            int(block_size[0]), int(block_size[1]))
+            int(block_size[0]), int(block_size[1]), block_table)
     if torch.compiler.is_compiling():
         return attn_fwd(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad

@@ -10,8 +10,11 @@ where ``torch_same_dtype`` is plain attention computed by PyTorch in the input d
 in float32).  On a GPU it runs the Triton kernels; on a CPU the torch backend (small shapes).
 Feature cases (``--features`` runs only those) cover dropout (the reference applies the keep
 mask read back from ``S_dmask``, or regenerated from the call's seed), SDPA attention masks and
-learnable biases (``dbias`` checked with the gradient rule) and block-sparse attention (the
-reference is the dense masked attention of the expanded block mask).
+learnable biases (``dbias`` checked with the gradient rule), block-sparse attention (the
+reference is the dense masked attention of the expanded block mask) and varlen attention on
+paged keys/values (``block_table``, pages in random order in a NaN-filled pool; besides the
+reference rule, out and gradients must equal those of the same call on contiguous keys/values
+bit for bit, reported as ``paged_vs_contig``).
 Exit status 1 if any case fails.
 """
 from __future__ import annotations
@@ -98,10 +101,12 @@ class Case:
     # block-sparse: "butterfly" or "local" over blocks of `block` x `block`
     sparse: str = ""
     block: int = 128
+    # varlen with paged k/v of this page size (0: contiguous)
+    paged: int = 0
 
     @property
     def feature(self) -> bool:
-        return bool(self.dropout or self.mask or self.sparse)
+        return bool(self.dropout or self.mask or self.sparse or self.paged)
 
 
 def _max_err(a, b):
@@ -114,6 +119,18 @@ def _mask_for(c: Case, device, gen):
         return m, False
     shape = (c.batch, c.nheads, c.sq, c.sk) if c.mask == "bias" else (1, c.nheads, 1, c.sk)
     return torch.randn(*shape, device=device, generator=gen, dtype=c.dtype), True
+
+
+def _page_layout(c: Case, device, gen):
+    """``(block_table, slots, num_blocks)`` spreading the keys of ``c.batch`` sequences of
+    ``c.sk`` keys over pages of ``c.paged`` slots in random order, with spare pages."""
+    per_seq = -(-c.sk // c.paged)
+    num_blocks = c.batch * per_seq + 3
+    perm = torch.randperm(num_blocks, device=device, generator=gen)[:c.batch * per_seq]
+    table = perm.reshape(c.batch, per_seq).to(torch.int32)
+    j = torch.arange(c.sk, device=device)
+    slots = table.long()[:, j // c.paged] * c.paged + j % c.paged  # (batch, sk)
+    return table, slots.reshape(-1), num_blocks
 
 
 def run_case(c: Case, device) -> dict:
@@ -135,8 +152,10 @@ def run_case(c: Case, device) -> dict:
         build = butterfly_block_mask if c.sparse == "butterfly" else local_block_mask
         bmask = build(c.sq, c.sk, c.block, device=device).expand(c.batch, c.nheads, -1, -1)
     seen = {}
+    if c.paged:
+        seen["pages"] = _page_layout(c, device, gen)
 
-    def ours(q_, k_, v_, *extra):
+    def ours(q_, k_, v_, *extra, contiguous=False):
         if c.mask:
             return scaled_dot_product_attention(
                 q_.transpose(1, 2), k_.transpose(1, 2), v_.transpose(1, 2),
@@ -156,11 +175,19 @@ def run_case(c: Case, device) -> dict:
                                 device=device)
             cu_k = torch.tensor([0] + list(itertools.accumulate([c.sk] * c.batch)),
                                 dtype=torch.int32, device=device)
-            o = flash_attn_varlen_func(q_.reshape(-1, c.nheads, c.d), k_.reshape(-1, c.nheads_k, c.d),
-                                       v_.reshape(-1, c.nheads_k, c.d), cu_q, cu_k, c.sq, c.sk,
-                                       dropout_p=c.dropout, causal=c.causal,
+            kk, vv = k_.reshape(-1, c.nheads_k, c.d), v_.reshape(-1, c.nheads_k, c.d)
+            table = None
+            if c.paged and not contiguous:
+                # differentiable copy into a NaN pool: the gradients flow back to k_ / v_
+                table, slots, num_blocks = seen["pages"]
+                pool = kk.new_full((num_blocks * c.paged, c.nheads_k, c.d), float("nan"))
+                kk, vv = (torch.index_put(pool, (slots,), x).view(num_blocks, c.paged,
+                                                                 c.nheads_k, c.d)
+                          for x in (kk, vv))
+            o = flash_attn_varlen_func(q_.reshape(-1, c.nheads, c.d), kk, vv, cu_q, cu_k, c.sq,
+                                       c.sk, dropout_p=c.dropout, causal=c.causal,
                                        window_size=c.window, softcap=c.softcap,
-                                       alibi_slopes=slopes)
+                                       alibi_slopes=slopes, block_table=table)
             return o.reshape(c.batch, c.sq, c.nheads, c.d)
         if c.dropout:
             o, _, s_dmask = flash_attn_func(q_, k_, v_, dropout_p=c.dropout, causal=c.causal,
@@ -186,6 +213,16 @@ def run_case(c: Case, device) -> dict:
         keep = keep_mask(int(draw_seed(device)[0]), c.dropout, c.batch, c.nheads, c.sq, c.sk,
                          device=device)
     grads = torch.autograd.grad(out, leaves, do)
+    contig = None
+    if c.paged:
+        # the same call on contiguous keys/values, with the same dropout seed
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(rng_state, device)
+        else:
+            torch.set_rng_state(rng_state)
+        leaves_c = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        out_c = ours(*leaves_c, contiguous=True)
+        contig = [out_c, *torch.autograd.grad(out_c, leaves_c, do)]
     bias = mask
     if bmask is not None:
         bias = expand_block_mask(bmask, (c.block, c.block), c.sq, c.sk)
@@ -214,6 +251,11 @@ def run_case(c: Case, device) -> dict:
         result[name] = err
         result[name + "_bound"] = bound
         if not (finite and err <= bound):
+            result["ok"] = False
+    if contig is not None:
+        diff = max(_max_err(a, b) for a, b in zip([out, *grads], contig))
+        result["paged_vs_contig"] = diff
+        if diff != 0.0:
             result["ok"] = False
     return result
 
@@ -248,7 +290,7 @@ def cases(device: torch.device, quick: bool) -> list[Case]:
 
 
 def feature_cases(device: torch.device, quick: bool) -> list[Case]:
-    """Dropout, attention masks / biases and block-sparse attention."""
+    """Dropout, attention masks / biases, block-sparse attention and paged-varlen keys."""
     gpu = device.type == "cuda"
     dtypes = [torch.float16, torch.bfloat16] if gpu else [torch.float32, torch.bfloat16]
     n = 1024 if gpu else 128
@@ -271,6 +313,13 @@ def feature_cases(device: torch.device, quick: bool) -> list[Case]:
             Case(f"{t}-sparse-butterfly", 2, n, n, 4, 2, d, dtype, sparse="butterfly", block=blk),
             Case(f"{t}-sparse-local-causal-dropout", 1, n + 40, n + 40, 4, 4, 64, dtype, True,
                  sparse="local", block=blk, dropout=0.1),
+            # pages smaller than the kernel's key tile (several pages per tile) ...
+            Case(f"{t}-paged16-varlen-causal-gqa", 3, n // 4 + 5, n // 2 + 9, 8, 2, d, dtype,
+                 True, varlen=True, paged=16),
+            # ... and larger ones, with a window, softcap, ALiBi and dropout
+            Case(f"{t}-paged256-varlen-window-dropout", 2, n // 2, n + 19, 4, 1, 64, dtype,
+                 window=(100, 20), softcap=30.0, alibi=True, varlen=True, dropout=0.1,
+                 paged=256 if gpu else 64),
         ]
         if not quick:
             out += [
@@ -328,7 +377,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--features", action="store_true",
-                        help="only the dropout / mask / bias / block-sparse cases")
+                        help="only the dropout / mask / bias / block-sparse / paged-varlen cases")
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--direct-launch", action="store_true",
                         help="only check that cached direct launches equal kernel[grid] launches")
@@ -355,6 +404,8 @@ def main(argv=None) -> int:
     for r in results:
         cols = "  ".join(f"{r[n]:9.2e}/{r[n + '_bound']:9.2e}" for n in ("out", "dq", "dk", "dv"))
         extra = f"  dbias {r['dbias']:9.2e}/{r['dbias_bound']:9.2e}" if "dbias" in r else ""
+        if "paged_vs_contig" in r:
+            extra += f"  paged_vs_contig {r['paged_vs_contig']:.2e} (must be 0)"
         print(f"{r['case']:<{width}}  {cols}  {'yes' if r['ok'] else 'NO'}{extra}")
     failed = [r["case"] for r in results if not r["ok"]]
     print(f"{len(results) - len(failed)} passed, {len(failed)} failed in {time.time() - t0:.1f}s")

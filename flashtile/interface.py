@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import _validate as V
+from . import paged_kv
 from .autograd import attention, dropout_seed
 from .backends.spec import AttnSpec
 from .decode import flash_attn_with_kvcache  # noqa: F401  (documented there; exported here)
@@ -18,11 +19,13 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _check_qkv(q, k, v, layout_q: str, layout_kv: str, ndim: int, names=("q", "k", "v")):
+def _check_qkv(q, k, v, layout_q: str, layout_kv: str, ndim: int, names=("q", "k", "v"),
+               ndim_kv: int | None = None):
     nq, nk, nv = names
+    ndim_kv = ndim if ndim_kv is None else ndim_kv
     V.tensor(nq, q, ndim, layout_q)
-    V.tensor(nk, k, ndim, layout_kv)
-    V.tensor(nv, v, ndim, layout_kv)
+    V.tensor(nk, k, ndim_kv, layout_kv)
+    V.tensor(nv, v, ndim_kv, layout_kv)
     named = dict(zip(names, (q, k, v)))
     for name, x in named.items():
         V.float_dtype(name, x)
@@ -120,7 +123,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     Arguments:
         q: ``(total_q, nheads, headdim)``: the queries of all sequences, one after another.
-        k, v: ``(total_k, nheads_k, headdim)``.
+        k, v: ``(total_k, nheads_k, headdim)``; with ``block_table``, page pools
+            ``(num_blocks, page_size, nheads_k, headdim)`` (see below).
         cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)``, starting at 0: sequence ``b`` owns
             rows ``cu_seqlens[b]:cu_seqlens[b + 1]``.  No attention crosses sequences::
 
@@ -130,12 +134,33 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                 query 2           0 0 | 1 1 1
                                 ...
         max_seqlen_q, max_seqlen_k: the longest sequence lengths (ints).
+        block_table: None, or int32 ``(batch, max_num_blocks)`` for paged keys/values (as in
+            flash-attn 2.x): ``k`` and ``v`` are then ``(num_blocks, page_size, nheads_k,
+            headdim)`` pools, ``page_size`` a positive multiple of 16, and sequence ``b`` still
+            has ``len_k = cu_seqlens_k[b + 1] - cu_seqlens_k[b]`` keys, key ``j`` of it being
+            ``k[block_table[b, j // page_size], j % page_size]``.  Pages may be in any order
+            and shared between sequences; row ``b`` needs ``ceil(len_k / page_size)`` valid
+            entries (the rest is never read), and ``cu_seqlens_k[-1]`` is not tied to
+            ``k.shape[0]``::
+
+                page_size = 16, cu_seqlens_k = [0, 40, 50], block_table = [[7, 2, 9], [4, 0, 0]]
+                sequence 0: keys 0..15 in page 7, 16..31 in page 2, 32..39 in page 9[0:8]
+                sequence 1: keys 0..9 in page 4[0:10]
+
+            The Triton forward reads the pages inside the kernel (one table lookup per key
+            row); the torch backend gathers them.  The backward (both backends) gathers the
+            keys/values the call read into packed ``(total_k, nheads_k, headdim)`` tensors,
+            runs the varlen backward and adds the gradients back into the pages: ``dk``/``dv``
+            have the pools' shape, are 0 in slots no key maps to, and a page read by two
+            sequences receives the sum of both gradients.  Results equal those of the same
+            call on the gathered contiguous keys/values (bitwise, apart from the float32 sum
+            of a shared page's gradients).
         Other arguments as in ``flash_attn_func``; causal and windows are bottom-right aligned
-        per sequence.  ``block_table`` (paged keys/values) is not supported here yet.
+        per sequence, and every feature composes with ``block_table``.
         Dropout decides element ``(b, h, i, j)`` (``i``, ``j`` local to sequence ``b``) with
         the counter ``((b * nheads + h) * max_seqlen_q + i) * max_seqlen_k + j``, so the mask
         depends on the ``max_seqlen_*`` values passed (equal-length sequences with exact
-        maxima give the dense call's mask).
+        maxima give the dense call's mask) and is the same with or without ``block_table``.
 
     Returns:
         out ``(total_q, nheads, headdim)``; with ``return_attn_probs=True``
@@ -144,18 +169,25 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         ``flash_attn_func``, sequence ``b`` in the top-left ``(len_q, len_k)`` corner of
         ``S_dmask[b]`` (zeros elsewhere).
     """
-    _check_qkv(q, k, v, "(total_q, nheads, headdim)", "(total_k, nheads_k, headdim)", 3)
-    if block_table is not None:
-        raise NotImplementedError("block_table (paged KV) in flash_attn_varlen_func is not "
-                                  "implemented yet; use flash_attn_with_kvcache for paged caches")
+    paged = block_table is not None
+    if paged:
+        _check_qkv(q, k, v, "(total_q, nheads, headdim)",
+                   "(num_blocks, page_size, nheads_k, headdim) (paged, with block_table)", 3,
+                   ndim_kv=4)
+    else:
+        _check_qkv(q, k, v, "(total_q, nheads, headdim)", "(total_k, nheads_k, headdim)", 3)
     if not _compiling():
-        batch = V.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q,
-                             "max_seqlen_q", q.device)
-        batch_k = V.cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k,
-                               "max_seqlen_k", q.device)
-        if batch != batch_k:
+        lens_q = V.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q,
+                              "max_seqlen_q", q.device)
+        # paged k/v: the pool's size says nothing about the number of keys
+        lens_k = V.cu_seqlens("cu_seqlens_k", cu_seqlens_k, None if paged else k.shape[0],
+                              max_seqlen_k, "max_seqlen_k", q.device)
+        batch = len(lens_q)
+        if batch != len(lens_k):
             raise ValueError(f"cu_seqlens_q describes {batch} sequences but cu_seqlens_k "
-                             f"describes {batch_k}")
+                             f"describes {len(lens_k)}")
+        if paged:
+            V.block_table(block_table, lens_k, k, q.device)
     else:
         batch = cu_seqlens_q.shape[0] - 1
     spec = _spec(q, softmax_scale, causal, window_size, softcap, dropout_p)
@@ -163,10 +195,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     seed = dropout_seed(spec, q.device)
     out, lse = attention(q, k, v, spec, alibi_slopes=slopes, cu_seqlens_q=cu_seqlens_q,
                          cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                         max_seqlen_k=max_seqlen_k, rng_seed=seed)
+                         max_seqlen_k=max_seqlen_k, rng_seed=seed, block_table=block_table)
     if not return_attn_probs:
         return out
     with torch.no_grad():
+        if paged:
+            k = paged_kv.gather_varlen(k, paged_kv.varlen_slots(block_table, cu_seqlens_k,
+                                                                int(k.shape[1])))
         probs = attention_probs_varlen(q, k, lse, spec, cu_seqlens_q, cu_seqlens_k,
                                        int(max_seqlen_q), int(max_seqlen_k), slopes)
         probs = sign_dropped(probs, seed, spec.dropout_p)

@@ -17,6 +17,11 @@ at an unaligned offset.
 Everything here is plain PyTorch (any device).  The gathers are what the torch backend of
 :func:`flashtile.decode.flash_attn_with_kvcache` reads the cache with; the Triton kernels do
 the same mapping per key inside the kernel.
+
+Varlen calls with ``block_table`` (:func:`flashtile.flash_attn_varlen_func`) number the keys of
+all sequences one after another as ``cu_seqlens_k`` describes; :func:`varlen_slots` maps that
+packed numbering to flat slots of the page pool, :func:`gather_varlen` packs the keys and
+:func:`scatter_add_varlen` adds packed gradients back into the paged layout.
 """
 from __future__ import annotations
 
@@ -31,16 +36,20 @@ __all__ = [
     "scatter_kv",
     "paged_to_contiguous",
     "contiguous_to_paged",
+    "varlen_slots",
+    "gather_varlen",
+    "scatter_add_varlen",
 ]
 
 PAGE_SIZE_MULTIPLE = 16
 
 
-def check_page_size(page_size: int) -> None:
-    """Raise ``ValueError`` unless ``page_size`` is a positive multiple of 16."""
+def check_page_size(page_size: int, name: str = "paged k_cache/v_cache") -> None:
+    """Raise ``ValueError`` unless ``page_size`` is a positive multiple of 16; ``name`` says
+    which arguments hold the pages."""
     if page_size <= 0 or page_size % PAGE_SIZE_MULTIPLE != 0:
         raise ValueError(
-            f"paged k_cache/v_cache: page_size (dim 1 of the cache) must be a positive multiple of "
+            f"{name}: page_size (dim 1 of the cache) must be a positive multiple of "
             f"{PAGE_SIZE_MULTIPLE}, got {page_size}"
         )
 
@@ -150,3 +159,57 @@ def contiguous_to_paged(
     paged[perm] = cache.reshape(needed, page_size, *cache.shape[2:])
     block_table = perm.reshape(b, per_row).to(torch.int32)
     return paged, block_table
+
+
+def varlen_slots(block_table: torch.Tensor, cu_seqlens_k: torch.Tensor, page_size: int,
+                 total_k: int | None = None) -> torch.Tensor:
+    """Flat slot (``page * page_size + offset``) of every packed key, int64 ``(total_k,)``.
+
+    Key ``t`` of the packed numbering belongs to sequence ``b`` with
+    ``cu_seqlens_k[b] <= t < cu_seqlens_k[b + 1]`` and sits at local position
+    ``j = t - cu_seqlens_k[b]``, i.e. in ``block_table[b, j // page_size]`` at offset
+    ``j % page_size``.  Device ops only, apart from reading ``total_k = cu_seqlens_k[-1]``
+    when it is not given.
+    """
+    cu = cu_seqlens_k.to(torch.int64)
+    if total_k is None:
+        total_k = int(cu[-1])
+    t = torch.arange(total_k, device=cu.device)
+    b = torch.searchsorted(cu[1:], t, right=True)  # sequence of each packed key
+    j = t - cu[b]
+    pages = block_table.to(torch.int64)[b, j // page_size]
+    return pages * page_size + j % page_size
+
+
+def gather_varlen(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The keys (or values) at ``slots`` of a page pool ``(num_blocks, page_size, Hk, D)``,
+    packed as ``(len(slots), Hk, D)`` (a copy)."""
+    page_size = int(cache.shape[1])
+    return cache[slots // page_size, slots % page_size]
+
+
+def scatter_add_varlen(grad: torch.Tensor, slots: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Packed gradients ``(len(slots), Hk, D)`` added into a zero pool shaped like ``like``.
+
+    Slots no key maps to get 0; a slot reached by several keys (a page shared by two
+    sequences) gets their sum, accumulated in float32 in increasing packed order and then cast
+    to ``like``'s dtype.  Deterministic on every device: the sum runs in rounds, round ``r``
+    adding the ``r``-th key of every slot, so no round writes a slot twice (no atomics, and
+    only one round when no page is shared).
+    """
+    n = int(like.shape[0]) * int(like.shape[1])
+    acc = torch.zeros((n,) + tuple(like.shape[2:]), dtype=torch.float32, device=like.device)
+    if slots.numel():
+        grad = grad.to(torch.float32)
+        # rank of each key among the keys of its slot, in packed order (stable sort)
+        sorted_slots, order = torch.sort(slots, stable=True)
+        pos = torch.arange(slots.numel(), device=slots.device)
+        first = torch.ones_like(sorted_slots, dtype=torch.bool)
+        first[1:] = sorted_slots[1:] != sorted_slots[:-1]
+        start = torch.where(first, pos, torch.zeros_like(pos)).cummax(0).values
+        rank = torch.empty_like(pos)
+        rank[order] = pos - start
+        for r in range(int(rank.max()) + 1):
+            sel = rank == r
+            acc[slots[sel]] += grad[sel]
+    return acc.view(like.shape).to(like.dtype)

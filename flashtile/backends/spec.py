@@ -20,6 +20,11 @@ Optional features (each may be combined with every other):
               probabilities (after normalisation) are scaled by ``1 / (1 - p)``.
   block_mask  bool ``(B|1, H|1, ceil(Sq/bm), ceil(Sk/bn))`` with ``block_size = (bm, bn)``
               (multiples of 16): key ``j`` is visible to query ``i`` only if its block is set.
+  block_table forward only, varlen only: int32 ``(B, max_num_blocks)``; k/v are page pools
+              ``(num_blocks, page_size, Hk, D)`` and key ``j`` of sequence ``b`` is
+              ``k[block_table[b, j // page_size], j % page_size]`` (``cu_seqlens_k`` still
+              gives the lengths).  ``flashtile.autograd`` calls ``backward`` on the gathered,
+              packed keys/values and adds dK/dV back into the pages.
 
 Layouts (flash-attn's):
   dense   q ``(B, Sq, H, D)``, k/v ``(B, Sk, Hk, D)``, out like q, lse float32 ``(B, H, Sq)``

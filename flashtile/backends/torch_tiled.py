@@ -46,6 +46,9 @@ Optional features, with the Triton kernels' semantics (``_Extras``):
   regenerates it (``dV += (P Z r)^T dO``, ``dP = (dO V^T) Z r``).
 * ``block_mask`` over ``block_size`` blocks: expanded per tile into an element mask; tiles
   whose blocks are all zero are skipped.
+* ``block_table`` (varlen, forward only): ``k``/``v`` are page pools; the keys of the call are
+  gathered into packed ``(total_k, Hk, D)`` copies first (``flashtile.paged_kv``).  The
+  backward is called with gathered keys (``flashtile.autograd``).
 """
 from __future__ import annotations
 
@@ -53,6 +56,7 @@ import math
 
 import torch
 
+from .. import paged_kv
 from ..rng import dropout_counters, philox_uniform
 from .spec import AttnSpec
 
@@ -388,14 +392,20 @@ def _for_sequence(extras, b):
 
 def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
             cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, attn_bias=None,
-            rng_seed=None, block_mask=None, block_size=None):
+            rng_seed=None, block_mask=None, block_size=None, block_table=None):
     """Exact attention, tiled.  Returns ``(out, lse)``; layouts as in ``spec.py``.
 
-    ``max_seqlen_*`` only matter with dropout (they are the varlen counter strides).
+    ``max_seqlen_*`` only matter with dropout (they are the varlen counter strides).  With
+    ``block_table`` (varlen), ``k``/``v`` are page pools ``(num_blocks, page_size, Hk, D)``.
     """
     varlen = cu_seqlens_q is not None
     if varlen != (cu_seqlens_k is not None):
         raise ValueError("give both cu_seqlens_q and cu_seqlens_k, or neither")
+    if block_table is not None:
+        if not varlen:
+            raise ValueError("block_table needs the varlen layout (cu_seqlens_q/cu_seqlens_k)")
+        slots = paged_kv.varlen_slots(block_table, cu_seqlens_k, int(k.shape[1]))
+        k, v = paged_kv.gather_varlen(k, slots), paged_kv.gather_varlen(v, slots)
     _check(q, k, v, spec, varlen)
     H = q.shape[-2]
     with torch.no_grad():

@@ -13,9 +13,21 @@ from .launch_common import (launch, alibi_args, bias_args, block_d, cdiv, dot_pr
 
 def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
             max_seqlen_q=None, max_seqlen_k=None, attn_bias=None, rng_seed=None,
-            block_mask=None, block_size=None):
+            block_mask=None, block_size=None, block_table=None):
+    """``(out, lse)``.  With ``block_table`` (varlen only) ``k``/``v`` are page pools
+    ``(num_blocks, page_size, Hk, D)`` read through the table inside the kernel."""
     varlen, batch, sq, sk, nheads, nheads_k, head_dim = layout(q, k, cu_seqlens_q, max_seqlen_q,
                                                                max_seqlen_k)
+    if block_table is not None:
+        # (page, slot, head) strides take the places of (batch, position, head)
+        nheads_k, page_size = k.shape[2], k.shape[1]
+        k_strides, v_strides = tuple(k.stride()[:3]), tuple(v.stride()[:3])
+        if block_table.stride(-1) != 1:
+            block_table = block_table.contiguous()
+        stride_bt = block_table.stride(0)
+    else:
+        page_size, stride_bt = 1, 0
+        k_strides, v_strides = seq_strides(k, varlen), seq_strides(v, varlen)
     out = empty(q.shape, q.dtype, q.device)
     lse_shape = (nheads, q.shape[0]) if varlen else (batch, nheads, sq)
     lse = empty(lse_shape, torch.float32, q.device)
@@ -33,11 +45,11 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu
         block_m, block_n = fit_block(block_m, bs_m), fit_block(block_n, bs_n)
     grid = (cdiv(sq, block_m), batch * nheads)
     launch(attn_fwd_kernel, grid, (
-        q, k, v, out, lse, alibi, cu_seqlens_q, cu_seqlens_k, bias, seed, bs_idx,
-        *seq_strides(q, varlen), *seq_strides(k, varlen), *seq_strides(v, varlen),
+        q, k, v, out, lse, alibi, cu_seqlens_q, cu_seqlens_k, bias, seed, bs_idx, block_table,
+        *seq_strides(q, varlen), *k_strides, *v_strides,
         *seq_strides(out, varlen), *lse_strides(lse, varlen), stride_ab, *bias_strides,
-        *bs_strides, bs_m, bs_n, sq, sk, nheads, nheads // nheads_k,
+        *bs_strides, bs_m, bs_n, stride_bt, sq, sk, nheads, nheads // nheads_k,
     ), dict(dropout_p=dropout_p, dropout_scale=dropout_scale, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
-            BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=dot_precision(q.dtype),
+            BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size, DOT_PREC=dot_precision(q.dtype),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **scalar_args(spec)))
     return out, lse

@@ -25,12 +25,24 @@ Optional features (constexpr flags, derived from which optional pointers are Non
 * ``SPARSE``: the key tiles come from the list of nonzero mask blocks of this query block
   (``BS_IDX[b, h, row] = [count, block indices...]``); each block is cut into the same three
   stages, so zero blocks are never loaded.
+* ``PAGED`` (varlen only): ``K``/``V`` are page pools ``(num_blocks, PAGE_SIZE, Hk, D)`` and key
+  ``j`` of sequence ``b`` lives in page ``BLOCK_TABLE[b, j // PAGE_SIZE]`` at slot
+  ``j % PAGE_SIZE``; every key row address of a tile is looked up in the table (see
+  ``_kv_rows``).  Positions stay local to the sequence, so masks, ALiBi and the dropout
+  counter are those of the same call on contiguous keys.
 """
 import triton
 import triton.language as tl
 
 from .masking import (FEATURE_FLAGS, LOG2E, apply_bias, block_tiles, dropout_keep, dropout_row_base,
                       key_range, sequence, tanh, visible)
+
+# The forward kernel's flags: the shared ones plus paged keys/values, which only the forward
+# reads in place (the backward runs on keys/values gathered from the pages).
+FWD_FEATURE_FLAGS = {
+    **FEATURE_FLAGS,
+    "PAGED": lambda a: a["BLOCK_TABLE"] is not None,
+}
 
 
 @triton.jit
@@ -56,21 +68,50 @@ def score_tile(b_q, b_k, o_m, o_n, sq, sk, qk_scale, softcap_scale, slope,
 
 
 @triton.jit
+def _kv_rows(p_bt, o_n, sk, stride_kpage, stride_kn, stride_vpage, stride_vn,
+             MASKED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Offsets of the key rows ``o_n`` (local positions) in the K and V page pools, two int64
+    ``[BLOCK_N]`` vectors.
+
+    The page is looked up per key rather than per tile: a tile of BLOCK_N keys spans
+    ``BLOCK_N / PAGE_SIZE`` pages when pages are smaller than the tile, and this keeps the tile
+    sizes tuned for contiguous keys (restricting BLOCK_N to the page size would force 16-key
+    tiles for 16-slot pages).  It costs one small int32 gather per tile next to a
+    ``BLOCK_N x HEAD_DIM`` load, and each key row stays contiguous.
+    """
+    if MASKED:
+        # keys past the sequence end may lie past the row's valid table entries: not read
+        b_page = tl.load(p_bt + o_n // PAGE_SIZE, mask=o_n < sk, other=0)  # [BLOCK_N]
+    else:
+        b_page = tl.load(p_bt + o_n // PAGE_SIZE)  # [BLOCK_N]
+    b_page = b_page.to(tl.int64)  # page * stride_page may pass 2^31 in a large pool
+    o_slot = o_n % PAGE_SIZE  # [BLOCK_N]
+    return b_page * stride_kpage + o_slot * stride_kn, b_page * stride_vpage + o_slot * stride_vn
+
+
+@triton.jit
 def _fwd_inner(b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn,
                o_m, o_d, n_start, n_end, sq, sk, shift, window_left, window_right,
                qk_scale, softcap_scale, slope, p_bias, stride_bm, stride_bn,
-               seed, row_base, dropout_p,
+               seed, row_base, dropout_p, p_bt, stride_kpage, stride_vpage,
                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                HAS_ALIBI: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               HAS_BIAS: tl.constexpr, BIAS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+               HAS_BIAS: tl.constexpr, BIAS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+               PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """Online-softmax update over key tiles ``[n_start, n_end)``; MASKED applies visibility."""
     m_d = o_d < HEAD_DIM
     for n0 in range(n_start, n_end, BLOCK_N):
         n0 = tl.multiple_of(n0, BLOCK_N)
         o_n = n0 + tl.arange(0, BLOCK_N)
-        p_k = p_k_base + o_n[:, None] * stride_kn + o_d[None, :]
-        p_v = p_v_base + o_n[:, None] * stride_vn + o_d[None, :]
+        if PAGED:
+            o_krow, o_vrow = _kv_rows(p_bt, o_n, sk, stride_kpage, stride_kn, stride_vpage,
+                                      stride_vn, MASKED, PAGE_SIZE)  # [BLOCK_N] each
+            p_k = p_k_base + o_krow[:, None] + o_d[None, :]  # [BLOCK_N, BLOCK_D]
+            p_v = p_v_base + o_vrow[:, None] + o_d[None, :]  # [BLOCK_N, BLOCK_D]
+        else:
+            p_k = p_k_base + o_n[:, None] * stride_kn + o_d[None, :]  # [BLOCK_N, BLOCK_D]
+            p_v = p_v_base + o_n[:, None] * stride_vn + o_d[None, :]  # [BLOCK_N, BLOCK_D]
         if MASKED:
             m_kv = (o_n[:, None] < sk) & m_d[None, :]
             b_k = tl.load(p_k, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
@@ -109,25 +150,26 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn,
     return b_acc, b_l, b_m
 
 
-@triton.heuristics(FEATURE_FLAGS)
+@triton.heuristics(FWD_FEATURE_FLAGS)
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, O, LSE, ALIBI, CU_Q, CU_K, BIAS, RNG, BS_IDX,
+    Q, K, V, O, LSE, ALIBI, CU_Q, CU_K, BIAS, RNG, BS_IDX, BLOCK_TABLE,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh,
     stride_lb, stride_lh, stride_ab,
     stride_biasb, stride_biash, stride_biasm, stride_biasn,
-    stride_bsb, stride_bsh, stride_bsr, bs_m, bs_n,
+    stride_bsb, stride_bsh, stride_bsr, bs_m, bs_n, stride_btb,
     seqlen_q, seqlen_k, H, GROUP,
     qk_scale, softcap_scale, window_left, window_right, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
     BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    SPARSE: tl.constexpr,
+    SPARSE: tl.constexpr, PAGED: tl.constexpr,
 ):
     # Heaviest causal tiles (the last query rows) are scheduled first so the tail of the grid
     # is made of cheap programs.
@@ -149,8 +191,18 @@ def attn_fwd_kernel(
     p_q = (Q + i_b.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qm + i_h * stride_qh
            + o_m[:, None] * stride_qm + o_d[None, :])
     b_q = tl.load(p_q, mask=m_q, other=0.0)  # [BLOCK_M, BLOCK_D]
-    p_k_base = K + i_b.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_kn + i_hk * stride_kh
-    p_v_base = V + i_b.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vn + i_hk * stride_vh
+    if PAGED:
+        # K/V are page pools (stride_kb / stride_vb are the page strides): rows are found
+        # through this sequence's block-table row, not from k_start.
+        p_k_base = K + i_hk * stride_kh
+        p_v_base = V + i_hk * stride_vh
+        p_bt = BLOCK_TABLE + i_b.to(tl.int64) * stride_btb
+    else:
+        p_k_base = (K + i_b.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_kn
+                    + i_hk * stride_kh)
+        p_v_base = (V + i_b.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vn
+                    + i_hk * stride_vh)
+        p_bt = BLOCK_TABLE
 
     slope = 0.0
     if HAS_ALIBI:
@@ -181,42 +233,42 @@ def attn_fwd_kernel(
             b_acc, b_l, b_m = _fwd_inner(
                 b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, s1,
                 e1, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
-                p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, HEAD_DIM, BLOCK_N,
-                True, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS,
-                BIAS_BOOL, HAS_DROPOUT)
+                p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
+                stride_vb, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI,
+                HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED, PAGE_SIZE)
             b_acc, b_l, b_m = _fwd_inner(
                 b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, s2,
                 e2, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
-                p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, HEAD_DIM, BLOCK_N,
-                False, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS,
-                BIAS_BOOL, HAS_DROPOUT)
+                p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
+                stride_vb, HEAD_DIM, BLOCK_N, False, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI,
+                HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED, PAGE_SIZE)
             b_acc, b_l, b_m = _fwd_inner(
                 b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, s3,
                 e3, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
-                p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, HEAD_DIM, BLOCK_N,
-                True, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS,
-                BIAS_BOOL, HAS_DROPOUT)
+                p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
+                stride_vb, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI,
+                HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED, PAGE_SIZE)
     else:
         # Stage 1: tiles cut by the left window edge.  Stage 2: interior tiles, no predicate.
         # Stage 3: tiles cut by the right edge (the causal diagonal) or the end of the sequence.
         b_acc, b_l, b_m = _fwd_inner(
             b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, lo,
             full_lo, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
-            p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, HEAD_DIM, BLOCK_N,
-            True, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS,
-            BIAS_BOOL, HAS_DROPOUT)
+            p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
+            stride_vb, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI,
+            HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED, PAGE_SIZE)
         b_acc, b_l, b_m = _fwd_inner(
             b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, full_lo,
             full_hi, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
-            p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, HEAD_DIM, BLOCK_N,
-            False, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS,
-            BIAS_BOOL, HAS_DROPOUT)
+            p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
+            stride_vb, HEAD_DIM, BLOCK_N, False, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI,
+            HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED, PAGE_SIZE)
         b_acc, b_l, b_m = _fwd_inner(
             b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, full_hi,
             hi, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
-            p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, HEAD_DIM, BLOCK_N,
-            True, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS,
-            BIAS_BOOL, HAS_DROPOUT)
+            p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
+            stride_vb, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI,
+            HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED, PAGE_SIZE)
 
     # Rows that saw no key keep l == 0: they output 0 and report lse = -inf.
     m_empty = b_l == 0.0
