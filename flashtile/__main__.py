@@ -3,7 +3,8 @@ with PyTorch's attention.  The ``flashtile`` console script adds subcommands::
 
     flashtile            the same as python -m flashtile
     flashtile check      full correctness suite (python -m flashtile.check)
-    flashtile bench ...  benchmark harness (python -m flashtile.bench)
+    flashtile bench ...  benchmark harness (python -m flashtile.bench: speed, memory, report,
+                         decode, variants)
     flashtile tune ...   block-shape search on a GPU (python -m flashtile.tune)
 
 On a GPU the Triton kernels run (bf16, N up to 8K); on a CPU the tiled torch backend runs

@@ -1,11 +1,14 @@
 """Benchmark harness: flashtile against PyTorch's attention kernels on the same inputs.
 
-Run it as ``python -m flashtile.bench [speed|memory|report] ...`` (``speed`` is the default)::
+Run it as ``python -m flashtile.bench [speed|memory|report|decode|variants] ...`` (``speed`` is
+the default; ``decode`` and ``variants`` live in ``flashtile.bench_decode`` and
+``flashtile.bench_variants``)::
 
     python -m flashtile.bench --quick                      # small preset, a minute or two on a GPU
     python -m flashtile.bench --mode fwd_bwd --d 128 --merge-into benchmarks/results/h100.json
     python -m flashtile.bench memory                       # peak memory of fwd+bwd against N
     python -m flashtile.bench report benchmarks/results/h100.json --out plots/
+    python -m flashtile.bench variants --sweeps sparse window   # block-sparse density, windows
 
 Implementations (``IMPLS``) and modes (``MODES``) are registries: adding one is a function plus a
 dict entry.  An implementation's ``prepare`` turns the shared ``(B, N, H, d)`` inputs into a
@@ -39,10 +42,10 @@ import torch.nn.functional as F
 
 __all__ = [
     "Case", "Config", "IMPLS", "Impl", "Inputs", "MODES", "Mode", "Prepared", "RECORD_KEYS",
-    "build_plan", "cpu_bench", "flops", "main", "make_inputs", "make_timer",
+    "build_plan", "cpu_bench", "fill_record", "flops", "main", "make_inputs", "make_timer",
     "measure_device_ceilings",
     "measure_peak", "merge_json", "parse_args", "plot", "plot_memory", "render_memory_table",
-    "render_table", "run_case", "run_memory", "run_speed", "write_json",
+    "render_table", "run_case", "run_memory", "run_speed", "time_call", "write_json",
 ]
 
 RECORD_KEYS = ("impl", "mode", "causal", "dtype", "d", "n", "batch", "heads", "tflops", "ms",
@@ -417,11 +420,17 @@ def runtime_env(device: torch.device | str) -> dict[str, Any]:
 
 
 def make_record(env: dict[str, Any], **fields: Any) -> dict[str, Any]:
-    rec = dict.fromkeys(RECORD_KEYS)
+    return fill_record(RECORD_KEYS, env, fields)
+
+
+def fill_record(keys: Sequence[str], env: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """A record with exactly ``keys`` (in that order): ``env``, then ``fields``, then the date;
+    unset keys are None, unknown ones a KeyError."""
+    rec = dict.fromkeys(keys)
     rec.update(env)
     rec.update(fields)
     rec["date"] = _utc_now()
-    unknown = set(rec) - set(RECORD_KEYS)
+    unknown = set(rec) - set(keys)
     if unknown:
         raise KeyError(f"unknown record fields {sorted(unknown)}")
     return rec
@@ -479,26 +488,43 @@ def run_case(case: Case, inputs: Inputs, timer: Callable[[Callable], float],
     the warnings raised meanwhile (SDPA explains there why a backend refused the inputs)."""
     impl, mode = IMPLS[case.impl], MODES[case.mode]
     device = inputs.device
-    scale = case.d ** -0.5
-    fields = _case_fields(case)
+
+    def prepare() -> Prepared:
+        mode_inputs = inputs if mode.inputs_fn is None else mode.inputs_fn(inputs)
+        return impl.prepare(mode_inputs, case.causal, case.d ** -0.5)
+
+    status, error, ms = time_call(prepare, case.mode, device, timer, lambda: impl.context(device),
+                                  impl.peer, raise_errors)
+    tflops = tflops_of(case.flops(), ms) if status == "ok" else None
+    return make_record(env, **_case_fields(case), tflops=tflops, ms=ms, status=status,
+                       error=error)
+
+
+def time_call(prepare: Callable[[], Prepared], mode: str, device: torch.device,
+              timer: Callable[[Callable], float], context: Callable[[], ContextManager],
+              peer: bool, raise_errors: bool = False) -> tuple[str, str | None, float | None]:
+    """``(status, error, ms)`` of ``MODES[mode].build(prepare())`` under ``context()``.
+
+    One untimed call first (compilation, autotuning, unsupported inputs), then ``timer``.
+    Never raises unless ``raise_errors``: a failure's status comes from ``classify_error`` and
+    its error is the exception's first line, followed by the warnings raised meanwhile (SDPA
+    explains there why a backend refused the inputs)."""
     status, error, ms = "ok", None, None
     prep = fn = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            with impl.context(device):
-                mode_inputs = inputs if mode.inputs_fn is None else mode.inputs_fn(inputs)
-                prep = impl.prepare(mode_inputs, case.causal, scale)
-                mode_inputs = None
-                fn = mode.build(prep)
-                fn()  # first call outside the timer: compilation, autotuning, unsupported inputs
+            with context():
+                prep = prepare()
+                fn = MODES[mode].build(prep)
+                fn()
                 _synchronize(device)
                 ms = timer(fn)
                 _synchronize(device)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a record
             if raise_errors:
                 raise
-            status, error, ms = classify_error(exc, impl.peer), first_line(exc), None
+            status, error, ms = classify_error(exc, peer), first_line(exc), None
             extra = _warning_text(caught)
             if extra:
                 error = f"{error} [warnings: {extra}]"
@@ -506,8 +532,7 @@ def run_case(case: Case, inputs: Inputs, timer: Callable[[Callable], float],
     if status != "ok":
         gc.collect()
     _empty_cache(device)
-    tflops = tflops_of(case.flops(), ms) if status == "ok" else None
-    return make_record(env, **fields, tflops=tflops, ms=ms, status=status, error=error)
+    return status, error, ms
 
 
 # --------------------------------------------------------------------------------------------
@@ -666,7 +691,8 @@ def speed_parser() -> argparse.ArgumentParser:
         prog="python -m flashtile.bench",
         description="Time flashtile against SDPA (flash, cuDNN, efficient, math) and "
                     "FlexAttention. "
-                    "Subcommands: speed (default), memory, report; '<subcommand> -h' for each. "
+                    "Subcommands: speed (default), memory, report, decode, variants; "
+                    "'<subcommand> -h' for each. "
                     "Unset selections come from the preset for the device (--quick for the "
                     "small one).")
     p.add_argument("--impl", nargs="+", default=None, metavar="NAME",
@@ -855,18 +881,20 @@ def record_key(rec: dict[str, Any]) -> tuple:
             rec.get("dtype"), rec.get("d"), n, rec.get("batch"), rec.get("heads"))
 
 
-def merge_records(old: list[dict], new: list[dict]) -> list[dict]:
-    """``old`` + ``new``; a new record takes the place of an old one with the same key."""
-    merged = {record_key(r): r for r in old}
+def merge_records(old: list[dict], new: list[dict],
+                  key: Callable[[dict], tuple] = record_key) -> list[dict]:
+    """``old`` + ``new``; a new record takes the place of an old one with the same ``key``."""
+    merged = {key(r): r for r in old}
     for r in new:
-        merged[record_key(r)] = r
+        merged[key(r)] = r
     return list(merged.values())
 
 
-def merge_json(path: Path | str, records: list[dict]) -> Path:
+def merge_json(path: Path | str, records: list[dict],
+               key: Callable[[dict], tuple] = record_key) -> Path:
     path = Path(path)
     old = load_records(path) if path.exists() else []
-    return write_json(path, merge_records(old, records))
+    return write_json(path, merge_records(old, records, key))
 
 
 def format_n(n: int | None) -> str:
@@ -1177,10 +1205,10 @@ MEMORY_FILE = "memory.json"
 
 
 def _write_results(cfg_out: Path, merge_into: Path | None, records: list[dict],
-                   name: str = RESULTS_FILE) -> None:
+                   name: str = RESULTS_FILE, key: Callable[[dict], tuple] = record_key) -> None:
     write_json(cfg_out / name, records)
     if merge_into is not None:
-        merge_json(merge_into, records)
+        merge_json(merge_into, records, key)
 
 
 def case_key(case: Case, device_name: str) -> tuple:
@@ -1492,19 +1520,34 @@ def report_parser() -> argparse.ArgumentParser:
 def run_report(argv: Sequence[str], stdout=None) -> int:
     stdout = stdout or sys.stdout
     a = report_parser().parse_args(argv)
+    from . import bench_variants
+
     records: list[dict] = []
+    variants: list[dict] = []
     for path in a.files:
-        records = merge_records(records, load_records(path))
+        loaded = load_records(path)
+        foreign = [r for r in loaded if "impl" not in r or "mode" not in r]
+        if foreign:
+            _log(f"{path}: skipped {len(foreign)} records without impl/mode (another format)")
+            loaded = [r for r in loaded if "impl" in r and "mode" in r]
+        records = merge_records(records, [r for r in loaded if "variant" not in r])
+        variants = merge_records(variants, [r for r in loaded if "variant" in r],
+                                 bench_variants.variant_key)
     if a.device:
-        records = [r for r in records if a.device.lower() in str(r.get("device", "")).lower()]
+        def keep(r):
+            return a.device.lower() in str(r.get("device", "")).lower()
+        records, variants = [r for r in records if keep(r)], [r for r in variants if keep(r)]
     speed = [r for r in records if r.get("mode") not in (MEMORY_MODE, MAX_SEQLEN_MODE)]
     memory = [r for r in records if r.get("mode") in (MEMORY_MODE, MAX_SEQLEN_MODE)]
-    if speed or not memory:
+    if speed or not (memory or variants):
         print(render_table(speed), file=stdout)
     if memory:
         print(render_memory_table(memory), file=stdout)
+    if variants:
+        print(bench_variants.render_table(variants), file=stdout)
     if a.out is not None:
         paths = plot(speed, a.out) + plot_memory(memory, a.out)
+        paths += bench_variants.plot(variants, a.out) if variants else []
         _log("wrote " + (", ".join(map(str, paths)) or "no plots"))
     return 0
 
@@ -1513,18 +1556,22 @@ def run_report(argv: Sequence[str], stdout=None) -> int:
 # Entry point
 # --------------------------------------------------------------------------------------------
 
-SUBCOMMANDS = ("speed", "memory", "report", "decode")
+SUBCOMMANDS = ("speed", "memory", "report", "decode", "variants")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``[speed] FLAGS`` | ``memory FLAGS`` | ``report FILES`` | ``decode FLAGS`` (the KV-cache
-    decode benchmark, ``flashtile.bench_decode``). Exit status 1 when a flashtile case failed
-    with an unexpected error, 2 for usage problems."""
+    decode benchmark, ``flashtile.bench_decode``) | ``variants FLAGS`` (block-sparse density,
+    sliding-window and varlen sweeps, ``flashtile.bench_variants``). Exit status 1 when a
+    flashtile case failed with an unexpected error, 2 for usage problems."""
     argv = list(sys.argv[1:] if argv is None else argv)
     sub = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "speed"
     if sub == "decode":
         from . import bench_decode
         return bench_decode.main(argv)
+    if sub == "variants":
+        from . import bench_variants
+        return bench_variants.main(argv)
     if sub == "report":
         return run_report(argv)
     if sub == "memory":

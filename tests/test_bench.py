@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashtile import bench
+from flashtile import bench, bench_variants
 
 needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
 
@@ -1091,3 +1091,212 @@ def test_decode_subcommand_routes_to_the_decode_benchmark(monkeypatch, tmp_path)
     monkeypatch.setattr(bench_decode, "main", lambda argv: seen.setdefault("argv", argv) and 0)
     assert bench.main(["decode", "--quick", "--out", str(tmp_path / "d.json")]) == 0
     assert seen["argv"] == ["--quick", "--out", str(tmp_path / "d.json")]
+
+
+# ---------------------------------------------------------------------------------------------
+# Variants subcommand (flashtile.bench_variants)
+# ---------------------------------------------------------------------------------------------
+
+VARIANTS_TINY = ["--device", "cpu", "--n", "128", "--batch", "1", "--heads", "2", "--d", "16",
+                 "--block-size", "32", "--warmup", "0", "--rep", "1", "--no-progress"]
+
+
+def test_variants_subcommand_routes_to_bench_variants(monkeypatch, tmp_path):
+    seen = {}
+    monkeypatch.setattr(bench_variants, "main", lambda argv: seen.setdefault("argv", argv) and 0)
+    assert bench.main(["variants", "--sweeps", "window", "--out", str(tmp_path)]) == 0
+    assert seen["argv"] == ["--sweeps", "window", "--out", str(tmp_path)]
+
+
+@pytest.mark.skipif(not _real_flashtile_available(), reason="flashtile.flash_attn_func missing")
+def test_variants_cpu_end_to_end(tmp_path, capsys):
+    out, merged = tmp_path / "out", tmp_path / "merged.json"
+    assert bench.main(["variants"] + VARIANTS_TINY + ["--out", str(out), "--merge-into",
+                                                      str(merged)]) == 0
+    records = bench.load_records(out / "variants.json")
+    assert all(tuple(r) == bench_variants.RECORD_KEYS and r["device"] == "cpu" for r in records)
+    assert {r["status"] for r in records} == {"ok"}, [r["error"] for r in records]
+    assert all(r["ms"] > 0 and r["tflops"] > 0 and r["ratio_vs_dense"] > 0 for r in records)
+    assert all((r["dtype"], r["d"], r["n"], r["batch"], r["heads"]) == ("fp32", 16, 128, 1, 2)
+               for r in records)
+    by = {}
+    for r in records:
+        by.setdefault((r["sweep"], r["impl"], r["variant"]), []).append(r)
+    assert set(by) == {("sparse", "flashtile", "dense"), ("sparse", "flashtile", "block_sparse"),
+                       ("window", "flashtile", "dense"), ("window", "flashtile", "window"),
+                       ("window", "sdpa", "dense"), ("window", "sdpa", "window"),
+                       ("varlen", "flashtile", "padded"), ("varlen", "flashtile", "varlen")}
+    assert {r["mode"] for r in records} == {"fwd", "fwd_bwd"}
+
+    sparse = by[("sparse", "flashtile", "block_sparse")]
+    assert sorted({r["detail"]["target"] for r in sparse}) == [1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0]
+    assert all(r["detail"]["target"] <= r["param"] <= 1 and not r["causal"] for r in sparse)
+    assert all(r["param"] == 1.0 for r in sparse if r["detail"]["target"] == 1.0)
+    assert all(r["detail"]["blocks"] == 16 for r in sparse)
+    windows = by[("window", "flashtile", "window")]
+    assert sorted({r["param"] for r in windows}) == [4, 16, 64, 128]
+    assert all(r["causal"] for r in windows + by[("window", "sdpa", "window")])
+    references = [r for k, rs in by.items() if k[2] in ("dense", "padded") for r in rs]
+    assert all(r["ratio_vs_dense"] == 1.0 for r in references)
+    assert [r["causal"] for r in by[("sparse", "flashtile", "dense")]] == [False, False]
+    varlen = by[("varlen", "flashtile", "varlen")]
+    assert {r["causal"] for r in varlen} == {False, True}
+    assert all(r["detail"]["tokens"] <= 128 and r["detail"]["longest"] <= 28 for r in varlen)
+    assert all(r["param"] == pytest.approx(r["detail"]["tokens"] / r["detail"]["sequences"])
+               for r in varlen)
+    assert bench.load_records(merged) == records
+
+    title, *table = capsys.readouterr().out.splitlines()
+    assert title.startswith("variants, fp32, d=16, N=128, B=1, H=2")
+    rows = _rows("\n".join(table))
+    assert rows[0] == ["sweep", "variant", "param", "causal", "mode", "flashtile ms",
+                       "flashtile /ref", "sdpa ms", "sdpa /ref"]
+    assert len(rows) == 2 + len({bench_variants.variant_key(r)[3:7] for r in records})
+    if bench._have_matplotlib():
+        assert sorted(p.name for p in out.glob("*.png")) == ["sparse.png", "varlen.png",
+                                                            "window.png"]
+
+    assert bench.main(["variants"] + VARIANTS_TINY + [
+        "--sweeps", "window", "--impl", "sdpa", "--windows", "16", "--mode", "fwd", "--no-plot",
+        "--out", str(tmp_path / "o2"), "--merge-into", str(merged)]) == 0
+    assert len(bench.load_records(merged)) == len(records)  # the re-run replaced its records
+    capsys.readouterr()
+    assert bench.main(["report", str(merged)]) == 0
+    assert "block_sparse" in capsys.readouterr().out
+
+
+def test_variants_parse_args_defaults():
+    gpu = bench_variants.parse_args(["--device", "cuda"])
+    assert (gpu.n, gpu.batch, gpu.heads, gpu.d, gpu.dtype, gpu.block_size) == (
+        8192, 2, 16, 128, "bf16", 128)
+    assert gpu.sweeps == ("sparse", "window", "varlen") and gpu.impls == ("flashtile", "sdpa")
+    assert gpu.modes == ("fwd", "fwd_bwd") and (gpu.warmup, gpu.rep) == (25, 100)
+    assert [float(x) for x in gpu.densities] == [1, 0.5, 0.25, 0.125, 0.0625]
+    assert gpu.window_sizes() == (256, 1024, 4096, 8192)
+    assert (gpu.mean_length(), gpu.total_tokens()) == (1024, 16384)
+    cpu = bench_variants.parse_args(["--device", "cpu"])
+    assert cpu.n < gpu.n and cpu.heads < gpu.heads and cpu.dtype == "fp32"
+    quick = bench_variants.parse_args(["--device", "cpu", "--quick"])
+    assert len(bench_variants.build_plan(quick)) == len(bench_variants.build_plan(cpu))
+    assert quick.n < cpu.n
+
+
+def test_variants_parse_args_overrides(tmp_path):
+    cfg = bench_variants.parse_args([
+        "--device", "cuda", "--sweeps", "sparse,window", "--flex", "--mode", "fwd", "--n", "2K",
+        "--densities", "1", "0.5", "1/8", "--windows", "128", "1K", "--varlen-mean", "256",
+        "--varlen-tokens", "4K", "--block-size", "64", "--out", str(tmp_path), "--no-plot"])
+    assert cfg.sweeps == ("sparse", "window") and cfg.impls == ("flashtile", "sdpa", "flex")
+    assert cfg.modes == ("fwd",) and cfg.n == 2048 and cfg.block_size == 64
+    assert cfg.densities == (Fraction(1), Fraction(1, 2), Fraction(1, 8))
+    assert cfg.window_sizes() == (128, 1024)
+    assert (cfg.mean_length(), cfg.total_tokens()) == (256, 4096)
+    assert cfg.out == tmp_path and not cfg.plot
+
+
+@pytest.mark.parametrize(
+    "argv,flag",
+    [(["--sweeps", "dense"], "--sweeps"), (["--impl", "sdpa_flash"], "--impl"),
+     (["--mode", "decode"], "--mode"), (["--densities", "0"], "--densities"),
+     (["--densities", "1.5"], "--densities"), (["--densities", "half"], "--densities"),
+     (["--block-size", "24"], "--block-size"), (["--block-size", "1K"], "--block-size"),
+     (["--windows", "0"], "--windows"), (["--windows", "1K"], "--windows"),
+     (["--varlen-mean", "2"], "--varlen-mean"), (["--varlen-tokens", "8"], "--varlen-tokens"),
+     (["--n", "1M"], "--n"), (["--dtype", "int8"], "--dtype")],
+    ids=["sweep", "impl", "mode", "density-zero", "density-above-one", "density-word",
+         "block-not-16", "block-above-n", "window-zero", "window-above-n", "mean-small",
+         "tokens-below-mean", "n", "dtype"],
+)
+def test_variants_parse_args_rejects(argv, flag, capsys):
+    with pytest.raises(SystemExit) as info:
+        bench_variants.parse_args(VARIANTS_TINY + argv)
+    assert info.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "fields,name",
+    [({"sweeps": ()}, "sweeps"), ({"impls": ("fa2",)}, "impls"), ({"device": "mps"}, "device"),
+     ({"n": 0}, "n"), ({"densities": (Fraction(2),)}, "densities"), ({"windows": (4096,)},
+                                                                      "windows"),
+     ({"varlen_tokens": 16}, "varlen_tokens"), ({"rep": -1}, "rep")],
+    ids=["no-sweeps", "impl", "device", "n", "density", "window", "tokens", "rep"],
+)
+def test_variants_config_names_the_bad_field(fields, name):
+    with pytest.raises(ValueError, match=f"^{name}: "):
+        bench_variants.VariantsConfig(**{"device": "cpu", "n": 1024, **fields})
+
+
+@pytest.mark.parametrize("n", [128, 100, 1000], ids=["128", "100", "1000"])
+def test_variants_useful_pairs(n):
+    V = bench_variants
+    assert V.window_pairs(n, n) == V.window_pairs(n, n - 1) == V.dense_pairs(n, True) == n * n / 2
+    assert V.window_pairs(n, 0) == n / 2  # the diagonal, at half weight
+    assert V.window_pairs(n, 4) == sum(min(i, 4) + 1 for i in range(n)) - Fraction(n, 2)
+    full = torch.ones(-(-n // 32), -(-n // 32), dtype=torch.bool)
+    assert V.block_pairs(full, n, 32) == n * n
+    diagonal = torch.eye(full.shape[0], dtype=torch.bool)
+    last = n - 32 * (full.shape[0] - 1)
+    assert V.block_pairs(diagonal, n, 32) == 32 * 32 * (full.shape[0] - 1) + last * last
+    assert V.varlen_pairs([3, 5], False) == 34 and V.varlen_pairs([3, 5], True) == 17
+
+
+def test_variants_useful_flops_scale_with_the_mode():
+    pairs = bench_variants.dense_pairs(1024, False)
+    fwd = bench_variants._useful_flops(pairs, 16, 128, "fwd")
+    assert fwd == bench.flops(1, 16, 1024, 128, False, "fwd")
+    assert bench_variants._useful_flops(pairs, 16, 128, "fwd_bwd") == fwd * 7 // 2
+
+
+def test_variants_random_blocks_keep_the_diagonal():
+    blocks = bench_variants.random_blocks(1000, 64, Fraction(1, 16), seed=3)
+    assert blocks.shape == (16, 16) and blocks.diagonal().all()
+    assert torch.equal(blocks, bench_variants.random_blocks(1000, 64, Fraction(1, 16), seed=3))
+    assert bench_variants.random_blocks(256, 32, Fraction(1), seed=0).all()
+
+
+def test_variants_varlen_lengths_match_the_committed_h100_batch():
+    lengths = bench_variants.varlen_lengths(16384, 1024, seed=0)
+    assert (len(lengths), sum(lengths), max(lengths)) == (17, 15966, 1673)
+    assert all(256 <= s < 1792 for s in lengths)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_variants_plan_flex_only_on_cuda_and_references_first(device):
+    cfg = bench_variants.VariantsConfig(device=device, impls=bench_variants.IMPLS, n=1024)
+    plan = bench_variants.build_plan(cfg)
+    flex = {c.sweep for c in plan if c.impl == "flex"}
+    assert flex == (set() if device == "cpu" else {"sparse", "window"})
+    assert {c.sweep for c in plan if c.impl == "sdpa"} == {"window"}
+    for sweep, reference in (("sparse", "dense"), ("window", "dense"), ("varlen", "padded")):
+        for impl in {c.impl for c in plan if c.sweep == sweep}:
+            for causal in {c.causal for c in plan if c.sweep == sweep and c.impl == impl}:
+                cases = [c for c in plan if (c.sweep, c.impl, c.causal) == (sweep, impl, causal)]
+                assert cases[0].variant == reference
+    assert len(plan) == len({(c.sweep, c.impl, c.variant, c.param, c.causal, c.mode)
+                             for c in plan})
+
+
+def test_variants_ratios_use_the_sweeps_reference():
+    env = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "triton": "3.6.0"}
+
+    def r(sweep, variant, ms, causal=False, status="ok", mode="fwd"):
+        fields = {"sweep": sweep, "impl": "flashtile", "mode": mode, "variant": variant,
+                  "causal": causal, "dtype": "bf16", "d": 128, "n": 8192, "batch": 2,
+                  "heads": 16, "ms": ms, "status": status}
+        return bench.fill_record(bench_variants.RECORD_KEYS, env, fields)
+    records = bench_variants.fill_ratios([
+        r("sparse", "dense", 4.0), r("sparse", "block_sparse", 1.0),
+        r("sparse", "block_sparse", 2.0, mode="fwd_bwd"), r("window", "dense", 2.0, True),
+        r("window", "window", 0.5, True), r("varlen", "padded", None, status="oom"),
+        r("varlen", "varlen", 1.0)])
+    assert [x["ratio_vs_dense"] for x in records] == [1.0, 0.25, None, 1.0, 0.25, None, None]
+
+
+def test_report_skips_records_of_another_format(tmp_path, capsys):
+    path = bench.write_json(tmp_path / "old.json", [{"kind": "window", "window": 256,
+                                                      "fwd_ms": 0.25, "device": "cpu"}])
+    assert bench.main(["report", str(path)]) == 0
+    out = capsys.readouterr()
+    assert "skipped 1 records without impl/mode" in out.err
+    assert out.out.strip() == "(no speed records)"
