@@ -1225,6 +1225,21 @@ def _done_records(cfg: Config, device_name: str) -> dict[tuple, dict]:
             if r.get("device") == device_name and r.get("status") in ("ok", "oom", "unsupported")}
 
 
+def warm_up_gpu(device: torch.device, seconds: float = 2.0) -> None:
+    """Keep the GPU busy with matmuls for ``seconds`` before the first timing: an idle GPU
+    starts at low clocks, and the first cases of a sweep (the short, host-sensitive ones)
+    would otherwise be timed while the clocks ramp up."""
+    if device.type != "cuda":
+        return
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize(device)
+    del a
+
+
 def run_speed(cfg: Config, timer: Callable[[Callable], float] | None = None,
               stdout=None) -> list[dict]:
     """Run every case of ``cfg``; writes results.json after each shape, then the table (stdout),
@@ -1251,6 +1266,7 @@ def run_speed(cfg: Config, timer: Callable[[Callable], float] | None = None,
     start = time.monotonic()
     stop_reason = None
     reset_flex_cache()
+    warm_up_gpu(device)
     try:
         i = 0
         while i < len(plan) and stop_reason is None:

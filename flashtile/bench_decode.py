@@ -18,6 +18,8 @@ timed call pays for, ~17 us on an H100, a third of a batch-1 16K decode step):
                         backend rejects GQA and memory allows, K/V repeated per query head
                         beforehand (impl suffix ``_repeat_kv``, repeat not timed)
   flex                  torch.compile(flex_attention, enable_gqa=True)
+  read_same_bytes       a reduction (torch.sum, graph replay) reading as many bytes as the K/V
+                        cache: what one kernel that only reads reaches at this size
 
 Achieved bandwidth counts the bytes a decode step must move: the K and V cache read once plus q
 read and out written; ``frac_of_copy_bw`` divides it by the bandwidth of a large device-to-device
@@ -297,6 +299,18 @@ def run_config(args, dtype, batch, cache_len, copy_bw, meta) -> list[dict]:
 
     def ours():
         return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
+
+    if kv_bytes <= (1 << 30):
+        # the floor at this size: one reduction reading as many bytes as the K/V cache
+        src = torch.empty(kv_bytes // 4, device=dev, dtype=torch.float32).normal_()
+        sink = torch.empty((), device=dev, dtype=torch.float32)
+        try:
+            graph, _ = capture(lambda: torch.sum(src, 0, out=sink))
+            record("read_same_bytes", bench_ms(graph.replay, args.warmup, args.rep), "graph",
+                   status="ok")
+            del graph
+        finally:
+            del src
 
     ref_out = None
     try:
