@@ -104,13 +104,35 @@ def test_zero_blocks_are_never_loaded():
         assert_close(f"{name} elsewhere", rest(g, 32, 48), rest(w, 32, 48), atol=0)
 
 
-def test_block_lists_hold_the_nonzero_blocks_in_order():
+def test_block_lists_hold_the_nonzero_blocks_full_ones_first():
     m = torch.tensor([[1, 0, 1, 1], [0, 0, 0, 0], [0, 1, 0, 0]], dtype=torch.bool)[None, None]
     lists = block_lists(m)[0, 0]
-    assert lists[:, 0].tolist() == [3, 0, 1]
-    assert lists[0, 1:4].tolist() == [0, 2, 3] and lists[2, 1].item() == 1
-    t = block_lists(m, transpose=True)[0, 0]
-    assert t[:, 0].tolist() == [1, 1, 1, 1] and t[:, 1].tolist() == [0, 2, 0, 0]
+    assert lists[:, 0].tolist() == [0, 0, 0], "no full blocks without a full matrix"
+    assert lists[:, 1].tolist() == [3, 0, 1]
+    assert lists[0, 2:5].tolist() == [0, 2, 3] and lists[2, 2].item() == 1
+    full = torch.tensor([[0, 0, 1, 0], [1, 1, 1, 1], [0, 1, 0, 0]], dtype=torch.bool)
+    lists = block_lists(m, full)[0, 0]
+    assert lists[:, :2].tolist() == [[1, 2], [0, 0], [1, 0]]
+    assert lists[0, 2:5].tolist() == [2, 0, 3], "full blocks first, then partial, each ascending"
+    t = block_lists(m, full, transpose=True)[0, 0]
+    assert t[:, :2].tolist() == [[0, 1], [1, 0], [1, 0], [0, 1]]
+    assert t[:, 2].tolist() == [0, 2, 0, 0]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_full_blocks_match_the_element_mask(causal):
+    """A block is 'full' iff all of its pairs exist and are visible, 'empty' iff none is."""
+    from flashtile.backends.spec import AttnSpec
+    from flashtile.backends.triton.launch_common import full_blocks
+    from flashtile.masks import visible_mask
+    sq, sk, bs = 70, 90, 16
+    for spec in (AttnSpec(1.0, -1, 0 if causal else -1), AttnSpec(1.0, 20, 5)):
+        full, empty = full_blocks(-(-sq // bs), -(-sk // bs), bs, bs, sq, sk, spec, "cpu")
+        vis = torch.zeros(-(-sq // bs) * bs, -(-sk // bs) * bs, dtype=torch.bool)
+        vis[:sq, :sk] = visible_mask(sq, sk, spec.window_left, spec.window_right, spec.bottom_right)
+        blocks = vis.view(full.shape[0], bs, full.shape[1], bs).permute(0, 2, 1, 3)
+        assert torch.equal(full, blocks.all(-1).all(-1)), "full blocks"
+        assert torch.equal(empty, ~blocks.any(-1).any(-1)), "empty blocks"
 
 
 def test_layout_builders():

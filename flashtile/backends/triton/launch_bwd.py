@@ -60,7 +60,7 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
 
     cfg = get_config("dkdv", head_dim, spec.causal, q.dtype, q.device)
     block_m, block_n = cfg.block_m, cfg.block_n
-    bs_idx, bs_strides, bs_m, bs_n = sparse_args(block_mask, block_size, transpose=True)
+    bs_idx, bs_strides, bs_m, bs_n = sparse_args(block_mask, block_size, sq, sk, spec, transpose=True)
     if bs_idx is not None:
         block_m, block_n = fit_block(block_m, bs_m), fit_block(block_n, bs_n)
     launch(attn_bwd_dkdv_kernel, (cdiv(sk, block_n), batch * nheads_k), (
@@ -72,7 +72,7 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
     ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common))
     cfg = get_config("dq", head_dim, spec.causal, q.dtype, q.device)
     block_m, block_n = cfg.block_m, cfg.block_n
-    bs_idx, bs_strides, bs_m, bs_n = sparse_args(block_mask, block_size)
+    bs_idx, bs_strides, bs_m, bs_n = sparse_args(block_mask, block_size, sq, sk, spec)
     if bs_idx is not None:
         block_m, block_n = fit_block(block_m, bs_m), fit_block(block_n, bs_n)
     launch(attn_bwd_dq_kernel, (cdiv(sq, block_m), batch * nheads), (

@@ -40,7 +40,7 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu
     alibi, stride_ab = alibi_args(alibi_slopes, batch)
     bias, bias_strides = bias_args(attn_bias)
     seed, dropout_p, dropout_scale = dropout_args(spec, rng_seed)
-    bs_idx, bs_strides, bs_m, bs_n = sparse_args(block_mask, block_size)
+    bs_idx, bs_strides, bs_m, bs_n = sparse_args(block_mask, block_size, sq, sk, spec)
     if bs_idx is not None:
         block_m, block_n = fit_block(block_m, bs_m), fit_block(block_n, bs_n)
     grid = (cdiv(sq, block_m), batch * nheads)

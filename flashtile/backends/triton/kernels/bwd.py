@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .fwd import score_tile
-from .masking import (FEATURE_FLAGS, LOG2E, block_tiles, dropout_keep, dropout_row_base,
+from .masking import (FEATURE_FLAGS, LOG2E, dropout_keep, dropout_row_base,
                       key_range, query_range, sequence, tanh, visible)
 
 
@@ -86,14 +86,22 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta,
                 stride_qm, stride_dm, o_n, o_d, m_start, m_end, sq, sk, shift,
                 window_left, window_right, qk_scale, softcap_scale, slope,
                 p_bias, stride_bm, stride_bn, seed, bh, seqlen_q, seqlen_k, dropout_p,
-                dropout_scale,
+                dropout_scale, p_list, tiles_per_block, bs_m,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                 EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                 HAS_ALIBI: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                HAS_BIAS: tl.constexpr, BIAS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr):
-    """Accumulate dK, dV of one key tile over query tiles ``[m_start, m_end)``."""
+                HAS_BIAS: tl.constexpr, BIAS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                SPARSE: tl.constexpr, I_STEP: tl.constexpr):
+    """Accumulate dK, dV of one key tile over query tiles: those starting at
+    ``m_start, m_start + BLOCK_M, ... < m_end``, or with SPARSE tiles number
+    ``m_start .. m_end - 1`` of the block list ``p_list`` (one flat loop, see ``_fwd_inner``)."""
     m_d = o_d < HEAD_DIM
-    for m0 in range(m_start, m_end, BLOCK_M):
+    for it in range(m_start, m_end, I_STEP):
+        if SPARSE:
+            m0 = (tl.load(p_list + it // tiles_per_block) * bs_m
+                  + (it % tiles_per_block) * BLOCK_M)
+        else:
+            m0 = it
         m0 = tl.multiple_of(m0, BLOCK_M)
         o_m = m0 + tl.arange(0, BLOCK_M)
         p_q = p_q_base + o_m[:, None] * stride_qm + o_d[None, :]
@@ -204,56 +212,47 @@ def attn_bwd_dkdv_kernel(
         p_lse2 = LSE2 + i_b * stride_lb + i_h * stride_lh + q_start
         p_delta = DELTA + i_b * stride_lb + i_h * stride_lh + q_start
         if SPARSE:
+            # full blocks (no predicate) first, then the ones cut by a bound: see the forward
             p_bs = BS_IDX + i_b * stride_bsb + i_h * stride_bsh + (n_first // bs_n) * stride_bsr
-            n_blocks = tl.load(p_bs)
-            for t in range(n_blocks):
-                blk = tl.load(p_bs + 1 + t)
-                s1, e1, s2, e2, s3, e3 = block_tiles(blk * bs_m,
-                                                     tl.minimum(blk * bs_m + bs_m, sq),
-                                                     lo, full_lo, full_hi, hi)
-                b_dk, b_dv = _dkdv_inner(
-                    b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta, stride_qm,
-                    stride_dom, o_n, o_d, s1, e1, sq, sk, shift, window_left, window_right,
-                    qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, bh,
-                    seqlen_q, seqlen_k, dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, True,
-                    EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS,
-                    BIAS_BOOL, HAS_DROPOUT)
-                b_dk, b_dv = _dkdv_inner(
-                    b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta, stride_qm,
-                    stride_dom, o_n, o_d, s2, e2, sq, sk, shift, window_left, window_right,
-                    qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, bh,
-                    seqlen_q, seqlen_k, dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, False,
-                    EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS,
-                    BIAS_BOOL, HAS_DROPOUT)
-                b_dk, b_dv = _dkdv_inner(
-                    b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta, stride_qm,
-                    stride_dom, o_n, o_d, s3, e3, sq, sk, shift, window_left, window_right,
-                    qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, bh,
-                    seqlen_q, seqlen_k, dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, True,
-                    EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS,
-                    BIAS_BOOL, HAS_DROPOUT)
+            tpb = bs_m // BLOCK_M
+            t_full = tl.load(p_bs) * tpb
+            t_all = t_full + tl.load(p_bs + 1) * tpb
+            b_dk, b_dv = _dkdv_inner(
+                b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta, stride_qm,
+                stride_dom, o_n, o_d, 0, t_full, sq, sk, shift, window_left, window_right,
+                qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, bh,
+                seqlen_q, seqlen_k, dropout_p, dropout_scale, p_bs + 2, tpb, bs_m, HEAD_DIM,
+                BLOCK_M, False, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
+                HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, True, 1)
+            b_dk, b_dv = _dkdv_inner(
+                b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta, stride_qm,
+                stride_dom, o_n, o_d, t_full, t_all, sq, sk, shift, window_left, window_right,
+                qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, bh,
+                seqlen_q, seqlen_k, dropout_p, dropout_scale, p_bs + 2, tpb, bs_m, HEAD_DIM,
+                BLOCK_M, True, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
+                HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, True, 1)
         else:
             b_dk, b_dv = _dkdv_inner(
                 b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta, stride_qm,
                 stride_dom, o_n, o_d, lo, full_lo, sq, sk, shift, window_left, window_right,
                 qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, bh,
-                seqlen_q, seqlen_k, dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, True, EVEN_D,
+                seqlen_q, seqlen_k, dropout_p, dropout_scale, BS_IDX, 1, 1, HEAD_DIM, BLOCK_M, True, EVEN_D,
                 DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL,
-                HAS_DROPOUT)
+                HAS_DROPOUT, False, BLOCK_M)
             b_dk, b_dv = _dkdv_inner(
                 b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta, stride_qm,
                 stride_dom, o_n, o_d, full_lo, full_hi, sq, sk, shift, window_left,
                 window_right, qk_scale, softcap_scale, slope, p_bias, stride_biasm,
-                stride_biasn, seed, bh, seqlen_q, seqlen_k, dropout_p, dropout_scale, HEAD_DIM,
+                stride_biasn, seed, bh, seqlen_q, seqlen_k, dropout_p, dropout_scale, BS_IDX, 1, 1, HEAD_DIM,
                 BLOCK_M, False, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
-                HAS_BIAS, BIAS_BOOL, HAS_DROPOUT)
+                HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, False, BLOCK_M)
             b_dk, b_dv = _dkdv_inner(
                 b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta, stride_qm,
                 stride_dom, o_n, o_d, full_hi, hi, sq, sk, shift, window_left, window_right,
                 qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, bh,
-                seqlen_q, seqlen_k, dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, True, EVEN_D,
+                seqlen_q, seqlen_k, dropout_p, dropout_scale, BS_IDX, 1, 1, HEAD_DIM, BLOCK_M, True, EVEN_D,
                 DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL,
-                HAS_DROPOUT)
+                HAS_DROPOUT, False, BLOCK_M)
     p_dk = (DK + i_b.to(tl.int64) * stride_dkb + k_start.to(tl.int64) * stride_dkn
             + i_hk * stride_dkh + o_n[:, None] * stride_dkn + o_d[None, :])
     p_dv = (DV + i_b.to(tl.int64) * stride_dvb + k_start.to(tl.int64) * stride_dvn
@@ -267,14 +266,22 @@ def _dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, s
               o_m, o_d, n_start, n_end, sq, sk, shift, window_left, window_right,
               qk_scale, softcap_scale, slope, p_bias, stride_bm, stride_bn, seed, row_base,
               dropout_p, dropout_scale, p_dbias, stride_dbm, stride_dbn,
+              p_list, tiles_per_block, bs_n,
               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
               EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
               HAS_ALIBI: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
               HAS_BIAS: tl.constexpr, BIAS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-              STORE_DBIAS: tl.constexpr):
-    """Accumulate dQ of one query tile over key tiles ``[n_start, n_end)``."""
+              STORE_DBIAS: tl.constexpr, SPARSE: tl.constexpr, I_STEP: tl.constexpr):
+    """Accumulate dQ of one query tile over key tiles: those starting at
+    ``n_start, n_start + BLOCK_N, ... < n_end``, or with SPARSE tiles number
+    ``n_start .. n_end - 1`` of the block list ``p_list`` (one flat loop, see ``_fwd_inner``)."""
     m_d = o_d < HEAD_DIM
-    for n0 in range(n_start, n_end, BLOCK_N):
+    for it in range(n_start, n_end, I_STEP):
+        if SPARSE:
+            n0 = (tl.load(p_list + it // tiles_per_block) * bs_n
+                  + (it % tiles_per_block) * BLOCK_N)
+        else:
+            n0 = it
         n0 = tl.multiple_of(n0, BLOCK_N)
         o_n = n0 + tl.arange(0, BLOCK_N)
         p_k = p_k_base + o_n[:, None] * stride_kn + o_d[None, :]
@@ -380,55 +387,47 @@ def attn_bwd_dq_kernel(
     lo, full_lo, full_hi, hi = key_range(m_first, m_last, sk, shift, window_left, window_right,
                                          BLOCK_N, HAS_LEFT, HAS_RIGHT)
     if SPARSE:
+        # full blocks (no predicate) first, then the ones cut by a bound: see the forward
         p_bs = BS_IDX + i_b * stride_bsb + i_h * stride_bsh + (m_first // bs_m) * stride_bsr
-        n_blocks = tl.load(p_bs)
-        for t in range(n_blocks):
-            blk = tl.load(p_bs + 1 + t)
-            s1, e1, s2, e2, s3, e3 = block_tiles(blk * bs_n, tl.minimum(blk * bs_n + bs_n, sk),
-                                                 lo, full_lo, full_hi, hi)
-            b_dq = _dq_inner(
-                b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn, o_m,
-                o_d, s1, e1, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale,
-                slope, p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p,
-                dropout_scale, p_dbias, stride_dbm, stride_dbn, HEAD_DIM, BLOCK_N, True, EVEN_D,
-                DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL,
-                HAS_DROPOUT, STORE_DBIAS)
-            b_dq = _dq_inner(
-                b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn, o_m,
-                o_d, s2, e2, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale,
-                slope, p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p,
-                dropout_scale, p_dbias, stride_dbm, stride_dbn, HEAD_DIM, BLOCK_N, False, EVEN_D,
-                DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL,
-                HAS_DROPOUT, STORE_DBIAS)
-            b_dq = _dq_inner(
-                b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn, o_m,
-                o_d, s3, e3, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale,
-                slope, p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p,
-                dropout_scale, p_dbias, stride_dbm, stride_dbn, HEAD_DIM, BLOCK_N, True, EVEN_D,
-                DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL,
-                HAS_DROPOUT, STORE_DBIAS)
+        tpb = bs_n // BLOCK_N
+        t_full = tl.load(p_bs) * tpb
+        t_all = t_full + tl.load(p_bs + 1) * tpb
+        b_dq = _dq_inner(
+            b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d,
+            0, t_full, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
+            p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, dropout_scale,
+            p_dbias, stride_dbm, stride_dbn, p_bs + 2, tpb, bs_n, HEAD_DIM, BLOCK_N, False,
+            EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL,
+            HAS_DROPOUT, STORE_DBIAS, True, 1)
+        b_dq = _dq_inner(
+            b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d,
+            t_full, t_all, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale,
+            slope, p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, dropout_scale,
+            p_dbias, stride_dbm, stride_dbn, p_bs + 2, tpb, bs_n, HEAD_DIM, BLOCK_N, True,
+            EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL,
+            HAS_DROPOUT, STORE_DBIAS, True, 1)
     else:
         b_dq = _dq_inner(
             b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d,
             lo, full_lo, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale,
             slope, p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, dropout_scale,
-            p_dbias, stride_dbm, stride_dbn, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC,
+            p_dbias, stride_dbm, stride_dbn, BS_IDX, 1, 1, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC,
             HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT,
-            STORE_DBIAS)
+            STORE_DBIAS, False, BLOCK_N)
         b_dq = _dq_inner(
             b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d,
             full_lo, full_hi, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale,
             slope, p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, dropout_scale,
-            p_dbias, stride_dbm, stride_dbn, HEAD_DIM, BLOCK_N, False, EVEN_D, DOT_PREC,
+            p_dbias, stride_dbm, stride_dbn, BS_IDX, 1, 1, HEAD_DIM, BLOCK_N, False, EVEN_D, DOT_PREC,
             HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT,
-            STORE_DBIAS)
+            STORE_DBIAS, False, BLOCK_N)
         b_dq = _dq_inner(
             b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d,
             full_hi, hi, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale,
             slope, p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, dropout_scale,
-            p_dbias, stride_dbm, stride_dbn, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC,
+            p_dbias, stride_dbm, stride_dbn, BS_IDX, 1, 1, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC,
             HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT,
-            STORE_DBIAS)
+            STORE_DBIAS, False, BLOCK_N)
     p_dq = (DQ + i_b.to(tl.int64) * stride_dqb + q_start.to(tl.int64) * stride_dqm
             + i_h * stride_dqh + o_m[:, None] * stride_dqm + o_d[None, :])
     tl.store(p_dq, (b_dq * scale).to(DQ.dtype.element_ty), mask=m_qd)

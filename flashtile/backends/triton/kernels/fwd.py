@@ -23,8 +23,9 @@ Optional features (constexpr flags, derived from which optional pointers are Non
   ``l`` (dropout acts on the normalised probabilities; lse is unaffected), and the output is
   scaled by ``1 / (1 - p)``.
 * ``SPARSE``: the key tiles come from the list of nonzero mask blocks of this query block
-  (``BS_IDX[b, h, row] = [count, block indices...]``); each block is cut into the same three
-  stages, so zero blocks are never loaded.
+  (``BS_IDX[b, h, row] = [n_full, n_part, full blocks..., partial blocks...]``): one flat
+  unmasked loop over the tiles of the blocks that are visible throughout, one masked loop over
+  those cut by the causal/window bounds or the sequence ends, so zero blocks are never loaded.
 * ``PAGED`` (varlen only): ``K``/``V`` are page pools ``(num_blocks, PAGE_SIZE, Hk, D)`` and key
   ``j`` of sequence ``b`` lives in page ``BLOCK_TABLE[b, j // PAGE_SIZE]`` at slot
   ``j % PAGE_SIZE``; every key row address of a tile is looked up in the table (see
@@ -34,7 +35,7 @@ Optional features (constexpr flags, derived from which optional pointers are Non
 import triton
 import triton.language as tl
 
-from .masking import (FEATURE_FLAGS, LOG2E, apply_bias, block_tiles, dropout_keep, dropout_row_base,
+from .masking import (FEATURE_FLAGS, LOG2E, apply_bias, dropout_keep, dropout_row_base,
                       key_range, sequence, tanh, visible)
 
 # The forward kernel's flags: the shared ones plus paged keys/values, which only the forward
@@ -94,14 +95,27 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn,
                o_m, o_d, n_start, n_end, sq, sk, shift, window_left, window_right,
                qk_scale, softcap_scale, slope, p_bias, stride_bm, stride_bn,
                seed, row_base, dropout_p, p_bt, stride_kpage, stride_vpage,
+               p_list, tiles_per_block, bs_n,
                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                HAS_ALIBI: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                HAS_BIAS: tl.constexpr, BIAS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-               PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """Online-softmax update over key tiles ``[n_start, n_end)``; MASKED applies visibility."""
+               PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SPARSE: tl.constexpr,
+               I_STEP: tl.constexpr):
+    """Online-softmax update over key tiles; MASKED applies visibility.
+
+    Dense: the tiles starting at ``n_start, n_start + BLOCK_N, ... < n_end``.  SPARSE: tiles
+    number ``n_start .. n_end - 1`` of the block list ``p_list`` (``tiles_per_block`` tiles
+    of BLOCK_N keys per mask block of ``bs_n`` keys), one flat loop so that the software
+    pipeliner overlaps the loads of consecutive tiles across mask blocks too.
+    """
     m_d = o_d < HEAD_DIM
-    for n0 in range(n_start, n_end, BLOCK_N):
+    for it in range(n_start, n_end, I_STEP):
+        if SPARSE:
+            n0 = (tl.load(p_list + it // tiles_per_block) * bs_n
+                  + (it % tiles_per_block) * BLOCK_N)
+        else:
+            n0 = it
         n0 = tl.multiple_of(n0, BLOCK_N)
         o_n = n0 + tl.arange(0, BLOCK_N)
         if PAGED:
@@ -223,31 +237,27 @@ def attn_fwd_kernel(
     lo, full_lo, full_hi, hi = key_range(m_first, m_last, sk, shift, window_left, window_right,
                                          BLOCK_N, HAS_LEFT, HAS_RIGHT)
     if SPARSE:
-        # Only the nonzero mask blocks of this query block, each cut into the three stages.
+        # Only the nonzero mask blocks of this query block: first those every (query, key) pair
+        # of which is visible (no predicate), then those cut by a bound (masked); the list is
+        # ``[n_full, n_part, full blocks..., partial blocks...]`` (``block_lists``).
         p_bs = BS_IDX + i_b * stride_bsb + i_h * stride_bsh + (m_first // bs_m) * stride_bsr
-        n_blocks = tl.load(p_bs)
-        for t in range(n_blocks):
-            blk = tl.load(p_bs + 1 + t)
-            s1, e1, s2, e2, s3, e3 = block_tiles(blk * bs_n, tl.minimum(blk * bs_n + bs_n, sk),
-                                                 lo, full_lo, full_hi, hi)
-            b_acc, b_l, b_m = _fwd_inner(
-                b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, s1,
-                e1, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
-                p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
-                stride_vb, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI,
-                HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED, PAGE_SIZE)
-            b_acc, b_l, b_m = _fwd_inner(
-                b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, s2,
-                e2, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
-                p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
-                stride_vb, HEAD_DIM, BLOCK_N, False, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI,
-                HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED, PAGE_SIZE)
-            b_acc, b_l, b_m = _fwd_inner(
-                b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, s3,
-                e3, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
-                p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
-                stride_vb, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI,
-                HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED, PAGE_SIZE)
+        tpb = bs_n // BLOCK_N
+        t_full = tl.load(p_bs) * tpb
+        t_all = t_full + tl.load(p_bs + 1) * tpb
+        b_acc, b_l, b_m = _fwd_inner(
+            b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, 0,
+            t_full, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
+            p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
+            stride_vb, p_bs + 2, tpb, bs_n, HEAD_DIM, BLOCK_N, False, EVEN_D, DOT_PREC,
+            HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED,
+            PAGE_SIZE, True, 1)
+        b_acc, b_l, b_m = _fwd_inner(
+            b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, t_full,
+            t_all, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
+            p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
+            stride_vb, p_bs + 2, tpb, bs_n, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC,
+            HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED,
+            PAGE_SIZE, True, 1)
     else:
         # Stage 1: tiles cut by the left window edge.  Stage 2: interior tiles, no predicate.
         # Stage 3: tiles cut by the right edge (the causal diagonal) or the end of the sequence.
@@ -255,20 +265,23 @@ def attn_fwd_kernel(
             b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, lo,
             full_lo, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
             p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
-            stride_vb, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI,
-            HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED, PAGE_SIZE)
+            stride_vb, BS_IDX, 1, 1, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC, HAS_SOFTCAP,
+            HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED, PAGE_SIZE,
+            False, BLOCK_N)
         b_acc, b_l, b_m = _fwd_inner(
             b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, full_lo,
             full_hi, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
             p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
-            stride_vb, HEAD_DIM, BLOCK_N, False, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI,
-            HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED, PAGE_SIZE)
+            stride_vb, BS_IDX, 1, 1, HEAD_DIM, BLOCK_N, False, EVEN_D, DOT_PREC, HAS_SOFTCAP,
+            HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED, PAGE_SIZE,
+            False, BLOCK_N)
         b_acc, b_l, b_m = _fwd_inner(
             b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, full_hi,
             hi, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
             p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
-            stride_vb, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI,
-            HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED, PAGE_SIZE)
+            stride_vb, BS_IDX, 1, 1, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC, HAS_SOFTCAP,
+            HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED, PAGE_SIZE,
+            False, BLOCK_N)
 
     # Rows that saw no key keep l == 0: they output 0 and report lse = -inf.
     m_empty = b_l == 0.0

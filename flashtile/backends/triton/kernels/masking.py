@@ -17,8 +17,9 @@ Optional element-wise features, each behind a constexpr flag of the kernels:
 * dropout: element ``(b, h, i, j)`` is kept iff ``tl.rand(seed, counter) >= p`` with the int64
   counter ``((b * H + h) * seqlen_q + i) * seqlen_k + j`` (:func:`dropout_keep`; the same rule
   as ``flashtile.rng``);
-* block sparsity: :func:`block_tiles` intersects one nonzero mask block with the three stages of
-  ``key_range``/``query_range`` so zero blocks are never loaded.
+* block sparsity: the kernels walk host-built lists of the nonzero mask blocks, those visible
+  throughout first (no predicate), then those cut by a bound (``launch_common.block_lists``),
+  so zero blocks are never loaded.
 """
 import triton
 import triton.language as tl
@@ -174,17 +175,3 @@ def dropout_row_base(bh, seqlen_q, seqlen_k, o_m):
     """int64 ``(bh * seqlen_q + i) * seqlen_k`` for the rows ``o_m``, with ``bh = b * H + h``
     already int64, ``# [BLOCK]``."""
     return (bh * seqlen_q + o_m.to(tl.int64)) * seqlen_k
-
-
-@triton.jit
-def block_tiles(blk_start, blk_end, lo, full_lo, full_hi, hi):
-    """The three stages of a range (``lo <= full_lo <= full_hi <= hi``) restricted to one mask
-    block ``[blk_start, blk_end)``: returns ``(s1, e1, s2, e2, s3, e3)``, masked / full /
-    masked.  ``blk_start`` is a multiple of the tile size, so every range starts on a tile."""
-    s1 = tl.maximum(blk_start, lo)
-    e1 = tl.minimum(blk_end, full_lo)
-    s2 = tl.maximum(blk_start, full_lo)
-    e2 = tl.minimum(blk_end, full_hi)
-    s3 = tl.maximum(blk_start, full_hi)
-    e3 = tl.minimum(blk_end, hi)
-    return s1, e1, s2, e2, s3, e3
