@@ -200,3 +200,20 @@ def test_bad_input_rejected_before_any_kernel(kind, monkeypatch):
     q, mask, bs, exc, needle = _bad_case(kind)
     with pytest.raises(exc, match=needle):
         flashtile.block_sparse_attn_func(q, q, q, mask, block_size=bs)
+
+
+def test_block_lists_follow_in_place_mask_changes():
+    """The lists built for a mask are reused while the mask is unchanged, and rebuilt after an
+    in-place change (same tensor object, new version)."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (randn(1, 64, 2, 16, dtype=torch.float32, gen=gen) for _ in range(3))
+    mask = torch.ones(1, 1, 4, 4, dtype=torch.bool)
+    with flashtile.use_backend("triton"):
+        first = flashtile.block_sparse_attn_func(q, k, v, mask, block_size=(16, 16))
+        again = flashtile.block_sparse_attn_func(q, k, v, mask, block_size=(16, 16))
+        mask[..., 1:, 0] = False  # in place: only the first query block still sees key block 0
+        changed = flashtile.block_sparse_attn_func(q, k, v, mask, block_size=(16, 16))
+        fresh = flashtile.block_sparse_attn_func(q, k, v, mask.clone(), block_size=(16, 16))
+    assert_close("same mask, same output", again, first, atol=0)
+    assert_close("after the in-place change", changed, fresh, atol=0)
+    assert not torch.equal(changed[:, 16:], first[:, 16:]), "the change must matter"

@@ -3,8 +3,10 @@ the arguments of the optional features (bias / mask, dropout, block sparsity).""
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 import os
+import weakref
 
 import torch
 from triton import knobs as _knobs
@@ -286,6 +288,35 @@ def block_lists(block_mask: torch.Tensor, full: torch.Tensor | None = None,
     return torch.cat([n_full, n_part, order.to(torch.int32)], dim=-1).contiguous()
 
 
+@functools.lru_cache(maxsize=256)
+def _full_blocks(n_rows, n_cols, bs_m, bs_n, sq, sk, window_left, window_right, bottom_right,
+                 device):
+    return full_blocks(n_rows, n_cols, bs_m, bs_n, sq, sk,
+                       AttnSpec(1.0, window_left, window_right, bottom_right), device)
+
+
+# Block lists of recent masks.  A training loop passes the same mask every step, and the
+# forward and the dQ kernel use the same lists: built once, they cost no launches afterwards
+# (building them takes ~10 small kernels, which at low density is more host time than the
+# attention itself).  An entry is used only while it refers to the very tensor, unmodified
+# (same object, same version counter).
+_lists_cache: dict = {}
+_LISTS_CACHE_SIZE = 64
+
+
+def _mask_lists(block_mask: torch.Tensor, key: tuple, build):
+    entry = _lists_cache.get((id(block_mask), key))
+    if entry is not None:
+        ref, version, idx = entry
+        if ref() is block_mask and block_mask._version == version:
+            return idx
+    idx = build()
+    if len(_lists_cache) >= _LISTS_CACHE_SIZE:
+        _lists_cache.clear()
+    _lists_cache[(id(block_mask), key)] = (weakref.ref(block_mask), block_mask._version, idx)
+    return idx
+
+
 def sparse_args(block_mask, block_size, sq: int = 0, sk: int = 0, spec: AttnSpec | None = None,
                 transpose: bool = False):
     """(index lists or None, (stride_b, stride_h, stride_row), bs_m, bs_n) for sequences of
@@ -293,12 +324,19 @@ def sparse_args(block_mask, block_size, sq: int = 0, sk: int = 0, spec: AttnSpec
     if block_mask is None:
         return None, (0, 0, 0), 1, 1
     bs_m, bs_n = int(block_size[0]), int(block_size[1])
-    full = None
-    if spec is not None:
-        full, empty = full_blocks(block_mask.shape[-2], block_mask.shape[-1], bs_m, bs_n, sq, sk,
-                                  spec, block_mask.device)
-        block_mask = block_mask & ~empty
-    idx = block_lists(block_mask, full, transpose)
+
+    def build():
+        mask, full = block_mask, None
+        if spec is not None:
+            full, empty = _full_blocks(mask.shape[-2], mask.shape[-1], bs_m, bs_n, int(sq), int(sk),
+                                       spec.window_left, spec.window_right, spec.bottom_right,
+                                       mask.device)
+            mask = mask & ~empty
+        return block_lists(mask, full, transpose)
+
+    bounds = None if spec is None else (int(sq), int(sk), spec.window_left, spec.window_right,
+                                        spec.bottom_right)
+    idx = _mask_lists(block_mask, (bs_m, bs_n, bounds, transpose), build)
     st = broadcast_strides(idx)
     return idx, st[:3], bs_m, bs_n
 
