@@ -19,7 +19,9 @@ Sweeps (``--sweeps``, all by default), on one shared ``(B, N, H, d)`` input set:
 ``varlen``
     ``B * N`` tokens in sequences of random length (uniform in [m/4, 7m/4), mean m = N/8 by
     default) packed through ``flash_attn_varlen_func``, against the same sequences padded to the
-    longest through ``flash_attn_func``; non-causal and causal.
+    longest through ``flash_attn_func``; non-causal and causal.  ``varlen_paged`` is the packed
+    call with the keys / values in a paged pool (``block_table``, pages of ``PAGE_SIZE`` = 256
+    slots in random order).
 
 Peers: ``sdpa`` (PyTorch's default SDPA dispatch) runs the window sweep with a dense bool mask,
 against its own ``is_causal=True`` call; ``flex`` (``--flex``; CUDA only, skipped on CPU) runs the
@@ -32,7 +34,8 @@ default) with ``flashtile.bench``'s timers and its error classification.  A reco
     {sweep, impl, mode, variant, param, causal, dtype, d, n, batch, heads, ms, tflops,
      ratio_vs_dense, status, error, detail, device, torch, triton, date}
 
-``variant`` is ``dense``, ``block_sparse``, ``window``, ``varlen`` or ``padded``; ``param`` the
+``variant`` is ``dense``, ``block_sparse``, ``window``, ``varlen``, ``varlen_paged`` or
+``padded``; ``param`` the
 measured density, the window ``w``, or the mean sequence length (None for ``dense``).
 ``ratio_vs_dense`` is ``ms`` over the ``ms`` of the reference call of the same sweep, impl, mode
 and causal setting: the dense non-causal call for ``block_sparse``, the dense causal call for
@@ -84,6 +87,8 @@ RECORD_KEYS = ("sweep", "impl", "mode", "variant", "param", "causal", "dtype", "
                "heads", "ms", "tflops", "ratio_vs_dense", "status", "error", "detail", "device",
                "torch", "triton", "date")
 SWEEPS = ("sparse", "window", "varlen")
+# page size of the paged-KV varlen variant (flash-attn's paged KV needs multiples of 256)
+PAGE_SIZE = 256
 IMPLS = ("flashtile", "sdpa", "flex")
 RESULTS_FILE = "variants.json"
 DENSITIES = (Fraction(1), Fraction(1, 2), Fraction(1, 4), Fraction(1, 8), Fraction(1, 16))
@@ -423,6 +428,45 @@ def _prepare_varlen(causal: bool) -> Callable[[VarlenData], Prepared]:
     return prepare
 
 
+def paged_pools(data: VarlenData, page_size: int, seed: int):
+    """The packed keys / values of ``data`` copied into page pools
+    ``(num_pages, page_size, heads, d)``, the pages of all sequences in one random order, and
+    the int32 block table ``(sequences, max_pages)`` that maps them back."""
+    k, v = data.packed.k, data.packed.v
+    pages = [-(-n // page_size) for n in data.lengths]
+    gen = torch.Generator().manual_seed(seed + 2)
+    order = torch.randperm(sum(pages), generator=gen)
+    table = torch.zeros(len(pages), max(pages), dtype=torch.int32)
+    pools = [torch.zeros(sum(pages), page_size, *k.shape[1:], dtype=k.dtype, device=k.device)
+             for _ in range(2)]
+    first = start = 0
+    for b, (n, np_) in enumerate(zip(data.lengths, pages)):
+        ids = order[first:first + np_]
+        table[b, :np_] = ids.to(torch.int32)
+        for pool, src in zip(pools, (k, v)):
+            padded = torch.zeros(np_ * page_size, *k.shape[1:], dtype=k.dtype, device=k.device)
+            padded[:n] = src[start:start + n]
+            pool[ids.to(k.device)] = padded.view(np_, page_size, *k.shape[1:])
+        first, start = first + np_, start + n
+    return pools[0], pools[1], table.to(k.device)
+
+
+def _prepare_varlen_paged(causal: bool, page_size: int, seed: int) -> Callable[[VarlenData], Prepared]:
+    def prepare(data: VarlenData) -> Prepared:
+        ft = bench._flashtile()
+        k_pool, v_pool, table = paged_pools(data, page_size, seed)
+        q = data.packed.q.detach().requires_grad_()
+        k_pool, v_pool = k_pool.requires_grad_(), v_pool.requires_grad_()
+        cu, longest, scale = data.cu_seqlens, data.longest, q.shape[-1] ** -0.5
+
+        def fn():
+            return ft.flash_attn_varlen_func(q, k_pool, v_pool, cu, cu, longest, longest,
+                                             softmax_scale=scale, causal=causal,
+                                             block_table=table)
+        return Prepared(fn, (q, k_pool, v_pool), data.packed.dout)
+    return prepare
+
+
 def _prepare_padded(causal: bool) -> Callable[[VarlenData], Prepared]:
     return lambda data: _prepare_dense_flashtile(causal)(data.padded)
 
@@ -564,6 +608,9 @@ def build_plan(cfg: VariantsConfig) -> list[VariantCase]:
                 _prepare_padded(causal), detail)
             add("varlen", "flashtile", "varlen", mean, causal, "varlen", pairs,
                 _prepare_varlen(causal), detail)
+            add("varlen", "flashtile", "varlen_paged", mean, causal, "varlen", pairs,
+                _prepare_varlen_paged(causal, PAGE_SIZE, cfg.seed),
+                dict(detail, page_size=PAGE_SIZE))
     return plan
 
 
@@ -819,14 +866,14 @@ def plot(records: list[dict], out_dir: Path | str) -> list[Path]:
 def _varlen_bars(ax, sel: list[dict]) -> None:
     groups = [(c, m) for c in (False, True)
               for m in bench._ordered((r["mode"] for r in sel), list(bench.MODES))]
-    width = 0.38
-    for j, variant in enumerate(("padded", "varlen")):
+    width = 0.27
+    for j, variant in enumerate(("padded", "varlen", "varlen_paged")):
         heights = []
         for causal, mode in groups:
             ms = [r["ms"] for r in sel if r["variant"] == variant and bool(r["causal"]) == causal
                   and r["mode"] == mode and r["status"] == "ok"]
             heights.append(ms[0] if ms else 0.0)
-        ax.bar([i + (j - 0.5) * width for i in range(len(groups))], heights, width,
+        ax.bar([i + (j - 1) * width for i in range(len(groups))], heights, width,
                label=variant)
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels([f"{'causal' if c else 'full'}\n{m}" for c, m in groups])

@@ -1125,7 +1125,8 @@ def test_variants_cpu_end_to_end(tmp_path, capsys):
     assert set(by) == {("sparse", "flashtile", "dense"), ("sparse", "flashtile", "block_sparse"),
                        ("window", "flashtile", "dense"), ("window", "flashtile", "window"),
                        ("window", "sdpa", "dense"), ("window", "sdpa", "window"),
-                       ("varlen", "flashtile", "padded"), ("varlen", "flashtile", "varlen")}
+                       ("varlen", "flashtile", "padded"), ("varlen", "flashtile", "varlen"),
+                       ("varlen", "flashtile", "varlen_paged")}
     assert {r["mode"] for r in records} == {"fwd", "fwd_bwd"}
 
     sparse = by[("sparse", "flashtile", "block_sparse")]
@@ -1144,6 +1145,9 @@ def test_variants_cpu_end_to_end(tmp_path, capsys):
     assert all(r["detail"]["tokens"] <= 128 and r["detail"]["longest"] <= 28 for r in varlen)
     assert all(r["param"] == pytest.approx(r["detail"]["tokens"] / r["detail"]["sequences"])
                for r in varlen)
+    paged = by[("varlen", "flashtile", "varlen_paged")]
+    assert {r["causal"] for r in paged} == {False, True} and all(r["status"] == "ok" for r in paged)
+    assert all(r["detail"]["page_size"] == bench_variants.PAGE_SIZE for r in paged)
     assert bench.load_records(merged) == records
 
     title, *table = capsys.readouterr().out.splitlines()
@@ -1300,3 +1304,20 @@ def test_report_skips_records_of_another_format(tmp_path, capsys):
     out = capsys.readouterr()
     assert "skipped 1 records without impl/mode" in out.err
     assert out.out.strip() == "(no speed records)"
+
+
+def test_paged_pools_hold_each_sequence_in_its_pages():
+    lengths = [5, 40, 17, 1]
+    data = bench_variants.make_varlen_data(lengths, 2, 8, "fp32", "cpu", seed=3)
+    k_pool, v_pool, table = bench_variants.paged_pools(data, 16, seed=3)
+    assert k_pool.shape == (1 + 3 + 2 + 1, 16, 2, 8) and table.dtype == torch.int32
+    used = [p for b, n in enumerate(lengths) for p in table[b, :-(-n // 16)].tolist()]
+    assert sorted(used) == list(range(7)), "every page belongs to exactly one sequence"
+    start = 0
+    for b, n in enumerate(lengths):
+        slots = [(table[b, j // 16].item(), j % 16) for j in range(n)]
+        got_k = torch.stack([k_pool[p, s] for p, s in slots])
+        got_v = torch.stack([v_pool[p, s] for p, s in slots])
+        assert torch.equal(got_k, data.packed.k[start:start + n]), f"keys of sequence {b}"
+        assert torch.equal(got_v, data.packed.v[start:start + n]), f"values of sequence {b}"
+        start += n
