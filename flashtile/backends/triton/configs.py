@@ -121,6 +121,11 @@ def _cuda_config(pass_, d, causal, dtype, index, short) -> KernelConfig:
     return _heuristic(pass_, d, arch)
 
 
+def pinned_configs() -> bool:
+    """Whether an :func:`override` is active in this thread."""
+    return bool(getattr(_local, "pinned", None))
+
+
 @contextlib.contextmanager
 def override(**configs: KernelConfig):
     """Pin configs for passes ``fwd``, ``dkdv``, ``dq``, ``pre`` inside the block."""

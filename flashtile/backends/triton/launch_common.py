@@ -109,7 +109,9 @@ def launch(kernel, grid, args: tuple, meta: dict) -> None:
     ~18 us a launch (benchmarks/overhead.py --profile).  Same rules, same order, same values.
 
     After the first launch of a variant its compiled kernel is called directly (see
-    :func:`_direct_key`); ``FLASHTILE_DIRECT_LAUNCH=0`` turns that off.
+    :func:`_direct_key`); ``FLASHTILE_DIRECT_LAUNCH=0`` turns that off.  Returns
+    ``(compiled kernel, every argument in signature order)`` when launches are direct (for
+    :func:`run_direct`), else None.
     """
     if isinstance(kernel, Heuristics):
         named = dict(zip(kernel.arg_names, args))
@@ -130,10 +132,11 @@ def launch(kernel, grid, args: tuple, meta: dict) -> None:
         except TypeError:  # an unhashable scalar argument
             compiled = key = None
         if compiled is not None and _no_launch_hooks():
+            values = named_values(kernel, named)
             compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                          _raw_stream(key[1]), compiled.function, compiled.packed_metadata,
-                         None, None, None, *named_values(kernel, named))
-            return
+                         None, None, None, *values)
+            return compiled, values
     fit_key = (kernel, tuple(sorted((k, v) for k, v in meta.items() if k != "num_stages"
                                     and isinstance(v, (int, float, str, bool, type(None))))))
     stages = _fitted_stages.get(fit_key)
@@ -155,6 +158,8 @@ def launch(kernel, grid, args: tuple, meta: dict) -> None:
         # under the key of the requested options: a retry that lowered num_stages is remembered
         # by the next lookup too
         _compiled[key] = compiled
+        return compiled, named_values(kernel, named)
+    return None
 
 
 # Direct launches.  ``JITFunction.run`` binds every argument, derives its specialisation
@@ -213,6 +218,16 @@ def named_values(kernel, named: dict) -> list:
 
 def _raw_stream(device: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device)
+
+
+def run_direct(compiled, grid: tuple, values: list, device: int) -> bool:
+    """Launch ``compiled`` with ``values`` (every argument, signature order) on the current
+    stream; False (nothing launched) when a profiler hook asks for the full path."""
+    if not _no_launch_hooks():
+        return False
+    compiled.run(grid[0], grid[1], 1, _raw_stream(device), compiled.function,
+                 compiled.packed_metadata, None, None, None, *values)
+    return True
 
 
 _fitted_stages: dict = {}
