@@ -34,7 +34,7 @@ for step in $1; do
       cat "$OUT"/check_[0-9]*.txt | grep -v "^flashtile.check\|^case " >> "$OUT/check_all.txt"
       rm -f "$OUT"/check_[0-9]*.txt
       python3 -m flashtile.check --direct-launch >> "$OUT/check_all.txt" 2>&1 || fail=1
-      echo "cases ok: $(grep -c ' yes$' "$OUT/check_all.txt"), failed: $(grep -c ' NO$' "$OUT/check_all.txt"), any process failed: $fail"
+      echo "cases ok: $(grep -cE ' yes( |$)' "$OUT/check_all.txt"), failed: $(grep -cE ' NO( |$)' "$OUT/check_all.txt"), any process failed: $fail"
       grep " NO$\|Error\|Traceback\|direct launches" "$OUT/check_all.txt" | head -20
       [ $fail = 0 ] || status=1 ;;
     variants)
