@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import json
 import os
@@ -70,12 +71,18 @@ L2_FLUSH = "read"
 _FLUSH_BYTES = 256 << 20
 
 
+@functools.lru_cache(maxsize=1)
+def _flush_buffers() -> tuple[torch.Tensor, torch.Tensor]:
+    """The 256 MB buffer read to empty L2, and the scalar its sum goes to (made once)."""
+    buf = torch.empty(_FLUSH_BYTES // 4, dtype=torch.float32, device=DEVICE).normal_()
+    return buf, torch.empty((), dtype=torch.float32, device=DEVICE)
+
+
 def bench_ms(fn, warmup: int, rep: int) -> float:
     """Median milliseconds of ``fn`` with L2 emptied before every call (see ``L2_FLUSH``)."""
     if L2_FLUSH == "write":
         return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
-    buf = torch.empty(_FLUSH_BYTES // 4, dtype=torch.float32, device=DEVICE).normal_()
-    sink = torch.empty((), dtype=torch.float32, device=DEVICE)
+    buf, sink = _flush_buffers()
 
     def flush():
         torch.sum(buf, 0, out=sink)

@@ -15,12 +15,9 @@ from triton.runtime.errors import OutOfResources
 from triton.runtime.jit import JITFunction
 
 from ..spec import AttnSpec
+from .configs import interpreting
 
 LOG2E = 1.4426950408889634
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 _poison = False
 
@@ -100,7 +97,7 @@ def layout(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q, max_seqlen_q, max_seq
 
 
 
-def launch(kernel, grid, args: tuple, meta: dict) -> None:
+def launch(kernel, grid, args: tuple, meta: dict) -> tuple | None:
     """``kernel[grid](*args, **meta)``, through a cheaper host path once a variant is compiled.
 
     For a ``triton.heuristics`` kernel the derived constexprs are computed here, from one
@@ -131,12 +128,10 @@ def launch(kernel, grid, args: tuple, meta: dict) -> None:
             compiled = _compiled.get(key) if key is not None else None
         except TypeError:  # an unhashable scalar argument
             compiled = key = None
-        if compiled is not None and _no_launch_hooks():
+        if compiled is not None:
             values = named_values(kernel, named)
-            compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                         _raw_stream(key[1]), compiled.function, compiled.packed_metadata,
-                         None, None, None, *values)
-            return compiled, values
+            if run_direct(compiled, grid, values, key[1]):
+                return compiled, values
     fit_key = (kernel, tuple(sorted((k, v) for k, v in meta.items() if k != "num_stages"
                                     and isinstance(v, (int, float, str, bool, type(None))))))
     stages = _fitted_stages.get(fit_key)
@@ -171,11 +166,10 @@ def launch(kernel, grid, args: tuple, meta: dict) -> None:
 # alignment.  Equal keys imply equal Triton cache keys, so the kernel called is the one
 # ``kernel[grid]`` would call (``python -m flashtile.check --direct-launch`` compares the two
 # bitwise on the GPU).
-_DIRECT = os.environ.get("FLASHTILE_DIRECT_LAUNCH", "1") != "0" and not _interpreting()
+_DIRECT = os.environ.get("FLASHTILE_DIRECT_LAUNCH", "1") != "0" and not interpreting()
 _MAX_COMPILED = 4096
 _compiled: dict = {}
-_arg_names: dict = {}
-_layouts: dict = {}
+_layouts: dict = {}  # kernel -> getters of its tensor / scalar / all arguments, parameter names
 
 
 def _no_launch_hooks() -> bool:
@@ -188,14 +182,14 @@ def _direct_key(kernel, named: dict, meta: dict):
     must run (a parameter left at its default, or a tensor where the first call had a scalar)."""
     lay = _layouts.get(kernel)
     if lay is None:
-        names = _arg_names[kernel] = tuple(kernel.arg_names)
+        names = tuple(kernel.arg_names)
         if any(n not in named for n in names):
             return None
         ptr = tuple(n for n in names if named[n] is None or isinstance(named[n], torch.Tensor))
         scalar = tuple(n for n in names if n not in ptr)
-        params = frozenset(names)
-        lay = _layouts[kernel] = (_tuple_getter(ptr), _tuple_getter(scalar), params)
-    get_ptr, get_scalar, params = lay
+        lay = _layouts[kernel] = (_tuple_getter(ptr), _tuple_getter(scalar), _tuple_getter(names),
+                                  frozenset(names))
+    get_ptr, get_scalar, _, params = lay
     try:
         scalars = get_scalar(named)
         tensors = tuple([None if a is None else (a.dtype, a.data_ptr() & 15 == 0) for a in get_ptr(named)])
@@ -213,7 +207,8 @@ def _tuple_getter(names: tuple):
 
 
 def named_values(kernel, named: dict) -> list:
-    return [named[n] for n in _arg_names[kernel]]
+    """Every argument of ``kernel`` in signature order (after :func:`_direct_key` saw it)."""
+    return list(_layouts[kernel][2](named))
 
 
 def _raw_stream(device: int) -> int:
@@ -225,8 +220,9 @@ def run_direct(compiled, grid: tuple, values: list, device: int) -> bool:
     stream; False (nothing launched) when a profiler hook asks for the full path."""
     if not _no_launch_hooks():
         return False
-    compiled.run(grid[0], grid[1], 1, _raw_stream(device), compiled.function,
-                 compiled.packed_metadata, None, None, None, *values)
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                 _raw_stream(device), compiled.function, compiled.packed_metadata, None, None,
+                 None, *values)
     return True
 
 
