@@ -44,7 +44,7 @@ for step in $1; do
     decode)
       timeout ${DECODE_S:-420} python3 -m flashtile.bench decode --out "$OUT/decode.json" \
         > "$OUT/decode.txt" 2>&1 || status=1
-      grep -E "^ +(flashtile_cudagraph|read_same_bytes|sdpa_cudnn|flex) |copy b|^batch" "$OUT/decode.txt" ;;
+      grep -E "^ +(flashtile_cudagraph|read_same_bytes|sdpa_cudnn|flex|flashtile_layers|read_same_bytes_layers|sdpa_cudnn_layers) |copy b|^batch" "$OUT/decode.txt" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

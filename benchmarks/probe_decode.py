@@ -1,10 +1,11 @@
 """Where batch-1 decode loses bandwidth (GPU): ``python benchmarks/probe_decode.py OUT.json``.
 
 Batch 1, nheads 32 / nheads_k 8, d=128, bf16, one query token, caches of 16K and 64K.  Every
-timing is a CUDA-graph replay (median of ``triton.testing.do_bench``, L2 flushed):
+timing is a CUDA-graph replay timed as ``python -m flashtile.bench decode`` times it (median,
+L2 emptied by a read before each replay):
 - the split-KV kernel alone (the combine replaced by nothing) and with its combine, over split
   counts, key tiles, pipeline stages and warps;
-- a device copy and a reduction reading the same number of bytes, for the ceiling at this size.
+- a plain read of the same number of bytes (``bench_decode.plain_read``), the floor at this size.
 """
 import itertools
 import json
@@ -12,16 +13,15 @@ import sys
 import time
 
 import torch
-from triton.testing import do_bench
 
 import flashtile
 from flashtile.backends.triton import launch_decode
-from flashtile.bench_decode import capture
+from flashtile.bench_decode import bench_ms, capture, plain_read
 
 
 def graph_ms(fn):
     graph, _ = capture(fn)
-    ms = do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+    ms = bench_ms(graph.replay, 10, 60)
     del graph
     return ms
 
@@ -36,17 +36,18 @@ def main(path):
         lens = torch.full((1,), cache, dtype=torch.int32, device="cuda")
         nbytes = 2 * kc.numel() * kc.element_size()
         src = torch.randn(nbytes // 2, device="cuda", dtype=dt)
-        dst = torch.empty_like(src)
         base = dict(cache=cache, bytes=nbytes)
-        rows.append(dict(base, impl="copy_same_bytes_read", ms=graph_ms(lambda: dst.copy_(src))))
-        rows.append(dict(base, impl="sum_same_bytes", ms=graph_ms(lambda: src.sum(dtype=torch.float32))))
+        rows.append(dict(base, impl="read_same_bytes", ms=graph_ms(plain_read(src))))
         rows.append(dict(base, impl="default", splits=launch_decode.default_num_splits(q, hk, cache),
                          ms=graph_ms(lambda: flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens))))
-        print(rows[-3:], flush=True)
-        for block_n, stages, warps in itertools.product((32, 64, 128), (2, 3, 4), (4, 8)):
+        print(rows[-2:], flush=True)
+        del src
+        for block_n, stages, warps in itertools.product((32, 64, 128), (2, 3, 4, 5), (4, 8)):
+            if block_n * stages > 384:  # past the shared memory of one SM
+                continue
             launch_decode._attn_config = lambda *a, bn=block_n, st=stages, w=warps: (16, bn, 128, w, st)
             launch_decode._plan.cache_clear()
-            for splits in (16, 32, 33, 66, 132):
+            for splits in (8, 16, 24, 32, 64):
                 for combine in (True, False):
                     launch_decode._merge = real_merge if combine else (lambda *a: None)
                     try:

@@ -18,8 +18,18 @@ timed call pays for, ~17 us on an H100, a third of a batch-1 16K decode step):
                         backend rejects GQA and memory allows, K/V repeated per query head
                         beforehand (impl suffix ``_repeat_kv``, repeat not timed)
   flex                  torch.compile(flex_attention, enable_gqa=True)
-  read_same_bytes       a reduction (torch.sum, graph replay) reading as many bytes as the K/V
-                        cache: what one kernel that only reads reaches at this size
+  read_same_bytes       a Triton reduction (8 KB per program, graph replay) reading as many
+                        bytes as the K/V cache: what one kernel that only reads reaches at this
+                        size (the best of the grids and tiles tried in
+                        benchmarks/probe_decode_floor.py; torch.sum reaches less)
+
+A model's decode step runs one such call per layer, back to back in one CUDA graph, so the
+fixed cost of one replay (~3.5 us between the events on an H100, for a graph of one empty
+kernel) is paid once per step, not per layer.  Unless ``--layers 0``, each configuration is
+also timed that way: ``L`` layers (``--layers``, fewer when ``L`` caches would pass
+``--layers-gb``), each with its own q and K/V cache, in one graph; ``ms`` is per layer:
+
+  flashtile_layers, sdpa_cudnn_layers, read_same_bytes_layers (one read of each layer's K/V)
 
 Achieved bandwidth counts the bytes a decode step must move: the K and V cache read once plus q
 read and out written; ``frac_of_copy_bw`` divides it by the bandwidth of a large device-to-device
@@ -48,6 +58,7 @@ import traceback
 import torch
 
 import triton
+import triton.language as tl
 from triton.testing import do_bench
 
 from flashtile.backends.triton import launch_decode
@@ -110,6 +121,24 @@ def bench_ms(fn, warmup: int, rep: int) -> float:
     torch.cuda.synchronize()
     times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
     return float(times[len(times) // 2])
+
+
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """``out[p] = sum(x[p * BLOCK : (p + 1) * BLOCK])``: a plain read of ``x``, one tile each."""
+    i_p = tl.program_id(0)
+    o = i_p.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    b_x = tl.load(x_ptr + o, mask=o < n, other=0.0).to(tl.float32)  # [BLOCK]
+    tl.store(out_ptr + i_p, tl.sum(b_x, 0))
+
+
+def plain_read(x: torch.Tensor):
+    """A function that reads every byte of ``x`` once (8 KB of 16-bit values per program)."""
+    flat = x.reshape(-1)
+    block = 8192 // flat.element_size()
+    grid = triton.cdiv(flat.numel(), block)
+    out = torch.empty(grid, device=x.device, dtype=torch.float32)
+    return lambda: _read_kernel[(grid,)](flat, out, flat.numel(), BLOCK=block, num_warps=4)
 
 
 def capture(fn, warmup_calls: int = 3):
@@ -308,11 +337,10 @@ def run_config(args, dtype, batch, cache_len, copy_bw, meta) -> list[dict]:
         return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
 
     if kv_bytes <= (1 << 30):
-        # the floor at this size: one reduction reading as many bytes as the K/V cache
-        src = torch.empty(kv_bytes // 4, device=dev, dtype=torch.float32).normal_()
-        sink = torch.empty((), device=dev, dtype=torch.float32)
+        # the floor at this size: one kernel reading as many bytes as the K/V cache
+        src = torch.empty(kv_bytes // 2, device=dev, dtype=torch.bfloat16).normal_()
         try:
-            graph, _ = capture(lambda: torch.sum(src, 0, out=sink))
+            graph, _ = capture(plain_read(src))
             record("read_same_bytes", bench_ms(graph.replay, args.warmup, args.rep), "graph",
                    status="ok")
             del graph
@@ -457,6 +485,55 @@ def run_config(args, dtype, batch, cache_len, copy_bw, meta) -> list[dict]:
     return records
 
 
+def run_layers(args, dtype, batch, cache_len, copy_bw, meta) -> list[dict]:
+    """Per-layer time of ``L`` decode calls, each on its own cache, in one CUDA graph."""
+    h, hk, d = args.nheads, args.nheads_k, args.headdim
+    elt = torch.tensor([], dtype=dtype).element_size()
+    kv_bytes = 2 * batch * cache_len * hk * d * elt
+    io_bytes = kv_bytes + 2 * batch * h * d * elt
+    n_layers = min(args.layers, int(min(args.layers_gb * 1e9, 0.7 * free_bytes()) // kv_bytes))
+    records = []
+    if n_layers < 2:
+        return records
+    dev = DEVICE
+    qs = [torch.empty(batch, 1, h, d, device=dev, dtype=dtype).normal_() for _ in range(n_layers)]
+    # K and V of a layer in one allocation, so that the floor reads them with one kernel
+    kvs = [torch.empty(2, batch, cache_len, hk, d, device=dev, dtype=dtype).normal_() for _ in range(n_layers)]
+    lens = torch.full((batch,), cache_len, dtype=torch.int32, device=dev)
+
+    def ours():
+        return [flash_attn_with_kvcache(q, kv[0], kv[1], cache_seqlens=lens) for q, kv in zip(qs, kvs)]
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    def cudnn():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return [F.scaled_dot_product_attention(q.transpose(1, 2), kv[0].transpose(1, 2), kv[1].transpose(1, 2),
+                                                   enable_gqa=True) for q, kv in zip(qs, kvs)]
+
+    reads = [plain_read(kv) for kv in kvs]
+    for impl, fn in (("read_same_bytes_layers", lambda: [r() for r in reads]),
+                     ("flashtile_layers", ours), ("sdpa_cudnn_layers", cudnn)):
+        r = dict(impl=impl, batch=batch, cache_len=cache_len, layers=n_layers, nheads=h, nheads_k=hk,
+                 headdim=d, dtype=str(dtype).replace("torch.", ""), **meta)
+        try:
+            graph, _ = capture(fn)
+            ms = bench_ms(graph.replay, args.warmup, args.rep) / n_layers
+            del graph
+            gbps = io_bytes / (ms * 1e-3) / 1e9
+            r.update(ms=ms, mode="graph", GBps=gbps, frac_of_copy_bw=gbps / copy_bw, status="ok")
+            log(f"  {impl:<34} graph  {ms:9.4f} ms  {gbps:8.1f} GB/s  {100 * gbps / copy_bw:5.1f}% of copy"
+                f"  (per layer, {n_layers} layers)")
+        except Exception as exc:
+            r.update(ms=None, mode="-", status=f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            log(f"  {impl:<34} skipped: {r['status']}")
+        records.append(r)
+    del qs, kvs, reads
+    cleanup()
+    return records
+
+
 _FLEX = {}
 
 
@@ -507,6 +584,10 @@ def main(argv=None) -> int:
                    help="empty L2 before each timed call by reading a 256 MB buffer (default) or, "
                    "as triton.testing.do_bench does, by a memset whose dirty lines the timed call "
                    "then waits on")
+    p.add_argument("--layers", type=int, default=32,
+                   help="also time L decode calls on L caches in one graph, per layer (0: off)")
+    p.add_argument("--layers-gb", type=float, default=8.0,
+                   help="at most this many GB of K/V caches for the layered timing")
     p.add_argument("--quick", action="store_true", help="batches 1 8, cache 4K 16K, no flex")
     p.add_argument("--skip-check", action="store_true")
     args = p.parse_args(argv)
@@ -540,6 +621,8 @@ def main(argv=None) -> int:
             for cache_len in args.cache_lens:
                 log(f"batch {batch}, cache {cache_len}, heads {args.nheads}/{args.nheads_k}, d {args.headdim}")
                 records.extend(run_config(args, dtype, batch, cache_len, copy_bw, meta))
+                if args.layers > 0:
+                    records.extend(run_layers(args, dtype, batch, cache_len, copy_bw, meta))
                 _write(args.out, records)
     finally:
         _write(args.out, records)

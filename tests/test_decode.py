@@ -559,9 +559,11 @@ def test_num_splits_heuristic():
     from flashtile.backends.triton.launch_decode import choose_num_splits
 
     assert choose_num_splits(8, 1, 4096) == 1  # CPU
-    assert choose_num_splits(512, 132, 4096) == 1  # grid already fills an H100
-    s = choose_num_splits(8, 132, 2048)  # batch 1, 8 KV heads, 128K keys
-    assert 16 <= s <= 128 and (8 * s) / 132 >= 0.85
+    assert choose_num_splits(256, 132, 4096) == 1  # batch 32: the grid already fills an H100
+    assert choose_num_splits(512, 132, 256) == 4  # batch 64: waves of whole rows are evened out
+    assert choose_num_splits(4096, 132, 4096) == 1  # batch 512: already many programs per SM
+    assert choose_num_splits(8, 132, 2048) == 16  # batch 1, 8 KV heads, 128K keys: one wave
+    assert choose_num_splits(64, 132, 256) == 2  # batch 8, 16K keys
     assert choose_num_splits(8, 132, 8) <= 2  # a short cache is not worth splitting
     for n_prog in (1, 3, 8, 24, 64, 100):
         for tiles in (1, 16, 64, 2048):

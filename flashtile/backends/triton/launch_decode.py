@@ -95,21 +95,29 @@ def choose_num_splits(n_programs: int, n_sms: int, n_tiles: int, max_splits: int
     """How many slices to cut each row's keys into so that the grid fills the GPU.
 
     ``n_programs``: programs without splitting (batch * kv heads * query blocks);
-    ``n_tiles``: key tiles of a full cache row.  No split when the grid already covers most
-    SMs (or on the CPU).  Otherwise consider up to about two waves of programs, keeping
-    ``MIN_TILES_PER_SPLIT`` tiles per split, and among the counts whose last wave is well
-    filled (wave efficiency ``w / ceil(w)`` within 10% of the best) take the largest.
+    ``n_tiles``: key tiles of a full cache row.  Rules (measured on the H100, d=128 bf16,
+    ``benchmarks/results/decode_splits_*_h100.json``), always keeping ``MIN_TILES_PER_SPLIT``
+    tiles per split:
+
+    * fewer programs than SMs (batch 1-2 at 8 KV heads): the most splits that still fit in one
+      wave, ``n_programs * splits <= n_sms``.  One program per SM streaming a long slice beat
+      two waves or two programs per SM (batch 1, 16K: 16 splits 5% faster than 33);
+    * up to two programs per SM (batch 16-32): no split, the grid already fills every SM once
+      and the combine would only add work;
+    * more (batch 64): programs that each stream a whole row run in uneven waves, and the last
+      one leaves SMs idle; about 16 programs per SM even that out (batch 64: 4 splits, 8%
+      faster than none).
+
     Memoised: a decode loop asks for the same shapes every step.
     """
-    if n_sms <= 1 or n_programs >= 0.8 * n_sms:
+    if n_sms <= 1:
         return 1
-    cap = min(max_splits, max(1, n_tiles // MIN_TILES_PER_SPLIT), _cdiv(2 * n_sms, n_programs))
-    effs = []
-    for s in range(1, cap + 1):
-        waves = n_programs * s / n_sms
-        effs.append(waves / _cdiv(n_programs * s, n_sms))
-    best = max(effs)
-    return max(s for s, e in zip(range(1, cap + 1), effs) if e >= 0.9 * best)
+    cap = min(max_splits, max(1, n_tiles // MIN_TILES_PER_SPLIT))
+    if n_programs < 0.8 * n_sms:
+        return max(1, min(cap, n_sms // n_programs))
+    if n_programs <= 2 * n_sms:
+        return 1
+    return max(1, min(cap, (16 * n_sms) // n_programs))
 
 
 def default_num_splits(q: torch.Tensor, nheads_k: int, capacity: int) -> int:
