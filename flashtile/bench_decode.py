@@ -294,36 +294,6 @@ def self_check(args, dtype) -> list[dict]:
     same_cache = torch.equal(k_graph, k_eager) and torch.equal(v_graph, v_eager)
     rec("step_append_rotary_vs_reference", max(ref_errs), max(ref_errs) < tol)
     rec("step_cudagraph_replay_vs_eager", max(errs), max(errs) < 1e-6 and same_cache)
-
-    # the split kernel's own merge against the combine kernel, eager and replayed; then two
-    # streams decoding at once (each stream has its own semaphores), against one at a time
-    errs = []
-    for splits in (2, 5, 16, 64):
-        launch_decode.FUSED_COMBINE = False
-        want = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits)
-        launch_decode.FUSED_COMBINE = True
-        got = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits)
-        g, g_out = capture(lambda s=splits: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=s))
-        g_out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        errs += [(got.float() - want.float()).abs().max().item(), (g_out.float() - want.float()).abs().max().item()]
-        del g
-    # the two merges may sum in different orders: at most a last-bit difference after rounding
-    rec("fused_combine_vs_combine_kernel", max(errs), max(errs) < 4e-3)
-    qs = [torch.randn_like(q) for _ in range(2)]
-    want = [flash_attn_with_kvcache(x, kc, vc, cache_seqlens=lens, num_splits=5) for x in qs]
-    streams = [torch.cuda.Stream() for _ in range(2)]
-    errs = []
-    for _ in range(20):
-        outs = []
-        for x, st in zip(qs, streams):
-            st.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(st):
-                outs.append(flash_attn_with_kvcache(x, kc, vc, cache_seqlens=lens, num_splits=5))
-        torch.cuda.synchronize()
-        errs += [(o.float() - w.float()).abs().max().item() for o, w in zip(outs, want)]
-    rec("fused_combine_two_streams_at_once", max(errs), max(errs) < 1e-6)
     del kc, vc, kp, vp, k_eager, v_eager, k_graph, v_graph, graph
     cleanup()
     return records

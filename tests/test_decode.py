@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from flashtile import paged_kv
-from flashtile.backends.triton.launch_common import poison_outputs
 from flashtile.decode import (build_tree_mask, flash_attn_with_kvcache, merge_attention_states,
                               select_decode_backend)
 
@@ -388,55 +387,6 @@ def test_num_splits_do_not_change_result(backend, layout):
         torch.testing.assert_close(lse, results[0][1], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(not INTERP, reason=f"runs in the TRITON_INTERPRET=1 child process ({SUBPROCESS_TEST})")
-@pytest.mark.parametrize("splits", [3, 16])
-@pytest.mark.parametrize("shape", ["decode-group4", "spec3-group2", "rows80-two-query-blocks"])
-def test_fused_combine_matches_combine_kernel(monkeypatch, splits, shape):
-    """The split kernel's own merge (last split of a row to finish) against the combine kernel,
-    with empty rows and empty splits (a zero-length row, a window that leaves most splits
-    nothing), and the semaphores back at zero afterwards."""
-    from flashtile.backends.triton import launch_decode
-
-    monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
-    sq, h, hk = {"decode-group4": (1, 8, 2), "spec3-group2": (3, 4, 2), "rows80-two-query-blocks": (20, 8, 2)}[shape]
-    c = Case(cap=160, sq=sq, h=h, hk=hk, d=16, lens=(150, 0, 37), b=3, window=(40, -1))
-    inp = _make(c, _seed("fused", splits, shape))
-    results = {}
-    for fused in (True, False):
-        monkeypatch.setattr(launch_decode, "FUSED_COMBINE", fused)
-        with poison_outputs():
-            results[fused] = _call(inp, num_splits=splits)
-    (out_f, lse_f), (out_u, lse_u) = results[True], results[False]
-    _check(inp, out_f, lse_f)
-    torch.testing.assert_close(out_f, out_u, rtol=1e-6, atol=1e-6, msg=lambda m: f"out: {m}")
-    torch.testing.assert_close(lse_f, lse_u, rtol=1e-6, atol=1e-6, msg=lambda m: f"lse: {m}")
-    assert launch_decode._plan(False, 16, sq, h // hk, torch.float32, 3, hk, 160, 1, splits)[8] > 0
-    sems = launch_decode._semaphores[("cpu", None)]
-    assert sems.used > 0 and int(sems.pool.count_nonzero()) == 0
-
-
-def test_fused_combine_plan_and_semaphore_slices(monkeypatch):
-    from flashtile.backends.triton import launch_decode
-
-    # batch 1, 32/8 heads, d=128, 16K cache on 132 SMs: 16 splits merged 4 rows at a time
-    plan = launch_decode._plan(True, 128, 1, 4, torch.bfloat16, 1, 8, 16384, 132, 0)
-    assert plan[6:] == (16, 16, 4)
-    # 128 splits at d=128: the merge tile would pass _COMBINE_TILE, so the combine kernel runs
-    assert launch_decode._plan(True, 128, 1, 4, torch.bfloat16, 1, 8, 1 << 20, 132, 128)[8] == 0
-    assert launch_decode._plan(True, 128, 1, 4, torch.bfloat16, 1, 8, 16384, 132, 1)[8] == 0
-
-    monkeypatch.setattr(launch_decode, "_SEM_POOL", 3000)
-    sems = launch_decode._Semaphores(torch.device("cpu"))
-    a1, a2 = sems.for_call(24, "stream-a", False), sems.for_call(24, "stream-a", False)
-    b1 = sems.for_call(24, "stream-b", False)
-    assert a1.data_ptr() == a2.data_ptr()  # calls on one stream never overlap: one slice
-    assert b1.data_ptr() != a1.data_ptr()  # calls on two streams may: two slices
-    g1, g2 = sems.for_call(24, "stream-a", True), sems.for_call(24, "stream-a", True)
-    assert len({g1.data_ptr(), g2.data_ptr(), a1.data_ptr()}) == 3  # each captured call its own
-    assert sems.for_call(1000, "stream-c", False) is None  # no room left: the combine kernel runs
-    assert sems.for_call(24, "stream-a", False).data_ptr() == a1.data_ptr()
-
-
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("form", ["bool", "packed", "batch"])
 def test_tree_mask_speculative_verification(backend, form):
@@ -640,22 +590,18 @@ def _record_launches(monkeypatch):
 @pytest.mark.skipif(not INTERP, reason=f"runs in the TRITON_INTERPRET=1 child process ({SUBPROCESS_TEST})")
 @pytest.mark.parametrize("case,expected", [
     ("attend", ["_split_kv_kernel"]),
-    ("attend-splits", ["_split_kv_kernel"]),  # the last split of each row merges (fused combine)
-    ("attend-splits-unfused", ["_split_kv_kernel", "_combine_kernel"]),
+    ("attend-splits", ["_split_kv_kernel", "_combine_kernel"]),
     ("append", ["_rotary_append_kernel", "_split_kv_kernel"]),
     ("append-rotary", ["_rotary_append_kernel", "_rotary_append_kernel", "_split_kv_kernel"]),
 ])
 def test_triton_launches_only_what_the_call_uses(monkeypatch, case, expected):
-    from flashtile.backends.triton import launch_decode
-
     launches = _record_launches(monkeypatch)
-    monkeypatch.setattr(launch_decode, "FUSED_COMBINE", not case.endswith("unfused"))
     gen = _seed("launches-" + case)
     b, cap, h, hk, d = 2, 48, 4, 2, 16
     q = torch.randn(b, 1, h, d, generator=gen).requires_grad_()
     kc, vc = torch.randn(b, cap, hk, d, generator=gen), torch.randn(b, cap, hk, d, generator=gen)
     kw = dict(cache_seqlens=torch.tensor([30, 7], dtype=torch.int32), return_softmax_lse=True)
-    if case.startswith("attend-splits"):
+    if case == "attend-splits":
         kw["num_splits"] = 3
     if case.startswith("append"):
         kw["k"], kw["v"] = torch.randn(b, 1, hk, d, generator=gen), torch.randn(b, 1, hk, d, generator=gen)

@@ -15,7 +15,6 @@ import os
 
 import torch
 from .kernels.decode import _combine_kernel, _rotary_append_kernel, _split_kv_kernel
-from .launch_common import empty as _empty
 from .launch_common import launch as _launch
 
 __all__ = ["decode_forward", "merge_states", "choose_num_splits", "default_num_splits", "num_sms",
@@ -125,102 +124,21 @@ def default_num_splits(q: torch.Tensor, nheads_k: int, capacity: int) -> int:
     """The split count ``num_splits=0`` resolves to for query ``q (B, Sq, H, D)`` against a
     cache of ``nheads_k`` heads and ``capacity`` key slots per row."""
     b, sq, h, d = q.shape
-    return _plan(_on_gpu(q), d, sq, h // nheads_k, q.dtype, b, nheads_k, capacity, num_sms(q.device), 0)[6]
+    return _plan(_on_gpu(q), d, sq, h // nheads_k, q.dtype, b, nheads_k, capacity, num_sms(q.device), 0)[-1]
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(on_gpu: bool, head_dim: int, seqlen_q: int, group: int, dtype: torch.dtype, batch: int,
           nheads_k: int, capacity: int, n_sms: int, num_splits: int) -> tuple:
     """Launch shape of the split-KV kernel for one call signature (memoised):
-    ``(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages, m_blocks, num_splits, BLOCK_S,
-    COMBINE_M)``, with ``num_splits <= 0`` resolved by :func:`choose_num_splits`.
-    ``COMBINE_M``: query rows the split kernel merges at a time when it does the combine
-    itself; 0 where it cannot (one split, or a merge tile of ``BLOCK_S x 1 x BLOCK_D`` past
-    ``_COMBINE_TILE`` elements: more than 64 splits at d=128)."""
+    ``(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages, m_blocks, num_splits)``, with
+    ``num_splits <= 0`` resolved by :func:`choose_num_splits`."""
     block_m, block_n, block_d, warps, stages = _attn_config(on_gpu, head_dim, seqlen_q * group, dtype)
     m_blocks = _cdiv(seqlen_q * group, block_m)
     if num_splits <= 0:
         num_splits = choose_num_splits(batch * nheads_k * m_blocks, n_sms, _cdiv(capacity, block_n))
     num_splits = max(1, min(int(num_splits), MAX_SPLITS))
-    block_s = max(2, _next_pow2(num_splits))
-    combine_m = 0
-    if num_splits > 1 and block_s * block_d <= _COMBINE_TILE:
-        combine_m = min(_next_pow2(min(seqlen_q * group, block_m)), _prev_pow2(_COMBINE_TILE // (block_s * block_d)))
-    return block_m, block_n, block_d, warps, stages, m_blocks, num_splits, block_s, combine_m
-
-
-# --------------------------------------------------------------------------------------------
-# Semaphores of the fused combine
-# --------------------------------------------------------------------------------------------
-# The split kernel merges its partials itself when given a slice of zeroed int32 counters, one
-# per (batch row, KV head, query block): each program counts itself in when its partial is
-# stored, the last one merges and sets the counter back to zero.  That saves the combine
-# kernel's launch and its wait for the split kernel to drain.  FLASHTILE_FUSED_COMBINE=0 turns it
-# off (the combine kernel runs instead).
-FUSED_COMBINE = os.environ.get("FLASHTILE_FUSED_COMBINE", "1") != "0"
-# largest [BLOCK_S, COMBINE_M, BLOCK_D] float32 tile the merge holds (32 KB: 64 registers a thread
-# with 4 warps)
-_COMBINE_TILE = 8192
-_SEM_POOL = 1 << 20  # counters per device (4 MB)
-_SEM_STREAM_SLICE = 1024
-
-
-def _prev_pow2(x: int) -> int:
-    return 1 << (max(1, int(x)).bit_length() - 1)
-
-
-class _Semaphores:
-    """The counters of one device, handed out in slices.
-
-    A slice goes back to all zeros at the end of every call that uses it, so calls that run one
-    after another can share it; calls that may overlap must not.  Eager calls get one slice per
-    stream (calls on one stream never overlap); a call captured in a CUDA graph gets a slice of
-    its own, never handed out again (its replays may overlap anything).  The pool is zeroed when
-    an eager call makes it; a call that finds no pool (the first call of the process inside a
-    capture) or no room left is given nothing and uses the combine kernel.
-    """
-
-    def __init__(self, device: torch.device):
-        self.pool = torch.zeros(_SEM_POOL, dtype=torch.int32, device=device)
-        self.used = 0
-        self.per_stream: dict = {}
-
-    def take(self, n: int):
-        if self.used + n > self.pool.numel():
-            return None
-        piece = self.pool[self.used:self.used + n]
-        self.used += n
-        return piece
-
-    def for_call(self, n: int, stream, capturing: bool):
-        if capturing:
-            return self.take(n)
-        piece = self.per_stream.get(stream)
-        if piece is None or piece.numel() < n:
-            piece = self.take(max(n, _SEM_STREAM_SLICE))
-            if piece is None:
-                return None
-            self.per_stream[stream] = piece
-        return piece
-
-
-_semaphores: dict = {}
-
-
-def _semaphores_for_call(device: torch.device, n: int):
-    """``n`` zeroed counters for one decode call on the current stream, or ``None``."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        capturing = torch.cuda.is_current_stream_capturing()
-        stream = torch.cuda.current_stream(index).cuda_stream
-    else:
-        index, capturing, stream = None, False, None
-    sems = _semaphores.get((device.type, index))
-    if sems is None:
-        if capturing:
-            return None
-        sems = _semaphores[(device.type, index)] = _Semaphores(device)
-    return sems.for_call(n, stream, capturing)
+    return block_m, block_n, block_d, warps, stages, m_blocks, num_splits
 
 
 def _check_runnable(x: torch.Tensor) -> None:
@@ -345,18 +263,14 @@ def decode_forward(
                        per_token=rotary_q_per_token, to_cache=False, capacity=capacity)
         q = q_rot
 
-    # NaN-filled under launch_common.poison_outputs, so tests see any element left unwritten
-    out = _empty((b, sq, h, d), q.dtype, device)
-    lse = _empty((b, h, sq), torch.float32, device)
+    out = torch.empty((b, sq, h, d), dtype=q.dtype, device=device)
+    lse = torch.empty((b, h, sq), dtype=torch.float32, device=device)
     if b * sq * h == 0:
         return out, lse
 
-    block_m, block_n, block_d, warps, stages, m_blocks, num_splits, block_s, combine_m = _plan(
+    block_m, block_n, block_d, warps, stages, m_blocks, num_splits = _plan(
         on_gpu, d, sq, group, q.dtype, b, hk, capacity, num_sms(device) if num_splits <= 0 else 1,
         int(num_splits))
-    sems = None
-    if combine_m and FUSED_COMBINE:
-        sems = _semaphores_for_call(device, b * hk * m_blocks)
 
     if num_splits == 1:
         o_part, lse_part = out, lse
@@ -364,8 +278,8 @@ def decode_forward(
         so = (0, s_out[0], s_out[1], s_out[2])
         sl = (0, s_lse[0], s_lse[1])
     else:
-        o_part = _empty((num_splits, b, sq, h, d), torch.float32, device)
-        lse_part = _empty((num_splits, b, h, sq), torch.float32, device)
+        o_part = torch.empty((num_splits, b, sq, h, d), dtype=torch.float32, device=device)
+        lse_part = torch.empty((num_splits, b, h, sq), dtype=torch.float32, device=device)
         so = o_part.stride()
         sl = lse_part.stride()
 
@@ -382,26 +296,22 @@ def decode_forward(
         stride_ab = alibi_slopes.stride(0)
 
     s_q, s_k, s_v = q.stride(), k_cache.stride(), v_cache.stride()
-    s_out, s_lse = out.stride(), lse.stride()
     args = (
         q, k_cache, v_cache, o_part, lse_part,
         cache_seqlens, cache_leftpad, cache_batch_idx, block_table, alibi_slopes, tree_u8,
-        sems, out if sems is not None else None, lse if sems is not None else None,
         s_q[0], s_q[1], s_q[2],
         s_k[0], s_k[1], s_k[2],
         s_v[0], s_v[1], s_v[2],
         so[0], so[1], so[2], so[3],
         sl[0], sl[1], sl[2],
         block_table.stride(0) if paged else 0, stride_ab, stb, stq,
-        s_out[0], s_out[1], s_out[2], s_lse[0], s_lse[1],
         sq, seqlen_new, hk, capacity, d,
         float(softmax_scale), float(softcap), int(window_left), int(window_right), num_splits,
     )
     meta = dict(GROUP=group, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                BLOCK_S=block_s if sems is not None else 1, COMBINE_M=combine_m if sems is not None else 1,
-                FENCE=sems is not None and on_gpu, num_warps=warps, num_stages=stages)
+                num_warps=warps, num_stages=stages)
     _launch(_split_kv_kernel, (b * hk, num_splits, m_blocks), args, meta)
-    if num_splits > 1 and sems is None:
+    if num_splits > 1:
         _merge(o_part, lse_part, out, lse)
     return out, lse

@@ -8,9 +8,7 @@ Three passes, one kernel source each; optional features are ``tl.constexpr`` fla
 * :func:`_split_kv_kernel` (FlashDecoding): program ``(b, kv_head, split, m_block)`` streams
   one contiguous slice of the row's keys once for *all* query heads of the KV group and all
   query tokens, and writes a partial output plus its log-sum-exp.
-* :func:`_combine_kernel` merges the per-split partials with the LSE combine.  With a
-  semaphore array the split kernel merges them itself: the last split of each (row, KV head,
-  query block) to finish does it, and the combine kernel is not launched.
+* :func:`_combine_kernel` merges the per-split partials with the LSE combine.
 
 Conventions are those of :mod:`flashtile.backends.spec` (bottom-right aligned windows, softcap
 then ALiBi, natural-log lse, ``-inf`` / zero output for a row that sees no key).
@@ -136,40 +134,8 @@ def _rotary_append_kernel(
         tl.store(p_yo, b_y.to(yo_ptr.dtype.element_ty), mask=m_w)
 
 
-@triton.jit
-def _fence_gpu():
-    """``fence.acq_rel.gpu`` in every thread: orders its earlier stores (or later loads) with
-    the semaphore for observers on other SMs."""
-    tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _merge_partials(b_lse_i, b_o_i):
-    """LSE-merge partial results along axis 0 (the splits).
-
-    ``b_lse_i`` ``[S, R]`` (natural log, ``-inf`` for a split that saw nothing), ``b_o_i``
-    ``[S, R, D]`` (each normalised over its own keys).  With ``M = max_i lse_i`` (``0`` when
-    every ``lse_i = -inf``, so that no ``-inf - -inf`` appears): ``w_i = exp(lse_i - M) / W``,
-    ``W = sum_i exp(lse_i - M)``, ``o = sum_i w_i o_i``, ``lse = M + log W``; a row whose every
-    split saw nothing gets ``o = 0``, ``lse = -inf``, and an empty split contributes nothing even
-    if its ``o_i`` were garbage.  Returns ``(o [R, D], lse [R])``.
-    """
-    b_max = tl.max(b_lse_i, 0)  # [R]
-    b_max = tl.where(b_max == float("-inf"), 0.0, b_max)
-    b_w = tl.exp(b_lse_i - b_max[None, :])  # [S, R] 0 for empty splits
-    b_sum = tl.sum(b_w, 0)  # [R]
-    b_any = b_sum > 0.0
-    b_sum = tl.where(b_any, b_sum, 1.0)
-    b_w = b_w / b_sum[None, :]
-    b_lse = tl.where(b_any, b_max + tl.log(b_sum), float("-inf"))  # [R]
-    b_o = tl.sum(tl.where(b_w[:, :, None] > 0.0, b_w[:, :, None] * b_o_i, 0.0), 0)  # [R, D]
-    return b_o, b_lse
-
-
 @triton.heuristics(
     {
-        "FUSED_COMBINE": lambda a: a["sem_ptr"] is not None,
         "HAS_LEFTPAD": lambda a: a["leftpad_ptr"] is not None,
         "HAS_BATCH_IDX": lambda a: a["batch_idx_ptr"] is not None,
         "PAGED": lambda a: a["block_table_ptr"] is not None,
@@ -183,14 +149,12 @@ def _merge_partials(b_lse_i, b_o_i):
 def _split_kv_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     seqlens_ptr, leftpad_ptr, batch_idx_ptr, block_table_ptr, alibi_ptr, tree_ptr,
-    sem_ptr, out_ptr, lse_out_ptr,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_osplit, stride_ob, stride_os, stride_oh,
     stride_lsplit, stride_lb, stride_lh,
     stride_btb, stride_ab, stride_tb, stride_tq,
-    stride_fb, stride_fs, stride_fh, stride_flb, stride_flh,
     seqlen_q, seqlen_new, nheads_k, capacity, head_dim,
     softmax_scale, softcap, window_left, window_right, n_splits,
     GROUP: tl.constexpr,
@@ -199,10 +163,6 @@ def _split_kv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    COMBINE_M: tl.constexpr,
-    FENCE: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr,
     HAS_LEFTPAD: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr,
     PAGED: tl.constexpr,
@@ -231,13 +191,6 @@ def _split_kv_kernel(
     stores ``o = acc / l`` and ``lse = (m + log2 l) ln 2`` (natural log; ``-inf`` and ``o = 0``
     when it saw no key).  The split owns tiles ``[lo + i * per, lo + (i + 1) * per)`` of the
     ``BLOCK_N``-aligned tiles covering the keys any of its rows can see.
-
-    ``FUSED_COMBINE``: after storing its partial, each program counts itself in
-    ``sem[(b, kv_head, m_block)]``; the one that arrives last merges the ``n_splits`` partials
-    of its rows (:func:`_merge_partials`, ``COMBINE_M`` rows at a time, ``BLOCK_S >= n_splits``)
-    into ``out`` / ``lse_out`` and puts the counter back to zero for the next call.
-    ``FENCE`` (compiled kernels) makes every thread's partial stores visible device-wide before
-    the count, and the merge read them after it.
     """
     i_bh = tl.program_id(0)
     i_split = tl.program_id(1)
@@ -355,42 +308,6 @@ def _split_kv_kernel(
     p_lse = lse_ptr + i_split * stride_lsplit + i_b64 * stride_lb + o_h * stride_lh + o_t  # [BLOCK_M]
     tl.store(p_lse, b_lse, mask=m_m)
 
-    if FUSED_COMBINE:
-        if FENCE:
-            _fence_gpu()
-        # every thread has stored (and fenced) its share before the program is counted
-        tl.debug_barrier()
-        p_sem = sem_ptr + i_bh * tl.num_programs(2) + i_m
-        n_before = tl.atomic_add(p_sem, 1, sem="acq_rel", scope="gpu")
-        if n_before == n_splits - 1:
-            # no other program of this group touches the counter again in this call
-            tl.atomic_xchg(p_sem, 0, sem="relaxed", scope="gpu")
-            if FENCE:
-                _fence_gpu()
-            o_s = tl.arange(0, BLOCK_S)  # [BLOCK_S]
-            m_s = o_s < n_splits
-            n_rows = tl.minimum(seqlen_q * GROUP - i_m * BLOCK_M, BLOCK_M)
-            for r0 in range(0, n_rows, COMBINE_M):
-                o_r = i_m * BLOCK_M + r0 + tl.arange(0, COMBINE_M)  # [COMBINE_M] packed rows
-                o_rt = o_r // GROUP  # [COMBINE_M]
-                o_rh = i_hk * GROUP + o_r % GROUP  # [COMBINE_M]
-                m_r = (r0 + tl.arange(0, COMBINE_M)) < n_rows  # [COMBINE_M]
-                m_sr = m_s[:, None] & m_r[None, :]  # [BLOCK_S, COMBINE_M]
-                # .cg: read the other programs' partials from L2, never from a stale L1 line
-                p_li = (lse_ptr + o_s[:, None] * stride_lsplit + i_b64 * stride_lb
-                        + o_rh[None, :] * stride_lh + o_rt[None, :])  # [BLOCK_S, COMBINE_M]
-                b_lse_i = tl.load(p_li, mask=m_sr, other=float("-inf"), cache_modifier=".cg")
-                p_oi = (o_ptr + o_s[:, None, None] * stride_osplit + i_b64 * stride_ob
-                        + o_rt[None, :, None] * stride_os + o_rh[None, :, None] * stride_oh
-                        + o_d[None, None, :])  # [BLOCK_S, COMBINE_M, BLOCK_D]
-                b_o_i = tl.load(p_oi, mask=m_sr[:, :, None] & m_d[None, None, :], other=0.0,
-                                cache_modifier=".cg").to(tl.float32)
-                b_out, b_lse_out = _merge_partials(b_lse_i, b_o_i)  # [COMBINE_M, BLOCK_D], [COMBINE_M]
-                p_out = (out_ptr + i_b64 * stride_fb + o_rt[:, None] * stride_fs + o_rh[:, None] * stride_fh
-                         + o_d[None, :])  # [COMBINE_M, BLOCK_D]
-                tl.store(p_out, b_out.to(out_ptr.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
-                tl.store(lse_out_ptr + i_b64 * stride_flb + o_rh * stride_flh + o_rt, b_lse_out, mask=m_r)
-
 
 @triton.jit
 def _combine_kernel(
@@ -403,8 +320,13 @@ def _combine_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Merge ``n_splits`` partial results of one (batch, token, head) row:
-    ``lse = log sum_i exp(lse_i)``, ``o = sum_i exp(lse_i - lse) o_i`` (:func:`_merge_partials`).
+    """Merge ``n_splits`` partial results of one (batch, token, head) row.
+
+    Partials ``(o_i, lse_i)`` with ``o_i`` normalised over its own keys:
+    ``lse = log sum_i exp(lse_i)`` and ``o = sum_i exp(lse_i - lse) o_i``.  Computed with
+    ``M = max_i lse_i`` (``0`` when every ``lse_i = -inf``) as ``lse = M + log sum_i exp(lse_i - M)``;
+    a row whose every split saw nothing gets ``lse = -inf`` and ``o = 0``, and an empty split
+    contributes nothing even if its ``o_i`` were garbage.
     """
     i_row = tl.program_id(0)
     i_h = i_row % nheads
@@ -419,11 +341,19 @@ def _combine_kernel(
 
     p_lp = lp_ptr + o_s * stride_lps + i_b * stride_lpb + i_h * stride_lph + i_t  # [BLOCK_S]
     b_lse_i = tl.load(p_lp, mask=m_s, other=float("-inf"))  # [BLOCK_S]
+    b_max = tl.max(b_lse_i, 0)
+    b_max = tl.where(b_max == float("-inf"), 0.0, b_max)
+    b_w = tl.exp(b_lse_i - b_max)  # [BLOCK_S] 0 for empty splits
+    b_sum = tl.sum(b_w, 0)
+    b_any = b_sum > 0.0
+    b_w = b_w / tl.where(b_any, b_sum, 1.0)  # [BLOCK_S]
+    b_lse = tl.where(b_any, b_max + tl.log(tl.where(b_any, b_sum, 1.0)), float("-inf"))
+
     p_op = (op_ptr + o_s[:, None] * stride_ops + i_b * stride_opb + i_t * stride_opm + i_h * stride_oph
             + o_d[None, :])  # [BLOCK_S, BLOCK_D]
     b_op = tl.load(p_op, mask=m_s[:, None] & m_d[None, :], other=0.0).to(tl.float32)  # [BLOCK_S, BLOCK_D]
-    b_o, b_lse = _merge_partials(b_lse_i[:, None], b_op[:, None, :])  # [1, BLOCK_D], [1]
+    b_o = tl.sum(tl.where(b_w[:, None] > 0.0, b_w[:, None] * b_op, 0.0), 0)  # [BLOCK_D]
 
-    p_o = o_ptr + i_b * stride_ob + i_t * stride_om + i_h * stride_oh + o_d[None, :]  # [1, BLOCK_D]
-    tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_d[None, :])
-    tl.store(lse_ptr + i_b * stride_lb + i_h * stride_lh + i_t + tl.arange(0, 1), b_lse)
+    p_o = o_ptr + i_b * stride_ob + i_t * stride_om + i_h * stride_oh + o_d  # [BLOCK_D]
+    tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_d)
+    tl.store(lse_ptr + i_b * stride_lb + i_h * stride_lh + i_t, b_lse)
