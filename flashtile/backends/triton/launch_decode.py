@@ -15,6 +15,7 @@ import os
 
 import torch
 from .kernels.decode import _combine_kernel, _rotary_append_kernel, _split_kv_kernel
+from .launch_common import empty as _empty
 from .launch_common import launch as _launch
 
 __all__ = ["decode_forward", "merge_states", "choose_num_splits", "default_num_splits", "num_sms",
@@ -263,8 +264,9 @@ def decode_forward(
                        per_token=rotary_q_per_token, to_cache=False, capacity=capacity)
         q = q_rot
 
-    out = torch.empty((b, sq, h, d), dtype=q.dtype, device=device)
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=device)
+    # NaN-filled under launch_common.poison_outputs, so tests see any element left unwritten
+    out = _empty((b, sq, h, d), q.dtype, device)
+    lse = _empty((b, h, sq), torch.float32, device)
     if b * sq * h == 0:
         return out, lse
 
@@ -278,8 +280,8 @@ def decode_forward(
         so = (0, s_out[0], s_out[1], s_out[2])
         sl = (0, s_lse[0], s_lse[1])
     else:
-        o_part = torch.empty((num_splits, b, sq, h, d), dtype=torch.float32, device=device)
-        lse_part = torch.empty((num_splits, b, h, sq), dtype=torch.float32, device=device)
+        o_part = _empty((num_splits, b, sq, h, d), torch.float32, device)
+        lse_part = _empty((num_splits, b, h, sq), torch.float32, device)
         so = o_part.stride()
         sl = lse_part.stride()
 
