@@ -380,7 +380,8 @@ def run_config(args, dtype, batch, cache_len, copy_bw, meta) -> list[dict]:
 
             graph, _ = capture(ours_paged)
             record("flashtile_paged_cudagraph", bench_ms(graph.replay, args.warmup, args.rep), "graph",
-                   num_splits=splits, page_size=page, status="ok")
+                   num_splits=launch_decode.default_num_splits(q, hk, cache_len, paged=True),
+                   page_size=page, status="ok")
             del graph, table
     except Exception as exc:
         record("flashtile_paged_cudagraph", None, "-", status=f"error: {type(exc).__name__}: {exc}")

@@ -372,6 +372,29 @@ def test_kvcache_matches_reference(backend, name):
     _check(inp, out, lse)
 
 
+@pytest.mark.skipif(not INTERP, reason=f"runs in the TRITON_INTERPRET=1 child process ({SUBPROCESS_TEST})")
+@pytest.mark.parametrize("tile", [16, 32], ids=["tile-in-one-page", "tile-over-two-pages"])
+def test_paged_page_lookup_per_tile_and_per_key(monkeypatch, tile):
+    """A key tile inside one page looks its page up once, a tile over several pages per key
+    (16-slot pages, 16- or 32-key tiles); both against the float64 reference, with leftpad so
+    that a tile starts before the row's first key."""
+    from flashtile.backends.triton import launch_decode
+
+    monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
+    cfg = launch_decode._attn_config
+    monkeypatch.setattr(launch_decode, "_attn_config",
+                        lambda *a: (cfg(*a)[0], tile) + tuple(cfg(*a)[2:]))
+    launch_decode._plan.cache_clear()
+    try:
+        c = Case(page=16, cap=96, sq=2, s_new=1, lens=(70, 9), pads=(5, 0), causal=True)
+        inp = _make(c, _seed("page-lookup", tile))
+        with poison_outputs():
+            out, lse = _call(inp, num_splits=3)
+        _check(inp, out, lse)
+    finally:
+        launch_decode._plan.cache_clear()
+
+
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("layout", ["contig", "paged16"])
 def test_num_splits_do_not_change_result(backend, layout):
@@ -566,6 +589,9 @@ def test_num_splits_heuristic():
     assert choose_num_splits(4096, 132, 4096) == 1  # batch 512: already many programs per SM
     assert choose_num_splits(8, 132, 2048) == 16  # batch 1, 8 KV heads, 128K keys: one wave
     assert choose_num_splits(64, 132, 256) == 2  # batch 8, 16K keys
+    assert choose_num_splits(64, 132, 256, paged=True) == 4  # paged: two programs per SM
+    assert choose_num_splits(8, 132, 256, paged=True) == 33
+    assert choose_num_splits(512, 132, 256, paged=True) == 4
     assert choose_num_splits(8, 132, 8) <= 2  # a short cache is not worth splitting
     for n_prog in (1, 3, 8, 24, 64, 100):
         for tiles in (1, 16, 64, 2048):

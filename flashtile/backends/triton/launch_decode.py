@@ -62,7 +62,8 @@ def attn_config(on_gpu: bool, head_dim: int, rows: int, dtype: torch.dtype) -> d
 
     ``rows = seqlen_q * (nheads // nheads_k)`` query rows share each K/V tile; up to 64 of
     them go into one program (``BLOCK_M``, at least 16 for ``tl.dot``).  ``BLOCK_N`` keys per
-    tile is independent of the page size because pages are looked up per key.
+    tile is independent of the page size: a tile inside one page (page size a multiple of
+    ``BLOCK_N``) looks its page up once, any other tile per key.
     """
     block_m, block_n, block_d, warps, stages = _attn_config(bool(on_gpu), int(head_dim), int(rows), dtype)
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages)
@@ -92,17 +93,20 @@ def _attn_config(on_gpu: bool, head_dim: int, rows: int, dtype: torch.dtype) -> 
 
 
 @functools.lru_cache(maxsize=4096)
-def choose_num_splits(n_programs: int, n_sms: int, n_tiles: int, max_splits: int = MAX_SPLITS) -> int:
+def choose_num_splits(n_programs: int, n_sms: int, n_tiles: int, max_splits: int = MAX_SPLITS,
+                      paged: bool = False) -> int:
     """How many slices to cut each row's keys into so that the grid fills the GPU.
 
     ``n_programs``: programs without splitting (batch * kv heads * query blocks);
-    ``n_tiles``: key tiles of a full cache row.  Rules (measured on the H100, d=128 bf16,
-    ``benchmarks/results/decode_splits_*_h100.json``), always keeping ``MIN_TILES_PER_SPLIT``
-    tiles per split:
+    ``n_tiles``: key tiles of a full cache row; ``paged``: the keys are read through a block
+    table.  Rules (measured on the H100, d=128 bf16, ``benchmarks/results/decode_splits_*_h100.json``),
+    always keeping ``MIN_TILES_PER_SPLIT`` tiles per split:
 
-    * fewer programs than SMs (batch 1-2 at 8 KV heads): the most splits that still fit in one
-      wave, ``n_programs * splits <= n_sms``.  One program per SM streaming a long slice beat
-      two waves or two programs per SM (batch 1, 16K: 16 splits 5% faster than 33);
+    * fewer programs than ``per_sm`` waves of SMs (``per_sm = 1``, or 2 for a paged cache;
+      batch 1-2 at 8 KV heads): the most splits that still fit, ``n_programs * splits <=
+      per_sm * n_sms``.  For a contiguous cache one program per SM streaming a long slice beat
+      two per SM (batch 1, 16K: 16 splits 3% faster than 33); a paged cache needs the second
+      program per SM to hide the page-table lookups (batch 8, 16K: 2 splits 25% slower than 4);
     * up to two programs per SM (batch 16-32): no split, the grid already fills every SM once
       and the combine would only add work;
     * more (batch 64): programs that each stream a whole row run in uneven waves, and the last
@@ -114,30 +118,34 @@ def choose_num_splits(n_programs: int, n_sms: int, n_tiles: int, max_splits: int
     if n_sms <= 1:
         return 1
     cap = min(max_splits, max(1, n_tiles // MIN_TILES_PER_SPLIT))
-    if n_programs < 0.8 * n_sms:
-        return max(1, min(cap, n_sms // n_programs))
+    per_sm = 2 if paged else 1
+    if n_programs < 0.8 * per_sm * n_sms:
+        return max(1, min(cap, per_sm * n_sms // n_programs))
     if n_programs <= 2 * n_sms:
         return 1
     return max(1, min(cap, (16 * n_sms) // n_programs))
 
 
-def default_num_splits(q: torch.Tensor, nheads_k: int, capacity: int) -> int:
+def default_num_splits(q: torch.Tensor, nheads_k: int, capacity: int, paged: bool = False) -> int:
     """The split count ``num_splits=0`` resolves to for query ``q (B, Sq, H, D)`` against a
-    cache of ``nheads_k`` heads and ``capacity`` key slots per row."""
+    cache of ``nheads_k`` heads and ``capacity`` key slots per row (read through a block table
+    when ``paged``)."""
     b, sq, h, d = q.shape
-    return _plan(_on_gpu(q), d, sq, h // nheads_k, q.dtype, b, nheads_k, capacity, num_sms(q.device), 0)[-1]
+    return _plan(_on_gpu(q), d, sq, h // nheads_k, q.dtype, b, nheads_k, capacity, num_sms(q.device), 0,
+                 paged)[-1]
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(on_gpu: bool, head_dim: int, seqlen_q: int, group: int, dtype: torch.dtype, batch: int,
-          nheads_k: int, capacity: int, n_sms: int, num_splits: int) -> tuple:
+          nheads_k: int, capacity: int, n_sms: int, num_splits: int, paged: bool = False) -> tuple:
     """Launch shape of the split-KV kernel for one call signature (memoised):
     ``(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages, m_blocks, num_splits)``, with
     ``num_splits <= 0`` resolved by :func:`choose_num_splits`."""
     block_m, block_n, block_d, warps, stages = _attn_config(on_gpu, head_dim, seqlen_q * group, dtype)
     m_blocks = _cdiv(seqlen_q * group, block_m)
     if num_splits <= 0:
-        num_splits = choose_num_splits(batch * nheads_k * m_blocks, n_sms, _cdiv(capacity, block_n))
+        num_splits = choose_num_splits(batch * nheads_k * m_blocks, n_sms, _cdiv(capacity, block_n),
+                                       paged=paged)
     num_splits = max(1, min(int(num_splits), MAX_SPLITS))
     return block_m, block_n, block_d, warps, stages, m_blocks, num_splits
 
@@ -272,7 +280,7 @@ def decode_forward(
 
     block_m, block_n, block_d, warps, stages, m_blocks, num_splits = _plan(
         on_gpu, d, sq, group, q.dtype, b, hk, capacity, num_sms(device) if num_splits <= 0 else 1,
-        int(num_splits))
+        int(num_splits), paged)
 
     if num_splits == 1:
         o_part, lse_part = out, lse

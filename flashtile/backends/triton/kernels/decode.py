@@ -238,7 +238,7 @@ def _split_kv_kernel(
     if HAS_ALIBI:
         b_slope = tl.load(alibi_ptr + i_b64 * stride_ab + o_h, mask=m_m, other=0.0).to(tl.float32)  # [BLOCK_M]
     if PAGED:
-        p_bt = block_table_ptr + i_b64 * stride_btb  # pages are looked up per key in the loop
+        p_bt = block_table_ptr + i_b64 * stride_btb  # pages are looked up in the loop
     else:
         if HAS_BATCH_IDX:
             cache_row = tl.load(batch_idx_ptr + i_b).to(tl.int64)
@@ -257,9 +257,18 @@ def _split_kv_kernel(
         o_n = i_tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] absolute cache positions
         m_n = (o_n >= kv_lo) & (o_n < kv_hi)  # [BLOCK_N]
         if PAGED:
-            b_page = tl.load(p_bt + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)  # [BLOCK_N]
-            o_k = b_page * stride_kb + (o_n % PAGE_SIZE) * stride_ks  # [BLOCK_N]
-            o_v = b_page * stride_vb + (o_n % PAGE_SIZE) * stride_vs  # [BLOCK_N]
+            if PAGE_SIZE % BLOCK_N == 0:
+                # the tile lies in one page: one scalar lookup, and addresses as regular as a
+                # contiguous cache's, so the pipeliner runs the K/V loads ahead as it does there.
+                # The page holds at least one key the row can see, so its entry is a valid one.
+                page = tl.load(p_bt + (i_tile * BLOCK_N) // PAGE_SIZE).to(tl.int64)
+                o_in = (i_tile * BLOCK_N) % PAGE_SIZE + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+                o_k = page * stride_kb + o_in * stride_ks  # [BLOCK_N]
+                o_v = page * stride_vb + o_in * stride_vs  # [BLOCK_N]
+            else:
+                b_page = tl.load(p_bt + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)  # [BLOCK_N]
+                o_k = b_page * stride_kb + (o_n % PAGE_SIZE) * stride_ks  # [BLOCK_N]
+                o_v = b_page * stride_vb + (o_n % PAGE_SIZE) * stride_vs  # [BLOCK_N]
         else:
             o_k = o_k_row + o_n.to(tl.int64) * stride_ks  # [BLOCK_N]
             o_v = o_v_row + o_n.to(tl.int64) * stride_vs  # [BLOCK_N]
