@@ -294,6 +294,44 @@ def self_check(args, dtype) -> list[dict]:
     same_cache = torch.equal(k_graph, k_eager) and torch.equal(v_graph, v_eager)
     rec("step_append_rotary_vs_reference", max(ref_errs), max(ref_errs) < tol)
     rec("step_cudagraph_replay_vs_eager", max(errs), max(errs) < 1e-6 and same_cache)
+
+    # eager launch plans (flashtile.decode._PLANS): the first call records, the next ones replay;
+    # both against Triton's own launch path, bitwise, outputs and appended caches
+    from flashtile import decode as decode_mod
+    from flashtile.backends.triton import launch_common
+
+    k1 = torch.randn(b, 1, hk, d, device=dev, dtype=dtype)
+    v1 = torch.randn_like(k1)
+    variants = {
+        "attend": dict(),
+        "paged": dict(paged=True),
+        "append_rotary_causal": dict(k=k1, v=v1, rotary_cos=cos, rotary_sin=sin, causal=True),
+        "splits5_window_softcap": dict(num_splits=5, window_size=(300, 0), softcap=20.0),
+    }
+    ok, worst = True, 0.0
+    lens_app = lens0 + 1
+    for name, kw in variants.items():
+        kw = dict(kw)
+        paged_call = kw.pop("paged", False)
+        results = []
+        for mode in ("generic", "record", "replay", "replay"):
+            kcopy, vcopy = (kp.clone(), vp.clone()) if paged_call else (kc.clone(), vc.clone())
+            extra = dict(block_table=table) if paged_call else {}
+            launch_common._DIRECT = mode != "generic"
+            if mode == "record":
+                decode_mod._PLANS.clear()
+            n_plans = len(decode_mod._PLANS)
+            o = flash_attn_with_kvcache(q, kcopy, vcopy, cache_seqlens=lens_app if "k" in kw else lens,
+                                        **extra, **kw)
+            torch.cuda.synchronize()
+            if mode == "record":
+                ok &= len(decode_mod._PLANS) == n_plans + 1
+            results.append((o, kcopy, vcopy))
+        launch_common._DIRECT = True
+        for o, kk, vv in results[1:]:
+            worst = max(worst, (o.float() - results[0][0].float()).abs().max().item())
+            ok &= torch.equal(o, results[0][0]) and torch.equal(kk, results[0][1]) and torch.equal(vv, results[0][2])
+    rec("eager_plans_vs_triton_launch", worst, ok)
     del kc, vc, kp, vp, k_eager, v_eager, k_graph, v_graph, graph
     cleanup()
     return records

@@ -100,6 +100,43 @@ def _triton_launcher():
     return _LAUNCH_DECODE
 
 
+# Launch plans of eager triton calls (see launch_decode.Plan): after a call has been validated
+# and run, a later call whose every tensor has the same shape, strides, dtype, device and 16-byte
+# alignment, with the same other arguments, replays its launches without validating again (the
+# checks depend on nothing else on a GPU) or rebuilding kernel arguments.  Only on CUDA, with
+# direct launches on, outside poison_outputs, with a cache_seqlens tensor and no tree mask, and
+# without FLASHTILE_CHECK_INDICES (whose checks read values).
+_PLANS: dict = {}
+_MAX_PLANS = 256
+
+
+def _eager_plan_key(tensors: tuple, scalars: tuple):
+    q, seqlens = tensors[0], tensors[7]
+    if not (isinstance(q, torch.Tensor) and q.is_cuda and isinstance(seqlens, torch.Tensor)):
+        return None
+    lc = _triton_launcher().launch_common
+    if (not lc._DIRECT or lc._poison or select_decode_backend(q.device) != "triton"
+            or os.environ.get("FLASHTILE_CHECK_INDICES", "0") not in ("", "0")):
+        return None
+    parts = []
+    for x in tensors:
+        if x is None:
+            parts.append(None)
+        elif isinstance(x, torch.Tensor):
+            parts.append((x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15))
+        else:
+            return None
+    try:
+        window = scalars[2]
+        if isinstance(window, (tuple, list)):
+            window = tuple((type(w), w) for w in window)
+        key = (tuple(parts), tuple((type(v), v) for v in scalars[:2] + (window,) + scalars[3:]))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 def _check_indices_enabled(device: torch.device) -> bool:
     """Value checks of index tensors need their values on the host: always on CPU, on a GPU only
     with ``FLASHTILE_CHECK_INDICES=1`` (it synchronises and breaks CUDA-graph capture)."""
@@ -710,19 +747,42 @@ def flash_attn_with_kvcache(
     because that needs a device sync (which would also break CUDA-graph capture).  Forward
     only: no autograd.
     """
+    tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+               cache_leftpad, block_table, alibi_slopes)
+    key = None
+    if tree_mask is None:
+        key = _eager_plan_key(tensors, (softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                                        num_splits))
+        plan = _PLANS.get(key) if key is not None else None
+        if plan is not None:
+            res = plan.run(tensors)
+            if res is not None:
+                return res if return_softmax_lse else res[0]
     a = _validate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                   cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
                   rotary_interleaved, alibi_slopes, num_splits, tree_mask)
-    if select_decode_backend(q.device) == "triton":
+    if key is not None or select_decode_backend(q.device) == "triton":
         # only fresh torch.empty outputs written by the kernels: nothing to record for autograd,
         # so no grad-mode switch on this path
-        out, lse = _triton_launcher().decode_forward(
-            a.q, k_cache, v_cache, a.k, a.v, rotary_cos, rotary_sin, a.cache_seqlens,
-            a.cache_batch_idx, a.cache_leftpad, a.block_table,
-            softmax_scale=a.softmax_scale, window_left=a.window_left, window_right=a.window_right,
-            softcap=a.softcap, rotary_interleaved=rotary_interleaved,
-            rotary_q_per_token=a.rotary_q_per_token, alibi_slopes=alibi_slopes,
-            num_splits=a.num_splits, tree_mask=a.tree_mask)
+        launcher = _triton_launcher()
+
+        def call():
+            return launcher.decode_forward(
+                a.q, k_cache, v_cache, a.k, a.v, rotary_cos, rotary_sin, a.cache_seqlens,
+                a.cache_batch_idx, a.cache_leftpad, a.block_table,
+                softmax_scale=a.softmax_scale, window_left=a.window_left, window_right=a.window_right,
+                softcap=a.softcap, rotary_interleaved=rotary_interleaved,
+                rotary_q_per_token=a.rotary_q_per_token, alibi_slopes=alibi_slopes,
+                num_splits=a.num_splits, tree_mask=a.tree_mask)
+
+        if key is None:
+            out, lse = call()
+        else:
+            (out, lse), plan = launcher.record_plan(tensors, call)
+            if plan is not None:
+                if len(_PLANS) >= _MAX_PLANS:
+                    _PLANS.clear()
+                _PLANS[key] = plan
     else:
         with torch.no_grad():
             out, lse = _torch_forward(a.q, k_cache, v_cache, a.k, a.v, rotary_cos, rotary_sin,

@@ -677,6 +677,85 @@ def test_triton_launch_helper_derives_the_same_constexprs_as_triton(monkeypatch,
         assert set(kernel.values) <= set(kw_new)
 
 
+def test_eager_plan_replays_the_recorded_launches_with_new_tensors(monkeypatch):
+    """``launch_decode.record_plan`` / ``Plan`` with the launches stubbed (the direct path runs on
+    a GPU only): replaying a plan for new tensors of the same signature passes each kernel exactly
+    the arguments a fresh call on those tensors passes, with fresh buffers in the buffer slots."""
+    from flashtile.backends.triton import launch_common, launch_decode
+
+    handles, seen, ran = {}, [], []
+
+    def fake_launch(kernel, grid, args, meta):
+        values = list(args) + [v for _, v in sorted(meta.items())]
+        seen.append((kernel, grid, values))
+        return handles.setdefault(kernel, object()), values
+
+    monkeypatch.setattr(launch_decode, "_launch", fake_launch)
+    monkeypatch.setattr(launch_decode, "_on_gpu", lambda x: True)  # GPU block shapes and splits
+    monkeypatch.setattr(launch_decode, "num_sms", lambda device: 132)
+    monkeypatch.setattr(launch_common, "_no_launch_hooks", lambda: True)
+    monkeypatch.setattr(launch_common, "run_direct",
+                        lambda compiled, grid, values, device: ran.append((compiled, grid, values)) or True)
+    launch_decode._plan.cache_clear()
+
+    def make(seed):
+        gen = _seed("plan", seed)
+        b, cap, h, hk, d = 2, 1024, 8, 2, 32  # 16 key tiles a row: 4 splits, so a combine
+        q = torch.randn(b, 1, h, d, generator=gen)
+        kc, vc = torch.randn(b, cap, hk, d, generator=gen), torch.randn(b, cap, hk, d, generator=gen)
+        k, v = torch.randn(b, 1, hk, d, generator=gen), torch.randn(b, 1, hk, d, generator=gen)
+        cos, sin = torch.randn(cap, 8, generator=gen), torch.randn(cap, 8, generator=gen)
+        lens = torch.tensor([900, 17], dtype=torch.int32)
+        return (q, kc, vc, k, v, cos, sin, lens, None, None, None, None)
+
+    def call(t, k=None):
+        return lambda: launch_decode.decode_forward(
+            t[0], t[1], t[2], t[3] if k is None else k, t[4], t[5], t[6], t[7], None, None, None,
+            softmax_scale=0.2, window_left=-1, window_right=0, softcap=0.0, rotary_interleaved=True,
+            rotary_q_per_token=True, alibi_slopes=None, num_splits=0, tree_mask=None)
+
+    try:
+        first = make("a")
+        _, plan = launch_decode.record_plan(first, call(first))
+        kernels = [s[0] for s in seen]
+        assert plan is not None and len(plan.launches) == 4  # append, rotate q, split-KV, combine
+        second = make("b")
+        seen.clear()
+        (want_out, _), _ = launch_decode.record_plan(second, call(second))
+        out, lse = plan.run(second)
+        assert [r[0] for r in ran] == [handles[kn] for kn in kernels]
+        buffers = {}
+        for (compiled, grid, got), (kernel, want_grid, want) in zip(ran, seen):
+            assert grid == want_grid and len(got) == len(want)
+            for i, (x, y) in enumerate(zip(got, want)):
+                if isinstance(y, torch.Tensor) and any(y is t for t in second):
+                    assert x is y, f"{kernel}: argument {i} is not the caller's tensor"
+                elif isinstance(y, torch.Tensor):
+                    # a buffer of the call: fresh, of the recorded shape, the same one wherever
+                    # the fresh call used the same one
+                    assert isinstance(x, torch.Tensor) and x.shape == y.shape and x.dtype == y.dtype
+                    assert all(x is not t for t in second + tuple(t for t in first if t is not None))
+                    assert buffers.setdefault(id(y), x) is x
+                else:
+                    assert x == y, f"{kernel}: argument {i}: {x!r} != {y!r}"
+        assert out.shape == want_out.shape and out is buffers.get(id(want_out), out)
+        # a kernel argument that is neither an input nor a buffer (a converted copy): no plan
+        assert launch_decode.record_plan(second, call(second, k=second[3].clone()))[1] is None
+        # a launch that did not go direct: no plan
+        monkeypatch.setattr(launch_decode, "_launch", lambda *a: None)
+        assert launch_decode.record_plan(second, call(second))[1] is None
+    finally:
+        launch_decode._plan.cache_clear()
+
+
+def test_eager_plans_only_for_cuda_triton_calls():
+    from flashtile.decode import _eager_plan_key
+
+    t = torch.zeros(1, 1, 2, 16)
+    args = (t, t, t, None, None, None, None, torch.zeros(1, dtype=torch.int32), None, None, None, None)
+    assert _eager_plan_key(args, (None, False, (-1, -1), 0.0, True, 0)) is None
+
+
 def test_backend_selection(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setenv("FLASHTILE_BACKEND", "torch")

@@ -3,8 +3,9 @@
 Nothing here reads a tensor's values on the host: every size comes from static shapes, so a
 whole decode step (append + split-KV + combine) can be captured in a CUDA graph.  The host
 work of an eager call is kept small: the block shapes and split count are memoised per shape
-(:func:`_plan`), and each kernel's ``triton.heuristics`` constexprs are evaluated once per
-launch from a single argument mapping (:func:`launch_common.launch`).  Arguments
+(:func:`_plan`), each kernel's ``triton.heuristics`` constexprs are evaluated once per launch
+from a single argument mapping (:func:`launch_common.launch`), and a call can be recorded as a
+:class:`Plan` that later calls of the same signature replay (:func:`record_plan`).  Arguments
 arrive validated and normalised by :mod:`flashtile.decode` (int32 ``cache_seqlens`` tensor,
 bool tree mask, last dimension contiguous).
 """
@@ -15,6 +16,7 @@ import os
 
 import torch
 from .kernels.decode import _combine_kernel, _rotary_append_kernel, _split_kv_kernel
+from . import launch_common
 from .launch_common import empty as _empty
 from .launch_common import launch as _launch
 
@@ -150,6 +152,94 @@ def _plan(on_gpu: bool, head_dim: int, seqlen_q: int, group: int, dtype: torch.d
     return block_m, block_n, block_d, warps, stages, m_blocks, num_splits
 
 
+# --------------------------------------------------------------------------------------------
+# Launch plans of eager calls
+# --------------------------------------------------------------------------------------------
+# An eager decode step costs ~120 us of host time on the H100 machine against ~30 us of GPU time
+# at batch 1 (benchmarks/probe_decode_eager.py): validation, the heuristics, ~50 kernel arguments
+# per launch rebuilt from the same shapes.  While a call runs with a recorder, every allocation
+# and every direct launch (compiled kernel, grid, arguments) is noted; :func:`make_plan` turns
+# that into a :class:`Plan` that replays the call for new tensors of the same signature (see
+# ``flashtile.decode``): allocate the same buffers, put the caller's tensors and the buffers in
+# their argument slots, launch the same compiled kernels.
+_recorder = None
+
+
+class _Recorder:
+    def __init__(self):
+        self.allocs: list = []
+        self.launches: list = []
+
+
+def _alloc(shape, dtype, device) -> torch.Tensor:
+    t = _empty(shape, dtype, device)
+    if _recorder is not None:
+        _recorder.allocs.append(t)
+    return t
+
+
+def _go(kernel, grid, args, meta) -> None:
+    launched = _launch(kernel, grid, args, meta)
+    if _recorder is not None:
+        _recorder.launches.append((grid, launched))
+
+
+class Plan:
+    """A recorded eager call: buffers to allocate, then launches whose tensor arguments are the
+    call's inputs (by position) or those buffers."""
+
+    __slots__ = ("allocs", "launches", "out", "lse", "device")
+
+    def __init__(self, allocs, launches, out, lse, device):
+        self.allocs, self.launches, self.out, self.lse, self.device = allocs, launches, out, lse, device
+
+    def run(self, inputs: tuple):
+        """``(out, lse)`` for ``inputs`` (same signature as the recorded call), or None when a
+        profiler hook asks for Triton's own launch path (nothing is launched then)."""
+        if not launch_common._no_launch_hooks():
+            return None
+        bufs = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.allocs]
+        pools = (inputs, bufs)
+        for compiled, grid, template, slots in self.launches:
+            values = template.copy()
+            for pos, kind, i in slots:
+                values[pos] = pools[kind][i]
+            launch_common.run_direct(compiled, grid, values, self.device.index)
+        return bufs[self.out], bufs[self.lse]
+
+
+def record_plan(inputs: tuple, call):
+    """Run ``call()`` (a :func:`decode_forward` on ``inputs``) while recording; returns
+    ``(its result, a Plan or None)``.  No plan when a launch was not direct, or a kernel got a
+    tensor that is neither one of ``inputs`` nor a buffer of the call (a converted copy)."""
+    global _recorder
+    rec = _recorder = _Recorder()
+    try:
+        out, lse = call()
+    finally:
+        _recorder = None
+    slots = {id(t): (0, i) for i, t in enumerate(inputs) if t is not None}
+    slots.update({id(t): (1, j) for j, t in enumerate(rec.allocs)})
+    launches = []
+    for grid, launched in rec.launches:
+        if launched is None:
+            return (out, lse), None
+        compiled, values = launched
+        template, where = list(values), []
+        for pos, v in enumerate(values):
+            if isinstance(v, torch.Tensor):
+                slot = slots.get(id(v))
+                if slot is None:
+                    return (out, lse), None
+                template[pos] = None
+                where.append((pos, *slot))
+        launches.append((compiled, grid, template, tuple(where)))
+    if not launches or slots.get(id(out), (0,))[0] != 1 or slots.get(id(lse), (0,))[0] != 1:
+        return (out, lse), None
+    allocs = [(tuple(t.shape), t.dtype) for t in rec.allocs]
+    return (out, lse), Plan(allocs, launches, slots[id(out)][1], slots[id(lse)][1], out.device)
+
+
 def _check_runnable(x: torch.Tensor) -> None:
     if not _on_gpu(x) and not _interpreting():
         raise RuntimeError(
@@ -181,7 +271,7 @@ def _rotary_append(x, y, xo, yo, cos, sin, seqlens, batch_idx, block_table, *, r
     meta = dict(ROTARY_DIM=rotary_dim, INTERLEAVED=bool(interleaved), PER_TOKEN=bool(per_token),
                 TO_CACHE=bool(to_cache), PAGE_SIZE=page_size, BLOCK_H=block_h, BLOCK_D=block_d,
                 num_warps=4 if _on_gpu(x) else 1)
-    _launch(_rotary_append_kernel, grid, args, meta)
+    _go(_rotary_append_kernel, grid, args, meta)
 
 
 def merge_states(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -215,7 +305,7 @@ def _merge(o_part, lse_part, out, lse) -> None:
         sq, h, n, d,
     )
     meta = dict(BLOCK_S=block_s, BLOCK_D=block_d, num_warps=warps if _on_gpu(out) else 1)
-    _launch(_combine_kernel, (b * sq * h,), args, meta)
+    _go(_combine_kernel, (b * sq * h,), args, meta)
 
 
 def decode_forward(
@@ -266,15 +356,15 @@ def decode_forward(
                        block_table, rotary_dim=rot_dim, interleaved=rotary_interleaved, per_token=True,
                        to_cache=True, capacity=capacity)
     if rotary_cos is not None:
-        q_rot = torch.empty_like(q, memory_format=torch.contiguous_format)
+        q_rot = _alloc(q.shape, q.dtype, device)
         _rotary_append(q, None, q_rot, None, rotary_cos, rotary_sin, cache_seqlens, None, None,
                        rotary_dim=int(rotary_cos.shape[1]) * 2, interleaved=rotary_interleaved,
                        per_token=rotary_q_per_token, to_cache=False, capacity=capacity)
         q = q_rot
 
     # NaN-filled under launch_common.poison_outputs, so tests see any element left unwritten
-    out = _empty((b, sq, h, d), q.dtype, device)
-    lse = _empty((b, h, sq), torch.float32, device)
+    out = _alloc((b, sq, h, d), q.dtype, device)
+    lse = _alloc((b, h, sq), torch.float32, device)
     if b * sq * h == 0:
         return out, lse
 
@@ -288,8 +378,8 @@ def decode_forward(
         so = (0, s_out[0], s_out[1], s_out[2])
         sl = (0, s_lse[0], s_lse[1])
     else:
-        o_part = _empty((num_splits, b, sq, h, d), torch.float32, device)
-        lse_part = _empty((num_splits, b, h, sq), torch.float32, device)
+        o_part = _alloc((num_splits, b, sq, h, d), torch.float32, device)
+        lse_part = _alloc((num_splits, b, h, sq), torch.float32, device)
         so = o_part.stride()
         sl = lse_part.stride()
 
@@ -321,7 +411,7 @@ def decode_forward(
     meta = dict(GROUP=group, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                 num_warps=warps, num_stages=stages)
-    _launch(_split_kv_kernel, (b * hk, num_splits, m_blocks), args, meta)
+    _go(_split_kv_kernel, (b * hk, num_splits, m_blocks), args, meta)
     if num_splits > 1:
         _merge(o_part, lse_part, out, lse)
     return out, lse
