@@ -16,14 +16,8 @@ import torch
 
 import flashtile
 from flashtile.backends.triton import launch_decode
-from flashtile.bench_decode import bench_ms, capture, plain_read
+from flashtile.bench_decode import graph_ms, plain_read
 
-
-def graph_ms(fn):
-    graph, _ = capture(fn)
-    ms = bench_ms(graph.replay, 10, 60)
-    del graph
-    return ms
 
 
 def main(path):

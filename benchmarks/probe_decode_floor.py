@@ -50,22 +50,18 @@ def _read(x_ptr, out_ptr, n, n_per_prog, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _l2_flush(x_ptr, out_ptr, n, n_per_prog, BLOCK: tl.constexpr):
-    """The same read as ``_read`` under another name, so the profiler can leave it out."""
-    i_p = tl.program_id(0)
-    base = i_p.to(tl.int64) * n_per_prog
-    b_acc = tl.zeros([BLOCK], tl.float32)  # [BLOCK]
-    for i in range(0, n_per_prog, BLOCK):
-        o = base + i + tl.arange(0, BLOCK)  # [BLOCK]
-        b_acc += tl.load(x_ptr + o, mask=o < n, other=0.0).to(tl.float32)
-    tl.store(out_ptr + i_p, tl.sum(b_acc, 0))
+def _l2_flush(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """A read of ``x`` (one tile per program) under a name of its own, so the profiler can
+    leave it out."""
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    tl.store(out_ptr + tl.program_id(0), tl.sum(tl.load(x_ptr + o, mask=o < n, other=0.0), 0))
 
 
-def reader(x, grid, block, warps, kernel=_read):
+def reader(x, grid, block, warps):
     n = x.numel()
     per = triton.cdiv(triton.cdiv(n, grid), block) * block
     out = torch.empty(grid, device=x.device, dtype=torch.float32)
-    return lambda: kernel[(grid,)](x, out, n, per, BLOCK=block, num_warps=warps)
+    return lambda: _read[(grid,)](x, out, n, per, BLOCK=block, num_warps=warps)
 
 
 def graph_ms(fn):
@@ -77,7 +73,11 @@ def graph_ms(fn):
 def gpu_span_us(graph, reps=30):
     """Median GPU-side span of one replay: first kernel start to last kernel end (profiler)."""
     flush_buf = torch.empty(64 << 20, device="cuda", dtype=torch.float32).normal_()
-    flush = reader(flush_buf, 1056, 4096, 4, kernel=_l2_flush)
+    flush_out = torch.empty(triton.cdiv(flush_buf.numel(), 4096), device="cuda", dtype=torch.float32)
+
+    def flush():
+        _l2_flush[(flush_out.numel(),)](flush_buf, flush_out, flush_buf.numel(), BLOCK=4096)
+
     flush()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -15,14 +15,10 @@ import torch
 
 import flashtile
 from flashtile.backends.triton import launch_decode
-from flashtile.bench_decode import bench_ms, capture, plain_read
+from flashtile.bench_decode import graph_ms, plain_read
 
 H, HK, D, DT = 32, 8, 128, torch.bfloat16
 
-
-def graph_ms(fn):
-    graph, _ = capture(fn)
-    return bench_ms(graph.replay, 10, 60)
 
 
 def main(path):

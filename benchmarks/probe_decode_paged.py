@@ -14,14 +14,10 @@ import torch
 
 import flashtile
 from flashtile.backends.triton import launch_decode
-from flashtile.bench_decode import bench_ms, capture
+from flashtile.bench_decode import graph_ms
 
 H, HK, D, DT = 32, 8, 128, torch.bfloat16
 
-
-def graph_ms(fn):
-    graph, _ = capture(fn)
-    return bench_ms(graph.replay, 10, 40)
 
 
 def main(path):

@@ -158,6 +158,14 @@ def capture(fn, warmup_calls: int = 3):
 
 
 
+def graph_ms(fn, warmup: int = 10, rep: int = 60) -> float:
+    """Median ms of ``fn`` captured in a CUDA graph and replayed (L2 emptied before each)."""
+    graph, _ = capture(fn)
+    ms = bench_ms(graph.replay, warmup, rep)
+    del graph
+    return ms
+
+
 def graph_or_eager_ms(fn, args):
     """Median ms of ``fn`` replayed from a CUDA graph, or called eagerly where capture fails."""
     try:
