@@ -15,9 +15,12 @@ import time
 import torch
 
 import flashtile
+import flashtile.decode
 from flashtile.backends.triton import launch_decode
 from flashtile.bench_decode import graph_ms, plain_read
 
+# the launch internals are patched below: replaying a recorded eager call would bypass that
+flashtile.decode.EAGER_PLANS = False
 
 
 def main(path):

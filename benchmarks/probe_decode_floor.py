@@ -7,12 +7,16 @@ replay, a 256 MB read before each one to empty L2).  Measured:
 - the cost of the method itself: a graph of one (and of two) kernels that store one value;
 - the best plain read of the K/V cache's byte count (a Triton reduction over grids of 1 to 64
   programs per SM) and ``torch.sum``: the floor for one isolated step;
-- flashtile's step with and without programmatic dependent launch of the combine, the split
-  kernel alone, and cuDNN;
+- flashtile's step over split counts, the split kernel alone, and cuDNN;
 - GPU-side spans from the profiler (first kernel start to last kernel end of one step), which
   leave out the launch latency that events include;
 - a model's decode step: one graph of ``L`` layers, each attending to its own cache, timed per
   layer (flashtile, cuDNN, and the plain read of each layer's bytes).
+
+The committed ``benchmarks/results/probe_decode_floor_h100.json`` also has ``flashtile_pdl`` rows:
+they came from an experiment not kept (a ``USE_PDL`` flag on the split and combine kernels, the
+combine launched with ``launch_pdl=True`` and waiting with ``griddepcontrol.wait``), measured
+with the earlier split rule (33 splits at 16K).
 """
 import json
 import os
@@ -26,10 +30,13 @@ import triton
 import triton.language as tl
 
 import flashtile
+import flashtile.decode
 from flashtile import bench_decode as bd
 from flashtile.backends.triton import launch_decode
 
 H, HK, D, DT = 32, 8, 128, torch.bfloat16
+# the launch internals are patched below: replaying a recorded eager call would bypass that
+flashtile.decode.EAGER_PLANS = False
 
 
 @triton.jit
@@ -147,20 +154,12 @@ def main(path):
         q = torch.randn(1, 1, H, D, device="cuda", dtype=DT)
         kc, vc = (torch.randn(1, cache, HK, D, device="cuda", dtype=DT) for _ in range(2))
         lens = torch.full((1,), cache, dtype=torch.int32, device="cuda")
-        outs = {}
-        for pdl in (True, False):
-            launch_decode.PDL = pdl
-            step = lambda s=0: flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=s)  # noqa: E731
-            outs[pdl] = step()
-            ms, g = graph_ms(step)
-            rec(f"flashtile{'_pdl' if pdl else ''}", cache, ms, g,
-                splits=launch_decode.default_num_splits(q, HK, cache))
-            for s in (16, 24, 48, 66, 128):
-                ms, g = graph_ms(lambda s=s: step(s))
-                rec(f"flashtile{'_pdl' if pdl else ''}", cache, ms, g, splits=s)
-        launch_decode.PDL = True
-        rows.append(dict(impl="pdl_bitwise_equal", cache=cache, value=bool(torch.equal(outs[True], outs[False]))))
-        print("pdl output bitwise equal to no-pdl:", rows[-1]["value"], flush=True)
+        step = lambda s=0: flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=s)  # noqa: E731
+        ms, g = graph_ms(step)
+        rec("flashtile", cache, ms, g, splits=launch_decode.default_num_splits(q, HK, cache))
+        for s in (16, 24, 48, 66, 128):
+            ms, g = graph_ms(lambda s=s: step(s))
+            rec("flashtile", cache, ms, g, splits=s)
         real_merge = launch_decode._merge
         launch_decode._merge = lambda *a, **k: None
         ms, g = graph_ms(lambda: flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens))
@@ -182,12 +181,9 @@ def main(path):
         kcs = [torch.randn(1, cache, HK, D, device="cuda", dtype=DT) for _ in range(layers)]
         vcs = [torch.randn(1, cache, HK, D, device="cuda", dtype=DT) for _ in range(layers)]
         lens = torch.full((1,), cache, dtype=torch.int32, device="cuda")
-        for pdl in (True, False):
-            launch_decode.PDL = pdl
-            ms, g = graph_ms(lambda: [flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)
-                                      for q, k, v in zip(qs, kcs, vcs)])
-            rec(f"model_flashtile{'_pdl' if pdl else ''}", cache, ms, layers=layers)
-        launch_decode.PDL = True
+        ms, g = graph_ms(lambda: [flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)
+                                  for q, k, v in zip(qs, kcs, vcs)])
+        rec("model_flashtile", cache, ms, layers=layers)
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
             try:
                 ms, g = graph_ms(lambda: [F.scaled_dot_product_attention(

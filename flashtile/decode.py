@@ -106,13 +106,16 @@ def _triton_launcher():
 # checks depend on nothing else on a GPU) or rebuilding kernel arguments.  Only on CUDA, with
 # direct launches on, outside poison_outputs, with a cache_seqlens tensor and no tree mask, and
 # without FLASHTILE_CHECK_INDICES (whose checks read values).
+# FLASHTILE_DECODE_PLANS=0 (or EAGER_PLANS = False, for code that patches launch internals)
+# turns them off.
+EAGER_PLANS = os.environ.get("FLASHTILE_DECODE_PLANS", "1") != "0"
 _PLANS: dict = {}
 _MAX_PLANS = 256
 
 
 def _eager_plan_key(tensors: tuple, scalars: tuple):
     q, seqlens = tensors[0], tensors[7]
-    if not (isinstance(q, torch.Tensor) and q.is_cuda and isinstance(seqlens, torch.Tensor)):
+    if not (EAGER_PLANS and isinstance(q, torch.Tensor) and q.is_cuda and isinstance(seqlens, torch.Tensor)):
         return None
     lc = _triton_launcher().launch_common
     if (not lc._DIRECT or lc._poison or select_decode_backend(q.device) != "triton"
