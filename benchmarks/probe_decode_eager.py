@@ -2,13 +2,15 @@
 
 Batch 1, 16K cache, 32/8 heads, d=128, bf16.  Enqueues 200 eager ``flash_attn_with_kvcache``
 calls back to back (fewer than fill the launch queue, so the CPU never waits for the GPU) and
-prints the wall time per call, before and after a CUDA graph of the same call is captured.
+prints the wall time per call, with eager launch plans (``flashtile.decode.EAGER_PLANS``) on and
+off, alternating in one process, and then after a CUDA graph of the same call is captured.
 """
 import time
 
 import torch
 
 import flashtile
+import flashtile.decode
 from flashtile.bench_decode import capture
 
 H, HK, D, CACHE, DT = 32, 8, 128, 16384, torch.bfloat16
@@ -35,7 +37,11 @@ def host_us(n=200, reps=5):
 
 for _ in range(10):
     call()
-print("host us per eager call (min, median): %.1f %.1f" % host_us(), flush=True)
+for _ in range(3):
+    for plans in (True, False):
+        flashtile.decode.EAGER_PLANS = plans
+        print("host us per eager call, plans %s (min, median): %.1f %.1f" % ((plans,) + host_us()), flush=True)
+flashtile.decode.EAGER_PLANS = True
 graph, _ = capture(call)
 graph.replay()
 print("after a graph capture: %.1f %.1f" % host_us(), flush=True)

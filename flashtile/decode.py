@@ -133,7 +133,8 @@ def _eager_plan_key(tensors: tuple, scalars: tuple):
         window = scalars[2]
         if isinstance(window, (tuple, list)):
             window = tuple((type(w), w) for w in window)
-        key = (tuple(parts), tuple((type(v), v) for v in scalars[:2] + (window,) + scalars[3:]))
+        key = (tuple(parts), tuple((type(v), v) for v in scalars[:2] + (window,) + scalars[3:]),
+               torch.cuda.current_device())
         hash(key)
     except TypeError:
         return None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import torch
 from .kernels.decode import _combine_kernel, _rotary_append_kernel, _split_kv_kernel
@@ -162,7 +163,7 @@ def _plan(on_gpu: bool, head_dim: int, seqlen_q: int, group: int, dtype: torch.d
 # that into a :class:`Plan` that replays the call for new tensors of the same signature (see
 # ``flashtile.decode``): allocate the same buffers, put the caller's tensors and the buffers in
 # their argument slots, launch the same compiled kernels.
-_recorder = None
+_tls = threading.local()  # the recorder of the call running on this thread, if any
 
 
 class _Recorder:
@@ -173,25 +174,30 @@ class _Recorder:
 
 def _alloc(shape, dtype, device) -> torch.Tensor:
     t = _empty(shape, dtype, device)
-    if _recorder is not None:
-        _recorder.allocs.append(t)
+    rec = getattr(_tls, "recorder", None)
+    if rec is not None:
+        rec.allocs.append(t)
     return t
 
 
 def _go(kernel, grid, args, meta) -> None:
     launched = _launch(kernel, grid, args, meta)
-    if _recorder is not None:
-        _recorder.launches.append((grid, launched))
+    rec = getattr(_tls, "recorder", None)
+    if rec is not None:
+        rec.launches.append((grid, launched))
 
 
 class Plan:
     """A recorded eager call: buffers to allocate, then launches whose tensor arguments are the
     call's inputs (by position) or those buffers."""
 
-    __slots__ = ("allocs", "launches", "out", "lse", "device")
+    __slots__ = ("allocs", "launches", "out", "lse", "device", "stream_device")
 
     def __init__(self, allocs, launches, out, lse, device):
         self.allocs, self.launches, self.out, self.lse, self.device = allocs, launches, out, lse, device
+        # launches go to the current device's stream, as the direct launches they replay did
+        # (the plan key holds the current device)
+        self.stream_device = torch.cuda.current_device() if device.type == "cuda" else None
 
     def run(self, inputs: tuple):
         """``(out, lse)`` for ``inputs`` (same signature as the recorded call), or None when a
@@ -204,7 +210,7 @@ class Plan:
             values = template.copy()
             for pos, kind, i in slots:
                 values[pos] = pools[kind][i]
-            launch_common.run_direct(compiled, grid, values, self.device.index)
+            launch_common.run_direct(compiled, grid, values, self.stream_device)
         return bufs[self.out], bufs[self.lse]
 
 
@@ -212,12 +218,11 @@ def record_plan(inputs: tuple, call):
     """Run ``call()`` (a :func:`decode_forward` on ``inputs``) while recording; returns
     ``(its result, a Plan or None)``.  No plan when a launch was not direct, or a kernel got a
     tensor that is neither one of ``inputs`` nor a buffer of the call (a converted copy)."""
-    global _recorder
-    rec = _recorder = _Recorder()
+    rec = _tls.recorder = _Recorder()
     try:
         out, lse = call()
     finally:
-        _recorder = None
+        _tls.recorder = None
     slots = {id(t): (0, i) for i, t in enumerate(inputs) if t is not None}
     slots.update({id(t): (1, j) for j, t in enumerate(rec.allocs)})
     launches = []
