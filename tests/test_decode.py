@@ -741,6 +741,9 @@ def test_eager_plan_replays_the_recorded_launches_with_new_tensors(monkeypatch):
         assert out.shape == want_out.shape and out is buffers.get(id(want_out), out)
         # a kernel argument that is neither an input nor a buffer (a converted copy): no plan
         assert launch_decode.record_plan(second, call(second, k=second[3].clone()))[1] is None
+        # one tensor passed as two inputs: a later call may pass two, so no plan
+        aliased = second[:2] + (second[1],) + second[3:]
+        assert launch_decode.record_plan(aliased, call(aliased))[1] is None
         # a launch that did not go direct: no plan
         monkeypatch.setattr(launch_decode, "_launch", lambda *a: None)
         assert launch_decode.record_plan(second, call(second))[1] is None

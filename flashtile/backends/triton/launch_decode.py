@@ -156,13 +156,13 @@ def _plan(on_gpu: bool, head_dim: int, seqlen_q: int, group: int, dtype: torch.d
 # --------------------------------------------------------------------------------------------
 # Launch plans of eager calls
 # --------------------------------------------------------------------------------------------
-# An eager decode step costs ~120 us of host time on the H100 machine against ~30 us of GPU time
-# at batch 1 (benchmarks/probe_decode_eager.py): validation, the heuristics, ~50 kernel arguments
-# per launch rebuilt from the same shapes.  While a call runs with a recorder, every allocation
-# and every direct launch (compiled kernel, grid, arguments) is noted; :func:`make_plan` turns
-# that into a :class:`Plan` that replays the call for new tensors of the same signature (see
-# ``flashtile.decode``): allocate the same buffers, put the caller's tensors and the buffers in
-# their argument slots, launch the same compiled kernels.
+# An eager decode step cost ~100-140 us of host time on the H100 machine against ~30 us of GPU
+# time at batch 1 (benchmarks/probe_decode_eager.py): validation, the heuristics, ~50 kernel
+# arguments per launch rebuilt from the same shapes.  While a call runs with a recorder, every
+# allocation and every direct launch (compiled kernel, grid, arguments) is noted;
+# :func:`record_plan` turns that into a :class:`Plan` that replays the call for new tensors of
+# the same signature (see ``flashtile.decode``): allocate the same buffers, put the caller's
+# tensors and the buffers in their argument slots, launch the same compiled kernels.
 _tls = threading.local()  # the recorder of the call running on this thread, if any
 
 
@@ -216,14 +216,17 @@ class Plan:
 
 def record_plan(inputs: tuple, call):
     """Run ``call()`` (a :func:`decode_forward` on ``inputs``) while recording; returns
-    ``(its result, a Plan or None)``.  No plan when a launch was not direct, or a kernel got a
-    tensor that is neither one of ``inputs`` nor a buffer of the call (a converted copy)."""
+    ``(its result, a Plan or None)``.  No plan when a launch was not direct, when a kernel got a
+    tensor that is neither one of ``inputs`` nor a buffer of the call (a converted copy), or when
+    one tensor is passed as two inputs (a later call of the same signature may pass two)."""
     rec = _tls.recorder = _Recorder()
     try:
         out, lse = call()
     finally:
         _tls.recorder = None
     slots = {id(t): (0, i) for i, t in enumerate(inputs) if t is not None}
+    if len(slots) != sum(t is not None for t in inputs):
+        return (out, lse), None
     slots.update({id(t): (1, j) for j, t in enumerate(rec.allocs)})
     launches = []
     for grid, launched in rec.launches:
