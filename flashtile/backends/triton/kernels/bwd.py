@@ -31,7 +31,7 @@ import triton.language as tl
 
 from .fwd import score_tile
 from .masking import (FEATURE_FLAGS, LOG2E, dropout_keep, dropout_row_base,
-                      key_range, query_range, sequence, tanh, visible)
+                      key_range, query_range, sequence, tanh, tile_start, visible)
 
 
 @triton.heuristics({"IS_VARLEN": lambda a: a["CU_Q"] is not None})
@@ -97,12 +97,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta,
     ``m_start .. m_end - 1`` of the block list ``p_list`` (one flat loop, see ``_fwd_inner``)."""
     m_d = o_d < HEAD_DIM
     for it in range(m_start, m_end, I_STEP):
-        if SPARSE:
-            m0 = (tl.load(p_list + it // tiles_per_block) * bs_m
-                  + (it % tiles_per_block) * BLOCK_M)
-        else:
-            m0 = it
-        m0 = tl.multiple_of(m0, BLOCK_M)
+        m0 = tile_start(it, p_list, tiles_per_block, bs_m, BLOCK_M, SPARSE)
         o_m = m0 + tl.arange(0, BLOCK_M)
         p_q = p_q_base + o_m[:, None] * stride_qm + o_d[None, :]
         p_do = p_do_base + o_m[:, None] * stride_dm + o_d[None, :]
@@ -277,12 +272,7 @@ def _dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, s
     ``n_start .. n_end - 1`` of the block list ``p_list`` (one flat loop, see ``_fwd_inner``)."""
     m_d = o_d < HEAD_DIM
     for it in range(n_start, n_end, I_STEP):
-        if SPARSE:
-            n0 = (tl.load(p_list + it // tiles_per_block) * bs_n
-                  + (it % tiles_per_block) * BLOCK_N)
-        else:
-            n0 = it
-        n0 = tl.multiple_of(n0, BLOCK_N)
+        n0 = tile_start(it, p_list, tiles_per_block, bs_n, BLOCK_N, SPARSE)
         o_n = n0 + tl.arange(0, BLOCK_N)
         p_k = p_k_base + o_n[:, None] * stride_kn + o_d[None, :]
         p_v = p_v_base + o_n[:, None] * stride_vn + o_d[None, :]

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .masking import (FEATURE_FLAGS, LOG2E, apply_bias, dropout_keep, dropout_row_base,
-                      key_range, sequence, tanh, visible)
+                      key_range, sequence, tanh, tile_start, visible)
 
 # The forward kernel's flags: the shared ones plus paged keys/values, which only the forward
 # reads in place (the backward runs on keys/values gathered from the pages).
@@ -121,12 +121,7 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn,
     """
     m_d = o_d < HEAD_DIM
     for it in range(n_start, n_end, I_STEP):
-        if SPARSE:
-            n0 = (tl.load(p_list + it // tiles_per_block) * bs_n
-                  + (it % tiles_per_block) * BLOCK_N)
-        else:
-            n0 = it
-        n0 = tl.multiple_of(n0, BLOCK_N)
+        n0 = tile_start(it, p_list, tiles_per_block, bs_n, BLOCK_N, SPARSE)
         o_n = n0 + tl.arange(0, BLOCK_N)
         if PAGED:
             o_krow, o_vrow = _kv_rows(p_bt, n0, o_n, sk, stride_kpage, stride_kn, stride_vpage,

@@ -130,6 +130,18 @@ def query_range(n_first, n_last, sq, sk, shift, window_left, window_right,
 
 
 @triton.jit
+def tile_start(it, p_list, tiles_per_block, bs, BLOCK: tl.constexpr, SPARSE: tl.constexpr):
+    """First row of loop step ``it`` of the inner loops: ``it`` itself for a dense range of
+    BLOCK-aligned starts, or with SPARSE tile ``it % tiles_per_block`` of the ``it //
+    tiles_per_block``-th block of the list ``p_list`` (blocks of ``bs`` rows)."""
+    if SPARSE:
+        start = tl.load(p_list + it // tiles_per_block) * bs + (it % tiles_per_block) * BLOCK
+    else:
+        start = it
+    return tl.multiple_of(start, BLOCK)
+
+
+@triton.jit
 def visible(o_m, o_n, sk, shift, window_left, window_right,
             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """Element-wise visibility predicate, ``# [BLOCK_M, BLOCK_N]``."""
