@@ -169,10 +169,7 @@ def graph_ms(fn, warmup: int = 10, rep: int = 60) -> float:
 def graph_or_eager_ms(fn, args):
     """Median ms of ``fn`` replayed from a CUDA graph, or called eagerly where capture fails."""
     try:
-        graph, _ = capture(fn)
-        ms = bench_ms(graph.replay, args.warmup, args.rep)
-        del graph
-        return ms, "graph"
+        return graph_ms(fn, args.warmup, args.rep), "graph"
     except Exception:
         torch.cuda.synchronize()
         return bench_ms(fn, args.warmup, args.rep), "eager"
@@ -386,10 +383,8 @@ def run_config(args, dtype, batch, cache_len, copy_bw, meta) -> list[dict]:
         # the floor at this size: one kernel reading as many bytes as the K/V cache
         src = torch.empty(kv_bytes // 2, device=dev, dtype=torch.bfloat16).normal_()
         try:
-            graph, _ = capture(plain_read(src))
-            record("read_same_bytes", bench_ms(graph.replay, args.warmup, args.rep), "graph",
+            record("read_same_bytes", graph_ms(plain_read(src), args.warmup, args.rep), "graph",
                    status="ok")
-            del graph
         finally:
             del src
 
@@ -397,17 +392,13 @@ def run_config(args, dtype, batch, cache_len, copy_bw, meta) -> list[dict]:
     try:
         ref_out = ours()
         record("flashtile", bench_ms(ours, args.warmup, args.rep), "eager", num_splits=splits, status="ok")
-        graph, _ = capture(ours)
-        record("flashtile_cudagraph", bench_ms(graph.replay, args.warmup, args.rep), "graph",
+        record("flashtile_cudagraph", graph_ms(ours, args.warmup, args.rep), "graph",
                num_splits=splits, status="ok")
-        del graph
         for s in args.sweep_splits:
             def ours_s(s=s):
                 return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=s)
-            graph, _ = capture(ours_s)
-            record(f"flashtile_splits{s}_cudagraph", bench_ms(graph.replay, args.warmup, args.rep), "graph",
+            record(f"flashtile_splits{s}_cudagraph", graph_ms(ours_s, args.warmup, args.rep), "graph",
                    num_splits=s, status="ok")
-            del graph
     except Exception as exc:  # keep going: record what failed
         record("flashtile", None, "-", status=f"error: {type(exc).__name__}: {exc}")
         traceback.print_exc()
@@ -424,11 +415,10 @@ def run_config(args, dtype, batch, cache_len, copy_bw, meta) -> list[dict]:
             def ours_paged():
                 return flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table)
 
-            graph, _ = capture(ours_paged)
-            record("flashtile_paged_cudagraph", bench_ms(graph.replay, args.warmup, args.rep), "graph",
+            record("flashtile_paged_cudagraph", graph_ms(ours_paged, args.warmup, args.rep), "graph",
                    num_splits=launch_decode.default_num_splits(q, hk, cache_len, paged=True),
                    page_size=page, status="ok")
-            del graph, table
+            del table
     except Exception as exc:
         record("flashtile_paged_cudagraph", None, "-", status=f"error: {type(exc).__name__}: {exc}")
         traceback.print_exc()
@@ -444,10 +434,8 @@ def run_config(args, dtype, batch, cache_len, copy_bw, meta) -> list[dict]:
             return flash_attn_with_kvcache(q, kc, vc, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
                                            cache_seqlens=lens_step, causal=True)
 
-        graph, _ = capture(ours_step)
-        record("flashtile_step_cudagraph", bench_ms(graph.replay, args.warmup, args.rep), "graph",
+        record("flashtile_step_cudagraph", graph_ms(ours_step, args.warmup, args.rep), "graph",
                num_splits=splits, status="ok")
-        del graph
     except Exception as exc:
         record("flashtile_step_cudagraph", None, "-", status=f"error: {type(exc).__name__}: {exc}")
         traceback.print_exc()
@@ -565,9 +553,7 @@ def run_layers(args, dtype, batch, cache_len, copy_bw, meta) -> list[dict]:
         r = dict(impl=impl, batch=batch, cache_len=cache_len, layers=n_layers, nheads=h, nheads_k=hk,
                  headdim=d, dtype=str(dtype).replace("torch.", ""), **meta)
         try:
-            graph, _ = capture(fn)
-            ms = bench_ms(graph.replay, args.warmup, args.rep) / n_layers
-            del graph
+            ms = graph_ms(fn, args.warmup, args.rep) / n_layers
             gbps = io_bytes / (ms * 1e-3) / 1e9
             r.update(ms=ms, mode="graph", GBps=gbps, frac_of_copy_bw=gbps / copy_bw, status="ok")
             log(f"  {impl:<34} graph  {ms:9.4f} ms  {gbps:8.1f} GB/s  {100 * gbps / copy_bw:5.1f}% of copy"

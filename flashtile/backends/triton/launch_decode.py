@@ -108,7 +108,7 @@ def choose_num_splits(n_programs: int, n_sms: int, n_tiles: int, max_splits: int
     * fewer programs than ``per_sm`` waves of SMs (``per_sm = 1``, or 2 for a paged cache;
       batch 1-2 at 8 KV heads): the most splits that still fit, ``n_programs * splits <=
       per_sm * n_sms``.  For a contiguous cache one program per SM streaming a long slice beat
-      two per SM (batch 1, 16K: 16 splits 3% faster than 33); a paged cache needs the second
+      two per SM (batch 1, 16K: 16 splits 5% faster than 33); a paged cache needs the second
       program per SM to hide the page-table lookups (batch 8, 16K: 2 splits 25% slower than 4);
     * up to two programs per SM (batch 16-32): no split, the grid already fills every SM once
       and the combine would only add work;
