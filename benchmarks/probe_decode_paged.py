@@ -35,7 +35,7 @@ def main(path):
                 per = cache // page
                 kp, vp = kc.view(batch * per, page, HK, D), vc.view(batch * per, page, HK, D)
                 table = torch.randperm(batch * per, device="cuda").reshape(batch, per).to(torch.int32)
-                default = launch_decode.default_num_splits(q, HK, cache, paged=True)
+                default = launch_decode.default_num_splits(q, HK, cache, page_size=page)
                 for s in sorted({0, 1, 2, 4, 8, 16, 33, 66} - ({16, 33, 66} if batch >= 16 else set())):
                     ms = graph_ms(lambda s=s: flashtile.flash_attn_with_kvcache(
                         q, kp, vp, cache_seqlens=lens, block_table=table, num_splits=s))

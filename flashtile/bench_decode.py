@@ -416,7 +416,7 @@ def run_config(args, dtype, batch, cache_len, copy_bw, meta) -> list[dict]:
                 return flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table)
 
             record("flashtile_paged_cudagraph", graph_ms(ours_paged, args.warmup, args.rep), "graph",
-                   num_splits=launch_decode.default_num_splits(q, hk, cache_len, paged=True),
+                   num_splits=launch_decode.default_num_splits(q, hk, cache_len, page_size=page),
                    page_size=page, status="ok")
             del table
     except Exception as exc:

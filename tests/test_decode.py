@@ -592,6 +592,9 @@ def test_num_splits_heuristic():
     assert choose_num_splits(64, 132, 256, paged=True) == 4  # paged: two programs per SM
     assert choose_num_splits(8, 132, 256, paged=True) == 33
     assert choose_num_splits(512, 132, 256, paged=True) == 4
+    # pages smaller than a tile at batch 64: the per-key lookups of extra splits cost more
+    assert choose_num_splits(512, 132, 256, paged=True, per_key_pages=True) == 1
+    assert choose_num_splits(8, 132, 256, paged=True, per_key_pages=True) == 33  # batch 1 still splits
     assert choose_num_splits(8, 132, 8) <= 2  # a short cache is not worth splitting
     for n_prog in (1, 3, 8, 24, 64, 100):
         for tiles in (1, 16, 64, 2048):

@@ -97,12 +97,13 @@ def _attn_config(on_gpu: bool, head_dim: int, rows: int, dtype: torch.dtype) -> 
 
 @functools.lru_cache(maxsize=4096)
 def choose_num_splits(n_programs: int, n_sms: int, n_tiles: int, max_splits: int = MAX_SPLITS,
-                      paged: bool = False) -> int:
+                      paged: bool = False, per_key_pages: bool = False) -> int:
     """How many slices to cut each row's keys into so that the grid fills the GPU.
 
     ``n_programs``: programs without splitting (batch * kv heads * query blocks);
     ``n_tiles``: key tiles of a full cache row; ``paged``: the keys are read through a block
-    table.  Rules (measured on the H100, d=128 bf16, ``benchmarks/results/decode_splits_*_h100.json``),
+    table; ``per_key_pages``: pages are smaller than a key tile, so the kernel looks the page up
+    for every key (``PAGE_SIZE % BLOCK_N != 0``).  Rules (measured on the H100, d=128 bf16, ``benchmarks/results/decode_splits_*_h100.json``),
     always keeping ``MIN_TILES_PER_SPLIT`` tiles per split:
 
     * fewer programs than ``per_sm`` waves of SMs (``per_sm = 1``, or 2 for a paged cache;
@@ -114,7 +115,9 @@ def choose_num_splits(n_programs: int, n_sms: int, n_tiles: int, max_splits: int
       and the combine would only add work;
     * more (batch 64): programs that each stream a whole row run in uneven waves, and the last
       one leaves SMs idle; about 16 programs per SM even that out (batch 64: 4 splits, 8%
-      faster than none).
+      faster than none).  Not for pages smaller than a tile: there the per-key page lookups
+      of the extra programs cost more than the waves (batch 64, 16-slot pages: no split 5%
+      faster than 4 at 16K and 64K, ``probe_decode_paged_h100.json``).
 
     Memoised: a decode loop asks for the same shapes every step.
     """
@@ -124,31 +127,33 @@ def choose_num_splits(n_programs: int, n_sms: int, n_tiles: int, max_splits: int
     per_sm = 2 if paged else 1
     if n_programs < 0.8 * per_sm * n_sms:
         return max(1, min(cap, per_sm * n_sms // n_programs))
-    if n_programs <= 2 * n_sms:
+    if n_programs <= 2 * n_sms or per_key_pages:
         return 1
     return max(1, min(cap, (16 * n_sms) // n_programs))
 
 
-def default_num_splits(q: torch.Tensor, nheads_k: int, capacity: int, paged: bool = False) -> int:
+def default_num_splits(q: torch.Tensor, nheads_k: int, capacity: int, page_size: int = 0) -> int:
     """The split count ``num_splits=0`` resolves to for query ``q (B, Sq, H, D)`` against a
     cache of ``nheads_k`` heads and ``capacity`` key slots per row (read through a block table
-    when ``paged``)."""
+    of ``page_size``-slot pages; 0: a contiguous cache)."""
     b, sq, h, d = q.shape
     return _plan(_on_gpu(q), d, sq, h // nheads_k, q.dtype, b, nheads_k, capacity, num_sms(q.device), 0,
-                 paged)[-1]
+                 page_size)[-1]
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(on_gpu: bool, head_dim: int, seqlen_q: int, group: int, dtype: torch.dtype, batch: int,
-          nheads_k: int, capacity: int, n_sms: int, num_splits: int, paged: bool = False) -> tuple:
+          nheads_k: int, capacity: int, n_sms: int, num_splits: int, page_size: int = 0) -> tuple:
     """Launch shape of the split-KV kernel for one call signature (memoised):
     ``(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages, m_blocks, num_splits)``, with
-    ``num_splits <= 0`` resolved by :func:`choose_num_splits`."""
+    ``num_splits <= 0`` resolved by :func:`choose_num_splits` (``page_size`` 0: a contiguous
+    cache)."""
     block_m, block_n, block_d, warps, stages = _attn_config(on_gpu, head_dim, seqlen_q * group, dtype)
     m_blocks = _cdiv(seqlen_q * group, block_m)
     if num_splits <= 0:
         num_splits = choose_num_splits(batch * nheads_k * m_blocks, n_sms, _cdiv(capacity, block_n),
-                                       paged=paged)
+                                       paged=page_size > 0,
+                                       per_key_pages=page_size > 0 and page_size % block_n != 0)
     num_splits = max(1, min(int(num_splits), MAX_SPLITS))
     return block_m, block_n, block_d, warps, stages, m_blocks, num_splits
 
@@ -378,7 +383,7 @@ def decode_forward(
 
     block_m, block_n, block_d, warps, stages, m_blocks, num_splits = _plan(
         on_gpu, d, sq, group, q.dtype, b, hk, capacity, num_sms(device) if num_splits <= 0 else 1,
-        int(num_splits), paged)
+        int(num_splits), page_size if paged else 0)
 
     if num_splits == 1:
         o_part, lse_part = out, lse
