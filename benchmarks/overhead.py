@@ -4,7 +4,9 @@
 
 1. Wall-clock microseconds per call on a tiny input, where the GPU work is negligible, so this
    is the Python + launch cost: SDPA flash, flashtile's public forward and forward+backward, and
-   the Triton forward launcher alone; each with ``launch_common._DIRECT`` on and off.
+   the Triton forward launcher alone; each with ``launch_common._DIRECT`` on and off; then
+   forward+backward with the backward's launch plans (``launch_bwd.PLANS``) off and on,
+   alternating over three rounds.
 2. Forward milliseconds at N=512 and 1K (16K tokens, hidden 2048, d=64 and 128, bf16, causal and
    not) through ``flash_attn_func`` against SDPA flash, medians of ``triton.testing.do_bench``.
 3. ``--profile``: the cProfile of a forward+backward through the public call, direct launches on.
@@ -23,7 +25,7 @@ from triton.testing import do_bench
 
 import flashtile
 from flashtile.backends.spec import AttnSpec
-from flashtile.backends.triton import forward, launch_common
+from flashtile.backends.triton import forward, launch_bwd, launch_common
 
 
 def per_call_us(fn, n=2000):
@@ -57,6 +59,18 @@ def host_costs() -> dict:
         rec[f"flashtile_fwd_bwd_us_{tag}"] = per_call_us(
             lambda: flashtile.flash_attn_func(qg, qg, qg, causal=True).sum().backward(), n=500)
         rec[f"launcher_fwd_us_{tag}"] = per_call_us(lambda: forward(q, q, q, spec))
+    # backward launch plans off and on, alternating, direct launches on; a contiguous output
+    # gradient as in training (the gradient of .sum() is an expanded tensor, which the plans
+    # leave to the full path)
+    k, v = qg.detach().clone().requires_grad_(), qg.detach().clone().requires_grad_()
+    dout = torch.randn_like(q)
+    for rnd in range(3):
+        for plans in (False, True):
+            launch_bwd.PLANS = plans
+            tag = f"bwd_plans_{'on' if plans else 'off'}_round{rnd}"
+            rec[f"flashtile_fwd_bwd_us_direct_{tag}"] = per_call_us(
+                lambda: flashtile.flash_attn_func(qg, k, v, causal=True).backward(dout), n=500)
+    launch_bwd.PLANS = True
     return rec
 
 

@@ -35,7 +35,7 @@ def space(pass_: str, d: int) -> list[KernelConfig]:
     else:  # dq
         bms, bns = ((32, 64) if d > 128 else (64, 128)), ((16, 32) if d > 128 else (32, 64))
     out = []
-    for bm, bn, w, s in itertools.product(bms, bns, (4, 8), (2, 3, 4) if pass_ == "fwd" else (1, 3, 5)):
+    for bm, bn, w, s in itertools.product(bms, bns, (4, 8), (2, 3, 4) if pass_ == "fwd" else (1, 2, 3, 4, 5)):
         if bm * bn >= 128 * 128 and w == 4 and d > 64:
             continue  # accumulators would spill at 4 warps
         if bm * bn <= 64 * 32 and w == 8:
