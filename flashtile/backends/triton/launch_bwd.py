@@ -5,7 +5,7 @@ import torch
 
 from ..spec import AttnSpec
 from . import launch_common
-from .configs import get_config, pinned_configs
+from .configs import get_config
 from .kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from .launch_common import (launch, run_direct, alibi_args, bias_args, block_d, broadcast_strides,
                             cdiv, dot_precision, dropout_args, empty, fit_block, layout,
@@ -13,20 +13,12 @@ from .launch_common import (launch, run_direct, alibi_args, bias_args, block_d, 
 
 
 # Launch plans of plain backward calls (no optional feature), as the forward keeps them
-# (launch_fwd): at short sequences the three launches' host work (configs, ~60 arguments each,
-# direct-launch keys) costs as much as their GPU time.  A plan keeps, per (shapes, strides,
-# dtype, alignment, device, spec), each launch's grid, compiled kernel and argument list, with
-# the positions where the call's tensors go; later calls allocate the outputs and launch.
-_plans: dict = {}
-_MAX_PLANS = 1024
+# (launch_common.PlanCache): at short sequences the three launches' host work (configs, ~60
+# arguments each, direct-launch keys) costs as much as their GPU time.  A plan keeps each
+# launch's grid, compiled kernel and argument list, with the positions where the call's tensors
+# go; later calls allocate the outputs and launch.
+_plans = launch_common.PlanCache()
 PLANS = True  # False: every call takes the full path (benchmarks/overhead.py compares the two)
-
-
-def _plan_key(do, q, k, v, out, lse, spec: AttnSpec):
-    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), do.shape, do.stride(),
-            out.shape, out.stride(), lse.shape, lse.stride(), q.dtype, q.device, spec,
-            q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, do.data_ptr() & 15,
-            out.data_ptr() & 15, lse.data_ptr() & 15)
 
 
 # The tensors each backward kernel takes first, in order (the other tensor parameters are the
@@ -85,10 +77,9 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
     gradient of the additive bias into it."""
     plain = (alibi_slopes is None and cu_seqlens_q is None and attn_bias is None
              and rng_seed is None and block_mask is None and dbias is None and do.stride(-1) == 1
-             and PLANS and launch_common._DIRECT and not launch_common._poison
-             and not pinned_configs())
+             and PLANS and launch_common.plans_enabled())
     if plain:
-        key = _plan_key(do, q, k, v, out, lse, spec)
+        key = (launch_common.signature(do, q, k, v, out, lse), q.dtype, q.device, spec)
         plan = _plans.get(key)
         # a profiler hook asks every launch to take the full path (see run_direct)
         if plan is not None and launch_common._no_launch_hooks():
@@ -162,7 +153,5 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
         plan = _record(launched, dict(q=q, k=k, v=v, do=do, out=out, lse=lse, dq=dq, dk=dk, dv=dv,
                                       delta=delta, lse2=lse2))
         if plan is not None:
-            if len(_plans) >= _MAX_PLANS:
-                _plans.clear()
-            _plans[key] = plan
+            _plans.put(key, plan)
     return dq, dk, dv

@@ -15,7 +15,7 @@ from triton.runtime.errors import OutOfResources
 from triton.runtime.jit import JITFunction
 
 from ..spec import AttnSpec
-from .configs import interpreting
+from .configs import interpreting, pinned_configs
 
 LOG2E = 1.4426950408889634
 
@@ -37,6 +37,37 @@ def poison_outputs():
 def empty(shape, dtype, device) -> torch.Tensor:
     out = torch.empty(shape, dtype=dtype, device=device)
     return out.fill_(float("nan")) if _poison else out
+
+
+# Launch plans of plain calls (launch_fwd, launch_bwd): per call signature, the grids, compiled
+# kernels and arguments of a first call, which later calls of that signature replay with their
+# own tensors instead of rebuilding ~60 kernel arguments per launch.
+class PlanCache:
+    """Plans by signature; emptied when it reaches ``limit`` entries."""
+
+    def __init__(self, limit: int = 1024):
+        self._plans: dict = {}
+        self._limit = limit
+
+    def get(self, key):
+        return self._plans.get(key)
+
+    def put(self, key, plan) -> None:
+        if len(self._plans) >= self._limit:
+            self._plans.clear()
+        self._plans[key] = plan
+
+
+def plans_enabled() -> bool:
+    """Plans replay direct launches, and are not used while outputs are poisoned (every buffer
+    must come from :func:`empty`) or configs are pinned (``configs.override``)."""
+    return _DIRECT and not _poison and not pinned_configs()
+
+
+def signature(*tensors: torch.Tensor) -> tuple:
+    """Shape, strides and 16-byte alignment of each tensor: with the dtype, device and spec,
+    everything a plan's launches depend on."""
+    return tuple([(t.shape, t.stride(), t.data_ptr() & 15) for t in tensors])
 
 
 def seq_strides(x: torch.Tensor, varlen: bool) -> tuple[int, int, int]:

@@ -5,7 +5,7 @@ import torch
 
 from ..spec import AttnSpec
 from . import launch_common
-from .configs import get_config, pinned_configs
+from .configs import get_config
 from .kernels.fwd import attn_fwd_kernel
 from .launch_common import (launch, run_direct, alibi_args, bias_args, block_d, cdiv,
                             dot_precision, dropout_args,
@@ -13,19 +13,12 @@ from .launch_common import (launch, run_direct, alibi_args, bias_args, block_d, 
                             sparse_args)
 
 
-# Launch plans of plain calls (no optional feature).  A short-sequence forward costs as much host
-# time as GPU time, and most of that host time rebuilds the same ~60 kernel arguments from the
-# same shapes.  A plan keeps, per (shapes, strides, dtype, alignment, device, spec), the grid,
-# the compiled kernel and the arguments of the first call; later calls only allocate out / lse
-# and put the five tensors in place.  Plans are used only with direct launches on, outside
-# ``poison_outputs`` and ``configs.override``.
-_plans: dict = {}
-_MAX_PLANS = 1024
-
-
-def _plan_key(q, k, v, spec: AttnSpec):
-    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
-            spec, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15)
+# Launch plans of plain calls (no optional feature, see launch_common.PlanCache).  A
+# short-sequence forward costs as much host time as GPU time, and most of that host time
+# rebuilds the same ~60 kernel arguments from the same shapes.  A plan keeps the grid, the
+# compiled kernel and the arguments of the first call; later calls only allocate out / lse and
+# put the five tensors in place.
+_plans = launch_common.PlanCache()
 
 
 def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -35,9 +28,9 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu
     ``(num_blocks, page_size, Hk, D)`` read through the table inside the kernel."""
     plain = (alibi_slopes is None and cu_seqlens_q is None and attn_bias is None
              and rng_seed is None and block_mask is None and block_table is None
-             and launch_common._DIRECT and not launch_common._poison and not pinned_configs())
+             and launch_common.plans_enabled())
     if plain:
-        key = _plan_key(q, k, v, spec)
+        key = (launch_common.signature(q, k, v), q.dtype, q.device, spec)
         plan = _plans.get(key)
         if plan is not None:
             grid, compiled, values, lse_shape = plan
@@ -84,9 +77,7 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu
             BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size, DOT_PREC=dot_precision(q.dtype),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **scalar_args(spec)))
     if plain and launched is not None and q.device.index is not None:
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
         compiled, values = launched
         # q, k, v, out, lse are the kernel's first five arguments; a new call replaces them
-        _plans[key] = (grid, compiled, [None] * 5 + list(values[5:]), lse.shape)
+        _plans.put(key, (grid, compiled, [None] * 5 + list(values[5:]), lse.shape))
     return out, lse
