@@ -6,8 +6,8 @@ gradient buffers, and compares against a float64 reference using flash-attn's ru
     |flashtile - ref64|_max  <=  2 * |torch_same_dtype - ref64|_max + eps      (output)
     |flashtile - ref64|_max  <=  3 * |torch_same_dtype - ref64|_max + eps      (dq, dk, dv)
 
-where ``torch_same_dtype`` is plain attention computed by PyTorch in the input dtype (softmax
-in float32).  On a GPU it runs the Triton kernels; on a CPU the torch backend (small shapes).
+where ``ref64`` and ``torch_same_dtype`` are ``flashtile.reference.torch_ref.reference`` in
+float64 and in the input dtype (softmax in float32).  On a GPU it runs the Triton kernels; on a CPU the torch backend (small shapes).
 Feature cases (``--features`` runs only those) cover dropout (the reference applies the keep
 mask read back from ``S_dmask``, or regenerated from the call's seed), SDPA attention masks and
 learnable biases (``dbias`` checked with the gradient rule), block-sparse attention (the
@@ -36,46 +36,8 @@ from .backends.spec import AttnSpec
 from .block_sparse import (block_sparse_attn_func, butterfly_block_mask, expand_block_mask,
                            local_block_mask)
 from .interface import flash_attn_func, flash_attn_varlen_func, scaled_dot_product_attention
-from .masks import visible_mask
+from .reference.torch_ref import reference
 from .rng import draw_seed, keep_mask
-
-
-def reference(q, k, v, spec: AttnSpec, alibi_slopes=None, dtype=torch.float64, attn_bias=None,
-              keep=None):
-    """Plain attention in ``dtype`` (softmax in at least float32); dense flash layout.
-
-    ``attn_bias``: bool mask (True = attend) or additive float bias broadcastable to
-    ``(B, H, Sq, Sk)`` (differentiable).  ``keep``: bool dropout keep mask ``(B, H, Sq, Sk)``;
-    kept probabilities are scaled by ``1 / (1 - spec.dropout_p)``.  Rows that see no key give
-    0 and zero gradients.
-    """
-    batch, sq, nheads, d = q.shape
-    sk, nheads_k = k.shape[1], k.shape[2]
-    qd, kd, vd = (x.to(dtype).transpose(1, 2) for x in (q, k, v))
-    kd = kd.repeat_interleave(nheads // nheads_k, dim=1)
-    vd = vd.repeat_interleave(nheads // nheads_k, dim=1)
-    s = torch.matmul(qd, kd.transpose(-1, -2))
-    soft_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    s = s.to(soft_dtype) * spec.softmax_scale
-    if spec.softcap > 0:
-        s = spec.softcap * torch.tanh(s / spec.softcap)
-    if alibi_slopes is not None:
-        i = torch.arange(sq, device=q.device)[:, None]
-        j = torch.arange(sk, device=q.device)[None, :]
-        s = s - alibi_slopes.to(soft_dtype).reshape(-1, nheads, 1, 1) * (i + sk - sq - j).abs()
-    if attn_bias is not None:
-        if attn_bias.dtype == torch.bool:
-            s = s.masked_fill(~attn_bias, float("-inf"))
-        else:
-            s = s + attn_bias.to(soft_dtype)
-    vis = visible_mask(sq, sk, spec.window_left, spec.window_right, spec.bottom_right, q.device)
-    s = s.masked_fill(~vis, float("-inf"))
-    seen = (s > float("-inf")).any(dim=-1, keepdim=True)
-    p = torch.softmax(torch.where(seen, s, torch.zeros_like(s)), dim=-1) * seen
-    if keep is not None:
-        p = p * keep.to(p.dtype) / (1.0 - spec.dropout_p)
-    out = torch.matmul(p.to(dtype), vd)
-    return out.transpose(1, 2)
 
 
 @dataclasses.dataclass
@@ -331,46 +293,6 @@ def feature_cases(device: torch.device, quick: bool) -> list[Case]:
     return out
 
 
-def direct_launch_check(device: torch.device) -> list[str]:
-    """Launches through cached compiled kernels (``launch_common._DIRECT``) against
-    ``kernel[grid]``: forward and backward must be bitwise equal for every variant below,
-    including inputs whose pointer alignment differs from the call that filled the cache.
-    Returns the names of the variants that differ (GPU only)."""
-    from .backends.triton import launch_common
-
-    gen = torch.Generator(device=device).manual_seed(7)
-    buf = torch.randn(3 * 2 * 200 * 4 * 64 + 8, generator=gen, device=device, dtype=torch.float16)
-
-    def views(offset):  # q, k, v of (2, 200, 4, 64) starting `offset` elements into `buf`
-        n = 2 * 200 * 4 * 64
-        return [buf[offset + i * n: offset + (i + 1) * n].view(2, 200, 4, 64) for i in range(3)]
-
-    bias = torch.randn(2, 4, 200, 200, generator=gen, device=device, dtype=torch.float16)
-    variants = {
-        "causal": lambda q, k, v: flash_attn_func(q, k, v, causal=True),
-        "window": lambda q, k, v: flash_attn_func(q, k, v, window_size=(37, 5), softcap=20.0),
-        "gqa": lambda q, k, v: flash_attn_func(q, k[:, :, :2], v[:, :, :2]),
-        "dropout": lambda q, k, v: flash_attn_func(q, k, v, dropout_p=0.2),
-        "bias": lambda q, k, v: scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias).transpose(1, 2),
-    }
-    failed = []
-    for name, fn in variants.items():
-        for offset in (0, 1, 0):  # aligned, misaligned (a different specialisation), aligned
-            results = []
-            for direct in (False, True, True):
-                launch_common._DIRECT = direct
-                q, k, v = (x.detach().requires_grad_() for x in views(offset))
-                torch.manual_seed(11)
-                out = fn(q, k, v)
-                out.backward(torch.ones_like(out))
-                results.append([out.detach(), q.grad, k.grad, v.grad])
-            launch_common._DIRECT = True
-            if not all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0], r)):
-                failed.append(f"{name}@offset{offset}")
-    return failed
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashtile.check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -379,18 +301,12 @@ def main(argv=None) -> int:
     parser.add_argument("--features", action="store_true",
                         help="only the dropout / mask / bias / block-sparse / paged-varlen cases")
     parser.add_argument("--json", help="write the results to this file")
-    parser.add_argument("--direct-launch", action="store_true",
-                        help="only check that cached direct launches equal kernel[grid] launches")
     parser.add_argument("--only", default="", help="run only cases whose name matches this "
                         "regular expression (e.g. ^bfloat16); several processes with disjoint "
                         "filters compile in parallel")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     t0 = time.time()
-    if args.direct_launch:
-        failed = direct_launch_check(device) if device.type == "cuda" else []
-        print(f"direct launches: {'differ for ' + ', '.join(failed) if failed else 'all bitwise equal'}")
-        return 1 if failed else 0
     todo = feature_cases(device, args.quick) if args.features else cases(device, args.quick)
     results = [run_case(c, device) for c in todo if re.search(args.only, c.name)]
     if not results:

@@ -1,6 +1,7 @@
-"""Float64 NumPy reference implementations.
+"""Reference implementations: the oracles the tests compare against.
 
-``naive``       materialised attention (forward and analytic backward): the test oracle.
+``torch_ref``   plain attention in torch (float64 by default) and a RoPE oracle: the tests' oracle.
+``naive``       materialised attention in float64 NumPy (forward and analytic backward).
 ``algorithms``  the FlashAttention papers' blockwise algorithms for one head, for reading.
 """
 from . import algorithms, naive

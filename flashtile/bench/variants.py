@@ -75,8 +75,8 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 import torch.nn.functional as F
 
-from . import bench
-from .bench import Inputs, Prepared
+from . import common, render
+from .common import Inputs, Prepared
 
 __all__ = [
     "IMPLS", "RECORD_KEYS", "SWEEPS", "VariantCase", "VariantsConfig", "build_plan", "main",
@@ -152,7 +152,7 @@ class VariantsConfig:
         def bad(field: str, msg: str):
             raise ValueError(f"{field}: {msg}")
 
-        for field, allowed in (("sweeps", SWEEPS), ("impls", IMPLS), ("modes", tuple(bench.MODES))):
+        for field, allowed in (("sweeps", SWEEPS), ("impls", IMPLS), ("modes", tuple(common.MODES))):
             values = getattr(self, field)
             if not values:
                 bad(field, "empty")
@@ -161,8 +161,8 @@ class VariantsConfig:
                 bad(field, f"unknown {unknown[0]!r}; choose from {', '.join(allowed)}")
         if self.device not in ("cpu", "cuda"):
             bad("device", f"{self.device!r} is neither cpu nor cuda")
-        if self.dtype not in bench.DTYPES:
-            bad("dtype", f"unknown {self.dtype!r}; choose from {', '.join(bench.DTYPES)}")
+        if self.dtype not in common.DTYPES:
+            bad("dtype", f"unknown {self.dtype!r}; choose from {', '.join(common.DTYPES)}")
         for field in ("n", "batch", "heads", "d", "block_size"):
             if getattr(self, field) <= 0:
                 bad(field, f"must be positive, got {getattr(self, field)}")
@@ -218,27 +218,27 @@ def variants_parser() -> argparse.ArgumentParser:
     p.add_argument("--flex", action="store_true",
                    help="add compiled FlexAttention with block masks (CUDA only)")
     p.add_argument("--mode", nargs="+", default=None, metavar="MODE",
-                   help=f"any of {', '.join(bench.MODES)}, or all (default fwd fwd_bwd)")
-    p.add_argument("--n", type=bench.parse_seqlen, default=None, help="sequence length, e.g. 8K")
-    p.add_argument("--batch", type=bench._positive_int, default=None)
-    p.add_argument("--heads", type=bench._positive_int, default=None)
-    p.add_argument("--d", type=bench._positive_int, default=None, help="head dim")
-    p.add_argument("--dtype", type=bench.parse_dtype, default=None,
-                   help=f"one of {', '.join(bench.DTYPES)}")
-    p.add_argument("--block-size", type=bench._positive_int, default=None,
+                   help=f"any of {', '.join(common.MODES)}, or all (default fwd fwd_bwd)")
+    p.add_argument("--n", type=common.parse_seqlen, default=None, help="sequence length, e.g. 8K")
+    p.add_argument("--batch", type=common.positive_int, default=None)
+    p.add_argument("--heads", type=common.positive_int, default=None)
+    p.add_argument("--d", type=common.positive_int, default=None, help="head dim")
+    p.add_argument("--dtype", type=common.parse_dtype, default=None,
+                   help=f"one of {', '.join(common.DTYPES)}")
+    p.add_argument("--block-size", type=common.positive_int, default=None,
                    help="block-sparse block size, a multiple of 16 (default 128 on CUDA)")
     p.add_argument("--densities", nargs="+", type=_density, default=None, metavar="X",
                    help="target block densities (default 1 1/2 1/4 1/8 1/16)")
-    p.add_argument("--windows", nargs="+", type=bench.parse_seqlen, default=None, metavar="W",
+    p.add_argument("--windows", nargs="+", type=common.parse_seqlen, default=None, metavar="W",
                    help="window sizes w of window_size=(w, 0) (default N/32 N/8 N/2 N)")
-    p.add_argument("--varlen-mean", type=bench.parse_seqlen, default=None, metavar="M",
+    p.add_argument("--varlen-mean", type=common.parse_seqlen, default=None, metavar="M",
                    help="mean varlen sequence length (default N/8)")
-    p.add_argument("--varlen-tokens", type=bench.parse_seqlen, default=None, metavar="T",
+    p.add_argument("--varlen-tokens", type=common.parse_seqlen, default=None, metavar="T",
                    help="tokens packed in the varlen batch (default B*N)")
     p.add_argument("--quick", action="store_true", help="smaller preset (N=4K on CUDA)")
     p.add_argument("--warmup", type=float, default=None, help="warm-up ms (default 25 on CUDA)")
     p.add_argument("--rep", type=float, default=None, help="measured ms (default 100 on CUDA)")
-    bench._common_arguments(p, f"{RESULTS_FILE} and the plots")
+    common.common_arguments(p, f"{RESULTS_FILE} and the plots")
     return p
 
 
@@ -248,16 +248,16 @@ def parse_args(argv: Sequence[str] | None = None) -> VariantsConfig:
     names = {}
     for flag, values, allowed, what in (("sweeps", a.sweeps, SWEEPS, "sweep"),
                                         ("impl", a.impl, IMPLS, "implementation"),
-                                        ("mode", a.mode, list(bench.MODES), "mode")):
+                                        ("mode", a.mode, list(common.MODES), "mode")):
         try:
-            names[flag] = bench._names(values, allowed, what)
+            names[flag] = common.parse_names(values, allowed, what)
         except argparse.ArgumentTypeError as exc:
             p.error(f"argument --{flag}: {exc}")
     sweeps, impls, modes = names["sweeps"], names["impl"], names["mode"]
     impls = impls or VariantsConfig.impls
     if a.flex and "flex" not in impls:
         impls += ("flex",)
-    device = a.device or bench._default_device()
+    device = a.device or common.default_device()
     sizes = PRESETS[(device, bool(a.quick))]
 
     def pick(value, default):
@@ -308,7 +308,7 @@ def varlen_pairs(lengths: Sequence[int], causal: bool) -> Fraction:
 
 
 def _useful_flops(pairs: Fraction, heads: int, d: int, mode: str) -> int:
-    return int(4 * d * heads * pairs * bench.MODES[mode].flops_mult)
+    return int(4 * d * heads * pairs * common.MODES[mode].flops_mult)
 
 
 # --------------------------------------------------------------------------------------------
@@ -351,11 +351,11 @@ class VarlenData:
 
 def make_varlen_data(lengths: list[int], heads: int, d: int, dtype: str,
                      device: torch.device | str, seed: int) -> VarlenData:
-    dt = bench.DTYPES[dtype]
+    dt = common.DTYPES[dtype]
     torch.manual_seed(seed)
     total = sum(lengths)
     packed = Inputs(*(torch.randn(total, heads, d, dtype=dt, device=device) for _ in range(4)))
-    padded = bench.make_inputs(len(lengths), max(lengths), heads, d, dtype, device, seed + 1)
+    padded = common.make_inputs(len(lengths), max(lengths), heads, d, dtype, device, seed + 1)
     cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
     return VarlenData(lengths, cu, packed, padded)
 
@@ -369,12 +369,12 @@ def _leaves(inp: Inputs) -> tuple[torch.Tensor, ...]:
 
 
 def _prepare_dense_flashtile(causal: bool) -> Callable[[Inputs], Prepared]:
-    return lambda inp: bench.IMPLS["flashtile"].prepare(inp, causal, inp.d ** -0.5)
+    return lambda inp: common.IMPLS["flashtile"].prepare(inp, causal, inp.d ** -0.5)
 
 
 def _prepare_block_sparse(blocks: torch.Tensor, block_size: int) -> Callable[[Inputs], Prepared]:
     def prepare(inp: Inputs) -> Prepared:
-        from .block_sparse import block_sparse_attn_func
+        from ..block_sparse import block_sparse_attn_func
 
         mask = blocks.to(inp.device)[None, None]
         q, k, v = _leaves(inp)
@@ -388,7 +388,7 @@ def _prepare_block_sparse(blocks: torch.Tensor, block_size: int) -> Callable[[In
 
 def _prepare_window_flashtile(w: int) -> Callable[[Inputs], Prepared]:
     def prepare(inp: Inputs) -> Prepared:
-        ft = bench._flashtile()
+        ft = common.flashtile_api()
         q, k, v = _leaves(inp)
 
         def fn():
@@ -399,25 +399,25 @@ def _prepare_window_flashtile(w: int) -> Callable[[Inputs], Prepared]:
 
 
 def _prepare_dense_sdpa(causal: bool) -> Callable[[Inputs], Prepared]:
-    return lambda inp: bench.IMPLS["sdpa"].prepare(inp, causal, inp.d ** -0.5)
+    return lambda inp: common.IMPLS["sdpa"].prepare(inp, causal, inp.d ** -0.5)
 
 
 def _prepare_window_sdpa(w: int) -> Callable[[Inputs], Prepared]:
     def prepare(inp: Inputs) -> Prepared:
-        from .masks import visible_mask
+        from ..masks import visible_mask
 
         mask = visible_mask(inp.n, inp.n, window_left=w, window_right=0, device=inp.device)
-        q, k, v = (bench._bhnd(t).requires_grad_() for t in (inp.q, inp.k, inp.v))
+        q, k, v = (common.bhnd(t).requires_grad_() for t in (inp.q, inp.k, inp.v))
 
         def fn():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=inp.d ** -0.5)
-        return Prepared(fn, (q, k, v), bench._bhnd(inp.dout))
+        return Prepared(fn, (q, k, v), common.bhnd(inp.dout))
     return prepare
 
 
 def _prepare_varlen(causal: bool) -> Callable[[VarlenData], Prepared]:
     def prepare(data: VarlenData) -> Prepared:
-        ft = bench._flashtile()
+        ft = common.flashtile_api()
         q, k, v = _leaves(data.packed)
         cu, longest, scale = data.cu_seqlens, data.longest, q.shape[-1] ** -0.5
 
@@ -453,7 +453,7 @@ def paged_pools(data: VarlenData, page_size: int, seed: int):
 
 def _prepare_varlen_paged(causal: bool, page_size: int, seed: int) -> Callable[[VarlenData], Prepared]:
     def prepare(data: VarlenData) -> Prepared:
-        ft = bench._flashtile()
+        ft = common.flashtile_api()
         k_pool, v_pool, table = paged_pools(data, page_size, seed)
         q = data.packed.q.detach().requires_grad_()
         k_pool, v_pool = k_pool.requires_grad_(), v_pool.requires_grad_()
@@ -509,19 +509,19 @@ def _prepare_flex(kind: str, value: Any = None, block_size: int = 128) -> Callab
             _FLEX.update(key=key, fn=torch.compile(flex_attention, dynamic=False),
                          block_mask=block_mask)
         compiled, block_mask = _FLEX["fn"], _FLEX["block_mask"]
-        q, k, v = (bench._bhnd(t).requires_grad_() for t in (inp.q, inp.k, inp.v))
+        q, k, v = (common.bhnd(t).requires_grad_() for t in (inp.q, inp.k, inp.v))
 
         def fn():
             return compiled(q, k, v, block_mask=block_mask, scale=inp.d ** -0.5)
-        return Prepared(fn, (q, k, v), bench._bhnd(inp.dout))
+        return Prepared(fn, (q, k, v), common.bhnd(inp.dout))
     return prepare
 
 
 def _context(impl: str) -> Callable[[torch.device], ContextManager]:
     if impl == "flashtile":
-        return bench._flashtile_context
+        return common.flashtile_context
     if impl == "flex":
-        return bench._flex_context
+        return common.flex_context
     return lambda device: contextlib.nullcontext()
 
 
@@ -557,7 +557,7 @@ def _fmt_param(variant: str, param) -> str:
     if variant == "block_sparse":
         return f"{param:.3g}"
     if variant == "window":
-        return bench.format_n(int(param))
+        return render.format_n(int(param))
     return f"{param:.4g}"
 
 
@@ -643,7 +643,7 @@ def fill_ratios(records: list[dict]) -> list[dict]:
 
 
 def _record(env: dict, cfg: VariantsConfig, case: VariantCase, **fields) -> dict[str, Any]:
-    return bench.fill_record(RECORD_KEYS, env, dict(
+    return common.fill_record(RECORD_KEYS, env, dict(
         sweep=case.sweep, impl=case.impl, mode=case.mode, variant=case.variant, param=case.param,
         causal=case.causal, dtype=cfg.dtype, d=cfg.d, n=cfg.n, batch=cfg.batch, heads=cfg.heads,
         detail=case.detail, **fields))
@@ -651,7 +651,7 @@ def _record(env: dict, cfg: VariantsConfig, case: VariantCase, **fields) -> dict
 
 def _make_data(kind: str, cfg: VariantsConfig, device: torch.device):
     if kind == "dense":
-        return bench.make_inputs(cfg.batch, cfg.n, cfg.heads, cfg.d, cfg.dtype, device, cfg.seed)
+        return common.make_inputs(cfg.batch, cfg.n, cfg.heads, cfg.d, cfg.dtype, device, cfg.seed)
     lengths = varlen_lengths(cfg.total_tokens(), cfg.mean_length(), cfg.seed)
     return make_varlen_data(lengths, cfg.heads, cfg.d, cfg.dtype, device, cfg.seed)
 
@@ -670,12 +670,12 @@ def run_variants(cfg: VariantsConfig, timer: Callable[[Callable], float] | None 
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but CUDA is not available")
     if "flex" in cfg.impls and device.type == "cpu":
-        bench._log("flex: skipped on CPU (the FlexAttention peer is compiled for CUDA)")
-    timer = timer or bench.make_timer(device, cfg.warmup, cfg.rep)
-    env = bench.runtime_env(device)
+        common.log("flex: skipped on CPU (the FlexAttention peer is compiled for CUDA)")
+    timer = timer or common.make_timer(device, cfg.warmup, cfg.rep)
+    env = common.runtime_env(device)
     plan = build_plan(cfg)
     records: list[dict] = []
-    progress = bench.make_progress(len(plan), cfg.progress)
+    progress = common.make_progress(len(plan), cfg.progress)
     data_kind, data, failure = None, None, None
     stop_reason = None
     reset_flex_cache()
@@ -684,33 +684,33 @@ def run_variants(cfg: VariantsConfig, timer: Callable[[Callable], float] | None 
             if case.data != data_kind:
                 data = None
                 gc.collect()
-                bench._empty_cache(device)
+                common.empty_cache(device)
                 data_kind, failure = case.data, None
                 try:
                     data = _make_data(case.data, cfg, device)
                 except Exception as exc:  # noqa: BLE001 - recorded for every case on it
                     if cfg.raise_errors:
                         raise
-                    failure = (bench.classify_error(exc, True),
-                               f"making the inputs: {bench.first_line(exc)}")
+                    failure = (common.classify_error(exc, True),
+                               f"making the inputs: {common.first_line(exc)}")
             progress.set_description(case.label())
             if failure is None:
-                status, error, ms = bench.time_call(
+                status, error, ms = common.time_call(
                     lambda c=case, x=data: c.prepare(x), case.mode, device, timer,
                     lambda c=case: _context(c.impl)(device), case.impl != "flashtile",
                     cfg.raise_errors)
             else:
                 (status, error), ms = failure, None
             flop_count = _useful_flops(case.pairs, cfg.heads, cfg.d, case.mode)
-            tflops = bench.tflops_of(flop_count, ms) if status == "ok" else None
+            tflops = common.tflops_of(flop_count, ms) if status == "ok" else None
             records.append(_record(env, cfg, case, ms=ms, tflops=tflops, status=status,
                                    error=error))
             if status == "error":
                 progress.write(f"error: {case.label()}: {error}")
             progress.update(1)
-            bench._write_results(cfg.out, cfg.merge_into, fill_ratios(records), RESULTS_FILE,
+            common.write_results(cfg.out, cfg.merge_into, fill_ratios(records), RESULTS_FILE,
                                  variant_key)
-            if bench.is_fatal(error):
+            if common.is_fatal(error):
                 stop_reason = f"unrecoverable CUDA error in {case.label()}"
                 break
     finally:
@@ -718,8 +718,8 @@ def run_variants(cfg: VariantsConfig, timer: Callable[[Callable], float] | None 
         data = None
         reset_flex_cache()
     if stop_reason is not None:
-        bench._log(f"{stop_reason}: ran {len(records)} of {len(plan)} cases")
-    bench._write_results(cfg.out, cfg.merge_into, fill_ratios(records), RESULTS_FILE,
+        common.log(f"{stop_reason}: ran {len(records)} of {len(plan)} cases")
+    common.write_results(cfg.out, cfg.merge_into, fill_ratios(records), RESULTS_FILE,
                          variant_key)
     print(render_table(records), file=stdout)
     written = [cfg.out / RESULTS_FILE]
@@ -727,7 +727,7 @@ def run_variants(cfg: VariantsConfig, timer: Callable[[Callable], float] | None 
         written += plot(records, cfg.out)
     if cfg.merge_into is not None:
         written.append(cfg.merge_into)
-    bench._log("wrote " + ", ".join(str(p) for p in written))
+    common.log("wrote " + ", ".join(str(p) for p in written))
     return records
 
 
@@ -741,7 +741,7 @@ def _shape(r: dict) -> tuple:
 
 def _shape_text(shape: tuple) -> str:
     dtype, d, n, batch, heads = shape
-    return f"{dtype}, d={d}, N={bench.format_n(n)}, B={batch}, H={heads}"
+    return f"{dtype}, d={d}, N={render.format_n(n)}, B={batch}, H={heads}"
 
 
 def render_table(records: list[dict]) -> str:
@@ -754,17 +754,17 @@ def render_table(records: list[dict]) -> str:
     sweep_order = {s: i for i, s in enumerate(SWEEPS)}
     variant_order = {v: i for i, v in enumerate(("dense", "padded", "block_sparse", "window",
                                                  "varlen"))}
-    for dev, dev_recs in bench._by_device(recs):
+    for dev, dev_recs in render.by_device(recs):
         for shape in dict.fromkeys(_shape(r) for r in dev_recs):
             sel = [r for r in dev_recs if _shape(r) == shape]
-            impls = bench._ordered((r["impl"] for r in sel), IMPLS)
+            impls = render.ordered((r["impl"] for r in sel), IMPLS)
             cells = {}
             for r in sel:
                 cells[(r["sweep"], r["variant"], variant_key(r)[5], bool(r["causal"]),
                        r["mode"], r["impl"])] = r
             keys = sorted({k[:-1] for k in cells}, key=lambda k: (
-                sweep_order.get(k[0], 9), k[3], list(bench.MODES).index(k[4])
-                if k[4] in bench.MODES else 9, variant_order.get(k[1], 9),
+                sweep_order.get(k[0], 9), k[3], list(common.MODES).index(k[4])
+                if k[4] in common.MODES else 9, variant_order.get(k[1], 9),
                 -(k[2] or 0) if k[0] == "sparse" else (k[2] or 0)))
             header = ["sweep", "variant", "param", "causal", "mode"]
             header += [h for i in impls for h in (f"{i} ms", f"{i} /ref")]
@@ -778,13 +778,13 @@ def render_table(records: list[dict]) -> str:
                     if r is None:
                         row += ["-", "-"]
                     elif r["status"] != "ok":
-                        row += [bench._STATUS_CELL.get(r["status"], str(r["status"])), "-"]
+                        row += [render.STATUS_CELL.get(r["status"], str(r["status"])), "-"]
                     else:
                         ratio = r.get("ratio_vs_dense")
                         row += [f"{r['ms']:.3g}", "-" if ratio is None else f"{ratio:.2f}"]
                 rows.append(row)
             title = f"variants, {_shape_text(shape)} (ms; /ref = ms over the reference's ms)"
-            parts.append((dev, title + "\n" + bench._markdown(header, rows)))
+            parts.append((dev, title + "\n" + render.markdown(header, rows)))
     if len(parts) == 1:
         return parts[0][1]
     return "\n\n".join(f"device: {dev}\n{text}" for dev, text in parts)
@@ -794,8 +794,8 @@ def _line_plot(ax, sel: list[dict], variant: str, x_label: str, ref_label: str) 
     from matplotlib.ticker import NullLocator
 
     xs_all = set()
-    for impl in bench._ordered((r["impl"] for r in sel), IMPLS):
-        for mode in bench._ordered((r["mode"] for r in sel), list(bench.MODES)):
+    for impl in render.ordered((r["impl"] for r in sel), IMPLS):
+        for mode in render.ordered((r["mode"] for r in sel), list(common.MODES)):
             pts = {r["param"]: r["ratio_vs_dense"] for r in sel
                    if r["impl"] == impl and r["mode"] == mode and r["variant"] == variant
                    and r["status"] == "ok" and r.get("ratio_vs_dense")}
@@ -811,7 +811,7 @@ def _line_plot(ax, sel: list[dict], variant: str, x_label: str, ref_label: str) 
         ax.set_ylim(bottom=0)
     if variant == "window" and xs_all:
         ax.set_xticks(sorted(xs_all))
-        ax.set_xticklabels([bench.format_n(int(x)) for x in sorted(xs_all)])
+        ax.set_xticklabels([render.format_n(int(x)) for x in sorted(xs_all)])
         ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xlabel(x_label)
     ax.set_ylabel(f"time / {ref_label} time")
@@ -823,22 +823,22 @@ def plot(records: list[dict], out_dir: Path | str) -> list[Path]:
     line), ``window.png`` (time / causal time against w) and ``varlen.png`` (ms of packed and
     padded calls), per device and shape (prefixed with them when there are several)."""
     recs = [r for r in records if "variant" in r]
-    if not recs or not bench._have_matplotlib():
+    if not recs or not render.have_matplotlib():
         return []
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = [(dev, shape, [r for r in dev_recs if _shape(r) == shape])
-              for dev, dev_recs in bench._by_device(recs)
+              for dev, dev_recs in render.by_device(recs)
               for shape in dict.fromkeys(_shape(r) for r in dev_recs)]
     paths = []
     for dev, shape, sel in groups:
         prefix = "" if len(groups) == 1 else (
-            f"{bench._slug(dev)}_{shape[0]}_d{shape[1]}_n{shape[2]}_b{shape[3]}_h{shape[4]}_")
-        for sweep in bench._ordered((r["sweep"] for r in sel), SWEEPS):
+            f"{render.slug(dev)}_{shape[0]}_d{shape[1]}_n{shape[2]}_b{shape[3]}_h{shape[4]}_")
+        for sweep in render.ordered((r["sweep"] for r in sel), SWEEPS):
             sweep_recs = [r for r in sel if r["sweep"] == sweep]
             if not any(r["status"] == "ok" for r in sweep_recs):
                 continue
-            fig, ax = bench._figure()
+            fig, ax = render.figure()
             if sweep == "sparse":
                 _line_plot(ax, sweep_recs, "block_sparse", "block density (measured)",
                            "dense")
@@ -865,7 +865,7 @@ def plot(records: list[dict], out_dir: Path | str) -> list[Path]:
 
 def _varlen_bars(ax, sel: list[dict]) -> None:
     groups = [(c, m) for c in (False, True)
-              for m in bench._ordered((r["mode"] for r in sel), list(bench.MODES))]
+              for m in render.ordered((r["mode"] for r in sel), list(common.MODES))]
     width = 0.27
     for j, variant in enumerate(("padded", "varlen", "varlen_paged")):
         heights = []
@@ -894,11 +894,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     problems."""
     cfg = parse_args(list(sys.argv[1:] if argv is None else argv))
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        bench._log("--device cuda but CUDA is not available")
+        common.log("--device cuda but CUDA is not available")
         return 2
     start = time.monotonic()
     records = run_variants(cfg)
-    bench._log(f"{len(records)} cases in {time.monotonic() - start:.0f} s")
+    common.log(f"{len(records)} cases in {time.monotonic() - start:.0f} s")
     return 1 if any(r["status"] == "error" for r in records) else 0
 
 

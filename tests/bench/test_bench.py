@@ -14,7 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashtile import bench, bench_variants
+from flashtile.bench import __main__ as cli
+from flashtile.bench import common, memory, render, speed
+from flashtile.bench import variants as bench_variants
 
 needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
 
@@ -36,13 +38,13 @@ def stand_in(monkeypatch):
         yield
 
     api = types.SimpleNamespace(flash_attn_func=_sdpa_stand_in, use_backend=use_backend)
-    monkeypatch.setattr(bench, "_flashtile", lambda: api)
+    monkeypatch.setattr(common, "flashtile_api", lambda: api)
     return backends_used
 
 
 def _real_flashtile_available() -> bool:
     try:
-        bench._flashtile()
+        common.flashtile_api()
     except ImportError:
         return False
     return True
@@ -50,7 +52,7 @@ def _real_flashtile_available() -> bool:
 
 def _record(impl="flashtile", mode="fwd", causal=False, dtype="bf16", d=64, n=1024, tflops=100.0,
             status="ok", device="NVIDIA H100 80GB HBM3", batch=None, heads=None, peak_bytes=None):
-    return bench.make_record(
+    return common.make_record(
         {"device": device, "torch": "2.11.0", "triton": "3.6.0"}, impl=impl, mode=mode,
         causal=causal, dtype=dtype, d=d, n=n, batch=batch or 16384 // n, heads=heads or 2048 // d,
         tflops=tflops if status == "ok" else None, ms=1.0 if status == "ok" else None,
@@ -73,7 +75,7 @@ class FakePrepared:
 
     def prepared(self):
         dout = torch.randn(2, self.w.shape[0])
-        return bench.Prepared(self.fn, (self.x, self.w), dout)
+        return common.Prepared(self.fn, (self.x, self.w), dout)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,21 +97,21 @@ class FakePrepared:
          "fa-shape-bwd-causal"],
 )
 def test_flops_formula(batch, heads, n, d, causal, mode, expected):
-    assert bench.flops(batch, heads, n, d, causal, mode) == expected
+    assert common.flops(batch, heads, n, d, causal, mode) == expected
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_flops_mode_ratios(causal):
-    fwd = bench.flops(2, 16, 4096, 128, causal, "fwd")
-    assert bench.flops(2, 16, 4096, 128, causal, "bwd") == fwd * 5 // 2
-    assert bench.flops(2, 16, 4096, 128, causal, "fwd_bwd") == fwd * 7 // 2
-    assert {m: bench.MODES[m].flops_mult for m in ("fwd", "bwd", "fwd_bwd")} == {
+    fwd = common.flops(2, 16, 4096, 128, causal, "fwd")
+    assert common.flops(2, 16, 4096, 128, causal, "bwd") == fwd * 5 // 2
+    assert common.flops(2, 16, 4096, 128, causal, "fwd_bwd") == fwd * 7 // 2
+    assert {m: common.MODES[m].flops_mult for m in ("fwd", "bwd", "fwd_bwd")} == {
         "fwd": Fraction(1), "bwd": Fraction(5, 2), "fwd_bwd": Fraction(7, 2)}
 
 
 def test_tflops_of():
-    assert bench.tflops_of(10 ** 12, 1000.0) == pytest.approx(1.0)
-    assert bench.tflops_of(3 * 10 ** 12, 2.0) == pytest.approx(1500.0)
+    assert common.tflops_of(10 ** 12, 1000.0) == pytest.approx(1.0)
+    assert common.tflops_of(3 * 10 ** 12, 2.0) == pytest.approx(1500.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,27 +121,27 @@ def test_tflops_of():
 @pytest.mark.parametrize("text,value", [("512", 512), ("1k", 1024), ("1K", 1024), ("16K", 16384),
                                         (" 2048 ", 2048)], ids=["512", "1k", "1K", "16K", "spaces"])
 def test_parse_seqlen(text, value):
-    assert bench.parse_seqlen(text) == value
+    assert common.parse_seqlen(text) == value
 
 
 @pytest.mark.parametrize("text", ["", "0", "1M", "-4", "1.5K", "abc"],
                          ids=["empty", "zero", "mega", "negative", "fraction", "word"])
 def test_parse_seqlen_rejects(text):
     with pytest.raises(Exception, match="bad sequence length"):
-        bench.parse_seqlen(text)
+        common.parse_seqlen(text)
 
 
 @pytest.mark.parametrize("text,value", [("bf16", "bf16"), ("bfloat16", "bf16"), ("FP16", "fp16"),
                                         ("half", "fp16"), ("float32", "fp32")],
                          ids=["bf16", "bfloat16", "FP16", "half", "float32"])
 def test_parse_dtype(text, value):
-    assert bench.parse_dtype(text) == value
+    assert common.parse_dtype(text) == value
 
 
 def test_parse_args_cuda_defaults_are_the_fa_sweep():
-    cfg = bench.parse_args(["--device", "cuda"])
-    assert cfg.impls == ("flashtile", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math",
-                         "flex")
+    cfg = speed.parse_args(["--device", "cuda"])
+    assert cfg.impls == ("flashtile", "sdpa_default", "sdpa_flash", "sdpa_cudnn",
+                         "sdpa_efficient", "sdpa_math", "flex")
     assert cfg.modes == ("fwd", "bwd", "fwd_bwd")
     assert cfg.causal == (False, True)
     assert cfg.dtypes == ("bf16", "fp16")
@@ -152,7 +154,7 @@ def test_parse_args_cuda_defaults_are_the_fa_sweep():
 
 
 def test_parse_args_cpu_defaults():
-    cfg = bench.parse_args(["--device", "cpu"])
+    cfg = speed.parse_args(["--device", "cpu"])
     assert cfg.impls == ("flashtile", "sdpa", "sdpa_math")
     assert cfg.dtypes == ("fp32", "bf16") and cfg.ds == (64,)
     assert cfg.ns == (256, 512, 1024, 2048)
@@ -161,13 +163,13 @@ def test_parse_args_cpu_defaults():
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_parse_args_quick_is_smaller(device):
-    full = bench.build_plan(bench.parse_args(["--device", device]))
-    quick = bench.build_plan(bench.parse_args(["--device", device, "--quick"]))
+    full = speed.build_plan(speed.parse_args(["--device", device]))
+    quick = speed.build_plan(speed.parse_args(["--device", device, "--quick"]))
     assert 0 < len(quick) < len(full)
 
 
 def test_parse_args_overrides(tmp_path):
-    cfg = bench.parse_args([
+    cfg = speed.parse_args([
         "--device", "cuda", "--quick", "--impl", "flashtile,sdpa_math", "flex", "--mode", "bwd",
         "--causal", "1", "--d", "64", "128,256", "--n", "1K", "2k", "512", "--dtype", "bfloat16",
         "fp16", "--warmup", "5", "--rep", "7.5", "--out", str(tmp_path), "--merge-into",
@@ -189,12 +191,12 @@ def test_parse_args_overrides(tmp_path):
 @pytest.mark.parametrize("flag,expected", [("0", (False,)), ("1", (True,)),
                                            ("both", (False, True))], ids=["0", "1", "both"])
 def test_parse_args_causal(flag, expected):
-    assert bench.parse_args(["--device", "cpu", "--causal", flag]).causal == expected
+    assert speed.parse_args(["--device", "cpu", "--causal", flag]).causal == expected
 
 
 def test_parse_args_all_selects_every_name():
-    cfg = bench.parse_args(["--device", "cpu", "--impl", "all", "--mode", "all"])
-    assert cfg.impls == tuple(bench.IMPLS) and cfg.modes == tuple(bench.MODES)
+    cfg = speed.parse_args(["--device", "cpu", "--impl", "all", "--mode", "all"])
+    assert cfg.impls == tuple(common.IMPLS) and cfg.modes == tuple(common.MODES)
 
 
 @pytest.mark.parametrize(
@@ -205,15 +207,15 @@ def test_parse_args_all_selects_every_name():
 )
 def test_parse_args_rejects(argv, capsys):
     with pytest.raises(SystemExit) as info:
-        bench.parse_args(["--device", "cpu"] + argv)
+        speed.parse_args(["--device", "cpu"] + argv)
     assert info.value.code == 2
     assert "error" in capsys.readouterr().err
 
 
 def test_build_plan_groups_shapes_and_flex_sets():
-    cfg = bench.parse_args(["--device", "cuda"])
-    plan = bench.build_plan(cfg)
-    assert len(plan) == 6 * 3 * 2 * 2 * 3 * 6
+    cfg = speed.parse_args(["--device", "cuda"])
+    plan = speed.build_plan(cfg)
+    assert len(plan) == len(speed.GPU_IMPLS) * 3 * 2 * 2 * 3 * 6 == 7 * 3 * 2 * 2 * 3 * 6
     assert len(set(plan)) == len(plan)
     assert all(c.batch * c.n == 16384 and c.heads * c.d == 2048 for c in plan)
     # each shape's cases are contiguous, and so are those of each (shape, causal) set
@@ -235,7 +237,7 @@ def test_build_plan_groups_shapes_and_flex_sets():
                                                ("fp16", torch.float16)],
                          ids=["fp32", "bf16", "fp16"])
 def test_make_inputs(dtype, torch_dtype):
-    inp = bench.make_inputs(2, 16, 3, 8, dtype, "cpu", seed=1)
+    inp = common.make_inputs(2, 16, 3, 8, dtype, "cpu", seed=1)
     tensors = (inp.q, inp.k, inp.v, inp.dout)
     for t in tensors:
         assert t.shape == (2, 16, 3, 8) and t.dtype == torch_dtype and t.is_contiguous()
@@ -243,14 +245,14 @@ def test_make_inputs(dtype, torch_dtype):
     assert not torch.equal(inp.q, inp.k) and not torch.equal(inp.k, inp.v)
     assert (inp.batch, inp.n, inp.heads, inp.d) == (2, 16, 3, 8)
     assert inp.nbytes() == 4 * 2 * 16 * 3 * 8 * torch.tensor([], dtype=torch_dtype).element_size()
-    again = bench.make_inputs(2, 16, 3, 8, dtype, "cpu", seed=1)
+    again = common.make_inputs(2, 16, 3, 8, dtype, "cpu", seed=1)
     assert torch.equal(inp.q, again.q)
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "sdpa_math", "sdpa_flash"])
 def test_sdpa_peers_use_bhnd_copies_of_the_same_data(impl):
-    inp = bench.make_inputs(2, 16, 3, 8, "fp32", "cpu")
-    prep = bench.IMPLS[impl].prepare(inp, False, 8 ** -0.5)
+    inp = common.make_inputs(2, 16, 3, 8, "fp32", "cpu")
+    prep = common.IMPLS[impl].prepare(inp, False, 8 ** -0.5)
     for leaf, src in zip(prep.leaves, (inp.q, inp.k, inp.v)):
         assert leaf.shape == (2, 3, 16, 8) and leaf.is_contiguous()
         assert leaf.is_leaf and leaf.requires_grad
@@ -261,11 +263,11 @@ def test_sdpa_peers_use_bhnd_copies_of_the_same_data(impl):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_peers_and_flashtile_agree(stand_in, causal):
-    inp = bench.make_inputs(1, 32, 2, 16, "fp32", "cpu")
+    inp = common.make_inputs(1, 32, 2, 16, "fp32", "cpu")
     outs = {}
     for name in ("flashtile", "sdpa", "sdpa_math"):
-        with bench.IMPLS[name].context(inp.device):
-            out = bench.IMPLS[name].prepare(inp, causal, 0.25).fn()
+        with common.IMPLS[name].context(inp.device):
+            out = common.IMPLS[name].prepare(inp, causal, 0.25).fn()
         outs[name] = out if name != "flashtile" else out.transpose(1, 2)
     torch.testing.assert_close(outs["flashtile"], outs["sdpa"])
     torch.testing.assert_close(outs["sdpa_math"], outs["sdpa"])
@@ -273,8 +275,8 @@ def test_peers_and_flashtile_agree(stand_in, causal):
 
 
 def test_flashtile_leaves_share_the_inputs(stand_in):
-    inp = bench.make_inputs(1, 32, 2, 16, "fp32", "cpu")
-    prep = bench.IMPLS["flashtile"].prepare(inp, True, 0.25)
+    inp = common.make_inputs(1, 32, 2, 16, "fp32", "cpu")
+    prep = common.IMPLS["flashtile"].prepare(inp, True, 0.25)
     assert [t.data_ptr() for t in prep.leaves] == [inp.q.data_ptr(), inp.k.data_ptr(),
                                                    inp.v.data_ptr()]
     assert all(t.is_leaf and t.requires_grad for t in prep.leaves)
@@ -282,9 +284,9 @@ def test_flashtile_leaves_share_the_inputs(stand_in):
 
 
 def test_flashtile_context_picks_backend_by_device(stand_in):
-    with bench.IMPLS["flashtile"].context(torch.device("cpu")):
+    with common.IMPLS["flashtile"].context(torch.device("cpu")):
         pass
-    with bench.IMPLS["flashtile"].context(torch.device("cuda")):
+    with common.IMPLS["flashtile"].context(torch.device("cuda")):
         pass
     assert stand_in == ["torch", "triton"]
 
@@ -295,7 +297,7 @@ def test_flashtile_context_picks_backend_by_device(stand_in):
 
 def test_fwd_mode_times_the_forward():
     fake = FakePrepared()
-    run = bench.MODES["fwd"].build(fake.prepared())
+    run = common.MODES["fwd"].build(fake.prepared())
     assert fake.calls == 0
     run()
     run()
@@ -305,7 +307,7 @@ def test_fwd_mode_times_the_forward():
 def test_bwd_mode_times_only_the_backward():
     fake = FakePrepared()
     prep = fake.prepared()
-    run = bench.MODES["bwd"].build(prep)
+    run = common.MODES["bwd"].build(prep)
     assert fake.calls == 1  # the untimed forward
     grads = [run() for _ in range(3)]
     assert fake.calls == 1
@@ -319,7 +321,7 @@ def test_bwd_mode_times_only_the_backward():
 def test_fwd_bwd_mode_runs_both_each_call():
     fake = FakePrepared()
     prep = fake.prepared()
-    run = bench.MODES["fwd_bwd"].build(prep)
+    run = common.MODES["fwd_bwd"].build(prep)
     assert fake.calls == 0
     g1, g2 = run(), run()
     assert fake.calls == 2
@@ -330,7 +332,7 @@ def test_fwd_bwd_mode_runs_both_each_call():
 
 def test_a_mode_is_one_function_and_an_entry(monkeypatch, tmp_path):
     def last_query(inp):
-        return bench.Inputs(inp.q[:, -1:].contiguous(), inp.k, inp.v, inp.dout[:, -1:].contiguous())
+        return common.Inputs(inp.q[:, -1:].contiguous(), inp.k, inp.v, inp.dout[:, -1:].contiguous())
 
     def one_query_flops(batch, heads, n, d, causal):
         return 4 * batch * heads * n * d
@@ -341,13 +343,13 @@ def test_a_mode_is_one_function_and_an_entry(monkeypatch, tmp_path):
         shapes.append(tuple(prep.leaves[0].shape))
         return prep.fn
 
-    monkeypatch.setitem(bench.MODES, "last_query", bench.Mode(
+    monkeypatch.setitem(common.MODES, "last_query", common.Mode(
         build, inputs_fn=last_query, flops_fn=one_query_flops))
-    assert bench.flops(2, 4, 128, 16, False, "last_query") == 4 * 2 * 4 * 128 * 16
-    cfg = bench.parse_args(TINY + ["--impl", "sdpa", "--mode", "last_query", "--causal", "0",
+    assert common.flops(2, 4, 128, 16, False, "last_query") == 4 * 2 * 4 * 128 * 16
+    cfg = speed.parse_args(TINY + ["--impl", "sdpa", "--mode", "last_query", "--causal", "0",
                                    "--n", "128", "--out", str(tmp_path), "--no-plot",
                                    "--no-device-ceilings"])
-    (rec,) = bench.run_speed(cfg, timer=lambda fn: (fn(), 0.5)[1], stdout=io.StringIO())
+    (rec,) = speed.run_speed(cfg, timer=lambda fn: (fn(), 0.5)[1], stdout=io.StringIO())
     assert rec["status"] == "ok" and rec["mode"] == "last_query"
     assert rec["tflops"] == pytest.approx(4 * 2 * 2 * 128 * 32 / 0.5e-3 / 1e12)
     assert shapes == [(2, 2, 1, 32)]
@@ -355,10 +357,10 @@ def test_a_mode_is_one_function_and_an_entry(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("impl", ["sdpa", "sdpa_math"])
 def test_bwd_mode_gradients_match_autograd(impl):
-    inp = bench.make_inputs(1, 24, 2, 8, "fp32", "cpu")
-    with bench.IMPLS[impl].context(inp.device):
-        prep = bench.IMPLS[impl].prepare(inp, True, 0.3)
-        grads = bench.MODES["bwd"].build(prep)()
+    inp = common.make_inputs(1, 24, 2, 8, "fp32", "cpu")
+    with common.IMPLS[impl].context(inp.device):
+        prep = common.IMPLS[impl].prepare(inp, True, 0.3)
+        grads = common.MODES["bwd"].build(prep)()
     q, k, v = (t.transpose(1, 2).clone().requires_grad_() for t in (inp.q, inp.k, inp.v))
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
     expected = torch.autograd.grad(ref, (q, k, v), inp.dout.transpose(1, 2))
@@ -396,14 +398,14 @@ def test_cpu_bench(durations_ms, warmup, rep, min_reps, expected_median, expecte
         calls.append(1)
         clock.t += next(durations) * 1e-3
 
-    median = bench.cpu_bench(fn, warmup=warmup, rep=rep, min_reps=min_reps, clock=clock)
+    median = common.cpu_bench(fn, warmup=warmup, rep=rep, min_reps=min_reps, clock=clock)
     assert median == pytest.approx(expected_median)
     assert len(calls) == expected_calls
 
 
 def test_cpu_bench_real_clock():
     calls = []
-    ms = bench.cpu_bench(lambda: calls.append(sum(range(1000))), warmup=1, rep=2, min_reps=3,
+    ms = common.cpu_bench(lambda: calls.append(sum(range(1000))), warmup=1, rep=2, min_reps=3,
                          max_reps=50)
     assert 0 < ms < 1000 and 3 <= len(calls)
 
@@ -419,15 +421,15 @@ def test_cuda_timer_is_do_bench_median(monkeypatch):
 
     monkeypatch.setattr(testing, "do_bench", fake_do_bench)
     calls = []
-    timer = bench.make_timer("cuda", 25, 100)
+    timer = common.make_timer("cuda", 25, 100)
     assert timer(lambda: calls.append(1)) == 1.25
     assert seen == {"warmup": 25, "rep": 100, "return_mode": "median"} and calls == [1]
 
 
 def test_cpu_timer_uses_cpu_bench(monkeypatch):
     seen = {}
-    monkeypatch.setattr(bench, "cpu_bench", lambda fn, **kw: seen.update(kw) or 3.0)
-    assert bench.make_timer("cpu", 1, 2)(lambda: None) == 3.0
+    monkeypatch.setattr(common, "cpu_bench", lambda fn, **kw: seen.update(kw) or 3.0)
+    assert common.make_timer("cpu", 1, 2)(lambda: None) == 3.0
     assert seen == {"warmup": 1, "rep": 2}
 
 
@@ -439,17 +441,17 @@ CPU_ENV = {"device": "cpu", "torch": torch.__version__, "triton": None}
 
 
 def _case(impl, mode="fwd", causal=False, n=32, d=16, dtype="fp32", batch=2, heads=2):
-    return bench.Case(impl, mode, causal, dtype, d, n, batch, heads)
+    return common.Case(impl, mode, causal, dtype, d, n, batch, heads)
 
 
 @pytest.mark.parametrize("mode", ["fwd", "bwd", "fwd_bwd"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_run_case_ok_record(mode, causal):
     case = _case("sdpa", mode, causal)
-    inp = bench.make_inputs(case.batch, case.n, case.heads, case.d, case.dtype, "cpu")
+    inp = common.make_inputs(case.batch, case.n, case.heads, case.d, case.dtype, "cpu")
     timed = []
-    rec = bench.run_case(case, inp, lambda fn: timed.append(fn()) or 2.0, CPU_ENV)
-    assert tuple(rec) == bench.RECORD_KEYS
+    rec = common.run_case(case, inp, lambda fn: timed.append(fn()) or 2.0, CPU_ENV)
+    assert tuple(rec) == common.RECORD_KEYS
     assert rec["status"] == "ok" and rec["error"] is None and rec["peak_bytes"] is None
     assert rec["ms"] == 2.0
     assert rec["tflops"] == pytest.approx(case.flops() / 2e-3 / 1e12)
@@ -465,8 +467,8 @@ def test_run_case_ok_record(mode, causal):
 @pytest.mark.parametrize("impl", ["sdpa_cudnn", "sdpa_efficient"])
 def test_run_case_unsupported_peer(impl):
     case = _case(impl)
-    inp = bench.make_inputs(case.batch, case.n, case.heads, case.d, case.dtype, "cpu")
-    rec = bench.run_case(case, inp, lambda fn: pytest.fail("must not time"), CPU_ENV)
+    inp = common.make_inputs(case.batch, case.n, case.heads, case.d, case.dtype, "cpu")
+    rec = common.run_case(case, inp, lambda fn: pytest.fail("must not time"), CPU_ENV)
     assert rec["status"] == "unsupported"
     assert rec["tflops"] is None and rec["ms"] is None
     assert rec["error"].startswith("RuntimeError: ") and "\n" not in rec["error"]
@@ -475,7 +477,7 @@ def test_run_case_unsupported_peer(impl):
 def _raising_impl(exc, peer):
     def prepare(inp, causal, scale):
         raise exc
-    return bench.Impl(prepare, peer=peer)
+    return common.Impl(prepare, peer=peer)
 
 
 @pytest.mark.parametrize(
@@ -493,10 +495,10 @@ def _raising_impl(exc, peer):
          "ft-import"],
 )
 def test_run_case_failures(monkeypatch, exc, peer, status):
-    monkeypatch.setitem(bench.IMPLS, "fake", _raising_impl(exc, peer))
+    monkeypatch.setitem(common.IMPLS, "fake", _raising_impl(exc, peer))
     case = _case("fake")
-    inp = bench.make_inputs(case.batch, case.n, case.heads, case.d, case.dtype, "cpu")
-    rec = bench.run_case(case, inp, lambda fn: 1.0, CPU_ENV)
+    inp = common.make_inputs(case.batch, case.n, case.heads, case.d, case.dtype, "cpu")
+    rec = common.run_case(case, inp, lambda fn: 1.0, CPU_ENV)
     assert rec["status"] == status
     assert rec["error"].startswith(f"{type(exc).__name__}: ")
     assert "\n" not in rec["error"] and "more" not in rec["error"]
@@ -506,11 +508,11 @@ def test_run_case_failures(monkeypatch, exc, peer, status):
 @pytest.mark.parametrize("peer", [True, False], ids=["peer", "flashtile"])
 def test_broken_cuda_context_is_an_error(monkeypatch, peer):
     exc = RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors")
-    monkeypatch.setitem(bench.IMPLS, "fake", _raising_impl(exc, peer))
+    monkeypatch.setitem(common.IMPLS, "fake", _raising_impl(exc, peer))
     case = _case("fake")
-    inp = bench.make_inputs(case.batch, case.n, case.heads, case.d, case.dtype, "cpu")
-    rec = bench.run_case(case, inp, lambda fn: 1.0, CPU_ENV)
-    assert rec["status"] == "error" and bench.is_fatal(rec["error"])
+    inp = common.make_inputs(case.batch, case.n, case.heads, case.d, case.dtype, "cpu")
+    rec = common.run_case(case, inp, lambda fn: 1.0, CPU_ENV)
+    assert rec["status"] == "error" and common.is_fatal(rec["error"])
 
 
 def test_run_case_appends_warnings_to_the_error(monkeypatch):
@@ -518,45 +520,45 @@ def test_run_case_appends_warnings_to_the_error(monkeypatch):
         import warnings
         warnings.warn("Flash attention requires something", stacklevel=1)
         raise RuntimeError("No available kernel. Aborting execution.")
-    monkeypatch.setitem(bench.IMPLS, "fake", bench.Impl(prepare))
+    monkeypatch.setitem(common.IMPLS, "fake", common.Impl(prepare))
     case = _case("fake")
-    inp = bench.make_inputs(case.batch, case.n, case.heads, case.d, case.dtype, "cpu")
-    rec = bench.run_case(case, inp, lambda fn: 1.0, CPU_ENV)
+    inp = common.make_inputs(case.batch, case.n, case.heads, case.d, case.dtype, "cpu")
+    rec = common.run_case(case, inp, lambda fn: 1.0, CPU_ENV)
     assert rec["error"] == ("RuntimeError: No available kernel. Aborting execution. "
                             "[warnings: Flash attention requires something]")
 
 
 def test_run_case_raise_errors(monkeypatch):
-    monkeypatch.setitem(bench.IMPLS, "fake", _raising_impl(RuntimeError("boom"), True))
+    monkeypatch.setitem(common.IMPLS, "fake", _raising_impl(RuntimeError("boom"), True))
     case = _case("fake")
-    inp = bench.make_inputs(case.batch, case.n, case.heads, case.d, case.dtype, "cpu")
+    inp = common.make_inputs(case.batch, case.n, case.heads, case.d, case.dtype, "cpu")
     with pytest.raises(RuntimeError, match="boom"):
-        bench.run_case(case, inp, lambda fn: 1.0, CPU_ENV, raise_errors=True)
+        common.run_case(case, inp, lambda fn: 1.0, CPU_ENV, raise_errors=True)
 
 
 def test_run_case_timer_failure_is_recorded():
     case = _case("sdpa")
-    inp = bench.make_inputs(case.batch, case.n, case.heads, case.d, case.dtype, "cpu")
+    inp = common.make_inputs(case.batch, case.n, case.heads, case.d, case.dtype, "cpu")
 
     def timer(fn):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    assert bench.run_case(case, inp, timer, CPU_ENV)["status"] == "oom"
+    assert common.run_case(case, inp, timer, CPU_ENV)["status"] == "oom"
 
 
 def test_make_record_rejects_unknown_fields():
     with pytest.raises(KeyError, match="bogus"):
-        bench.make_record(CPU_ENV, bogus=1)
+        common.make_record(CPU_ENV, bogus=1)
 
 
 def test_first_line_truncates():
-    assert bench.first_line(RuntimeError("")) == "RuntimeError"
-    assert bench.first_line(ValueError("\n  a\nb")) == "ValueError: a"
-    assert len(bench.first_line(RuntimeError("x" * 1000), limit=50)) == 50
+    assert common.first_line(RuntimeError("")) == "RuntimeError"
+    assert common.first_line(ValueError("\n  a\nb")) == "ValueError: a"
+    assert len(common.first_line(RuntimeError("x" * 1000), limit=50)) == 50
 
 
 def test_runtime_env_cpu():
-    env = bench.runtime_env("cpu")
+    env = common.runtime_env("cpu")
     assert env["device"] == "cpu" and env["torch"] == torch.__version__
     assert set(env) == {"device", "torch", "triton"}
 
@@ -584,35 +586,35 @@ def fake_compile(monkeypatch):
 
     monkeypatch.setattr(torch, "compile", compile_)
     monkeypatch.setattr(torch._dynamo, "reset", reset)
-    bench.reset_flex_cache()
+    common.reset_flex_cache()
     yield counts
-    bench.reset_flex_cache()
+    common.reset_flex_cache()
 
 
 def test_flex_compiles_once_per_shape_set(fake_compile):
-    a = bench.make_inputs(1, 256, 2, 16, "fp32", "cpu")
-    b = bench.make_inputs(1, 128, 2, 16, "fp32", "cpu")
+    a = common.make_inputs(1, 256, 2, 16, "fp32", "cpu")
+    b = common.make_inputs(1, 128, 2, 16, "fp32", "cpu")
     for _ in range(3):
-        bench.IMPLS["flex"].prepare(a, False, 0.25).fn()
+        common.IMPLS["flex"].prepare(a, False, 0.25).fn()
     assert (fake_compile["compile"], fake_compile["reset"]) == (1, 1)
     assert fake_compile["block_masks"] == [None] * 3
-    prep = bench.IMPLS["flex"].prepare(a, True, 0.25)
+    prep = common.IMPLS["flex"].prepare(a, True, 0.25)
     prep.fn()
-    bench.IMPLS["flex"].prepare(a, True, 0.25).fn()
+    common.IMPLS["flex"].prepare(a, True, 0.25).fn()
     assert (fake_compile["compile"], fake_compile["reset"]) == (2, 2)
     masks = fake_compile["block_masks"][3:]
     assert masks[0] is masks[1] and masks[0] is not None
     assert masks[0].shape[-2:] == (256, 256)
     assert prep.leaves[0].shape == (1, 2, 256, 16) and prep.leaves[0].is_contiguous()
-    bench.IMPLS["flex"].prepare(b, True, 0.25)
+    common.IMPLS["flex"].prepare(b, True, 0.25)
     assert (fake_compile["compile"], fake_compile["reset"]) == (3, 3)
 
 
 @pytest.mark.parametrize("mode", ["fwd", "bwd", "fwd_bwd"])
 def test_flex_run_case_with_mocked_compile(fake_compile, mode):
     case = _case("flex", mode, True, n=128)
-    inp = bench.make_inputs(case.batch, case.n, case.heads, case.d, case.dtype, "cpu")
-    rec = bench.run_case(case, inp, lambda fn: (fn(), 1.0)[1], CPU_ENV)
+    inp = common.make_inputs(case.batch, case.n, case.heads, case.d, case.dtype, "cpu")
+    rec = common.run_case(case, inp, lambda fn: (fn(), 1.0)[1], CPU_ENV)
     assert rec["status"] == "ok", rec["error"]
 
 
@@ -622,7 +624,7 @@ def test_flex_context_disables_donated_buffers():
     if not hasattr(cfg, "donated_buffer"):
         pytest.skip("this torch has no donated buffers")
     before = cfg.donated_buffer
-    with bench.IMPLS["flex"].context(torch.device("cpu")):
+    with common.IMPLS["flex"].context(torch.device("cpu")):
         assert cfg.donated_buffer is False
     assert cfg.donated_buffer == before
 
@@ -633,29 +635,29 @@ def test_flex_context_disables_donated_buffers():
 
 def test_write_json_roundtrip(tmp_path):
     recs = [_record(), _record(impl="sdpa_math", status="oom")]
-    path = bench.write_json(tmp_path / "sub" / "results.json", recs)
+    path = common.write_json(tmp_path / "sub" / "results.json", recs)
     assert json.loads(path.read_text()) == recs
-    assert bench.load_records(path) == recs
+    assert common.load_records(path) == recs
     assert not list(path.parent.glob("*.tmp"))
 
 
 def test_merge_json_appends_and_replaces(tmp_path):
     path = tmp_path / "h100.json"
     first = [_record(n=1024, tflops=100.0), _record(n=2048, tflops=110.0)]
-    bench.merge_json(path, first)
-    assert bench.load_records(path) == first
+    common.merge_json(path, first)
+    assert common.load_records(path) == first
     rerun = _record(n=2048, tflops=120.0)
     other_mode = _record(mode="bwd", n=2048, tflops=90.0)
     other_device = _record(n=2048, tflops=50.0, device="NVIDIA A100")
-    bench.merge_json(path, [rerun, other_mode, other_device])
-    merged = bench.load_records(path)
+    common.merge_json(path, [rerun, other_mode, other_device])
+    merged = common.load_records(path)
     assert merged == [first[0], rerun, other_mode, other_device]
 
 
 def test_merge_replaces_max_seqlen_whatever_its_n():
-    old = _record(mode=bench.MAX_SEQLEN_MODE, n=65536, impl="flashtile", batch=1, heads=16)
-    new = _record(mode=bench.MAX_SEQLEN_MODE, n=131072, impl="flashtile", batch=1, heads=16)
-    assert bench.merge_records([old], [new]) == [new]
+    old = _record(mode=common.MAX_SEQLEN_MODE, n=65536, impl="flashtile", batch=1, heads=16)
+    new = _record(mode=common.MAX_SEQLEN_MODE, n=131072, impl="flashtile", batch=1, heads=16)
+    assert common.merge_records([old], [new]) == [new]
 
 
 @pytest.mark.parametrize("content", ['{"a": 1}', "[1, 2]"], ids=["dict", "ints"])
@@ -663,7 +665,7 @@ def test_load_records_rejects_non_lists(tmp_path, content):
     path = tmp_path / "bad.json"
     path.write_text(content)
     with pytest.raises(ValueError, match="expected a JSON list"):
-        bench.load_records(path)
+        common.load_records(path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -671,7 +673,9 @@ def test_load_records_rejects_non_lists(tmp_path, content):
 # ---------------------------------------------------------------------------------------------
 
 def _rows(table: str) -> list[list[str]]:
-    return [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()]
+    """The Markdown rows of ``table`` (the line above them says the unit)."""
+    return [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()
+            if line.startswith("|")]
 
 
 def test_render_table_cells_and_ratios():
@@ -683,7 +687,7 @@ def test_render_table_cells_and_ratios():
         _record("sdpa_flash", n=2048, status="unsupported"),
         _record("flashtile", n=1024, mode="bwd", causal=True, tflops=0.5),
     ]
-    rows = _rows(bench.render_table(recs))
+    rows = _rows(render.render_table(recs))
     header, body = rows[0], rows[2:]
     assert header == ["mode", "causal", "dtype", "d", "n", "B", "H", "flashtile", "sdpa_flash",
                       "sdpa_math", "ft/sdpa_flash", "ft/sdpa_math"]
@@ -697,7 +701,7 @@ def test_render_table_cells_and_ratios():
 
 def test_render_table_later_record_wins_and_devices_split():
     recs = [_record(tflops=1.0), _record(tflops=2.0), _record(tflops=3.0, device="cpu")]
-    text = bench.render_table(recs)
+    text = render.render_table(recs)
     assert "device: NVIDIA H100 80GB HBM3" in text and "device: cpu" in text
     rows = _rows("\n".join(ln for ln in text.splitlines() if ln.startswith("|")))
     cells = [row[-1] for row in rows if row[0] == "fwd"]
@@ -705,12 +709,12 @@ def test_render_table_later_record_wins_and_devices_split():
 
 
 def test_render_table_without_flashtile_has_no_ratios():
-    rows = _rows(bench.render_table([_record("sdpa_flash"), _record("sdpa_math")]))
+    rows = _rows(render.render_table([_record("sdpa_flash"), _record("sdpa_math")]))
     assert not any(h.startswith("ft/") for h in rows[0])
 
 
 def test_render_table_ignores_memory_records():
-    assert bench.render_table([_record(mode=bench.MEMORY_MODE, peak_bytes=1)]) == \
+    assert render.render_table([_record(mode=common.MEMORY_MODE, peak_bytes=1)]) == \
         "(no speed records)"
 
 
@@ -723,7 +727,7 @@ def test_render_memory_table():
         _record("flashtile", mode="max_seqlen", n=2048, peak_bytes=2 ** 30, batch=1, heads=16),
         _record("sdpa_math", mode="max_seqlen", n=1024, peak_bytes=2 ** 31, batch=1, heads=16),
     ]
-    rows = _rows(bench.render_memory_table(recs))
+    rows = _rows(memory.render_memory_table(recs))
     assert rows[0] == ["n", "flashtile GiB", "sdpa_math GiB"]
     assert rows[2:] == [["1K", "0.500", "2.000"], ["2K", "1.000", "oom"], ["longest", "2K", "1K"]]
 
@@ -731,7 +735,7 @@ def test_render_memory_table():
 @pytest.mark.parametrize("n,text", [(512, "512"), (1024, "1K"), (16384, "16K"), (1536, "1536"),
                                     (None, "-")], ids=["512", "1K", "16K", "odd", "none"])
 def test_format_n(n, text):
-    assert bench.format_n(n) == text
+    assert render.format_n(n) == text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -747,7 +751,7 @@ def test_plot_one_png_per_mode_causal_dtype_d(tmp_path):
             for impl in ("flashtile", "sdpa_flash") for mode in ("fwd", "bwd")
             for causal in (False, True) for d in (64, 128) for n in (512, 1024, 2048)]
     recs.append(_record("sdpa_math", "fwd", False, "bf16", 64, 2048, status="oom"))
-    paths = bench.plot(recs, tmp_path / "plots")
+    paths = render.plot(recs, tmp_path / "plots")
     names = sorted(p.name for p in paths)
     assert names == sorted(f"{m}_{c}_bf16_d{d}.png" for m in ("fwd", "bwd")
                            for c in ("full", "causal") for d in (64, 128))
@@ -757,7 +761,7 @@ def test_plot_one_png_per_mode_causal_dtype_d(tmp_path):
 
 def test_plot_prefixes_device_when_several(tmp_path):
     pytest.importorskip("matplotlib")
-    paths = bench.plot([_record(), _record(device="cpu")], tmp_path)
+    paths = render.plot([_record(), _record(device="cpu")], tmp_path)
     assert sorted(p.name for p in paths) == ["cpu_fwd_full_bf16_d64.png",
                                              "nvidia_h100_80gb_hbm3_fwd_full_bf16_d64.png"]
 
@@ -767,15 +771,15 @@ def test_plot_memory(tmp_path):
     recs = [_record(impl, mode="memory", n=n, peak_bytes=n * 1000, batch=1, heads=16)
             for impl in ("flashtile", "sdpa_math") for n in (1024, 2048)]
     recs.append(_record("flashtile", mode="max_seqlen", n=2048, batch=1, heads=16))
-    paths = bench.plot_memory(recs, tmp_path)
+    paths = memory.plot_memory(recs, tmp_path)
     assert [p.name for p in paths] == ["memory.png"]
     assert paths[0].read_bytes()[:8] == PNG_MAGIC
 
 
 def test_plot_without_matplotlib(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    assert bench.plot([_record()], tmp_path) == []
-    assert bench.plot_memory([_record(mode="memory", peak_bytes=1)], tmp_path) == []
+    assert render.plot([_record()], tmp_path) == []
+    assert memory.plot_memory([_record(mode="memory", peak_bytes=1)], tmp_path) == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -783,7 +787,7 @@ def test_plot_without_matplotlib(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 def test_device_ceilings_cpu_formula():
-    info = bench.measure_device_ceilings("cpu", lambda fn: (fn(), 2.0)[1],
+    info = speed.measure_device_ceilings("cpu", lambda fn: (fn(), 2.0)[1],
                                          copy_bytes=1 << 20, matmul_n=64)
     assert info["copy_bytes"] == 1 << 20
     assert info["copy_bandwidth_GBps"] == pytest.approx(2 * (1 << 20) / 2e-3 / 1e9)
@@ -828,18 +832,18 @@ def _memory_impl(mem, bytes_per_n, oom_above, peer=True):
                 raise torch.OutOfMemoryError("CUDA out of memory")
             mem.peak_value = max(mem.peak_value, mem.current + bytes_per_n * inp.n)
             return q * 2
-        return bench.Prepared(fn, (q,), inp.dout)
-    return bench.Impl(prepare, peer=peer)
+        return common.Prepared(fn, (q,), inp.dout)
+    return common.Impl(prepare, peer=peer)
 
 
 def test_run_memory_sweep_and_longest(monkeypatch, tmp_path, capsys):
     mem = FakeMemory()
-    monkeypatch.setitem(bench.IMPLS, "linear", _memory_impl(mem, 10, 1 << 30, peer=False))
-    monkeypatch.setitem(bench.IMPLS, "quadratic", _memory_impl(mem, 1000, 256))
-    cfg = bench.MemoryConfig(device="cpu", impls=("linear", "quadratic"), n_min=64, n_max=1024,
+    monkeypatch.setitem(common.IMPLS, "linear", _memory_impl(mem, 10, 1 << 30, peer=False))
+    monkeypatch.setitem(common.IMPLS, "quadratic", _memory_impl(mem, 1000, 256))
+    cfg = memory.MemoryConfig(device="cpu", impls=("linear", "quadratic"), n_min=64, n_max=1024,
                              batch=1, heads=2, d=8, dtype="fp32", out=tmp_path,
                              merge_into=tmp_path / "all.json", progress=False, plot=False)
-    records = bench.run_memory(cfg, mem=mem)
+    records = memory.run_memory(cfg, mem=mem)
     sweep = [r for r in records if r["mode"] == "memory"]
     assert [(r["impl"], r["n"], r["status"]) for r in sweep] == [
         ("linear", 64, "ok"), ("quadratic", 64, "ok"), ("linear", 128, "ok"),
@@ -847,14 +851,14 @@ def test_run_memory_sweep_and_longest(monkeypatch, tmp_path, capsys):
         ("linear", 512, "ok"), ("quadratic", 512, "oom"), ("linear", 1024, "ok")]
     assert [r["peak_bytes"] for r in sweep if r["impl"] == "linear"] == [640, 1280, 2560, 5120,
                                                                          10240]
-    assert all(tuple(r) == bench.RECORD_KEYS for r in records)
+    assert all(tuple(r) == common.RECORD_KEYS for r in records)
     longest = {r["impl"]: r for r in records if r["mode"] == "max_seqlen"}
     assert longest["linear"]["n"] == 1024 and longest["linear"]["error"] is None
     assert longest["quadratic"]["n"] == 256 and longest["quadratic"]["status"] == "ok"
     assert longest["quadratic"]["error"].startswith("oom at n=512")
     assert json.loads((tmp_path / "memory.json").read_text()) == records
     assert not (tmp_path / "results.json").exists()
-    assert bench.load_records(tmp_path / "all.json") == records
+    assert common.load_records(tmp_path / "all.json") == records
     out = capsys.readouterr().out
     assert "longest" in out and "linear GiB" in out
 
@@ -864,12 +868,12 @@ def test_run_memory_stops_after_a_broken_context(monkeypatch, tmp_path):
 
     def broken(inp, causal, scale):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
-    monkeypatch.setitem(bench.IMPLS, "broken", bench.Impl(broken, peer=False))
-    monkeypatch.setitem(bench.IMPLS, "linear", _memory_impl(mem, 10, 1 << 30))
-    cfg = bench.MemoryConfig(device="cpu", impls=("broken", "linear"), n_min=64, n_max=256,
+    monkeypatch.setitem(common.IMPLS, "broken", common.Impl(broken, peer=False))
+    monkeypatch.setitem(common.IMPLS, "linear", _memory_impl(mem, 10, 1 << 30))
+    cfg = memory.MemoryConfig(device="cpu", impls=("broken", "linear"), n_min=64, n_max=256,
                              batch=1, heads=2, d=8, dtype="fp32", out=tmp_path, progress=False,
                              plot=False)
-    records = bench.run_memory(cfg, mem=mem, stdout=io.StringIO())
+    records = memory.run_memory(cfg, mem=mem, stdout=io.StringIO())
     assert [(r["impl"], r["mode"], r["status"]) for r in records] == [
         ("broken", "memory", "error"), ("broken", "max_seqlen", "error"),
         ("linear", "max_seqlen", "error")]
@@ -878,17 +882,17 @@ def test_run_memory_stops_after_a_broken_context(monkeypatch, tmp_path):
 
 def test_run_memory_input_failure_stops_everyone(monkeypatch, tmp_path):
     mem = FakeMemory()
-    real = bench.make_inputs
+    real = common.make_inputs
 
     def make_inputs(batch, n, *args, **kwargs):
         if n >= 256:
             raise torch.OutOfMemoryError("CUDA out of memory")
         return real(batch, n, *args, **kwargs)
-    monkeypatch.setattr(bench, "make_inputs", make_inputs)
-    monkeypatch.setitem(bench.IMPLS, "linear", _memory_impl(mem, 10, 1 << 30))
-    cfg = bench.MemoryConfig(device="cpu", impls=("linear",), n_min=64, n_max=1024, batch=1,
+    monkeypatch.setattr(common, "make_inputs", make_inputs)
+    monkeypatch.setitem(common.IMPLS, "linear", _memory_impl(mem, 10, 1 << 30))
+    cfg = memory.MemoryConfig(device="cpu", impls=("linear",), n_min=64, n_max=1024, batch=1,
                              heads=2, d=8, dtype="fp32", out=tmp_path, progress=False, plot=False)
-    records = bench.run_memory(cfg, mem=mem, stdout=io.StringIO())
+    records = memory.run_memory(cfg, mem=mem, stdout=io.StringIO())
     assert [(r["mode"], r["n"], r["status"]) for r in records] == [
         ("memory", 64, "ok"), ("memory", 128, "ok"), ("memory", 256, "oom"),
         ("max_seqlen", 128, "ok")]
@@ -896,22 +900,22 @@ def test_run_memory_input_failure_stops_everyone(monkeypatch, tmp_path):
 
 
 def test_memory_config_seqlens():
-    assert bench.MemoryConfig(device="cuda").seqlens() == [1024 * 2 ** i for i in range(9)]
+    assert memory.MemoryConfig(device="cuda").seqlens() == [1024 * 2 ** i for i in range(9)]
 
 
 def test_parse_memory_args():
-    cfg = bench.parse_memory_args(["--device", "cuda", "--impl", "flashtile", "sdpa_math",
+    cfg = memory.parse_memory_args(["--device", "cuda", "--impl", "flashtile", "sdpa_math",
                                    "--n-max", "128K", "--dtype", "fp16", "--causal", "1"])
     assert cfg.impls == ("flashtile", "sdpa_math") and cfg.n_max == 131072
     assert (cfg.batch, cfg.heads, cfg.d, cfg.dtype, cfg.causal) == (1, 16, 128, "fp16", True)
-    default = bench.parse_memory_args(["--device", "cuda"])
+    default = memory.parse_memory_args(["--device", "cuda"])
     assert default.impls == ("flashtile", "sdpa_flash", "sdpa_math")
     assert (default.n_min, default.n_max) == (1024, 262144)
 
 
 @needs_cpu_only
 def test_main_memory_needs_cuda(capsys):
-    assert bench.main(["memory"]) == 2
+    assert cli.main(["memory"]) == 2
     assert "CUDA" in capsys.readouterr().err
 
 
@@ -930,15 +934,15 @@ def test_main_cpu_end_to_end(stand_in, tmp_path, capsys):
     merged = tmp_path / "merged.json"
     argv = TINY + ["--impl", "flashtile", "sdpa", "sdpa_math", "sdpa_cudnn", "--out", str(out),
                    "--merge-into", str(merged)]
-    assert bench.main(argv) == 0
+    assert cli.main(argv) == 0
     records = json.loads((out / "results.json").read_text())
     assert len(records) == 4 * 3 * 2 * 2
-    assert all(tuple(r) == bench.RECORD_KEYS and r["device"] == "cpu" for r in records)
+    assert all(tuple(r) == common.RECORD_KEYS and r["device"] == "cpu" for r in records)
     assert {r["status"] for r in records if r["impl"] != "sdpa_cudnn"} == {"ok"}
     assert {r["status"] for r in records if r["impl"] == "sdpa_cudnn"} == {"unsupported"}
     assert all(r["tflops"] > 0 and r["ms"] > 0 for r in records if r["status"] == "ok")
     assert all(r["batch"] * r["n"] == 256 and r["heads"] == 2 for r in records)
-    assert bench.load_records(merged) == records
+    assert common.load_records(merged) == records
     device = json.loads((out / "device.json").read_text())
     assert device["copy_bandwidth_GBps"] > 0 and device["matmul_tflops"] > 0
     assert len(list(out.glob("*.png"))) == 3 * 2
@@ -948,12 +952,12 @@ def test_main_cpu_end_to_end(stand_in, tmp_path, capsys):
                            "ft/sdpa_cudnn", "ft/sdpa_math"]
     assert len(rows) == 2 + 3 * 2 * 2
 
-    assert bench.main(argv[:-4] + ["--impl", "sdpa", "--n", "64", "--out", str(tmp_path / "o2"),
+    assert cli.main(argv[:-4] + ["--impl", "sdpa", "--n", "64", "--out", str(tmp_path / "o2"),
                                    "--merge-into", str(merged), "--no-plot"]) == 0
-    assert len(bench.load_records(merged)) == len(records)  # re-run replaced its records
+    assert len(common.load_records(merged)) == len(records)  # re-run replaced its records
     capsys.readouterr()
 
-    assert bench.main(["report", str(merged), "--out", str(tmp_path / "rep")]) == 0
+    assert cli.main(["report", str(merged), "--out", str(tmp_path / "rep")]) == 0
     report = capsys.readouterr().out
     assert len(_rows(report)) == len(rows)
     assert len(list((tmp_path / "rep").glob("*.png"))) == 6
@@ -962,11 +966,11 @@ def test_main_cpu_end_to_end(stand_in, tmp_path, capsys):
 def test_main_returns_1_on_flashtile_error(monkeypatch, tmp_path):
     def broken():
         raise ImportError("flashtile.flash_attn_func is not available")
-    monkeypatch.setattr(bench, "_flashtile", broken)
+    monkeypatch.setattr(common, "flashtile_api", broken)
     argv = TINY + ["--impl", "flashtile", "--mode", "fwd", "--n", "64", "--out", str(tmp_path),
                    "--no-plot", "--no-device-ceilings"]
-    assert bench.main(argv) == 1
-    records = bench.load_records(tmp_path / "results.json")
+    assert cli.main(argv) == 1
+    records = common.load_records(tmp_path / "results.json")
     assert {r["status"] for r in records} == {"error"}
 
 
@@ -976,86 +980,86 @@ def test_fatal_error_stops_the_run(stand_in, monkeypatch, tmp_path, capsys):
     def prepare(inp, causal, scale):
         calls.append(inp.n)
         raise RuntimeError("CUDA error: device-side assert triggered")
-    monkeypatch.setitem(bench.IMPLS, "fake", bench.Impl(prepare))
-    cfg = bench.parse_args(TINY + ["--impl", "fake", "sdpa", "--out", str(tmp_path), "--no-plot",
+    monkeypatch.setitem(common.IMPLS, "fake", common.Impl(prepare))
+    cfg = speed.parse_args(TINY + ["--impl", "fake", "sdpa", "--out", str(tmp_path), "--no-plot",
                                    "--no-device-ceilings"])
-    records = bench.run_speed(cfg)
+    records = speed.run_speed(cfg)
     assert len(records) == 1 and records[0]["status"] == "error" and calls == [64]
-    assert bench.load_records(tmp_path / "results.json") == records
+    assert common.load_records(tmp_path / "results.json") == records
     assert "unrecoverable CUDA error" in capsys.readouterr().err
 
 
 def test_input_failure_is_recorded_for_the_shape(stand_in, monkeypatch, tmp_path):
-    real = bench.make_inputs
+    real = common.make_inputs
 
     def make_inputs(batch, n, *args, **kwargs):
         if n == 128:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
         return real(batch, n, *args, **kwargs)
-    monkeypatch.setattr(bench, "make_inputs", make_inputs)
-    cfg = bench.parse_args(TINY + ["--impl", "sdpa", "--mode", "fwd", "--out", str(tmp_path),
+    monkeypatch.setattr(common, "make_inputs", make_inputs)
+    cfg = speed.parse_args(TINY + ["--impl", "sdpa", "--mode", "fwd", "--out", str(tmp_path),
                                    "--no-plot", "--no-device-ceilings"])
-    records = bench.run_speed(cfg, stdout=io.StringIO())
+    records = speed.run_speed(cfg, stdout=io.StringIO())
     assert [(r["n"], r["causal"], r["status"]) for r in records] == [
         (64, False, "ok"), (64, True, "ok"), (128, False, "oom"), (128, True, "oom")]
     assert records[-1]["error"].startswith("making the inputs: OutOfMemoryError: CUDA out of")
-    assert all(tuple(r) == bench.RECORD_KEYS for r in records)
+    assert all(tuple(r) == common.RECORD_KEYS for r in records)
 
 
 def test_resume_skips_finished_cases(stand_in, tmp_path, capsys):
     merged = tmp_path / "merged.json"
-    common = TINY + ["--impl", "sdpa", "sdpa_math", "--mode", "fwd", "--causal", "0", "--no-plot",
+    flags = TINY + ["--impl", "sdpa", "sdpa_math", "--mode", "fwd", "--causal", "0", "--no-plot",
                      "--no-device-ceilings", "--merge-into", str(merged)]
-    first = bench.run_speed(bench.parse_args(common + ["--n", "64", "--out", str(tmp_path / "a")]))
+    first = speed.run_speed(speed.parse_args(flags + ["--n", "64", "--out", str(tmp_path / "a")]))
     assert len(first) == 2
     failed = dict(first[1], status="error", tflops=None, ms=None, error="RuntimeError: x")
-    bench.write_json(merged, [first[0], failed])
+    common.write_json(merged, [first[0], failed])
     capsys.readouterr()
-    cfg = bench.parse_args(common + ["--out", str(tmp_path / "b"), "--resume"])
-    second = bench.run_speed(cfg)
+    cfg = speed.parse_args(flags + ["--out", str(tmp_path / "b"), "--resume"])
+    second = speed.run_speed(cfg)
     assert [(r["impl"], r["n"]) for r in second] == [("sdpa_math", 64), ("sdpa", 128),
                                                      ("sdpa_math", 128)]
     out = capsys.readouterr()
     assert "--resume: 1 of 4 cases" in out.err
     assert len(_rows(out.out)) == 2 + 2  # the table shows the resumed case too
-    merged_records = bench.load_records(merged)
+    merged_records = common.load_records(merged)
     assert len(merged_records) == 4 and {r["status"] for r in merged_records} == {"ok"}
 
 
 def test_resume_needs_merge_into(capsys):
     with pytest.raises(SystemExit):
-        bench.parse_args(["--device", "cpu", "--resume"])
+        speed.parse_args(["--device", "cpu", "--resume"])
     assert "--merge-into" in capsys.readouterr().err
 
 
 def test_case_key_matches_record_key():
     case = _case("sdpa", "bwd", True)
-    inp = bench.make_inputs(case.batch, case.n, case.heads, case.d, case.dtype, "cpu")
-    rec = json.loads(json.dumps(bench.run_case(case, inp, lambda fn: 1.0, CPU_ENV)))
-    assert bench.case_key(case, "cpu") == bench.record_key(rec)
+    inp = common.make_inputs(case.batch, case.n, case.heads, case.d, case.dtype, "cpu")
+    rec = json.loads(json.dumps(common.run_case(case, inp, lambda fn: 1.0, CPU_ENV)))
+    assert speed.case_key(case, "cpu") == common.record_key(rec)
 
 
 def test_time_limit_stops_between_shapes(stand_in, tmp_path, capsys):
-    cfg = bench.parse_args(TINY + ["--impl", "sdpa", "--out", str(tmp_path), "--no-plot",
+    cfg = speed.parse_args(TINY + ["--impl", "sdpa", "--out", str(tmp_path), "--no-plot",
                                    "--no-device-ceilings", "--time-limit", "0"])
-    assert bench.run_speed(cfg) == []
-    assert bench.load_records(tmp_path / "results.json") == []
+    assert speed.run_speed(cfg) == []
+    assert common.load_records(tmp_path / "results.json") == []
     assert "--time-limit" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not _real_flashtile_available(), reason="flashtile.flash_attn_func missing")
 def test_real_flashtile_cpu_run(tmp_path):
-    cfg = bench.parse_args(TINY + ["--impl", "flashtile", "--out", str(tmp_path), "--no-plot",
+    cfg = speed.parse_args(TINY + ["--impl", "flashtile", "--out", str(tmp_path), "--no-plot",
                                    "--no-device-ceilings"])
-    records = bench.run_speed(cfg, stdout=io.StringIO())
+    records = speed.run_speed(cfg, stdout=io.StringIO())
     assert len(records) == 3 * 2 * 2
     assert {r["status"] for r in records} == {"ok"}, [r["error"] for r in records]
 
 
 def test_counter_progress_without_tqdm(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)
-    progress = bench.make_progress(2)
-    assert isinstance(progress, bench._Counter)
+    progress = common.make_progress(2)
+    assert isinstance(progress, common._Counter)
     progress.set_description("case a")
     progress.update()
     progress.set_description("case b")
@@ -1065,8 +1069,8 @@ def test_counter_progress_without_tqdm(monkeypatch, capsys):
 
 def test_tqdm_progress(capsys):
     pytest.importorskip("tqdm")
-    progress = bench.make_progress(2)
-    assert isinstance(progress, bench._Tqdm)
+    progress = common.make_progress(2)
+    assert isinstance(progress, common._Tqdm)
     progress.set_description("case a")
     progress.update()
     progress.write("a message")
@@ -1077,7 +1081,7 @@ def test_tqdm_progress(capsys):
 
 
 def test_silent_progress(capsys):
-    progress = bench.make_progress(3, enabled=False)
+    progress = common.make_progress(3, enabled=False)
     progress.set_description("x")
     progress.write("y")
     progress.update()
@@ -1085,16 +1089,16 @@ def test_silent_progress(capsys):
 
 
 def test_decode_subcommand_routes_to_the_decode_benchmark(monkeypatch, tmp_path):
-    """`python -m flashtile.bench decode ...` runs flashtile.bench_decode with the remaining flags."""
-    from flashtile import bench, bench_decode
+    """`python -m flashtile.bench decode ...` runs flashtile.bench.decode with the remaining flags."""
+    from flashtile.bench import decode as bench_decode
     seen = {}
     monkeypatch.setattr(bench_decode, "main", lambda argv: seen.setdefault("argv", argv) and 0)
-    assert bench.main(["decode", "--quick", "--out", str(tmp_path / "d.json")]) == 0
+    assert cli.main(["decode", "--quick", "--out", str(tmp_path / "d.json")]) == 0
     assert seen["argv"] == ["--quick", "--out", str(tmp_path / "d.json")]
 
 
 # ---------------------------------------------------------------------------------------------
-# Variants subcommand (flashtile.bench_variants)
+# Variants subcommand (flashtile.bench.variants)
 # ---------------------------------------------------------------------------------------------
 
 VARIANTS_TINY = ["--device", "cpu", "--n", "128", "--batch", "1", "--heads", "2", "--d", "16",
@@ -1104,16 +1108,16 @@ VARIANTS_TINY = ["--device", "cpu", "--n", "128", "--batch", "1", "--heads", "2"
 def test_variants_subcommand_routes_to_bench_variants(monkeypatch, tmp_path):
     seen = {}
     monkeypatch.setattr(bench_variants, "main", lambda argv: seen.setdefault("argv", argv) and 0)
-    assert bench.main(["variants", "--sweeps", "window", "--out", str(tmp_path)]) == 0
+    assert cli.main(["variants", "--sweeps", "window", "--out", str(tmp_path)]) == 0
     assert seen["argv"] == ["--sweeps", "window", "--out", str(tmp_path)]
 
 
 @pytest.mark.skipif(not _real_flashtile_available(), reason="flashtile.flash_attn_func missing")
 def test_variants_cpu_end_to_end(tmp_path, capsys):
     out, merged = tmp_path / "out", tmp_path / "merged.json"
-    assert bench.main(["variants"] + VARIANTS_TINY + ["--out", str(out), "--merge-into",
+    assert cli.main(["variants"] + VARIANTS_TINY + ["--out", str(out), "--merge-into",
                                                       str(merged)]) == 0
-    records = bench.load_records(out / "variants.json")
+    records = common.load_records(out / "variants.json")
     assert all(tuple(r) == bench_variants.RECORD_KEYS and r["device"] == "cpu" for r in records)
     assert {r["status"] for r in records} == {"ok"}, [r["error"] for r in records]
     assert all(r["ms"] > 0 and r["tflops"] > 0 and r["ratio_vs_dense"] > 0 for r in records)
@@ -1148,7 +1152,7 @@ def test_variants_cpu_end_to_end(tmp_path, capsys):
     paged = by[("varlen", "flashtile", "varlen_paged")]
     assert {r["causal"] for r in paged} == {False, True} and all(r["status"] == "ok" for r in paged)
     assert all(r["detail"]["page_size"] == bench_variants.PAGE_SIZE for r in paged)
-    assert bench.load_records(merged) == records
+    assert common.load_records(merged) == records
 
     title, *table = capsys.readouterr().out.splitlines()
     assert title.startswith("variants, fp32, d=16, N=128, B=1, H=2")
@@ -1156,16 +1160,16 @@ def test_variants_cpu_end_to_end(tmp_path, capsys):
     assert rows[0] == ["sweep", "variant", "param", "causal", "mode", "flashtile ms",
                        "flashtile /ref", "sdpa ms", "sdpa /ref"]
     assert len(rows) == 2 + len({bench_variants.variant_key(r)[3:7] for r in records})
-    if bench._have_matplotlib():
+    if render.have_matplotlib():
         assert sorted(p.name for p in out.glob("*.png")) == ["sparse.png", "varlen.png",
                                                             "window.png"]
 
-    assert bench.main(["variants"] + VARIANTS_TINY + [
+    assert cli.main(["variants"] + VARIANTS_TINY + [
         "--sweeps", "window", "--impl", "sdpa", "--windows", "16", "--mode", "fwd", "--no-plot",
         "--out", str(tmp_path / "o2"), "--merge-into", str(merged)]) == 0
-    assert len(bench.load_records(merged)) == len(records)  # the re-run replaced its records
+    assert len(common.load_records(merged)) == len(records)  # the re-run replaced its records
     capsys.readouterr()
-    assert bench.main(["report", str(merged)]) == 0
+    assert cli.main(["report", str(merged)]) == 0
     assert "block_sparse" in capsys.readouterr().out
 
 
@@ -1248,7 +1252,7 @@ def test_variants_useful_pairs(n):
 def test_variants_useful_flops_scale_with_the_mode():
     pairs = bench_variants.dense_pairs(1024, False)
     fwd = bench_variants._useful_flops(pairs, 16, 128, "fwd")
-    assert fwd == bench.flops(1, 16, 1024, 128, False, "fwd")
+    assert fwd == common.flops(1, 16, 1024, 128, False, "fwd")
     assert bench_variants._useful_flops(pairs, 16, 128, "fwd_bwd") == fwd * 7 // 2
 
 
@@ -1288,7 +1292,7 @@ def test_variants_ratios_use_the_sweeps_reference():
         fields = {"sweep": sweep, "impl": "flashtile", "mode": mode, "variant": variant,
                   "causal": causal, "dtype": "bf16", "d": 128, "n": 8192, "batch": 2,
                   "heads": 16, "ms": ms, "status": status}
-        return bench.fill_record(bench_variants.RECORD_KEYS, env, fields)
+        return common.fill_record(bench_variants.RECORD_KEYS, env, fields)
     records = bench_variants.fill_ratios([
         r("sparse", "dense", 4.0), r("sparse", "block_sparse", 1.0),
         r("sparse", "block_sparse", 2.0, mode="fwd_bwd"), r("window", "dense", 2.0, True),
@@ -1298,9 +1302,9 @@ def test_variants_ratios_use_the_sweeps_reference():
 
 
 def test_report_skips_records_of_another_format(tmp_path, capsys):
-    path = bench.write_json(tmp_path / "old.json", [{"kind": "window", "window": 256,
+    path = common.write_json(tmp_path / "old.json", [{"kind": "window", "window": 256,
                                                       "fwd_ms": 0.25, "device": "cpu"}])
-    assert bench.main(["report", str(path)]) == 0
+    assert cli.main(["report", str(path)]) == 0
     out = capsys.readouterr()
     assert "skipped 1 records without impl/mode" in out.err
     assert out.out.strip() == "(no speed records)"

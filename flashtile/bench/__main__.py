@@ -1,0 +1,52 @@
+"""``python -m flashtile.bench [SUBCOMMAND] [FLAGS]``: dispatch to one benchmark module.
+
+``SUBCOMMANDS`` maps each name to the module that implements it; every such module exposes
+``main(argv) -> int``. A module is imported only when its subcommand runs, so adding one is a new
+module plus one entry here. Without a subcommand, ``speed`` runs.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Sequence
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "speed": ("flashtile.bench.speed", "TFLOP/s of dense attention against SDPA and Flex"),
+    "memory": ("flashtile.bench.memory", "peak CUDA memory of fwd+bwd against N"),
+    "report": ("flashtile.bench.report", "tables and plots of saved JSON records"),
+    "decode": ("flashtile.bench.decode", "KV-cache decode step against SDPA and Flex (CUDA)"),
+    "variants": ("flashtile.bench.variants", "block-sparse density, sliding window, varlen"),
+    "train": ("flashtile.bench.train", "end-to-end training step of a transformers model"),
+    "io": ("flashtile.bench.io", "measured DRAM traffic against the IO model (ncu)"),
+}
+DEFAULT = "speed"
+
+
+def usage() -> str:
+    width = max(map(len, SUBCOMMANDS))
+    lines = [f"  {name:<{width}}  {what}" for name, (_, what) in SUBCOMMANDS.items()]
+    return ("usage: python -m flashtile.bench [SUBCOMMAND] [FLAGS]   "
+            f"('{DEFAULT}' when no subcommand is given)\n\nsubcommands "
+            "('python -m flashtile.bench SUBCOMMAND -h' for each):\n" + "\n".join(lines))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("help", "--list"):
+        print(usage())
+        return 0
+    sub = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else DEFAULT
+    module_name = SUBCOMMANDS[sub][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        print(f"python -m flashtile.bench {sub}: {module_name} is not part of this installation",
+              file=sys.stderr)
+        return 2
+    return module.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,394 @@
+"""Speed benchmark (``python -m flashtile.bench [speed] ...``): TFLOP/s of flashtile against
+PyTorch's attention kernels (SDPA with no backend forced, FlashAttention-2, cuDNN, efficient,
+math) and FlexAttention, all in one process on the same inputs.
+
+    python -m flashtile.bench --quick                      # small preset, a minute or two on a GPU
+    python -m flashtile.bench --mode fwd_bwd --d 128 --merge-into benchmarks/results/h100.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import common
+from .common import (DTYPES, IMPLS, MODES, Case, classify_error, common_arguments,
+                     default_device, empty_cache, first_line, flatten, is_fatal, load_records,
+                     log, make_progress, make_record, make_timer, parse_dtype, parse_names,
+                     parse_seqlen, positive_int, record_key, reset_flex_cache, run_case,
+                     runtime_env, case_fields, synchronize, utc_now, write_json, write_results)
+from .render import plot, render_table
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """What a sweep runs: implementations, modes, causal values, dtypes, head dims, sequence
+    lengths, the batch/heads rule (``batch = tokens // N``, ``heads = hidden // d``) and the
+    timer's warm-up and measuring time in ms."""
+
+    impls: tuple[str, ...]
+    modes: tuple[str, ...]
+    causal: tuple[bool, ...]
+    dtypes: tuple[str, ...]
+    ds: tuple[int, ...]
+    ns: tuple[int, ...]
+    tokens: int
+    hidden: int
+    warmup: float
+    rep: float
+
+
+# "sdpa_default" is PyTorch's own choice (cuDNN on an H100 with torch 2.11): the peer an
+# H100 user compares with; the others force one SDPA backend each.
+GPU_IMPLS = ("flashtile", "sdpa_default", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient",
+             "sdpa_math", "flex")
+CPU_IMPLS = ("flashtile", "sdpa", "sdpa_math")
+ALL_MODES = ("fwd", "bwd", "fwd_bwd")
+
+PRESETS: dict[tuple[str, bool], Preset] = {
+    # the FlashAttention papers' sweep: 16K tokens per batch, hidden 2048
+    ("cuda", False): Preset(GPU_IMPLS, ALL_MODES, (False, True), ("bf16", "fp16"), (64, 128, 256),
+                            (512, 1024, 2048, 4096, 8192, 16384), 16384, 2048, 25, 100),
+    ("cuda", True): Preset(GPU_IMPLS, ALL_MODES, (False, True), ("bf16",), (128,),
+                           (1024, 4096), 16384, 2048, 10, 40),
+    ("cpu", False): Preset(CPU_IMPLS, ALL_MODES, (False, True), ("fp32", "bf16"), (64,),
+                           (256, 512, 1024, 2048), 2048, 128, 0, 20),
+    ("cpu", True): Preset(CPU_IMPLS, ALL_MODES, (False, True), ("fp32",), (64,),
+                          (256, 512), 1024, 128, 0, 5),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A speed run: the ``Preset`` it sweeps (defaults overridden by flags) and how it runs."""
+
+    device: str
+    preset: Preset
+    out: Path = Path("bench_out")
+    merge_into: Path | None = None
+    batch: int | None = None
+    heads: int | None = None
+    seed: int = 0
+    plot: bool = True
+    progress: bool = True
+    time_limit: float | None = None
+    raise_errors: bool = False
+    ceilings: bool = True
+    resume: bool = False
+    threads: int | None = None
+
+    def __getattr__(self, name: str):
+        # cfg.impls, cfg.ns, cfg.warmup, ...: the preset's fields
+        if name in Preset.__dataclass_fields__:
+            return getattr(self.preset, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def batch_for(self, n: int) -> int:
+        return self.batch if self.batch is not None else max(1, self.tokens // n)
+
+    def heads_for(self, d: int) -> int:
+        return self.heads if self.heads is not None else max(1, self.hidden // d)
+
+
+def _causal_values(text: str | None) -> tuple[bool, ...] | None:
+    return None if text is None else {"0": (False,), "1": (True,), "both": (False, True)}[text]
+
+
+def speed_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m flashtile.bench",
+        description="Time flashtile against SDPA (flash, cuDNN, efficient, math) and "
+                    "FlexAttention. "
+                    "Subcommands: speed (default), memory, report, decode, variants, train, io "
+                    "('python -m flashtile.bench help' lists them; '<subcommand> -h' for each). "
+                    "Unset selections come from the preset for the device (--quick for the "
+                    "small one).")
+    p.add_argument("--impl", nargs="+", default=None, metavar="NAME",
+                   help=f"implementations, or 'all' ({', '.join(IMPLS)}); "
+                        f"default on CUDA: {' '.join(GPU_IMPLS)}; on CPU: {' '.join(CPU_IMPLS)}")
+    p.add_argument("--mode", nargs="+", default=None, metavar="MODE",
+                   help=f"modes, or 'all' ({', '.join(MODES)}); default all")
+    p.add_argument("--causal", choices=("0", "1", "both"), default=None, help="default both")
+    p.add_argument("--d", nargs="+", default=None, metavar="D", help="head dims, e.g. 64 128 256")
+    p.add_argument("--n", nargs="+", default=None, metavar="N",
+                   help="sequence lengths, e.g. 512 1K 16K")
+    p.add_argument("--dtype", nargs="+", default=None, metavar="DTYPE",
+                   help=f"dtypes ({', '.join(DTYPES)}); default bf16 fp16 on CUDA, "
+                        "fp32 bf16 on CPU")
+    p.add_argument("--tokens", type=positive_int, default=None,
+                   help="tokens per batch: batch = tokens // N "
+                        "(default 16384 on CUDA, 2048 on CPU)")
+    p.add_argument("--hidden", type=positive_int, default=None,
+                   help="model width: heads = hidden // d (default 2048 on CUDA, 128 on CPU)")
+    p.add_argument("--batch", type=positive_int, default=None,
+                   help="fixed batch (overrides --tokens)")
+    p.add_argument("--heads", type=positive_int, default=None,
+                   help="fixed heads (overrides --hidden)")
+    p.add_argument("--quick", action="store_true", help="small preset for a fast check")
+    p.add_argument("--warmup", type=float, default=None,
+                   help="warm-up time in ms (do_bench's warmup; default 25 on CUDA)")
+    p.add_argument("--rep", type=float, default=None,
+                   help="measured time in ms (do_bench's rep; default 100 on CUDA)")
+    p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                   help="start no new shape after this many seconds (what ran is still written)")
+    p.add_argument("--no-device-ceilings", dest="ceilings", action="store_false",
+                   help="skip the copy-bandwidth and matmul measurement (device.json)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch.set_num_threads for the CPU path (default: torch's choice; 1 gives "
+                        "steadier CPU timings on a busy machine)")
+    p.add_argument("--resume", action="store_true",
+                   help="skip the cases that the --merge-into file already holds with status ok, "
+                        "oom or unsupported for this device (to continue a cut-off run)")
+    common_arguments(p, "results.json, device.json and the plots")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Config:
+    """Parse the speed benchmark's flags into a ``Config`` (unset selections from the preset)."""
+    p = speed_parser()
+    a = p.parse_args(argv)
+    try:
+        impls = parse_names(a.impl, list(IMPLS), "implementation")
+        modes = parse_names(a.mode, list(MODES), "mode")
+        ds = flatten(a.d, positive_int)
+        ns = flatten(a.n, parse_seqlen)
+        dtypes = flatten(a.dtype, parse_dtype)
+    except argparse.ArgumentTypeError as exc:
+        p.error(str(exc))
+    if a.resume and a.merge_into is None:
+        p.error("--resume needs --merge-into FILE")
+    device = a.device or default_device()
+    preset = dataclasses.replace(
+        PRESETS[(device, bool(a.quick))],
+        **{k: v for k, v in dict(impls=impls, modes=modes, causal=_causal_values(a.causal),
+                                 dtypes=dtypes, ds=ds, ns=ns, tokens=a.tokens, hidden=a.hidden,
+                                 warmup=a.warmup, rep=a.rep).items()
+           if v is not None and v != ()})
+    return Config(
+        device=device, preset=preset,
+        out=a.out, merge_into=a.merge_into, batch=a.batch, heads=a.heads, seed=a.seed,
+        plot=a.plot, progress=a.progress, time_limit=a.time_limit, raise_errors=a.raise_errors,
+        ceilings=a.ceilings, resume=a.resume, threads=a.threads,
+    )
+
+
+def build_plan(cfg: Config) -> list[Case]:
+    """Every case, grouped so one input set serves all cases of a shape (dtype, d, n), and the
+    modes of one (shape, causal) run back to back (FlexAttention compiles once per such set)."""
+    plan = []
+    for dtype in cfg.dtypes:
+        for d in cfg.ds:
+            for n in cfg.ns:
+                batch, heads = cfg.batch_for(n), cfg.heads_for(d)
+                for causal in cfg.causal:
+                    for mode in cfg.modes:
+                        for impl in cfg.impls:
+                            plan.append(Case(impl, mode, causal, dtype, d, n, batch, heads))
+    return plan
+
+# --------------------------------------------------------------------------------------------
+# Device ceilings
+# --------------------------------------------------------------------------------------------
+
+def _time_copy(device: torch.device, timer: Callable[[Callable], float],
+               nbytes: int) -> tuple[float, int]:
+    src = torch.randn(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+
+    def copy():
+        return dst.copy_(src)
+
+    copy()
+    synchronize(device)
+    return timer(copy), src.numel() * src.element_size()
+
+
+def _time_matmul(device: torch.device, timer: Callable[[Callable], float], n: int,
+                 dtype: torch.dtype) -> float:
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    c = torch.empty_like(a)
+
+    def matmul():
+        return torch.mm(a, b, out=c)
+
+    matmul()
+    synchronize(device)
+    return timer(matmul)
+
+
+def measure_device_ceilings(device: torch.device | str, timer: Callable[[Callable], float],
+                            copy_bytes: int | None = None, matmul_n: int | None = None,
+                            matmul_dtype: str | None = None) -> dict[str, Any]:
+    """Copy bandwidth (read + write bytes / time) and dense-matmul TFLOP/s of ``device``.
+
+    CUDA defaults: a 1 GiB copy and a bf16 8192^3 matmul; CPU: 64 MiB and fp32 1024^3."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    copy_bytes = copy_bytes or (1 << 30 if cuda else 64 << 20)
+    matmul_n = matmul_n or (8192 if cuda else 1024)
+    matmul_dtype = matmul_dtype or ("bf16" if cuda else "fp32")
+    info: dict[str, Any] = runtime_env(device)
+    info["date"] = utc_now()
+    if cuda:
+        props = torch.cuda.get_device_properties(device)
+        info.update(cuda=torch.version.cuda, capability=f"{props.major}.{props.minor}",
+                    sm_count=props.multi_processor_count, total_memory_bytes=props.total_memory)
+    else:
+        info.update(threads=torch.get_num_threads())
+
+    copy_ms, nbytes = _time_copy(device, timer, copy_bytes)
+    info.update(copy_bytes=nbytes, copy_ms=copy_ms,
+                copy_bandwidth_GBps=2 * nbytes / (copy_ms * 1e-3) / 1e9)
+    matmul_ms = _time_matmul(device, timer, matmul_n, DTYPES[matmul_dtype])
+    info.update(matmul_shape=[matmul_n] * 3, matmul_dtype=matmul_dtype, matmul_ms=matmul_ms,
+                matmul_tflops=2 * matmul_n ** 3 / (matmul_ms * 1e-3) / 1e12)
+    empty_cache(device)
+    return info
+
+
+# --------------------------------------------------------------------------------------------
+# Speed run
+# --------------------------------------------------------------------------------------------
+
+
+def case_key(case: Case, device_name: str) -> tuple:
+    """``record_key`` of the record ``case`` produces on device ``device_name``."""
+    return (device_name, case.impl, case.mode, case.causal, case.dtype, case.d, case.n,
+            case.batch, case.heads)
+
+
+def _done_records(cfg: Config, device_name: str) -> dict[tuple, dict]:
+    """Records of the --merge-into file that --resume does not run again."""
+    if not cfg.resume or cfg.merge_into is None or not Path(cfg.merge_into).exists():
+        return {}
+    return {record_key(r): r for r in load_records(cfg.merge_into)
+            if r.get("device") == device_name and r.get("status") in ("ok", "oom", "unsupported")}
+
+
+def warm_up_gpu(device: torch.device, seconds: float = 2.0) -> None:
+    """Keep the GPU busy with matmuls for ``seconds`` before the first timing: an idle GPU
+    starts at low clocks, and the first cases of a sweep (the short, host-sensitive ones)
+    would otherwise be timed while the clocks ramp up."""
+    if device.type != "cuda":
+        return
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize(device)
+    del a
+
+
+def run_speed(cfg: Config, timer: Callable[[Callable], float] | None = None,
+              stdout=None) -> list[dict]:
+    """Run every case of ``cfg``; writes results.json after each shape, then the table (stdout),
+    device.json and the plots. Returns this run's records.
+
+    Stops early (keeping what ran) when ``cfg.time_limit`` is exceeded between shapes, or after a
+    CUDA error that leaves the context unusable."""
+    stdout = stdout or sys.stdout
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but CUDA is not available")
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    timer = timer or make_timer(device, cfg.warmup, cfg.rep)
+    env = runtime_env(device)
+    full_plan = build_plan(cfg)
+    done = _done_records(cfg, env["device"])
+    plan = [c for c in full_plan if case_key(c, env["device"]) not in done]
+    if done:
+        log(f"--resume: {len(full_plan) - len(plan)} of {len(full_plan)} cases already in "
+             f"{cfg.merge_into}")
+    records: list[dict] = []
+    progress = make_progress(len(plan), cfg.progress)
+    start = time.monotonic()
+    stop_reason = None
+    reset_flex_cache()
+    warm_up_gpu(device)
+    try:
+        i = 0
+        while i < len(plan) and stop_reason is None:
+            group_key = plan[i].shape_key
+            group = []
+            while i < len(plan) and plan[i].shape_key == group_key:
+                group.append(plan[i])
+                i += 1
+            if cfg.time_limit is not None and time.monotonic() - start > cfg.time_limit:
+                stop_reason = f"--time-limit {cfg.time_limit:g}s reached"
+                break
+            c0 = group[0]
+            try:
+                inputs = common.make_inputs(c0.batch, c0.n, c0.heads, c0.d, c0.dtype, device,
+                                            cfg.seed)
+                input_failure = None
+            except Exception as exc:  # noqa: BLE001 - recorded for every case of the shape
+                if cfg.raise_errors:
+                    raise
+                inputs, input_failure = None, (classify_error(exc, True), first_line(exc))
+            for case in group:
+                progress.set_description(case.label())
+                if input_failure is None:
+                    rec = run_case(case, inputs, timer, env, cfg.raise_errors)
+                else:
+                    rec = make_record(env, **case_fields(case), status=input_failure[0],
+                                      error=f"making the inputs: {input_failure[1]}")
+                if rec["status"] == "error":
+                    progress.write(f"error: {case.label()}: {rec['error']}")
+                records.append(rec)
+                progress.update(1)
+                if is_fatal(rec["error"]):
+                    stop_reason = f"unrecoverable CUDA error in {case.label()}"
+                    break
+            del inputs
+            reset_flex_cache()
+            gc.collect()
+            empty_cache(device)
+            write_results(cfg.out, cfg.merge_into, records)
+    finally:
+        progress.close()
+        reset_flex_cache()
+    if stop_reason is not None:
+        log(f"{stop_reason}: ran {len(records)} of {len(plan)} cases")
+    write_results(cfg.out, cfg.merge_into, records)
+    if cfg.ceilings and not (stop_reason or "").startswith("unrecoverable"):
+        try:
+            ceilings = measure_device_ceilings(device, timer)
+            write_json(cfg.out / "device.json", ceilings)
+            log(f"device: copy {ceilings['copy_bandwidth_GBps']:.0f} GB/s, "
+                 f"{ceilings['matmul_dtype']} matmul {ceilings['matmul_tflops']:.3g} TFLOP/s")
+        except Exception as exc:  # noqa: BLE001 - ceilings are informative only
+            log(f"device ceilings not measured: {first_line(exc)}")
+    shown = [done[k] for k in (case_key(c, env["device"]) for c in full_plan) if k in done]
+    shown += records
+    print(render_table(shown), file=stdout)
+    written = [cfg.out / "results.json"]
+    if cfg.plot:
+        written += plot(shown, cfg.out)
+    if cfg.merge_into is not None:
+        written.append(cfg.merge_into)
+    log("wrote " + ", ".join(str(p) for p in written))
+    return records
+
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the speed benchmark; exit status 1 when a flashtile case failed with an unexpected
+    error, 2 for usage problems."""
+    cfg = parse_args(argv)
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        log("--device cuda but CUDA is not available")
+        return 2
+    records = run_speed(cfg)
+    return 1 if any(r["status"] == "error" for r in records) else 0

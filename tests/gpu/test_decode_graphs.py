@@ -1,0 +1,146 @@
+"""Decode on the GPU: contiguous, paged and append+rotary steps against the torch oracle, CUDA
+graph replays against eager calls, and eager launch plans against Triton's own launch path.
+
+CUDA only: run with ``TRITON_INTERPRET=0 python -m pytest tests/gpu``.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from flashtile import flash_attn_with_kvcache
+from flashtile.backends.spec import AttnSpec
+from flashtile.bench.decode import capture, rotary_tables
+from flashtile.reference.torch_ref import reference, rope
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                       reason="needs a CUDA GPU and compiled kernels (TRITON_INTERPRET=0)"),
+]
+
+B, CAP, H, HK, D, PAGE = 3, 2048, 32, 8, 128, 64
+TOL = 2e-2  # bf16 output against a float32 oracle
+
+
+def _oracle(q, k, v):
+    """float32 attention of q ``(1, Sq, H, D)`` over all of k/v, bottom-right causal."""
+    spec = AttnSpec(D ** -0.5, window_right=0, bottom_right=True)
+    return reference(q, k, v, spec, dtype=torch.float32)
+
+
+@pytest.fixture
+def cache():
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    q = torch.randn(B, 1, H, D, device="cuda", dtype=dt)
+    kc = torch.randn(B, CAP, HK, D, device="cuda", dtype=dt)
+    vc = torch.randn(B, CAP, HK, D, device="cuda", dtype=dt)
+    lens = torch.tensor([CAP, 1000, 1], dtype=torch.int32, device="cuda")
+    per = CAP // PAGE
+    perm = torch.randperm(B * per, device="cuda")
+    kp = torch.empty(B * per, PAGE, HK, D, device="cuda", dtype=dt)
+    vp = torch.empty_like(kp)
+    kp[perm] = kc.reshape(B * per, PAGE, HK, D)
+    vp[perm] = vc.reshape(B * per, PAGE, HK, D)
+    table = perm.reshape(B, per).to(torch.int32)
+    return dict(q=q, kc=kc, vc=vc, lens=lens, kp=kp, vp=vp, table=table)
+
+
+def test_contiguous_and_paged_decode_match_the_oracle(cache):
+    q, kc, vc, lens = cache["q"], cache["kc"], cache["vc"], cache["lens"]
+    out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
+    for i in range(B):
+        n = int(lens[i])
+        err = (out[i:i + 1].float() - _oracle(q[i:i + 1], kc[i:i + 1, :n], vc[i:i + 1, :n]))
+        assert err.abs().max().item() < TOL, f"contiguous, sequence {i}"
+    out_p = flash_attn_with_kvcache(q, cache["kp"], cache["vp"], cache_seqlens=lens,
+                                    block_table=cache["table"])
+    assert (out_p.float() - out.float()).abs().max().item() < TOL
+
+
+def test_append_rotary_step_graph_replay_equals_eager_and_oracle(cache):
+    """Three decode steps with append + rotary: eager on one cache copy, a CUDA-graph replay on
+    another; the replay equals the eager call bitwise (outputs and caches), and the eager call
+    matches the oracle on the rotated, appended cache."""
+    q, kc, vc = cache["q"], cache["kc"], cache["vc"]
+    cos, sin = rotary_tables(CAP, D, "cuda")
+    lens0 = torch.tensor([100, 1500, 0], dtype=torch.int32, device="cuda")
+    k_eager, v_eager = kc.clone(), vc.clone()
+    k_graph, v_graph = kc.clone(), vc.clone()
+    s_q = torch.empty_like(q)
+    s_k = torch.empty(B, 1, HK, D, device="cuda", dtype=q.dtype)
+    s_v = torch.empty_like(s_k)
+    s_lens = lens0.clone()
+
+    def step():
+        return flash_attn_with_kvcache(s_q, k_graph, v_graph, s_k, s_v, rotary_cos=cos,
+                                       rotary_sin=sin, cache_seqlens=s_lens, causal=True)
+
+    s_q.normal_(), s_k.normal_(), s_v.normal_()
+    graph, g_out = capture(step)
+    k_graph.copy_(kc), v_graph.copy_(vc)  # the capture's warm-up appended to k_graph
+    for t in range(3):
+        qt, kt, vt = torch.randn_like(q), torch.randn_like(s_k), torch.randn_like(s_v)
+        cur = lens0 + t
+        k_before = k_eager.clone()
+        e_out = flash_attn_with_kvcache(qt, k_eager, v_eager, kt, vt, rotary_cos=cos,
+                                        rotary_sin=sin, cache_seqlens=cur, causal=True)
+        s_q.copy_(qt), s_k.copy_(kt), s_v.copy_(vt), s_lens.copy_(cur)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(g_out, e_out), f"step {t}: graph replay differs from the eager call"
+        for i in range(B):
+            n = int(cur[i])
+            pos = cur[i:i + 1].long()[:, None]
+            kk = torch.cat([k_before[i:i + 1, :n], rope(kt[i:i + 1], cos, sin, pos).to(q.dtype)], 1)
+            vv = torch.cat([v_eager[i:i + 1, :n], vt[i:i + 1]], dim=1)
+            want = _oracle(rope(qt[i:i + 1], cos, sin, pos).to(q.dtype), kk, vv)
+            err = (e_out[i:i + 1].float() - want).abs().max().item()
+            assert err < TOL, f"step {t}, sequence {i}: error {err:.3e} against the oracle"
+    assert torch.equal(k_graph, k_eager) and torch.equal(v_graph, v_eager)
+
+
+def _decode_module():
+    name = "flashtile.kvcache" if importlib.util.find_spec("flashtile.kvcache") else "flashtile.decode"
+    return importlib.import_module(name)
+
+
+@pytest.mark.parametrize("variant", ["attend", "paged", "append_rotary_causal",
+                                     "splits5_window_softcap"])
+def test_eager_plans_equal_triton_launch_bitwise(cache, variant, monkeypatch):
+    """The first call records a launch plan, the next ones replay it: outputs and appended
+    caches equal those of Triton's own launch path bit for bit."""
+    from flashtile.backends.triton import launch_common
+
+    decode_mod = _decode_module()
+    cos, sin = rotary_tables(CAP, D, "cuda")
+    k1 = torch.randn(B, 1, HK, D, device="cuda", dtype=torch.bfloat16)
+    v1 = torch.randn_like(k1)
+    kw = {"attend": {}, "paged": {},
+          "append_rotary_causal": dict(k=k1, v=v1, rotary_cos=cos, rotary_sin=sin, causal=True),
+          "splits5_window_softcap": dict(num_splits=5, window_size=(300, 0), softcap=20.0)}[variant]
+    paged = variant == "paged"
+    lens = cache["lens"] if "k" not in kw else torch.tensor([101, 1501, 1], dtype=torch.int32,
+                                                                device="cuda")
+    results = []
+    for mode in ("generic", "record", "replay", "replay"):
+        kc, vc = ((cache["kp"].clone(), cache["vp"].clone()) if paged
+                  else (cache["kc"].clone(), cache["vc"].clone()))
+        extra = dict(block_table=cache["table"]) if paged else {}
+        monkeypatch.setattr(launch_common, "_DIRECT", mode != "generic")
+        if mode == "record":
+            decode_mod._PLANS.clear()
+        n_plans = len(decode_mod._PLANS)
+        out = flash_attn_with_kvcache(cache["q"], kc, vc, cache_seqlens=lens, **extra, **kw)
+        torch.cuda.synchronize()
+        if mode == "record":
+            assert len(decode_mod._PLANS) == n_plans + 1, "the first direct call records a plan"
+        results.append((out, kc, vc))
+    for out, kc, vc in results[1:]:
+        assert torch.equal(out, results[0][0])
+        assert torch.equal(kc, results[0][1]) and torch.equal(vc, results[0][2])

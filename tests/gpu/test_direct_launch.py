@@ -1,0 +1,64 @@
+"""Cached direct launches (the fast path past ``JITFunction.run``) against ``kernel[grid]``.
+
+Forward and backward must be bitwise equal for every variant, including inputs whose pointer
+alignment differs from the call that filled the cache. CUDA only: run with
+``TRITON_INTERPRET=0 python -m pytest tests/gpu``.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from flashtile import flash_attn_func, scaled_dot_product_attention
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                       reason="needs a CUDA GPU and compiled kernels (TRITON_INTERPRET=0)"),
+]
+
+SHAPE = (2, 200, 4, 64)
+VARIANTS = {
+    "causal": lambda q, k, v, bias: flash_attn_func(q, k, v, causal=True),
+    "window_softcap": lambda q, k, v, bias: flash_attn_func(q, k, v, window_size=(37, 5),
+                                                            softcap=20.0),
+    "gqa": lambda q, k, v, bias: flash_attn_func(q, k[:, :, :2], v[:, :, :2]),
+    "dropout": lambda q, k, v, bias: flash_attn_func(q, k, v, dropout_p=0.2),
+    "bias": lambda q, k, v, bias: scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias).transpose(1, 2),
+}
+
+
+def _run(fn, buf, offset, bias):
+    """out, dq, dk, dv of ``fn`` on q, k, v viewed ``offset`` elements into ``buf``."""
+    n = torch.Size(SHAPE).numel()
+    q, k, v = (buf[offset + i * n: offset + (i + 1) * n].view(SHAPE).detach().requires_grad_()
+               for i in range(3))
+    torch.manual_seed(11)  # the dropout seed
+    out = fn(q, k, v, bias)
+    out.backward(torch.ones_like(out))
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_direct_launch_equals_kernel_grid_bitwise(variant, offset, monkeypatch):
+    from flashtile.backends.triton import launch_common
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    buf = torch.randn(3 * torch.Size(SHAPE).numel() + 8, generator=gen, device="cuda",
+                      dtype=torch.float16)
+    bias = torch.randn(2, 4, 200, 200, generator=gen, device="cuda", dtype=torch.float16)
+    fn = VARIANTS[variant]
+    monkeypatch.setattr(launch_common, "_DIRECT", False)
+    generic = _run(fn, buf, offset, bias)
+    monkeypatch.setattr(launch_common, "_DIRECT", True)
+    # the first direct call fills the cache, the second reuses it; an aligned call after a
+    # misaligned one (and the reverse) must pick its own specialisation
+    for other in (offset, 1 - offset, offset):
+        direct = _run(fn, buf, other, bias)
+        if other == offset:
+            for name, a, b in zip(("out", "dq", "dk", "dv"), generic, direct):
+                assert torch.equal(a, b), f"{variant}@{offset}: {name} differs from kernel[grid]"
