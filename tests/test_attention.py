@@ -17,10 +17,9 @@ import flashtile
 from flashtile.backends.spec import AttnSpec
 from flashtile.backends.triton.configs import KernelConfig, override
 from flashtile.backends.triton.launch_common import poison_outputs
-from flashtile.check import reference
-from flashtile.masks import visible_mask
+from flashtile.reference.torch_ref import reference, scores
 
-from helpers import assert_close, assert_flash_rule, randn
+from helpers import assert_close, check_flash_rule, randn
 
 BACKENDS = ["triton", "torch"]
 
@@ -69,33 +68,13 @@ def _spec(d, kw, bottom_right=True):
 
 
 def _compare(name, q, k, v, do, spec, slopes, out, lse, grads, dtype):
-    leaves64 = [x.double().requires_grad_() for x in (q, k, v)]
-    ref = reference(*leaves64, spec, slopes)
-    ref_grads = torch.autograd.grad(ref, leaves64, do.double())
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    low = reference(*leaves, spec, slopes, dtype=dtype)
-    low_grads = torch.autograd.grad(low, leaves, do)
-    floor = 1e-5 if dtype == torch.float32 else 1e-4  # fp32: torch.testing's default atol
-    assert_flash_rule(f"{name}: out", out, ref, low, 2, floor)
-    for g_name, got, want, base in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads):
-        assert_flash_rule(f"{name}: {g_name}", got, want, base, 3, floor)
+    def ref_fn(q, k, v, dtype):
+        return reference(q, k, v, spec, slopes, dtype=dtype)
+
+    check_flash_rule(name, out, grads, (q, k, v), do, ref_fn, dtype, ("dq", "dk", "dv"))
     if lse is not None:
-        s = _scores64(q, k, spec, slopes)
+        s = scores(q, k, spec, slopes)
         assert_close(f"{name}: lse", lse, torch.logsumexp(s, dim=-1), atol=1e-4, rtol=1e-4)
-
-
-def _scores64(q, k, spec, slopes):
-    h, hk = q.shape[2], k.shape[2]
-    qd, kd = q.double().transpose(1, 2), k.double().transpose(1, 2).repeat_interleave(h // hk, 1)
-    s = qd @ kd.transpose(-1, -2) * spec.softmax_scale
-    if spec.softcap > 0:
-        s = spec.softcap * torch.tanh(s / spec.softcap)
-    sq, sk = q.shape[1], k.shape[1]
-    if slopes is not None:
-        i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
-        s = s - slopes.double().reshape(-1, h, 1, 1) * (i + sk - sq - j).abs()
-    vis = visible_mask(sq, sk, spec.window_left, spec.window_right, spec.bottom_right)
-    return s.masked_fill(~vis, float("-inf"))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

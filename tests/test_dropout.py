@@ -17,7 +17,7 @@ from flashtile.backends import torch_tiled
 from flashtile.backends import triton as triton_backend
 from flashtile.backends.spec import AttnSpec
 from flashtile.backends.triton.launch_common import poison_outputs
-from flashtile.check import reference
+from flashtile.reference.torch_ref import reference
 from flashtile.masks import attention_probs
 from flashtile.rng import keep_mask, philox_uniform
 

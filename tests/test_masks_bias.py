@@ -11,7 +11,7 @@ import flashtile
 from flashtile import backends
 from flashtile.backends.spec import AttnSpec
 from flashtile.backends.triton.launch_common import poison_outputs
-from flashtile.check import reference
+from flashtile.reference.torch_ref import reference
 from flashtile.interface import _mask_4d
 from flashtile.rng import keep_mask
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from flashtile.reference import algorithms as alg
 from flashtile.reference import naive
 
-from helpers_reference import as_f64, assert_close, make_gen, math_attention, randn
+from helpers import as_f64, assert_close, make_gen, math_attention, randn
 
 TIGHT = dict(atol=1e-12, rtol=1e-10)
 

@@ -9,7 +9,7 @@ from flashtile.backends import torch_tiled
 from flashtile.backends.spec import AttnSpec
 from flashtile.reference import naive
 
-from helpers_reference import (as_f64, assert_close, low_precision_bound, make_gen,
+from helpers import (as_f64, assert_close, assert_flash_rule, make_gen,
                                math_attention, naive_kwargs, randn)
 
 FP32_RTOL = 1e-5
@@ -142,10 +142,10 @@ def test_low_precision_accuracy_rule(case, dtype, small_tiles):
     qa, ka, va = (x.clone().requires_grad_() for x in (q, k, v))
     base_out, _ = math_attention(qa, ka, va, **naive_kwargs(spec, alibi_slopes=slopes))
     base_out.backward(do)
-    low_precision_bound("out", out, want_out, base_out, 2.0)
-    low_precision_bound("dq", dq, want_dq, qa.grad, 3.0)
-    low_precision_bound("dk", dk, want_dk, ka.grad, 3.0)
-    low_precision_bound("dv", dv, want_dv, va.grad, 3.0)
+    assert_flash_rule("out", out, want_out, base_out, 2.0)
+    assert_flash_rule("dq", dq, want_dq, qa.grad, 3.0)
+    assert_flash_rule("dk", dk, want_dk, ka.grad, 3.0)
+    assert_flash_rule("dv", dv, want_dv, va.grad, 3.0)
     # lse is computed in float32 from the rounded inputs, so it is held to float32 accuracy
     assert_close("lse", lse, want_lse, atol=1e-4, rtol=1e-5)
 

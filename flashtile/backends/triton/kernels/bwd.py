@@ -11,7 +11,7 @@ With ``p = exp2(s - lse2)`` (``s`` the base-2 score of forward, ``lse2 = log2(e)
 
 Rows that saw no key have ``lse = -inf``; the preprocess stores ``lse2 = +inf`` for them so
 that ``p = exp2(s - inf) = 0`` and they contribute nothing (never ``inf * 0``).  Invisible
-keys score ``-inf`` during recomputation as in the forward (seed 001's NaN hazard: a padded key
+keys score ``-inf`` during recomputation as in the forward (otherwise a padded key
 would score 0 and ``exp2(0 - lse2)`` can overflow for a small lse).
 
 Dropout (``HAS_DROPOUT``) regenerates the forward's keep mask ``Z`` from the same seed and
