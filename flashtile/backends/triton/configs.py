@@ -1,6 +1,6 @@
 """Block shapes and launch parameters for the Triton kernels.
 
-``TUNED`` holds the winners of ``python -m flashtile.tune`` on real hardware, keyed by
+``TUNED`` holds the winners of ``flashtile tune`` (``backends/triton/tune.py``) on real hardware, keyed by
 ``(arch, pass, head_dim_bucket, causal, dtype)`` so a first call never autotunes.  A key that is
 missing falls back to ``_heuristic`` (shapes that fit in shared memory and registers for every
 head dim).  Under ``TRITON_INTERPRET=1`` small tiles keep the emulated kernels fast.
@@ -26,11 +26,10 @@ class KernelConfig:
 
 
 # (arch "sm90", pass, d bucket, causal, dtype) -> (block_m, block_n, num_warps, num_stages)
-# Winners of `python -m flashtile.tune` on an H100 (benchmarks/results/tune_h100_*.json, see
-# docs/performance-notes.md).  Three backward entries changed after 2 and 4 pipeline stages
-# joined the search, where the new winner led by more than 3% (tune_h100_bwd_stages.json,
-# tune_h100_bwd_d256_stages.json, checked in probe_bwd_configs_h100.json); smaller leads were
-# within the noise of the sweep and the old entries stay.  fp16 uses the bf16 winners.
+# Winners of `flashtile tune` on an H100 (the searches and their raw results are in
+# docs/dev/tuning-log.md).  Three backward entries changed after 2 and 4 pipeline stages
+# joined the search, where the new winner led by more than 3%; smaller leads were within the
+# noise of the sweep and the old entries stay.  fp16 uses the bf16 winners.
 TUNED: dict[tuple, tuple[int, int, int, int]] = {
     ("sm90", "fwd", 64, False, "bfloat16"): (64, 64, 4, 3),
     ("sm90", "fwd", 64, True, "bfloat16"): (64, 64, 4, 3),
@@ -50,10 +49,9 @@ TUNED: dict[tuple, tuple[int, int, int, int]] = {
     ("sm90", "dkdv", 256, True, "bfloat16"): (64, 32, 4, 3),
     ("sm90", "dq", 256, False, "bfloat16"): (64, 32, 4, 3),
     ("sm90", "dq", 256, True, "bfloat16"): (64, 32, 4, 3),
-    # Sequences of at most SHORT_SEQ keys: fewer, smaller tiles keep all SMs busy
-    # (benchmarks/results/overhead_h100.json, N=512 and 1K; the backward's from
-    # tune_h100_bwd_short512_stages.json at N=512, leads of 3-5% that the N=1K search,
-    # tune_h100_bwd_short1k.json, agrees with).
+    # Sequences of at most SHORT_SEQ keys: fewer, smaller tiles keep all SMs busy (measured
+    # at N=512 and 1K; the backward's from a search at N=512, leads of 3-5% that the N=1K
+    # search agrees with; docs/dev/tuning-log.md).
     ("sm90", "fwd", 128, False, "bfloat16", "short"): (128, 32, 8, 3),
     ("sm90", "fwd", 128, True, "bfloat16", "short"): (64, 64, 4, 3),
     ("sm90", "dkdv", 64, False, "bfloat16", "short"): (64, 64, 4, 3),

@@ -195,7 +195,7 @@ def launch(kernel, grid, args: tuple, meta: dict) -> tuple | None:
 # that specialisation: the exact value and type of every non-tensor argument (ints, floats,
 # bools, None, constexprs) and the launch options, and each tensor's dtype and 16-byte
 # alignment.  Equal keys imply equal Triton cache keys, so the kernel called is the one
-# ``kernel[grid]`` would call (``python -m flashtile.check --direct-launch`` compares the two
+# ``kernel[grid]`` would call (``tests/gpu/test_direct_launch.py`` compares the two
 # bitwise on the GPU).
 _DIRECT = os.environ.get("FLASHTILE_DIRECT_LAUNCH", "1") != "0" and not interpreting()
 _MAX_COMPILED = 4096

@@ -103,7 +103,7 @@ def choose_num_splits(n_programs: int, n_sms: int, n_tiles: int, max_splits: int
     ``n_programs``: programs without splitting (batch * kv heads * query blocks);
     ``n_tiles``: key tiles of a full cache row; ``paged``: the keys are read through a block
     table; ``per_key_pages``: pages are smaller than a key tile, so the kernel looks the page up
-    for every key (``PAGE_SIZE % BLOCK_N != 0``).  Rules (measured on the H100, d=128 bf16, ``benchmarks/results/decode_splits_*_h100.json``),
+    for every key (``PAGE_SIZE % BLOCK_N != 0``).  Rules (measured on the H100, d=128 bf16; docs/dev/tuning-log.md),
     always keeping ``MIN_TILES_PER_SPLIT`` tiles per split:
 
     * fewer programs than ``per_sm`` waves of SMs (``per_sm = 1``, or 2 for a paged cache;
@@ -117,7 +117,7 @@ def choose_num_splits(n_programs: int, n_sms: int, n_tiles: int, max_splits: int
       one leaves SMs idle; about 16 programs per SM even that out (batch 64: 4 splits, 8%
       faster than none).  Not for pages smaller than a tile: there the per-key page lookups
       of the extra programs cost more than the waves (batch 64, 16-slot pages: no split 5%
-      faster than 4 at 16K and 64K, ``probe_decode_paged_h100.json``).
+      faster than 4 at 16K and 64K).
 
     Memoised: a decode loop asks for the same shapes every step.
     """
@@ -162,7 +162,7 @@ def _plan(on_gpu: bool, head_dim: int, seqlen_q: int, group: int, dtype: torch.d
 # Launch plans of eager calls
 # --------------------------------------------------------------------------------------------
 # An eager decode step cost ~100-140 us of host time on the H100 machine against ~30 us of GPU
-# time at batch 1 (benchmarks/probe_decode_eager.py): validation, the heuristics, ~50 kernel
+# time at batch 1 (docs/dev/tuning-log.md): validation, the heuristics, ~50 kernel
 # arguments per launch rebuilt from the same shapes.  While a call runs with a recorder, every
 # allocation and every direct launch (compiled kernel, grid, arguments) is noted;
 # :func:`record_plan` turns that into a :class:`Plan` that replays the call for new tensors of

@@ -81,10 +81,9 @@ def _kv_rows(p_bt, n0, o_n, sk, stride_kpage, stride_kn, stride_vpage, stride_vn
     ``BLOCK_N x HEAD_DIM`` load, and each key row stays contiguous.
 
     When the tile size divides the page size the tile lies in one page: one scalar lookup of
-    its page (the tile starts ``n0 < sk``, so that table entry is valid) and consecutive rows.
-    Measured on the H100 (varlen, 256-slot pages) the per-key gather made the forward 1.58x
-    slower than contiguous keys: the tile loads wait on a vector gather the pipeliner cannot
-    run ahead, where a scalar lookup it can.
+    its page (the tile starts ``n0 < sk``, so that table entry is valid) and consecutive rows:
+    the pipeliner can run a scalar lookup ahead of the tile loads, not a vector gather
+    (docs/dev/tuning-log.md has the measurement).
     """
     if PAGE_SIZE % BLOCK_N == 0:
         page = tl.load(p_bt + n0 // PAGE_SIZE).to(tl.int64)

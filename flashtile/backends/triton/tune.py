@@ -1,4 +1,5 @@
-"""Search block shapes for the Triton kernels: ``python -m flashtile.tune``.
+"""Search block shapes for the Triton kernels on a CUDA GPU: ``flashtile tune`` (or
+``python -m flashtile.backends.triton.tune``).
 
 For each (pass, head dim, causal) it times every config of a pruned space on the benchmark
 shape (16K tokens, hidden 2048, bf16) and reports the fastest; the winners are pasted into
@@ -22,9 +23,9 @@ import time
 
 import torch
 
-from .backends.spec import AttnSpec
-from .backends.triton import backward, forward
-from .backends.triton.configs import KernelConfig, get_config, override
+from ..spec import AttnSpec
+from . import backward, forward
+from .configs import KernelConfig, get_config, override
 
 
 def space(pass_: str, d: int) -> list[KernelConfig]:
@@ -146,7 +147,8 @@ def peers(d, causal, dtype, n, log):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flashtile.tune", description=__doc__)
+    p = argparse.ArgumentParser(prog="flashtile tune", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--d", type=int, nargs="+", default=[128])
     p.add_argument("--causal", choices=("0", "1", "both"), default="both")
     p.add_argument("--passes", default="fwd,dkdv,dq")
@@ -156,6 +158,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="tune.json")
     p.add_argument("--peers", action="store_true", help="also time SDPA flash and cuDNN")
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("flashtile tune times the Triton kernels on a CUDA GPU; no CUDA device is "
+              "available here", file=sys.stderr)
+        return 2
     dtype = getattr(torch, args.dtype)
     causals = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
     records, table = [], {}
