@@ -1325,3 +1325,66 @@ def test_paged_pools_hold_each_sequence_in_its_pages():
         assert torch.equal(got_k, data.packed.k[start:start + n]), f"keys of sequence {b}"
         assert torch.equal(got_v, data.packed.v[start:start + n]), f"values of sequence {b}"
         start += n
+
+
+# ---------------------------------------------------------------------------------------------
+# The flashtile command line (python -m flashtile)
+# ---------------------------------------------------------------------------------------------
+
+def test_flashtile_help_is_argparse_and_lists_subcommands(capsys):
+    from flashtile import __main__ as ft_cli
+    with pytest.raises(SystemExit) as exc:
+        ft_cli.cli(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: flashtile") and "``" not in out
+    assert all(name in out for name in ("check", "bench", "tune", "explain"))
+
+
+def test_flashtile_rejects_unknown_flags(capsys):
+    from flashtile import __main__ as ft_cli
+    with pytest.raises(SystemExit) as exc:
+        ft_cli.cli(["--bogus-flag"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --bogus-flag" in capsys.readouterr().err
+
+
+def test_flashtile_subcommand_routes_argv(monkeypatch):
+    from flashtile import __main__ as ft_cli
+    seen = {}
+    fake = types.SimpleNamespace(main=lambda argv: seen.setdefault("argv", argv) and 0)
+    monkeypatch.setitem(sys.modules, "flashtile.explain", fake)
+    assert ft_cli.cli(["explain", "--out", "x.html"]) == 0
+    assert seen["argv"] == ["--out", "x.html"]
+
+
+def test_flashtile_missing_subcommand_module_is_one_line(monkeypatch, capsys):
+    from flashtile import __main__ as ft_cli
+    monkeypatch.setitem(ft_cli.SUBCOMMANDS, "explain", ("flashtile._no_such_module", "x"))
+    assert ft_cli.cli(["explain"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "flashtile explain: flashtile._no_such_module is not part of this installation"
+
+
+def test_bench_missing_subcommand_module_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(cli.SUBCOMMANDS, "train", ("flashtile.bench._no_such_module", "x"))
+    assert cli.main(["train"]) == 2
+    assert "not part of this installation" in capsys.readouterr().err
+
+
+@needs_cpu_only
+def test_tune_and_memory_on_cpu_give_one_line(capsys):
+    from flashtile import __main__ as ft_cli
+    assert ft_cli.cli(["tune"]) == 2
+    assert ft_cli.cli(["bench", "memory", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "CUDA" in err[0] and "CUDA" in err[1]
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_cpu_peak_in_child_sees_the_score_matrix():
+    """Standard attention at N=1024, 2 heads materialises 2 x 1024 x 1024 fp32 scores (8 MiB)
+    and more for softmax and its gradient; measured in a fresh process it shows at least that."""
+    from flashtile import __main__ as ft_cli
+    mib = ft_cli.cpu_peak_in_child("standard", 1024, 16, 2)
+    assert mib is not None and mib >= 8
