@@ -22,7 +22,8 @@ from .backends import select
 SUBCOMMANDS = {
     "check": ("flashtile.check", "full correctness suite (python -m flashtile.check)"),
     "bench": ("flashtile.bench.__main__",
-              "benchmarks: speed, memory, report, decode, variants, ... (python -m flashtile.bench)"),
+              "benchmarks: speed, memory, report, decode, variants, ... "
+              "(python -m flashtile.bench)"),
     "tune": ("flashtile.backends.triton.tune", "block-shape search for the Triton kernels (CUDA)"),
     "explain": ("flashtile.explain", "the interactive explainer of the algorithm"),
 }

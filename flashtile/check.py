@@ -7,7 +7,8 @@ gradient buffers, and compares against a float64 reference using flash-attn's ru
     |flashtile - ref64|_max  <=  3 * |torch_same_dtype - ref64|_max + eps      (dq, dk, dv)
 
 where ``ref64`` and ``torch_same_dtype`` are ``flashtile.reference.torch_ref.reference`` in
-float64 and in the input dtype (softmax in float32).  On a GPU it runs the Triton kernels; on a CPU the torch backend (small shapes).
+float64 and in the input dtype (softmax in float32).  On a GPU it runs the Triton kernels; on
+a CPU the torch backend (small shapes).
 Feature cases (``--features`` runs only those) cover dropout (the reference applies the keep
 mask read back from ``S_dmask``, or regenerated from the call's seed), SDPA attention masks and
 learnable biases (``dbias`` checked with the gradient rule), block-sparse attention (the

@@ -572,7 +572,8 @@ def _choice(allowed: Sequence[str], what: str) -> Callable[[str], str]:
     return convert
 
 
-def parse_names(values: list[str] | None, allowed: Sequence[str], what: str) -> tuple[str, ...] | None:
+def parse_names(values: list[str] | None, allowed: Sequence[str],
+                what: str) -> tuple[str, ...] | None:
     if values is None:
         return None
     if [v.strip() for v in values] == ["all"]:

@@ -63,8 +63,8 @@ def sections(parts: list[tuple[str, str]]) -> str:
 
 def render_table(records: list[dict], reference: str = "flashtile") -> str:
     """TFLOP/s per (mode, causal, dtype, d, n) row and impl column, under a line that says so,
-    plus ``ft/<peer>`` ratio columns (reference TFLOP/s over the peer's; "-" unless both ran). A later record for the
-    same cell wins. Failed cells show "oom", "unsup" or "error"."""
+    plus ``ft/<peer>`` ratio columns (reference TFLOP/s over the peer's; "-" unless both ran).
+    A later record for the same cell wins. Failed cells show "oom", "unsup" or "error"."""
     speed = [r for r in records if r.get("mode") not in (MEMORY_MODE, MAX_SEQLEN_MODE)]
     if not speed:
         return "(no speed records)"
