@@ -61,16 +61,18 @@ def forward(q, k, v, spec: AttnSpec):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .kernels.attn_fwd_sm90 import attn_fwd_sm90_kernel
+    from .kernels.attn_fwd_sm90 import attn_fwd_sm90_kernel, attn_fwd_sm90_ws_kernel
+    ws = os.environ.get("FLASHTILE_SM90") == "ws"
+    block_mq = BLOCK_M // 2 if ws else BLOCK_M
 
     batch, sq, nheads, head_dim = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
     g_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, head_dim], g_dtype)
+    q_layout = gl.NVMMASharedLayout.get_default_for([block_mq, head_dim], g_dtype)
     kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, head_dim], g_dtype)
     # 2-D (B * S, H * D) views: a tile never crosses a batch because S is a tile multiple
     desc_q = TensorDescriptor(q.view(batch * sq, nheads * head_dim), [batch * sq, nheads * head_dim],
-                              [nheads * head_dim, 1], [BLOCK_M, head_dim], q_layout)
+                              [nheads * head_dim, 1], [block_mq, head_dim], q_layout)
     desc_k = TensorDescriptor(k.view(batch * sk, nheads_k * head_dim),
                               [batch * sk, nheads_k * head_dim], [nheads_k * head_dim, 1],
                               [BLOCK_N, head_dim], kv_layout)
@@ -80,10 +82,13 @@ def forward(q, k, v, spec: AttnSpec):
     out = empty(q.shape, q.dtype, q.device)
     lse = empty((batch, nheads, sq), torch.float32, q.device)
     grid = (sq // BLOCK_M, batch * nheads)
-    attn_fwd_sm90_kernel[grid](
-        desc_q=desc_q, desc_k=desc_k, desc_v=desc_v, Out=out, Lse=lse,
-        stride_ob=out.stride(0), stride_om=out.stride(1), stride_oh=out.stride(2),
-        stride_lb=lse.stride(0), stride_lh=lse.stride(1),
-        sq=sq, sk=sk, nheads=nheads, group=nheads // nheads_k,
-        qk_scale=spec.softmax_scale * LOG2E, CAUSAL=spec.causal, num_warps=NUM_WARPS)
+    args = dict(desc_q=desc_q, desc_k=desc_k, desc_v=desc_v, Out=out, Lse=lse,
+                stride_ob=out.stride(0), stride_om=out.stride(1), stride_oh=out.stride(2),
+                stride_lb=lse.stride(0), stride_lh=lse.stride(1),
+                sq=sq, sk=sk, nheads=nheads, group=nheads // nheads_k,
+                qk_scale=spec.softmax_scale * LOG2E, CAUSAL=spec.causal)
+    if ws:
+        attn_fwd_sm90_ws_kernel[grid](**args, STAGES=2, num_warps=4)
+    else:
+        attn_fwd_sm90_kernel[grid](**args, num_warps=NUM_WARPS)
     return out, lse
