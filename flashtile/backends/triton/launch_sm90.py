@@ -1,7 +1,8 @@
 """Launcher of the Hopper forward kernel (``kernels/attn_fwd_sm90.py``, Gluon).
 
-``FLASHTILE_SM90=1`` routes the calls that kernel covers to it on an sm_90 GPU (``=0``, the
-default, keeps every call on the portable Triton kernel).  A call it does not cover always takes
+``FLASHTILE_SM90=1`` routes the calls that kernel covers to it on an sm_90 GPU.  It is off by
+default: on the H100 it is not yet faster than the portable Triton kernel everywhere
+(docs/dev/tuning-log.md, "Hopper forward in Gluon").  A call it does not cover always takes
 the Triton kernel, never a wrong result: ``eligible`` lists the scope.
 """
 from __future__ import annotations
@@ -17,7 +18,8 @@ from .launch_common import LOG2E, empty
 
 BLOCK_M = 128
 BLOCK_N = 128
-NUM_WARPS = 8
+NUM_WARPS = 4  # the first consumer; the kernel adds 4 + 1 worker warps
+STAGES = 2
 
 
 def enabled() -> bool:
@@ -61,9 +63,9 @@ def forward(q, k, v, spec: AttnSpec):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .kernels.attn_fwd_sm90 import attn_fwd_sm90_kernel, attn_fwd_sm90_ws_kernel
-    ws = os.environ.get("FLASHTILE_SM90") == "ws"
-    block_mq = BLOCK_M // 2 if ws else BLOCK_M
+    from .kernels.attn_fwd_sm90 import attn_fwd_sm90_kernel
+
+    block_mq = BLOCK_M // 2  # rows of one consumer warpgroup
 
     batch, sq, nheads, head_dim = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
@@ -87,8 +89,5 @@ def forward(q, k, v, spec: AttnSpec):
                 stride_lb=lse.stride(0), stride_lh=lse.stride(1),
                 sq=sq, sk=sk, nheads=nheads, group=nheads // nheads_k,
                 qk_scale=spec.softmax_scale * LOG2E, CAUSAL=spec.causal)
-    if ws:
-        attn_fwd_sm90_ws_kernel[grid](**args, STAGES=2, num_warps=4)
-    else:
-        attn_fwd_sm90_kernel[grid](**args, num_warps=NUM_WARPS)
+    attn_fwd_sm90_kernel[grid](**args, STAGES=STAGES, num_warps=NUM_WARPS)
     return out, lse

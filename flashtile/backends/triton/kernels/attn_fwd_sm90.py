@@ -1,11 +1,12 @@
-"""Hopper (sm_90) forward kernel in Gluon: TMA loads into a two-stage shared-memory ring,
-asynchronous warpgroup MMAs, and the next tile's Q·Kᵀ issued before this tile's P·V, so the
-softmax of one tile runs while the tensor cores work on the other.
+"""Hopper (sm_90) forward kernel in Gluon, warp-specialised: a one-warp producer streams K/V
+tiles by TMA into a ``STAGES``-deep shared-memory ring; two consumer warpgroups own 64 query rows
+each and take turns on the tensor cores (ping-pong: while one issues its Q·Kᵀ and P·V, the other
+computes its softmax); within a warpgroup the next tile's Q·Kᵀ is issued before this tile's P·V,
+so the softmax of one tile overlaps the tensor cores working on the other.
 
-One program owns ``BLOCK_M = 128`` query rows of one head (``num_warps = 8``: two warpgroups of
-64 rows).  For each visible key tile ``j`` (base-2 scores, ``qk_scale = scale * log2(e)``)::
+For each visible key tile ``j`` of a consumer (base-2 scores, ``qk_scale = scale * log2(e)``)::
 
-    s_j   = q k_jᵀ                                   # [BLOCK_M, BLOCK_N], wgmma, both from SMEM
+    s_j   = q k_jᵀ                                   # [64, BLOCK_N], wgmma, both from SMEM
     m_new = max(m, rowmax(s_j))                      # raw units; the scale is folded into exp2
     alpha = exp2(qk_scale * (m - m_new))
     p_j   = exp2(qk_scale * s_j - qk_scale * m_new)  # one FMA per element
@@ -14,17 +15,22 @@ One program owns ``BLOCK_M = 128`` query rows of one head (``num_warps = 8``: tw
 
 and at the end ``out = acc / l``, ``lse = ln(2) * (qk_scale * m + log2(l))``.
 
-One step of the loop, with ``p_j`` ready in registers::
+One step of a consumer, with ``p_j`` ready in registers::
 
+    wait    my turn                     (mbarrier, armed by the other consumer)
     issue   s_{j+1} = q k_{j+1}ᵀ        (async, commit group 1)
     issue   acc    += p_j v_j           (async, commit group 2)
+    arrive  the other consumer's turn
     wait    group 1 -> softmax of tile j+1 while p_j v_j is still on the tensor cores
-    wait    group 2 -> the stage of tile j is free: TMA-load tile j+2 into it; acc *= alpha_{j+1}
+    wait    group 2 -> release tile j's K/V stage to the producer; acc *= alpha_{j+1}
 
-Scope (the launcher checks it; every other call takes the portable Triton kernel): dense
-``(B, S, H, D)`` contiguous inputs, ``D`` in {64, 128}, fp16/bf16, ``S`` multiples of the tiles,
-no optional feature but causal masking with ``sk >= sq`` (bottom-right), where only the tiles
-that cross the diagonal apply the mask.
+Both consumers walk the same key tiles (for causal, those of the CTA's last row; the extra
+tile of the first consumer is masked), so their turns pair up one for one.
+
+Scope (``launch_sm90.eligible`` checks it; every other call takes the portable Triton kernel):
+dense ``(B, S, H, D)`` contiguous inputs, ``D`` in {64, 128}, fp16/bf16, ``S`` multiples of the
+tiles, no optional feature but causal masking with ``sk >= sq`` (bottom-right), where only the
+tiles that cross a warpgroup's diagonal apply the mask.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -48,140 +54,6 @@ def _online_softmax(b_s, m_i, l_i, n0, o_m, o_n, qk_scale, shift,
     b_p = gl.exp2(b_s * qk_scale - (m_new * qk_scale)[:, None])     # [BLOCK_M, BLOCK_N]
     l_i = l_i * b_alpha + gl.sum(b_p, axis=1)
     return b_p, m_new, l_i, b_alpha
-
-
-@gluon.jit
-def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, Out, Lse,
-                         stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-                         sq, sk, nheads, group, qk_scale,
-                         CAUSAL: gl.constexpr, num_warps: gl.constexpr):
-    BLOCK_M: gl.constexpr = desc_q.block_type.shape[0]
-    HEAD_DIM: gl.constexpr = desc_q.block_type.shape[1]
-    BLOCK_N: gl.constexpr = desc_k.block_type.shape[0]
-    dtype: gl.constexpr = desc_q.dtype
-
-    # S tile and O accumulator: wgmma layouts, one warp per 16 rows (two warpgroups)
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
-    # P as the register A operand of P·V
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    i_m = gl.program_id(0)
-    if CAUSAL:
-        # the longest rows first, so the short ones fill the last wave
-        i_m = gl.num_programs(0) - 1 - i_m
-    i_bh = gl.program_id(1)
-    i_b = i_bh // nheads
-    i_h = i_bh % nheads
-    i_hk = i_h // group
-    m0 = i_m * BLOCK_M
-    shift = sk - sq
-    hi = sk
-    n_full = sk // BLOCK_N
-    if CAUSAL:
-        hi = gl.minimum(sk, m0 + BLOCK_M + shift)
-        # tiles before n_full lie wholly left of the diagonal of row m0: no mask
-        n_full = (m0 + shift + 1) // BLOCK_N
-    n_tiles = gl.cdiv(hi, BLOCK_N)
-
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], desc_q.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], desc_k.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], desc_v.layout)
-    bar_q = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    bar_k = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    bar_v = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(bar_q, count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(bar_k.index(i), count=1)
-        mbarrier.init(bar_v.index(i), count=1)
-
-    # rows of the 2-D (B * S, H * D) views
-    row_q = i_b * sq + m0
-    row_k = i_b * sk
-    col_q = i_h * HEAD_DIM
-    col_k = i_hk * HEAD_DIM
-    mbarrier.expect(bar_q, desc_q.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc_q, [row_q, col_q], bar_q, q_smem)
-    for i in gl.static_range(2):
-        pred = i < n_tiles
-        mbarrier.expect(bar_k.index(i), desc_k.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(desc_k, [row_k + i * BLOCK_N, col_k], bar_k.index(i),
-                                        k_smem.index(i), pred=pred)
-        mbarrier.expect(bar_v.index(i), desc_v.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(desc_v, [row_k + i * BLOCK_N, col_k], bar_v.index(i),
-                                        v_smem.index(i), pred=pred)
-
-    o_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
-    o_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
-    b_acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)  # [BLOCK_M, HEAD_DIM]
-
-    # tile 0: scores and softmax before the loop, so each step can overlap two tiles
-    mbarrier.wait(bar_q, 0)
-    mbarrier.wait(bar_k.index(0), 0)
-    b_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)   # [BLOCK_M, BLOCK_N]
-    b_s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), b_s, use_acc=False,
-                        is_async=True)
-    b_s = warpgroup_mma_wait(num_outstanding=0, deps=(b_s,))
-    b_p, m_i, l_i, b_alpha = _online_softmax(b_s, m_i, l_i, 0, o_m, o_n, qk_scale, shift,
-                                             CAUSAL, 0 >= n_full)
-
-    for j in range(0, n_tiles - 1):
-        i_st = j % 2
-        i_nx = 1 - i_st
-        mbarrier.wait(bar_k.index(i_nx), ((j + 1) // 2) & 1)
-        b_s = warpgroup_mma(q_smem, k_smem.index(i_nx).permute((1, 0)), b_s, use_acc=False,
-                            is_async=True)
-        mbarrier.wait(bar_v.index(i_st), (j // 2) & 1)
-        b_pv = gl.convert_layout(b_p.to(dtype), p_layout)                 # [BLOCK_M, BLOCK_N]
-        b_acc = warpgroup_mma(b_pv, v_smem.index(i_st), b_acc, is_async=True)
-        b_s = warpgroup_mma_wait(num_outstanding=1, deps=(b_s,))
-        b_p, m_i, l_i, b_alpha = _online_softmax(b_s, m_i, l_i, (j + 1) * BLOCK_N, o_m, o_n,
-                                                 qk_scale, shift, CAUSAL, j + 1 >= n_full)
-        b_acc, b_pv = warpgroup_mma_wait(num_outstanding=0, deps=(b_acc, b_pv))
-        # tile j's K and V have been read by both MMAs: load tile j + 2 into their stage
-        pred = j + 2 < n_tiles
-        row_n = row_k + (j + 2) * BLOCK_N
-        mbarrier.expect(bar_k.index(i_st), desc_k.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(desc_k, [row_n, col_k], bar_k.index(i_st),
-                                        k_smem.index(i_st), pred=pred)
-        mbarrier.expect(bar_v.index(i_st), desc_v.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(desc_v, [row_n, col_k], bar_v.index(i_st),
-                                        v_smem.index(i_st), pred=pred)
-        b_acc = b_acc * gl.convert_layout(b_alpha, row_o)[:, None]
-
-    # the last tile's P·V
-    j_last = n_tiles - 1
-    i_st = j_last % 2
-    mbarrier.wait(bar_v.index(i_st), (j_last // 2) & 1)
-    b_pv = gl.convert_layout(b_p.to(dtype), p_layout)
-    b_acc = warpgroup_mma(b_pv, v_smem.index(i_st), b_acc, is_async=True)
-    b_acc, b_pv = warpgroup_mma_wait(num_outstanding=0, deps=(b_acc, b_pv))
-
-    mbarrier.invalidate(bar_q)
-    for i in gl.static_range(2):
-        mbarrier.invalidate(bar_k.index(i))
-        mbarrier.invalidate(bar_v.index(i))
-
-    b_out = b_acc / gl.convert_layout(l_i, row_o)[:, None]               # [BLOCK_M, HEAD_DIM]
-    o_mo = m0 + gl.arange(0, BLOCK_M, layout=row_o)
-    o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    p_out = (Out + i_b.to(gl.int64) * stride_ob + i_h.to(gl.int64) * stride_oh
-             + o_mo.to(gl.int64)[:, None] * stride_om + o_d[None, :])
-    gl.store(p_out, b_out.to(dtype))
-    b_lse = (m_i * qk_scale + gl.log2(l_i)) * LN2                         # [BLOCK_M]
-    gl.store(Lse + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh + o_m, b_lse)
-
-
-# ---------------------------------------------------------------------------------------------
-# Warp-specialised variant: a one-warp producer streams K/V tiles by TMA into a STAGES-deep ring;
-# two consumer warpgroups own 64 query rows each and take turns on the tensor cores (ping-pong):
-# while one issues its Q·Kᵀ and P·V, the other computes its softmax.
 
 
 @gluon.jit
@@ -306,7 +178,7 @@ def _ws_consumer1(q_smem, k_smem, v_smem, bar_q, bar_k, bar_v, bar_free, bar_tur
 
 
 @gluon.jit
-def attn_fwd_sm90_ws_kernel(desc_q, desc_k, desc_v, Out, Lse,
+def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, Out, Lse,
                             stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
                             sq, sk, nheads, group, qk_scale,
                             CAUSAL: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
