@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..spec import AttnSpec
-from . import launch_common
+from . import launch_common, launch_sm90
 from .configs import get_config
 from .kernels.fwd import attn_fwd_kernel
 from .launch_common import (launch, run_direct, alibi_args, bias_args, block_d, cdiv,
@@ -26,9 +26,11 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu
             block_mask=None, block_size=None, block_table=None):
     """``(out, lse)``.  With ``block_table`` (varlen only) ``k``/``v`` are page pools
     ``(num_blocks, page_size, Hk, D)`` read through the table inside the kernel."""
-    plain = (alibi_slopes is None and cu_seqlens_q is None and attn_bias is None
-             and rng_seed is None and block_mask is None and block_table is None
-             and launch_common.plans_enabled())
+    no_feature = (alibi_slopes is None and cu_seqlens_q is None and attn_bias is None
+                  and rng_seed is None and block_mask is None and block_table is None)
+    if no_feature and launch_sm90.eligible(q, k, v, spec):
+        return launch_sm90.forward(q, k, v, spec)
+    plain = no_feature and launch_common.plans_enabled()
     if plain:
         key = (launch_common.signature(q, k, v), q.dtype, q.device, spec)
         plan = _plans.get(key)
