@@ -1,0 +1,116 @@
+"""The IO model (flashtile.reference.io_model) against hand counts and the paper's formulas."""
+import pytest
+
+from flashtile.reference import io_model as m
+
+# n=4 queries and keys, d=2, one head, 2-byte elements, 2x2 tiles: one (4, 2) tensor is 16
+# bytes, one float32 row statistic (4,) is 16 bytes, one tile of 4 key rows is 16 bytes.
+SMALL = m.Problem(n=4, d=2, heads=1, batch=1, dtype_bytes=2)
+
+
+@pytest.mark.parametrize("causal, kv_tile_bytes", [(False, 2 * 2 * 16), (True, 2 * 16 + 2 * 8)],
+                         ids=["dense", "causal"])
+def test_forward_counts_match_hand_count(causal, kv_tile_bytes):
+    # dense: 2 query tiles each load all 4 rows of K and V; causal: query tile 0 loads key
+    # tile 0 (2 rows), query tile 1 both key tiles (4 rows)
+    p = m.Problem(n=4, d=2, causal=causal)
+    (fwd,) = m.flashtile_forward(p, 2, 2)
+    assert fwd.tile_read == 16 + kv_tile_bytes  # Q once + K, V per query tile
+    assert fwd.tile_write == 16 + 16  # O, LSE
+    assert (fwd.dram_read, fwd.dram_write) == (48, 32)  # Q, K, V once; O, LSE
+
+
+def test_backward_counts_match_hand_count():
+    dq, dkdv = m.flashtile_backward(SMALL, dkdv=(2, 2), dq=(2, 2), fused_delta=True)
+    assert dq.kernel == "dq" and dkdv.kernel == "dkdv"
+    # dQ: Q, dO, O, LSE once; K and V (16 bytes each) for each of 2 query tiles
+    assert dq.tile_read == 4 * 16 + 2 * 2 * 16
+    assert dq.tile_write == 16 + 16  # dQ, delta
+    assert dq.dram_read == 4 * 16 + 2 * 16
+    # dK/dV: K, V once; for each of 2 key tiles all of Q, dO, LSE, delta
+    assert dkdv.tile_read == 2 * 16 + 2 * 4 * 16
+    assert dkdv.tile_write == 2 * 16
+    assert dkdv.dram_read == 6 * 16
+
+
+def test_compulsory_matches_hand_count():
+    assert m.compulsory(SMALL, "fwd") == 3 * 16 + 16 + 16  # read Q K V, write O LSE
+    assert m.compulsory(SMALL, "bwd") == 5 * 16 + 16 + 3 * 16  # read Q K V O dO LSE, write dQ dK dV
+    assert m.compulsory(SMALL) == 80 + 144
+
+
+def test_compulsory_of_figure2_shape():
+    p = m.figure2_problem()
+    t = 64 * 1024 * 16 * 64 * 2  # one bf16 (B, N, H, d) tensor
+    lse = 64 * 16 * 1024 * 4
+    assert m.compulsory(p) == (4 * t + lse) + (8 * t + lse)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_tile_bytes_fall_as_tiles_grow_and_dram_bytes_do_not(causal):
+    p = m.Problem(n=1024, d=64, heads=4, batch=2, causal=causal)
+    fwd = [m.flashtile_forward(p, bm, 64)[0] for bm in (16, 32, 64, 128, 256)]
+    assert all(a.tile > b.tile for a, b in zip(fwd, fwd[1:]))
+    assert len({k.dram for k in fwd}) == 1
+    dkdv = [m.flashtile_backward(p, (64, bn), (64, 64))[1] for bn in (16, 32, 64, 128, 256)]
+    assert all(a.tile > b.tile for a, b in zip(dkdv, dkdv[1:]))
+    dq = [m.flashtile_backward(p, (64, 64), (bm, 64))[0] for bm in (16, 32, 64, 128, 256)]
+    assert all(a.tile > b.tile for a, b in zip(dq, dq[1:]))
+
+
+def test_forward_tile_bytes_are_theorem2_term():
+    # dense, tiles dividing n: Q + O + LSE + 2 T_r n d e, T_r = n / B_r
+    p = m.Problem(n=2048, d=128, heads=3, batch=2)
+    for bm in (32, 64, 128):
+        (fwd,) = m.flashtile_forward(p, bm, 64)
+        tr = 2048 // bm
+        assert fwd.tile == 2 * p.q_bytes() + p.stat_bytes() + 2 * tr * p.kv_bytes()
+
+
+def test_standard_count_matches_formula():
+    for p in (SMALL, m.Problem(n=512, d=64, heads=2, batch=3, n_k=256),
+              m.figure2_problem()):
+        bh, n, nk, d, e = p.batch * p.heads, p.n, p.nk, p.d, p.dtype_bytes
+        for s in (2, 4):
+            assert m.standard_forward(p, s) == bh * (2 * n * d * e + 2 * nk * d * e + 4 * n * nk * s)
+            # dO three times, O, dQ, Q once (query-sized); V, K, dK, dV once (key-sized);
+            # 7 score matrices; D written and read
+            assert m.standard_backward(p, s) == bh * (
+                6 * n * d * e + 4 * nk * d * e + 7 * n * nk * s + 2 * n * 4)
+    assert m.standard(SMALL, "fwd") == 2 * 16 + 2 * 16 + 4 * 32
+
+
+def test_fused_delta_saves_one_read_of_do_and_the_row_statistics():
+    p = m.figure2_problem()
+    cfg = dict(dkdv=(64, 64), dq=(128, 64))
+    old = m.total(m.flashtile_backward(p, fused_delta=False, **cfg))
+    new = m.total(m.flashtile_backward(p, fused_delta=True, **cfg))
+    assert old - new == p.q_bytes() + 3 * p.stat_bytes()
+    assert [k.kernel for k in m.flashtile_backward(p, fused_delta=False, **cfg)] == ["pre", "dkdv", "dq"]
+
+
+def test_two_kernel_backward_floor_is_above_1_25x_at_figure2_shape():
+    # The dQ kernel re-reads Q, dO, K, V, which the dK/dV kernel also reads: 4 extra tensors.
+    p = m.figure2_problem()
+    k = m.flashtile_kernels(p, (64, 64), (64, 64), (128, 64))
+    ratio = m.total(k["fwd"] + k["bwd"]) / m.compulsory(p)
+    extra = 2 * p.q_bytes() + 2 * p.kv_bytes() + 2 * p.stat_bytes()  # Q dO K V, delta w+r
+    assert m.total(k["fwd"] + k["bwd"]) == m.compulsory(p) + extra
+    assert 1.33 < ratio < 1.35
+
+
+def test_cache_model_falls_back_to_tile_bytes_when_reread_set_does_not_fit():
+    p = m.Problem(n=1 << 16, d=128, heads=8, batch=2)
+    ks = m.flashtile_forward(p, 128, 64)
+    assert m.dram_bytes(p, ks, cache_bytes=50 * 2**20) == ks[0].tile
+    assert m.dram_bytes(p, ks, cache_bytes=10**12) == ks[0].dram
+
+
+def test_paper_forward_is_theta_n2_d2_over_m():
+    bc, br = m.sram_tiles(100 * 1024, 64)[1], m.sram_tiles(100 * 1024, 64)[0]
+    assert (br, bc) == (64, 200)
+    p1, p2 = m.Problem(n=4096, d=64), m.Problem(n=8192, d=64)
+    # doubling N doubles T_c and the rows per pass: ~4x
+    assert 3.9 < m.paper_forward(p2, br, bc) / m.paper_forward(p1, br, bc) < 4.1
+    costs = [m.paper_forward(p1, br, c) for c in (64, 128, 256, 512)]
+    assert all(a > b for a, b in zip(costs, costs[1:]))
