@@ -94,7 +94,8 @@ def test_two_kernel_backward_floor_is_above_1_25x_at_figure2_shape():
     p = m.figure2_problem()
     k = m.flashtile_kernels(p, (64, 64), (64, 64), (128, 64))
     ratio = m.total(k["fwd"] + k["bwd"]) / m.compulsory(p)
-    extra = 2 * p.q_bytes() + 2 * p.kv_bytes() + 2 * p.stat_bytes()  # Q dO K V, delta w+r
+    # Q, dO, K, V read twice; delta written and read; LSE read by both kernels
+    extra = 2 * p.q_bytes() + 2 * p.kv_bytes() + 3 * p.stat_bytes()
     assert m.total(k["fwd"] + k["bwd"]) == m.compulsory(p) + extra
     assert 1.33 < ratio < 1.35
 
