@@ -108,10 +108,10 @@ def test_cache_model_falls_back_to_tile_bytes_when_reread_set_does_not_fit():
 
 
 def test_paper_forward_is_theta_n2_d2_over_m():
-    bc, br = m.sram_tiles(100 * 1024, 64)[1], m.sram_tiles(100 * 1024, 64)[0]
-    assert (br, bc) == (64, 200)
+    assert m.sram_tiles(100 * 1024, 64) == (64, 200)  # B_r = min(ceil(M / 4d), d), B_c
+    br, bc = 64, 256
     p1, p2 = m.Problem(n=4096, d=64), m.Problem(n=8192, d=64)
-    # doubling N doubles T_c and the rows per pass: ~4x
-    assert 3.9 < m.paper_forward(p2, br, bc) / m.paper_forward(p1, br, bc) < 4.1
+    # doubling N doubles T_c and the rows per pass: 4x, less the Theta(N d) reads of K and V
+    assert 3.9 < m.paper_forward(p2, br, bc) / m.paper_forward(p1, br, bc) < 4.0
     costs = [m.paper_forward(p1, br, c) for c in (64, 128, 256, 512)]
     assert all(a > b for a, b in zip(costs, costs[1:]))
