@@ -101,9 +101,9 @@ def test_two_kernel_backward_floor_is_above_1_25x_at_figure2_shape():
 
 
 def test_cache_model_falls_back_to_tile_bytes_when_reread_set_does_not_fit():
-    p = m.Problem(n=1 << 16, d=128, heads=8, batch=2)
+    p = m.Problem(n=8192, d=128, heads=8, batch=2)  # K and V of one head: 4 MB
     ks = m.flashtile_forward(p, 128, 64)
-    assert m.dram_bytes(p, ks, cache_bytes=50 * 2**20) == ks[0].tile
+    assert m.dram_bytes(p, ks, cache_bytes=2**20) == ks[0].tile
     assert m.dram_bytes(p, ks, cache_bytes=10**12) == ks[0].dram
 
 
@@ -115,3 +115,103 @@ def test_paper_forward_is_theta_n2_d2_over_m():
     assert 3.9 < m.paper_forward(p2, br, bc) / m.paper_forward(p1, br, bc) < 4.0
     costs = [m.paper_forward(p1, br, c) for c in (64, 128, 256, 512)]
     assert all(a > b for a, b in zip(costs, costs[1:]))
+
+
+# ---- the benchmark's reading of Nsight Compute output (flashtile.bench.io), on CPU
+
+from pathlib import Path  # noqa: E402
+
+from flashtile.bench import io as bench_io  # noqa: E402
+
+SAMPLE = (Path(__file__).parent / "data" / "ncu_sample.csv").read_text()
+
+
+def test_ncu_csv_parses_every_kernel_in_launch_order_with_units_converted():
+    kernels = bench_io.parse_ncu_csv(SAMPLE)
+    assert [k.id for k in kernels] == list(range(8))
+    assert [bench_io.short_name(k.name) for k in kernels[:7]] == [
+        "io_begin_marker_kernel", "attn_fwd_kernel", "io_end_marker_kernel",
+        "io_begin_marker_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel",
+        "io_end_marker_kernel"]
+    # a templated name with commas inside stays one field
+    assert kernels[7].name.startswith("void at::native::vectorized_elementwise_kernel<4, ")
+    assert bench_io.short_name(kernels[7].name) == "vectorized_elementwise_kernel"
+    fwd, dq = kernels[1].metrics, kernels[4].metrics
+    assert fwd["dram__bytes_read.sum"] == 402_915_328  # thousands separators dropped
+    assert fwd["gpu__time_duration.sum"] == pytest.approx(0.612544)  # ns -> ms
+    assert dq["dram__bytes_read.sum"] == pytest.approx(675.41e6)  # Mbyte -> bytes
+    assert dq["lts__t_bytes.sum"] == pytest.approx(2.81e9)  # Gbyte -> bytes
+    assert dq["gpu__time_duration.sum"] == pytest.approx(0.70218)  # us -> ms
+
+
+def test_ncu_raw_page_parses_like_the_details_page():
+    raw = ('==PROF== Disconnected from process 1\n'
+           '"ID","Kernel Name","dram__bytes_read.sum","gpu__time_duration.sum"\n'
+           '"","","Mbyte","usecond"\n'
+           '"0","attn_fwd_kernel","1.5","250"\n')
+    (k,) = bench_io.parse_ncu_csv(raw)
+    assert k.metrics == {"dram__bytes_read.sum": 1.5e6, "gpu__time_duration.sum": 0.25}
+
+
+def test_markers_split_kernels_into_passes_and_drop_the_rest():
+    groups = bench_io.split_by_markers(bench_io.parse_ncu_csv(SAMPLE))
+    assert [[bench_io.short_name(k.name) for k in g] for g in groups] == [
+        ["attn_fwd_kernel"], ["attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"]]
+
+
+def _sample_records():
+    case = bench_io.Case("fig2", "flashtile")
+    configs = {"fwd": [64, 64, 4, 3], "dkdv": [64, 64, 4, 3], "dq": [128, 64, 8, 5]}
+    entries = [dict(index=0, pass_="fwd", configs=configs),
+               dict(index=0, pass_="bwd", configs=configs),
+               dict(index=1, error="RuntimeError: no kernel")]
+    groups = bench_io.split_by_markers(bench_io.parse_ncu_csv(SAMPLE))
+    cases = [case, bench_io.Case("fig2", "cudnn")]
+    return bench_io.build_records(cases, entries, groups, {"device": "test"})
+
+
+def test_records_carry_the_measured_sums_the_model_and_the_compulsory_bytes():
+    fwd, bwd, failed = _sample_records()
+    p = m.figure2_problem()
+    assert (fwd["impl"], fwd["pass"], fwd["n"], fwd["d"], fwd["heads"], fwd["batch"]) == (
+        "flashtile", "fwd", 1024, 64, 16, 64)
+    assert (fwd["block_m"], fwd["block_n"]) == (64, 64)
+    assert fwd["dram_read_bytes"] == 402_915_328 and fwd["dram_write_bytes"] == 138_461_184
+    assert fwd["compulsory_bytes"] == m.compulsory(p, "fwd")
+    assert fwd["model_dram_bytes"] == m.flashtile_forward(p, 64, 64)[0].dram
+    assert bwd["dram_read_bytes"] == pytest.approx(675.41e6 + 545_390_592)
+    assert bwd["ms"] == pytest.approx(0.70218 + 1.104864)
+    assert [k["name"] for k in bwd["kernels"]] == ["attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"]
+    assert bwd["kernels"][1]["model_l2_bytes"] == m.flashtile_backward(p, (64, 64), (128, 64))[1].tile
+    assert failed["impl"] == "cudnn" and failed["error"].startswith("RuntimeError")
+    for field in ("impl", "pass", "n", "d", "heads", "batch", "block_m", "block_n",
+                  "dram_read_bytes", "dram_write_bytes", "l2_bytes", "ms", "compulsory_bytes"):
+        assert field in fwd
+
+
+def test_report_tables_plots_and_doc_section(tmp_path):
+    records = _sample_records()
+    records.append(dict(sweep="fig3", impl="flashtile", n=1024, batch=16, heads=16, d=64,
+                        ms=1.5, peak_extra_bytes=2e8, **{"pass": "fwd_bwd"}))
+    md = bench_io.render_markdown(records)
+    assert "| flashtile | 2.17 | 1.34 |" in md  # fwd+bwd DRAM GB of the sample, x compulsory
+    assert "| flashtile | 1.50 |" in md  # Figure 3 time
+    pngs = bench_io.plot(records, tmp_path)
+    assert {p.name for p in pngs} == {"fig2_left.png", "fig3.png"}
+    assert all(p.stat().st_size > 1000 for p in pngs)
+    doc = tmp_path / "io.md"
+    doc.write_text(f"intro\n{bench_io.DOC_BEGIN}\nold\n{bench_io.DOC_END}\nend\n")
+    bench_io.update_doc(doc, md)
+    text = doc.read_text()
+    assert "old" not in text and md in text and text.startswith("intro") and text.endswith("end\n")
+
+
+def test_sweeps_pin_the_tile_they_vary():
+    cases = bench_io.build_cases(["blocks"], quick=True)
+    for c in cases:
+        kernel, tile = c.knob.split(".")
+        pinned = getattr(c, kernel)
+        assert pinned is not None and len(pinned) == 4
+    sizes = [c.fwd[0] for c in cases if c.knob == "fwd.block_m"]
+    assert sizes == sorted(sizes) and len(sizes) >= 3
+    assert {c.impl for c in bench_io.build_cases(["fig2"], quick=True)} == set(bench_io.IMPLS)

@@ -107,11 +107,6 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _rows(total: int, block: int, i: int) -> int:
-    """Valid rows of tile ``i`` of ``total`` rows cut in tiles of ``block``."""
-    return max(0, min(block, total - i * block))
-
-
 def key_rows_per_query_tile(p: Problem, block_m: int, block_n: int) -> list[int]:
     """For each query tile, the key rows it loads (whole visited key tiles, the last one
     partial): what the forward and dQ kernels read of K and V per query tile."""
@@ -124,7 +119,7 @@ def key_rows_per_query_tile(p: Problem, block_m: int, block_n: int) -> list[int]
             tiles = 0 if last_key < 0 else cdiv(last_key + 1, block_n)
         else:
             tiles = cdiv(p.nk, block_n)
-        out.append(sum(_rows(p.nk, block_n, j) for j in range(tiles)))
+        out.append(min(p.nk, tiles * block_n))  # tiles 0 .. tiles-1, the last one may be partial
     return out
 
 
