@@ -215,3 +215,38 @@ def test_sweeps_pin_the_tile_they_vary():
     sizes = [c.fwd[0] for c in cases if c.knob == "fwd.block_m"]
     assert sizes == sorted(sizes) and len(sizes) >= 3
     assert {c.impl for c in bench_io.build_cases(["fig2"], quick=True)} == set(bench_io.IMPLS)
+
+
+def test_worker_runs_each_pass_between_markers_and_logs_configs(tmp_path, monkeypatch):
+    # the worker's flow on CPU (kernels under the interpreter): which passes it logs, in
+    # marker order, with the tile configs flashtile used; a failing case is logged, not fatal
+    import json
+
+    markers = []
+    real = bench_io._markers
+
+    def counting(device):
+        begin, end = real(device)
+        return (lambda: (markers.append("begin"), begin())), (lambda: (markers.append("end"), end()))
+
+    monkeypatch.setattr(bench_io, "_markers", counting)
+    tiny = dict(n=16, d=16, heads=1, batch=1, dtype="float32")
+    cases = [bench_io.Case("fig2", "flashtile", **tiny),
+             bench_io.Case("fig2", "standard", **tiny),
+             bench_io.Case("fig2", "cudnn", **tiny),  # SDPA's cudnn backend: no CPU kernel
+             bench_io.Case("blocks", "flashtile", passes=("bwd",), knob="dkdv.block_n",
+                           dkdv=(16, 16, 1, 1), dq=(16, 16, 1, 1), **tiny),
+             bench_io.Case("sparse", "flashtile_sparse", density=0.5, sparse_block=16,
+                           **dict(tiny, n=32))]
+    plan, log = tmp_path / "plan.json", tmp_path / "log.jsonl"
+    plan.write_text(json.dumps([c.to_json() for c in cases]))
+    bench_io.run_worker(str(plan), str(log), device="cpu")
+    entries = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(e["index"], e.get("pass_")) for e in entries] == [
+        (0, "fwd"), (0, "bwd"), (1, "fwd"), (1, "bwd"), (2, None), (3, "bwd"), (4, "fwd"),
+        (4, "bwd")]
+    assert "error" in entries[4] and not entries[4].get("marked")
+    assert entries[5]["configs"]["dkdv"] == [16, 16, 1, 1]
+    assert entries[0]["configs"]["fwd"][:2] == [16, 16]  # the interpreter's tiles
+    assert entries[2]["configs"] == {}
+    assert markers == ["begin", "end"] * 7

@@ -267,7 +267,7 @@ def model_kernels(case: dict, configs: dict) -> dict[str, io_model.KernelIO]:
 
 # --------------------------------------------------------------------------- the worker
 
-def _markers():
+def _markers(device: str = "cuda"):
     """Two tiny kernels whose names delimit a measured pass in the profile."""
     import torch
     import triton
@@ -281,7 +281,10 @@ def _markers():
     def io_end_marker_kernel(X):
         tl.store(X, 2)
 
-    buf = torch.zeros(1, dtype=torch.int32, device="cuda")
+    buf = torch.zeros(1, dtype=torch.int32, device=device)
+    if not os.environ.get("TRITON_INTERPRET"):
+        for kernel in (io_begin_marker_kernel, io_end_marker_kernel):
+            kernel.warmup(buf, grid=(1,))  # compiled now, launched only around measured passes
     return (lambda: io_begin_marker_kernel[(1,)](buf)), (lambda: io_end_marker_kernel[(1,)](buf))
 
 
@@ -296,7 +299,13 @@ def _sdpa_backend(impl: str):
             "cudnn": SDPBackend.CUDNN_ATTENTION}[impl]
 
 
-def _random_block_mask(rows: int, cols: int, density: float, seed: int = 0):
+def _sync(device: str) -> None:
+    import torch
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _random_block_mask(rows: int, cols: int, density: float, device: str, seed: int = 0):
     """Bool ``(1, 1, rows, cols)``: ``round(density * cols)`` random blocks in every row."""
     import torch
     g = torch.Generator().manual_seed(seed)
@@ -304,7 +313,7 @@ def _random_block_mask(rows: int, cols: int, density: float, seed: int = 0):
     order = torch.rand(rows, cols, generator=g).argsort(dim=1)[:, :per_row]
     mask = torch.zeros(rows, cols, dtype=torch.bool)
     mask.scatter_(1, order, True)
-    return mask[None, None].cuda()
+    return mask[None, None].to(device)
 
 
 class Runner:
@@ -312,19 +321,19 @@ class Runner:
 
     def __init__(self, impl: str, n: int, d: int, heads: int, batch: int, dtype: str,
                  density: float = 1.0, sparse_block: int = 128, configs: dict | None = None,
-                 block_mask=None):
+                 block_mask=None, device: str = "cuda"):
         import torch
         self.impl, self.configs = impl, configs or {}
         dt = _dtype(dtype)
         sdpa = impl in ("standard", "fa2", "cudnn", "flex")
         shape = (batch, heads, n, d) if sdpa else (batch, n, heads, d)
-        self.q, self.k, self.v = (torch.randn(shape, device="cuda", dtype=dt, requires_grad=True)
+        self.q, self.k, self.v = (torch.randn(shape, device=device, dtype=dt, requires_grad=True)
                                   for _ in range(3))
-        self.do = torch.randn(shape, device="cuda", dtype=dt)
+        self.do = torch.randn(shape, device=device, dtype=dt)
         self.mask = block_mask
         if impl == "flashtile_sparse" and block_mask is None:
             rows = math.ceil(n / sparse_block)
-            self.mask = _random_block_mask(rows, rows, density)
+            self.mask = _random_block_mask(rows, rows, density, device)
         self.sparse_block = sparse_block
         if impl == "flex":
             from torch.nn.attention.flex_attention import flex_attention
@@ -359,7 +368,7 @@ class Runner:
             return torch.autograd.grad(out, (self.q, self.k, self.v), self.do)
 
 
-def used_configs(case: Case) -> dict:
+def used_configs(case: Case, device: str = "cuda") -> dict:
     """The (block_m, block_n, warps, stages) flashtile uses for ``case``: the pinned ones, or
     the tuned defaults for the shape."""
     import torch
@@ -370,49 +379,61 @@ def used_configs(case: Case) -> dict:
         if pinned is not None:
             out[pass_] = list(pinned)
         else:
-            c = get_config(pass_, case.d, False, _dtype(case.dtype), torch.device("cuda"), case.n)
+            c = get_config(pass_, case.d, False, _dtype(case.dtype), torch.device(device), case.n)
             out[pass_] = [c.block_m, c.block_n, c.num_warps, c.num_stages]
     return out
 
 
-def run_worker(plan_path: str, log_path: str) -> None:
+def run_worker(plan_path: str, log_path: str, device: str = "cuda") -> None:
     """Run the cases of ``plan_path``; append one JSON line per measured pass (in marker
-    order) to ``log_path``, or one with ``error`` for a case that failed."""
+    order) to ``log_path``, or one with ``error`` for a case that failed.  (``device`` other
+    than cuda only checks the flow: no NVTX range there.)"""
     import torch
+    cuda = device.startswith("cuda")
     cases = [Case.from_json(c) for c in json.loads(Path(plan_path).read_text())]
-    begin, end = _markers()
-    begin(), end()  # compile them outside the measured range
-    torch.cuda.synchronize()
+    begin, end = _markers(device)
     with open(log_path, "a") as log:
         for index, case in enumerate(cases):
-            configs = used_configs(case) if case.impl.startswith("flashtile") else {}
             pinned = {k: getattr(case, k) for k in ("fwd", "dkdv", "dq") if getattr(case, k)}
+            open_pass = None  # a pass between begin() and its logged entry
             try:
+                configs = used_configs(case, device) if case.impl.startswith("flashtile") else {}
                 run = Runner(case.impl, case.n, case.d, case.heads, case.batch, case.dtype,
-                             case.density, case.sparse_block, pinned)
+                             case.density, case.sparse_block, pinned, device=device)
                 out = run.fwd()  # warm-up (compiles), outside the range
                 run.bwd(out)
                 out = run.fwd() if "fwd" not in case.passes else None
-                torch.cuda.synchronize()
-                torch.cuda.nvtx.range_push(NVTX_RANGE)
-                for pass_ in case.passes:
-                    begin()
-                    if pass_ == "fwd":
-                        out = run.fwd()
-                    else:
-                        run.bwd(out)
-                    torch.cuda.synchronize()
-                    end()
-                    log.write(json.dumps(dict(index=index, pass_=pass_, configs=configs)) + "\n")
-                torch.cuda.synchronize()
-                torch.cuda.nvtx.range_pop()
+                _sync(device)
+                if cuda:
+                    torch.cuda.nvtx.range_push(NVTX_RANGE)
+                try:
+                    for pass_ in case.passes:
+                        begin()
+                        open_pass = pass_
+                        if pass_ == "fwd":
+                            out = run.fwd()
+                        else:
+                            run.bwd(out)
+                        _sync(device)
+                        end()
+                        log.write(json.dumps(dict(index=index, pass_=pass_, configs=configs))
+                                  + "\n")
+                        open_pass = None
+                    _sync(device)
+                finally:
+                    if cuda:
+                        torch.cuda.nvtx.range_pop()
                 del run, out
             except Exception as exc:  # one failing implementation must not end the sweep
-                torch.cuda.synchronize()
-                log.write(json.dumps(dict(index=index, error=f"{type(exc).__name__}: {exc}"[:300]))
-                          + "\n")
+                _sync(device)
+                entry = dict(index=index, error=f"{type(exc).__name__}: {exc}"[:300])
+                if open_pass is not None:  # its begin marker ran: close the group, skip it
+                    end()
+                    entry.update(pass_=open_pass, marked=True)
+                log.write(json.dumps(entry) + "\n")
             log.flush()
-            torch.cuda.empty_cache()
+            if cuda:
+                torch.cuda.empty_cache()
 
 
 def _time_ms(fn, reps: int) -> float:
@@ -480,7 +501,8 @@ def build_records(cases: Sequence[Case], entries: Sequence[dict],
         base = dict(env, sweep=case.sweep, impl=case.impl, n=case.n, d=case.d, heads=case.heads,
                     batch=case.batch, dtype=case.dtype, density=case.density, knob=case.knob)
         if "error" in entry:
-            records.append(dict(base, **{"pass": None}, error=entry["error"]))
+            records.append(dict(base, **{"pass": entry.get("pass_")}, error=entry["error"]))
+            g += 1 if entry.get("marked") else 0  # the failed pass's kernels
             continue
         pass_ = entry["pass_"]
         kernels = [_kernel_fields(k) for k in groups[g]] if g < len(groups) else []
@@ -556,7 +578,7 @@ def run_ncu_sweeps(cases: list[Case], ncu: str, nvtx: bool, workdir: Path,
     kernels = parse_ncu_csv(csv_path.read_text()) if csv_path.exists() else []
     groups = split_by_markers(kernels)
     entries = _read_lines(log)
-    measured = [e for e in entries if "error" not in e]
+    measured = [e for e in entries if "error" not in e or e.get("marked")]
     print(f"{len(kernels)} kernels profiled, {len(groups)} marked groups, {len(measured)} "
           f"measured passes, {len(entries) - len(measured)} failed cases", flush=True)
     if len(groups) != len(measured):
@@ -829,6 +851,7 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("worker", help="internal: the measured calls (run under ncu)")
     w.add_argument("--plan", required=True)
     w.add_argument("--log", required=True)
+    w.add_argument("--device", default="cuda")
     f = sub.add_parser("fig3-worker", help="internal: the Figure 3 timings")
     f.add_argument("--out", required=True)
     f.add_argument("--quick", action="store_true")
@@ -849,7 +872,7 @@ def _report(records: list[dict], plots: str | None, doc: str | None) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "worker":
-        run_worker(args.plan, args.log)
+        run_worker(args.plan, args.log, args.device)
         return 0
     if args.command == "fig3-worker":
         run_fig3_worker(args.quick, args.out)
