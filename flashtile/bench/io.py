@@ -454,14 +454,13 @@ def run_fig3_worker(quick: bool, out_path: str, reps: int = 5) -> None:
     with open(out_path, "a") as log:
         for point in fig3_points(quick):
             rec = dict(point, sweep="fig3", **{"pass": "fwd_bwd"})
+            run = mask = None
             try:
-                mask = None
                 if point["impl"] == "flashtile_sparse":
                     mask = butterfly_block_mask(point["n"], point["n"], (128, 128), device="cuda")
+                    rec["density"] = float(mask.float().mean())
                 run = Runner(point["impl"], point["n"], point["d"], point["heads"],
                              point["batch"], point["dtype"], block_mask=mask, sparse_block=128)
-                if mask is not None:
-                    rec["density"] = float(mask.float().mean())
 
                 def step():
                     run.bwd(run.fwd())
@@ -474,11 +473,12 @@ def run_fig3_worker(quick: bool, out_path: str, reps: int = 5) -> None:
                 step()
                 torch.cuda.synchronize()
                 rec["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base
-                del run
             except torch.OutOfMemoryError:
                 rec["error"] = "out of memory"
             except Exception as exc:
                 rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            finally:
+                run = mask = step = None
             torch.cuda.empty_cache()
             log.write(json.dumps(rec) + "\n")
             log.flush()
@@ -616,7 +616,8 @@ def _fwd_bwd(records: Iterable[dict], **match) -> dict[str, dict]:
     """Per impl, the fwd and bwd records of ``match`` summed into one fwd+bwd row."""
     out: dict[str, dict] = {}
     for r in records:
-        if r.get("pass") not in ("fwd", "bwd") or any(r.get(k) != v for k, v in match.items()):
+        if (r.get("pass") not in ("fwd", "bwd") or r.get("error")
+                or any(r.get(k) != v for k, v in match.items())):
             continue
         row = out.setdefault(r["impl"], dict(impl=r["impl"], dram=0, l2=0, ms=0.0, comp=0,
                                              model=0, passes=[]))
@@ -663,7 +664,8 @@ def render_markdown(records: list[dict]) -> str:
                     f"{_mb(k['dram_read_bytes'])} | {_mb(k['dram_write_bytes'])} | "
                     f"{_mb(k['l2_bytes'])} | {_ms(k['ms'])} | {model_dram} | {model_l2} |")
         parts.append("Per kernel:\n\n" + "\n".join(kernel_rows))
-    blocks = [r for r in records if r.get("sweep") == "blocks" and r.get("pass")]
+    blocks = [r for r in records if r.get("sweep") == "blocks" and r.get("pass")
+              and not r.get("error")]
     if blocks:
         rows = ["| tile varied | (block_m, block_n) | DRAM GB | model DRAM GB | L2 GB | model L2 GB | ms |",
                 "|---|---|---|---|---|---|---|"]
@@ -674,7 +676,8 @@ def render_markdown(records: list[dict]) -> str:
                         f"{_gb(r.get('model_l2_bytes'))} | {_ms(r.get('ms'))} |")
         parts.append("### Figure 2 (middle): tile sizes (flashtile, one kernel's tile varied)\n\n"
                      + "\n".join(rows))
-    sparse = [r for r in records if r.get("sweep") == "sparse" and r.get("pass")]
+    sparse = [r for r in records if r.get("sweep") == "sparse" and r.get("pass")
+              and not r.get("error")]
     if sparse:
         rows = ["| density | DRAM GB (fwd+bwd) | model DRAM GB | L2 GB | model L2 GB | ms |",
                 "|---|---|---|---|---|---|"]
@@ -755,7 +758,8 @@ def plot(records: list[dict], out_dir: Path) -> list[Path]:
         fig.savefig(written[-1], dpi=120)
         plt.close(fig)
 
-    blocks = [r for r in records if r.get("sweep") == "blocks" and r.get("pass")]
+    blocks = [r for r in records if r.get("sweep") == "blocks" and r.get("pass")
+              and not r.get("error")]
     if blocks:
         knobs = sorted({r["knob"] for r in blocks})
         fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
@@ -781,7 +785,8 @@ def plot(records: list[dict], out_dir: Path) -> list[Path]:
         fig.savefig(written[-1], dpi=120)
         plt.close(fig)
 
-    sparse = [r for r in records if r.get("sweep") == "sparse" and r.get("pass")]
+    sparse = [r for r in records if r.get("sweep") == "sparse" and r.get("pass")
+              and not r.get("error")]
     if sparse:
         ds = sorted({r["density"] for r in sparse})
         total = {d: [r for r in sparse if r["density"] == d] for d in ds}
