@@ -139,7 +139,8 @@ def _(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqle
       max_seqlen_k, softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p,
       attn_bias, rng_seed, block_mask, block_m, block_n, bias_grad, block_table):
     dbias = attn_bias.new_empty(attn_bias.shape) if bias_grad else q.new_empty((0,))
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+    # the gradients come in their inputs' layouts (launch_bwd allocates them with empty_like)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
 
 _N_INPUTS = 20
@@ -189,6 +190,9 @@ class FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
+        # No zero-filled gradient for the LSE output (never used) or an unused output: the
+        # backward handles None itself, so autograd launches no fill kernel for it.
+        ctx.set_materialize_grads(False)
         output = _forward(*inputs)
         _setup_context(ctx, inputs, output)
         return output

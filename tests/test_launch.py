@@ -104,17 +104,16 @@ def _backward_tensors(share_qk=False):
     v, do, out = (torch.randn(2, 8, 4, 16, generator=g) for _ in range(3))
     lse = torch.randn(2, 4, 8, generator=g)
     grads = dict(dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v),
-                 delta=torch.empty(2, 4, 8), lse2=torch.empty(2, 4, 8))
+                 delta=torch.empty(2, 4, 8))
     return dict(q=q, k=k, v=v, do=do, out=out, lse=lse, **grads)
 
 
 def _recorded_launches(t):
-    """Three launches with the backward's argument layout (tensors, then scalars)."""
-    return [((1, 8), ("pre", [t["out"], t["do"], t["lse"], t["delta"], t["lse2"], None, 8, 4])),
-            ((2, 8), ("dkdv", [t["q"], t["k"], t["v"], t["do"], t["dk"], t["dv"], t["lse2"],
-                               t["delta"], None, 0.25, 64])),
-            ((1, 8), ("dq", [t["q"], t["k"], t["v"], t["do"], t["dq"], t["lse2"], t["delta"],
-                             None, 0.25, 128]))]
+    """The two launches with the backward's argument layout (tensors, then scalars)."""
+    return [((1, 8), ("dq", [t["q"], t["k"], t["v"], t["do"], t["dq"], t["out"], t["lse"],
+                             t["delta"], None, 0.25, 128])),
+            ((2, 8), ("dkdv", [t["q"], t["k"], t["v"], t["do"], t["dk"], t["dv"], t["lse"],
+                               t["delta"], None, 0.25, 64]))]
 
 
 def test_backward_plan_puts_a_new_calls_tensors_in_the_recorded_places(monkeypatch):
@@ -129,15 +128,14 @@ def test_backward_plan_puts_a_new_calls_tensors_in_the_recorded_places(monkeypat
     second = _backward_tensors()
     dq, dk, dv = launch_bwd._replay(plan, second["do"], second["q"], second["k"], second["v"],
                                     second["out"], second["lse"])
-    want = _recorded_launches(dict(second, dq=dq, dk=dk, dv=dv, delta=calls[0][2][3],
-                                   lse2=calls[0][2][4]))
-    assert [c[0] for c in calls] == ["pre", "dkdv", "dq"]
+    want = _recorded_launches(dict(second, dq=dq, dk=dk, dv=dv, delta=calls[0][2][7]))
+    assert [c[0] for c in calls] == ["dq", "dkdv"]
     assert [c[1] for c in calls] == [w[0] for w in want]
     for (_, _, got), (_, (_, expected)) in zip(calls, want):
         assert len(got) == len(expected)
         for a, b in zip(got, expected):
             assert a is b if isinstance(b, torch.Tensor) or b is None else a == b
-    assert calls[1][2][7] is calls[0][2][3], "delta written by the preprocess is read by dK/dV"
+    assert calls[1][2][7] is calls[0][2][7], "delta written by the dQ kernel is read by dK/dV"
     assert dq.shape == second["q"].shape and dk.shape == second["k"].shape
 
 
@@ -160,5 +158,5 @@ def test_backward_plan_is_not_recorded_with_an_unknown_tensor_argument():
 
     t = _backward_tensors()
     launches = _recorded_launches(t)
-    launches[2][1][1][7] = torch.zeros(1)  # e.g. a bias the plan would not know how to fill
+    launches[1][1][1][8] = torch.zeros(1)  # e.g. a bias the plan would not know how to fill
     assert launch_bwd._record(launches, t) is None

@@ -1,4 +1,10 @@
-"""Allocation and grids of the backward kernels (preprocess, dK/dV, dQ)."""
+"""Allocation and grids of the backward kernels: dQ (which also writes ``delta``), then dK/dV.
+
+A plain backward launches these two kernels and nothing else: no preprocess pass, no fills,
+casts or copies.  The gradients are allocated in the layout of their inputs (``empty_like``),
+so a ``q`` that is a transposed view (the SDPA layout) gets a ``dq`` that autograd hands to
+the caller's tensor without a copy.  The byte counts are in ``flashtile.reference.io_model``.
+"""
 from __future__ import annotations
 
 import torch
@@ -6,7 +12,7 @@ import torch
 from ..spec import AttnSpec
 from . import launch_common
 from .configs import get_config
-from .kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
+from .kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 from .launch_common import (launch, run_direct, alibi_args, bias_args, block_d, broadcast_strides,
                             cdiv, dot_precision, dropout_args, empty, fit_block, layout,
                             lse_strides, scalar_args, seq_strides, sparse_args)
@@ -16,20 +22,20 @@ from .launch_common import (launch, run_direct, alibi_args, bias_args, block_d, 
 # (launch_common.PlanCache): at short sequences the three launches' host work (configs, ~60
 # arguments each, direct-launch keys) costs as much as their GPU time.  A plan keeps each
 # launch's grid, compiled kernel and argument list, with the positions where the call's tensors
-# go; later calls allocate the outputs and launch.
+# go; later calls allocate the outputs and launch.  (Two launches since delta moved into the
+# dQ kernel's prologue.)
 _plans = launch_common.PlanCache()
 PLANS = True  # False: every call takes the full path (benchmarks/overhead.py compares the two)
 
 
 # The tensors each backward kernel takes first, in order (the other tensor parameters are the
 # optional features a plain call leaves None).
-_ROLES = (("out", "do", "lse", "delta", "lse2"),
-          ("q", "k", "v", "do", "dk", "dv", "lse2", "delta"),
-          ("q", "k", "v", "do", "dq", "lse2", "delta"))
+_ROLES = (("q", "k", "v", "do", "dq", "out", "lse", "delta"),
+          ("q", "k", "v", "do", "dk", "dv", "lse", "delta"))
 
 
 def _record(launched: list, tensors: dict):
-    """The plan of one call from its three direct launches, or None if an argument is not where
+    """The plan of one call from its direct launches, or None if an argument is not where
     ``_ROLES`` says (a tensor beyond them, or a role holding another tensor).  Positions are
     known by role, not found by identity, so ``flash_attn_func(x, x, x)`` records a plan that
     also serves a later call with three distinct tensors."""
@@ -47,17 +53,22 @@ def _record(launched: list, tensors: dict):
 def _replay(plan, do, q, k, v, out, lse):
     """Run a recorded plan for new tensors; ``(dq, dk, dv)``."""
     tensors = dict(q=q, k=k, v=v, do=do, out=out, lse=lse,
-                   dq=torch.empty(q.shape, dtype=q.dtype, device=q.device),
-                   dk=torch.empty(k.shape, dtype=k.dtype, device=k.device),
-                   dv=torch.empty(v.shape, dtype=v.dtype, device=v.device),
-                   delta=torch.empty(lse.shape, dtype=torch.float32, device=lse.device),
-                   lse2=torch.empty(lse.shape, dtype=torch.float32, device=lse.device))
+                   dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v),
+                   delta=torch.empty(lse.shape, dtype=torch.float32, device=lse.device))
     for grid, compiled, values, fill in plan:
         values = values.copy()
         for i, name in fill:
             values[i] = tensors[name]
         run_direct(compiled, grid, values, q.device.index)
     return tensors["dq"], tensors["dk"], tensors["dv"]
+
+
+def _grad_like(x: torch.Tensor) -> torch.Tensor:
+    """An output for the gradient of ``x`` with ``x``'s strides when ``x`` is dense (what
+    autograd's accumulation wants: a gradient of another layout is copied into ``x``'s, one
+    read and one write of the whole tensor); NaN-filled under ``poison_outputs``."""
+    g = torch.empty_like(x)
+    return g.fill_(float("nan")) if launch_common._poison else g
 
 
 def _dbias_target(dbias, full_shape):
@@ -86,17 +97,14 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
             return _replay(plan, do, q, k, v, out, lse)
     varlen, batch, sq, sk, nheads, nheads_k, head_dim = layout(q, k, cu_seqlens_q, max_seqlen_q,
                                                                max_seqlen_k)
-    dq = empty(q.shape, q.dtype, q.device)
-    dk = empty(k.shape, k.dtype, k.device)
-    dv = empty(v.shape, v.dtype, v.device)
+    dq, dk, dv = _grad_like(q), _grad_like(k), _grad_like(v)
     if batch == 0 or sq == 0 or sk == 0 or q.numel() == 0 or k.numel() == 0:
         if dbias is not None:
             dbias.zero_()
         return dq.zero_(), dk.zero_(), dv.zero_()
     if do.stride(-1) != 1:
         do = do.contiguous()
-    delta = empty(lse.shape, torch.float32, lse.device)
-    lse2 = empty(lse.shape, torch.float32, lse.device)
+    delta = empty(lse.shape, torch.float32, lse.device)  # written by the dQ kernel
     group = nheads // nheads_k
     bd = block_d(head_dim)
     prec = dot_precision(q.dtype)
@@ -108,30 +116,11 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
     db_full = _dbias_target(dbias, (batch, nheads, sq, sk))
     db_strides = (0, 0, 0, 0) if db_full is None else broadcast_strides(db_full)
 
-    pre = get_config("pre", head_dim, spec.causal, q.dtype, q.device, max(sq, sk))
     launched = []
-    grid = (cdiv(sq, pre.block_m), batch * nheads)
-    launched.append((grid, launch(attn_bwd_preprocess_kernel, grid, (
-        out, do, lse, delta, lse2, cu_seqlens_q, *seq_strides(out, varlen), *seq_strides(do,
-        varlen), lse_b, lse_h, sq, nheads,
-    ), dict(HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=pre.block_m, num_warps=pre.num_warps))))
     common = dict(HEAD_DIM=head_dim, BLOCK_D=bd, DOT_PREC=prec, dropout_p=dropout_p,
                   dropout_scale=dropout_scale, **scalars)
 
-    cfg = get_config("dkdv", head_dim, spec.causal, q.dtype, q.device, max(sq, sk))
-    block_m, block_n = cfg.block_m, cfg.block_n
-    bs_idx, bs_strides, bs_m, bs_n = sparse_args(block_mask, block_size, sq, sk, spec, transpose=True)
-    if bs_idx is not None:
-        block_m, block_n = fit_block(block_m, bs_m), fit_block(block_n, bs_n)
-    grid = (cdiv(sk, block_n), batch * nheads_k)
-    launched.append((grid, launch(attn_bwd_dkdv_kernel, grid, (
-        q, k, v, do, dk, dv, lse2, delta, alibi, cu_seqlens_q, cu_seqlens_k, bias, seed, bs_idx,
-        *seq_strides(q, varlen), *seq_strides(k, varlen), *seq_strides(v, varlen),
-        *seq_strides(do, varlen), *seq_strides(dk, varlen), *seq_strides(dv, varlen), lse_b,
-        lse_h, stride_ab, *bias_strides, *bs_strides, bs_m, bs_n, sq, sk, nheads_k, group,
-        spec.softmax_scale,
-    ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **common))))
+    # dQ first: its prologue writes delta, which the dK/dV kernel reads.
     cfg = get_config("dq", head_dim, spec.causal, q.dtype, q.device, max(sq, sk))
     block_m, block_n = cfg.block_m, cfg.block_n
     bs_idx, bs_strides, bs_m, bs_n = sparse_args(block_mask, block_size, sq, sk, spec)
@@ -139,10 +128,25 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
         block_m, block_n = fit_block(block_m, bs_m), fit_block(block_n, bs_n)
     grid = (cdiv(sq, block_m), batch * nheads)
     launched.append((grid, launch(attn_bwd_dq_kernel, grid, (
-        q, k, v, do, dq, lse2, delta, alibi, cu_seqlens_q, cu_seqlens_k, bias, seed, bs_idx,
+        q, k, v, do, dq, out, lse, delta, alibi, cu_seqlens_q, cu_seqlens_k, bias, seed, bs_idx,
         db_full, *seq_strides(q, varlen), *seq_strides(k, varlen), *seq_strides(v, varlen),
-        *seq_strides(do, varlen), *seq_strides(dq, varlen), lse_b, lse_h, stride_ab,
+        *seq_strides(do, varlen), *seq_strides(dq, varlen), *seq_strides(out, varlen), lse_b,
+        lse_h, stride_ab,
         *bias_strides, *db_strides, *bs_strides, bs_m, bs_n, sq, sk, nheads, group,
+        spec.softmax_scale,
+    ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **common))))
+    cfg = get_config("dkdv", head_dim, spec.causal, q.dtype, q.device, max(sq, sk))
+    block_m, block_n = cfg.block_m, cfg.block_n
+    bs_idx, bs_strides, bs_m, bs_n = sparse_args(block_mask, block_size, sq, sk, spec, transpose=True)
+    if bs_idx is not None:
+        block_m, block_n = fit_block(block_m, bs_m), fit_block(block_n, bs_n)
+    grid = (cdiv(sk, block_n), batch * nheads_k)
+    launched.append((grid, launch(attn_bwd_dkdv_kernel, grid, (
+        q, k, v, do, dk, dv, lse, delta, alibi, cu_seqlens_q, cu_seqlens_k, bias, seed, bs_idx,
+        *seq_strides(q, varlen), *seq_strides(k, varlen), *seq_strides(v, varlen),
+        *seq_strides(do, varlen), *seq_strides(dk, varlen), *seq_strides(dv, varlen), lse_b,
+        lse_h, stride_ab, *bias_strides, *bs_strides, bs_m, bs_n, sq, sk, nheads_k, group,
         spec.softmax_scale,
     ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **common))))
@@ -151,7 +155,7 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
         dbias.copy_(db_full.sum(dim=dims, keepdim=True) if dims else db_full)
     if plain and all(lc is not None for _, lc in launched) and q.device.index is not None:
         plan = _record(launched, dict(q=q, k=k, v=v, do=do, out=out, lse=lse, dq=dq, dk=dk, dv=dv,
-                                      delta=delta, lse2=lse2))
+                                      delta=delta))
         if plan is not None:
             _plans.put(key, plan)
     return dq, dk, dv

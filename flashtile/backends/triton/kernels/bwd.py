@@ -2,15 +2,19 @@
 
 With ``p = exp2(s - lse2)`` (``s`` the base-2 score of forward, ``lse2 = log2(e) * lse``)::
 
-    delta = rowsum(dO * O)                  # preprocess, O(N d)
+    delta = rowsum(dO * O)                  # dQ kernel prologue, O(N d)
     dV   += p^T dO
     dP    = dO V^T
     dS    = p * (dP - delta)                # gradient w.r.t. the natural-log score (= dBias)
     dS'   = dS * (1 - tanh(u)^2)            # only with softcap, u = scale * q.k / softcap
     dQ   += scale * dS' K ,   dK += scale * dS'^T Q
 
-Rows that saw no key have ``lse = -inf``; the preprocess stores ``lse2 = +inf`` for them so
-that ``p = exp2(s - inf) = 0`` and they contribute nothing (never ``inf * 0``).  Invisible
+Two kernels, no side kernels: the dQ kernel (grid over query tiles) runs first and computes
+``delta`` for its rows in its prologue from the O and dO tiles it loads (O is read once, dO
+once, no separate preprocess pass re-reading both) and stores it; the dK/dV kernel (grid over
+key tiles) then reads it.  Both turn the saved natural-log ``lse`` into ``lse2 = log2(e) * lse``
+as they load it, ``+inf`` where ``lse = -inf``: rows that saw no key then get
+``p = exp2(s - inf) = 0`` and contribute nothing (never ``inf * 0``).  Invisible
 keys score ``-inf`` during recomputation as in the forward (otherwise a padded key
 would score 0 and ``exp2(0 - lse2)`` can overflow for a small lse).
 
@@ -34,40 +38,11 @@ from .masking import (FEATURE_FLAGS, LOG2E, dropout_keep, dropout_row_base,
                       key_range, query_range, sequence, tanh, tile_start, visible)
 
 
-@triton.heuristics({"IS_VARLEN": lambda a: a["CU_Q"] is not None})
 @triton.jit
-def attn_bwd_preprocess_kernel(
-    O, DO, LSE, DELTA, LSE2, CU_Q,
-    stride_ob, stride_om, stride_oh,
-    stride_db, stride_dm, stride_dh,
-    stride_lb, stride_lh,
-    seqlen_q, H,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-):
-    """``delta = rowsum(dO * O)`` and ``lse2 = log2(e) * lse`` (``+inf`` where lse is -inf)."""
-    i_m = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    q_start, sq, _, _, _ = sequence(CU_Q, CU_Q, i_b, seqlen_q, seqlen_q, IS_VARLEN, False)
-    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    if i_m * BLOCK_M >= sq:
-        return
-    o_d = tl.arange(0, BLOCK_D)
-    m_md = (o_m[:, None] < sq) & (o_d[None, :] < HEAD_DIM)
-    p_o = (O + i_b.to(tl.int64) * stride_ob + q_start.to(tl.int64) * stride_om + i_h * stride_oh
-           + o_m[:, None] * stride_om + o_d[None, :])
-    p_do = (DO + i_b.to(tl.int64) * stride_db + q_start.to(tl.int64) * stride_dm + i_h * stride_dh
-            + o_m[:, None] * stride_dm + o_d[None, :])
-    b_o = tl.load(p_o, mask=m_md, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
-    b_do = tl.load(p_do, mask=m_md, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
-    b_delta = tl.sum(b_o * b_do, 1)  # [BLOCK_M]
-    o_l = i_b * stride_lb + i_h * stride_lh + q_start + o_m
-    b_lse = tl.load(LSE + o_l, mask=o_m < sq, other=0.0)
-    b_lse2 = tl.where(b_lse == float("-inf"), float("inf"), b_lse * LOG2E)
-    tl.store(DELTA + o_l, b_delta, mask=o_m < sq)
-    tl.store(LSE2 + o_l, b_lse2, mask=o_m < sq)
+def _lse2(b_lse):
+    """``log2(e) * lse`` for base-2 recomputation; ``+inf`` where ``lse = -inf`` (and for the
+    ``+inf`` a masked load puts past the sequence end), so those rows get ``p = 0``."""
+    return tl.where(b_lse == float("-inf"), float("inf"), b_lse * LOG2E)
 
 
 @triton.jit
@@ -82,7 +57,7 @@ def _softcap_ds(b_ds, b_q, b_k, softcap_scale, DOT_PREC: tl.constexpr,
 
 
 @triton.jit
-def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta,
+def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse, p_delta,
                 stride_qm, stride_dm, o_n, o_d, m_start, m_end, sq, sk, shift,
                 window_left, window_right, qk_scale, softcap_scale, slope,
                 p_bias, stride_bm, stride_bn, seed, bh, seqlen_q, seqlen_k, dropout_p,
@@ -106,17 +81,17 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta,
             b_q = tl.load(p_q, mask=m_qd, other=0.0)  # [BLOCK_M, BLOCK_D]
             b_do = tl.load(p_do, mask=m_qd, other=0.0)  # [BLOCK_M, BLOCK_D]
             # +inf lse2 for rows past the end makes their p exactly 0.
-            b_lse2 = tl.load(p_lse2 + o_m, mask=o_m < sq, other=float("inf"))  # [BLOCK_M]
+            b_lse2 = _lse2(tl.load(p_lse + o_m, mask=o_m < sq, other=float("inf")))  # [BLOCK_M]
             b_delta = tl.load(p_delta + o_m, mask=o_m < sq, other=0.0)  # [BLOCK_M]
         elif EVEN_D:
             b_q = tl.load(p_q)
             b_do = tl.load(p_do)
-            b_lse2 = tl.load(p_lse2 + o_m)
+            b_lse2 = _lse2(tl.load(p_lse + o_m))
             b_delta = tl.load(p_delta + o_m)
         else:
             b_q = tl.load(p_q, mask=m_d[None, :], other=0.0)
             b_do = tl.load(p_do, mask=m_d[None, :], other=0.0)
-            b_lse2 = tl.load(p_lse2 + o_m)
+            b_lse2 = _lse2(tl.load(p_lse + o_m))
             b_delta = tl.load(p_delta + o_m)
         b_s = score_tile(b_q, b_k, o_m, o_n, sq, sk, qk_scale, softcap_scale, slope,
                          p_bias, stride_bm, stride_bn, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI,
@@ -144,7 +119,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta,
 @triton.heuristics(FEATURE_FLAGS)
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE2, DELTA, ALIBI, CU_Q, CU_K, BIAS, RNG, BS_IDX,
+    Q, K, V, DO, DK, DV, LSE, DELTA, ALIBI, CU_Q, CU_K, BIAS, RNG, BS_IDX,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -204,7 +179,7 @@ def attn_bwd_dkdv_kernel(
         p_q_base = Q + i_b.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qm + i_h * stride_qh
         p_do_base = (DO + i_b.to(tl.int64) * stride_dob + q_start.to(tl.int64) * stride_dom
                      + i_h * stride_doh)
-        p_lse2 = LSE2 + i_b * stride_lb + i_h * stride_lh + q_start
+        p_lse = LSE + i_b * stride_lb + i_h * stride_lh + q_start
         p_delta = DELTA + i_b * stride_lb + i_h * stride_lh + q_start
         if SPARSE:
             # full blocks (no predicate) first, then the ones cut by a bound: see the forward
@@ -213,14 +188,14 @@ def attn_bwd_dkdv_kernel(
             t_full = tl.load(p_bs) * tpb
             t_all = t_full + tl.load(p_bs + 1) * tpb
             b_dk, b_dv = _dkdv_inner(
-                b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta, stride_qm,
+                b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse, p_delta, stride_qm,
                 stride_dom, o_n, o_d, 0, t_full, sq, sk, shift, window_left, window_right,
                 qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, bh,
                 seqlen_q, seqlen_k, dropout_p, dropout_scale, p_bs + 2, tpb, bs_m, HEAD_DIM,
                 BLOCK_M, False, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
                 HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, True, 1)
             b_dk, b_dv = _dkdv_inner(
-                b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta, stride_qm,
+                b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse, p_delta, stride_qm,
                 stride_dom, o_n, o_d, t_full, t_all, sq, sk, shift, window_left, window_right,
                 qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, bh,
                 seqlen_q, seqlen_k, dropout_p, dropout_scale, p_bs + 2, tpb, bs_m, HEAD_DIM,
@@ -228,21 +203,21 @@ def attn_bwd_dkdv_kernel(
                 HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, True, 1)
         else:
             b_dk, b_dv = _dkdv_inner(
-                b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta, stride_qm,
+                b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse, p_delta, stride_qm,
                 stride_dom, o_n, o_d, lo, full_lo, sq, sk, shift, window_left, window_right,
                 qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, bh,
                 seqlen_q, seqlen_k, dropout_p, dropout_scale, BS_IDX, 1, 1, HEAD_DIM, BLOCK_M, True, EVEN_D,
                 DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL,
                 HAS_DROPOUT, False, BLOCK_M)
             b_dk, b_dv = _dkdv_inner(
-                b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta, stride_qm,
+                b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse, p_delta, stride_qm,
                 stride_dom, o_n, o_d, full_lo, full_hi, sq, sk, shift, window_left,
                 window_right, qk_scale, softcap_scale, slope, p_bias, stride_biasm,
                 stride_biasn, seed, bh, seqlen_q, seqlen_k, dropout_p, dropout_scale, BS_IDX, 1, 1, HEAD_DIM,
                 BLOCK_M, False, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
                 HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, False, BLOCK_M)
             b_dk, b_dv = _dkdv_inner(
-                b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse2, p_delta, stride_qm,
+                b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse, p_delta, stride_qm,
                 stride_dom, o_n, o_d, full_hi, hi, sq, sk, shift, window_left, window_right,
                 qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, bh,
                 seqlen_q, seqlen_k, dropout_p, dropout_scale, BS_IDX, 1, 1, HEAD_DIM, BLOCK_M, True, EVEN_D,
@@ -313,12 +288,13 @@ def _dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, s
 })
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE2, DELTA, ALIBI, CU_Q, CU_K, BIAS, RNG, BS_IDX, DBIAS,
+    Q, K, V, DO, DQ, O, LSE, DELTA, ALIBI, CU_Q, CU_K, BIAS, RNG, BS_IDX, DBIAS,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_dqb, stride_dqm, stride_dqh,
+    stride_ob, stride_om, stride_oh,
     stride_lb, stride_lh, stride_ab,
     stride_biasb, stride_biash, stride_biasm, stride_biasn,
     stride_dbb, stride_dbh, stride_dbm, stride_dbn,
@@ -332,7 +308,10 @@ def attn_bwd_dq_kernel(
     HAS_BIAS: tl.constexpr, BIAS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SPARSE: tl.constexpr, STORE_DBIAS: tl.constexpr,
 ):
-    """One program owns BLOCK_M query rows of one head and streams the key tiles they see."""
+    """One program owns BLOCK_M query rows of one head and streams the key tiles they see.
+    Its prologue computes ``delta = rowsum(dO * O)`` of its rows and stores it to ``DELTA``
+    for the dK/dV kernel that runs next (every row of every sequence belongs to exactly one
+    program, which stores it before any other work, whatever the mask)."""
     i_m = tl.num_programs(0) - 1 - tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -351,11 +330,15 @@ def attn_bwd_dq_kernel(
            + o_m[:, None] * stride_qm + o_d[None, :])
     p_do = (DO + i_b.to(tl.int64) * stride_dob + q_start.to(tl.int64) * stride_dom
             + i_h * stride_doh + o_m[:, None] * stride_dom + o_d[None, :])
+    p_o = (O + i_b.to(tl.int64) * stride_ob + q_start.to(tl.int64) * stride_om
+           + i_h * stride_oh + o_m[:, None] * stride_om + o_d[None, :])
     b_q = tl.load(p_q, mask=m_qd, other=0.0)  # [BLOCK_M, BLOCK_D]
     b_do = tl.load(p_do, mask=m_qd, other=0.0)  # [BLOCK_M, BLOCK_D]
+    b_o = tl.load(p_o, mask=m_qd, other=0.0)  # [BLOCK_M, BLOCK_D], only for delta
+    b_delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)  # [BLOCK_M]
     o_l = i_b * stride_lb + i_h * stride_lh + q_start + o_m
-    b_lse2 = tl.load(LSE2 + o_l, mask=o_m < sq, other=float("inf"))  # [BLOCK_M]
-    b_delta = tl.load(DELTA + o_l, mask=o_m < sq, other=0.0)  # [BLOCK_M]
+    tl.store(DELTA + o_l, b_delta, mask=o_m < sq)
+    b_lse2 = _lse2(tl.load(LSE + o_l, mask=o_m < sq, other=float("inf")))  # [BLOCK_M]
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(ALIBI + i_b * stride_ab + i_h).to(tl.float32) * LOG2E
