@@ -207,7 +207,11 @@
     });
     var sc = B.at_scale, sv = sc.views[M.view];
     var ratio = sv.standard / sv.flash;
-    $("scale-note").textContent = "These toy tiles hold a few rows, so FlashAttention re-reads Q and O many times" +
+    $("scale-note").textContent = M.view === "decode"
+      ? "Decoding reads the whole KV cache once with or without splits, and never writes a score row: at N = " + sc.n +
+        ", d = " + sc.d + " the same formulas give " + fmtBytes(sv.flash) + " of HBM traffic against " + fmtBytes(sv.standard) +
+        " for standard attention. What splitting buys is parallel work across the cache, merged exactly by log-sum-exp."
+      : "These toy tiles hold a few rows, so FlashAttention re-reads Q and O many times" +
       " and can move more than standard attention. The saving needs tiles as large as SRAM allows (Bc \u2248 M/4d): at N = " +
       sc.n + ", d = " + sc.d + " with " + sc.br + "\u00d7" + sc.bc + " tiles the same formulas give " + fmtBytes(sv.flash) +
       " of HBM traffic for FlashAttention against " + fmtBytes(sv.standard) + " for standard attention (" +
@@ -390,9 +394,12 @@
       text = st.text + " (the paper's algorithms start by writing these).";
     } else if (st.k === "skip") {
       label = "Tile pair (i, j) = (" + st.i + ", " + st.j + "): query rows " + st.r[0] + "\u2013" + (st.r[1] - 1) + ", keys " + st.c[0] + "\u2013" + (st.c[1] - 1) + ".";
-      text = st.why === "causal"
-        ? "Skipped: every key of this tile comes after every query of it, so the causal mask hides the whole tile. Nothing is loaded or computed."
-        : "Skipped: the block-sparsity layout switches this tile off. Nothing is loaded or computed.";
+      text = (st.why === "causal"
+        ? "Skipped: every key of this tile comes after every query of it, so the causal mask hides the whole tile."
+        : "Skipped: the block-sparsity layout switches this tile off.") +
+        (st.loads.length ? " (" + names(st.loads, st.i, st.j) + " were loaded as this key tile's loop began.) Nothing else is loaded or computed for this tile."
+                         : " Nothing is loaded or computed for it.");
+      tv.appendChild(el("p", { "class": "skipped-note" }, "\u2715 Tile skipped: no S tile, no update."));
     } else if (st.k === "tile") {
       label = "Tile pair (i, j) = (" + st.i + ", " + st.j + "): query rows " + st.r[0] + "\u2013" + (st.r[1] - 1) +
         ", keys " + st.c[0] + "\u2013" + (st.c[1] - 1) + (st.split !== undefined ? ", split " + st.split : "") + ".";
@@ -444,6 +451,7 @@
       extra.appendChild(smallTable("merged output O = \u03a3 w\u209b O\u209b", "tile-o", st.o));
       text = "Read every split's partial output and lse; lse = log \u03a3 exp(lse\u209b), weight w\u209b = exp(lse\u209b \u2212 lse); O = \u03a3 w\u209b O\u209b. The result equals attention over the whole cache.";
     }
+    $("tile-stats-h").hidden = !$("tile-stats").firstChild;
     $("tile-label").textContent = label;
     $("tile-label").setAttribute("data-kind", st ? st.k : "none");
     $("tile-label").setAttribute("data-i", st && st.i !== undefined ? String(st.i) : "");
