@@ -238,8 +238,8 @@ def browser(tmp_path_factory):
 
 def _open(driver, fragment):
     driver.get("about:blank")  # a new fragment alone would not reload the page
+    driver.get_log("browser")  # empty the console log: what follows is this page's
     driver.get((DOCS / "index.html").as_uri() + "#" + fragment)
-    driver.get_log("browser")  # start each page with an empty console log
 
 
 def _keys(driver, *keys):
@@ -403,26 +403,26 @@ def test_page_keyboard_play_pause_and_views(browser):
 
     from selenium.webdriver.common.keys import Keys
 
-    _open(browser, "view=fa1&n=8&br=2&bc=2")
-    _keys(browser, "+", "+", "+", "+", "+", "+", "+")  # 10 steps/s
-    assert browser.find_element("id", "speed").get_attribute("value") == "10"
+    _open(browser, "view=fa1&n=16&br=2&bc=2")  # 65 steps: playing does not reach the end here
+    _keys(browser, "+", "+", "-")  # 3 -> 5 -> 4 steps/s
+    assert browser.find_element("id", "speed").get_attribute("value") == "4"
     _keys(browser, " ")
     deadline = time.time() + 10
-    while _state(browser)[1] < 3 and time.time() < deadline:
-        time.sleep(0.1)
+    while _state(browser)[1] < 2 and time.time() < deadline:
+        time.sleep(0.05)
     _keys(browser, " ")
-    paused_at = _state(browser)[1]
-    assert paused_at >= 3
-    time.sleep(0.4)
+    paused_at, steps = _state(browser)[1:]
+    assert 2 <= paused_at < steps
+    time.sleep(0.6)
     assert _state(browser)[1] == paused_at
     _keys(browser, Keys.HOME)
     assert _state(browser)[1] == 0
     _keys(browser, "v")
-    assert _state(browser)[0].startswith("fa2|8|")
+    assert _state(browser)[0].startswith("fa2|16|")
     _keys(browser, "m")
     assert _state(browser)[0].endswith("|1")
     _keys(browser, "n")
-    assert _state(browser)[0].startswith("fa2|16|")
+    assert _state(browser)[0].startswith("fa2|32|")
     assert "Space" in browser.find_element("id", "keys").text
     assert _console_errors(browser) == []
 
