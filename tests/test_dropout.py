@@ -13,7 +13,7 @@ import triton.language as tl
 
 import flashtile
 from flashtile import backends
-from flashtile.backends import torch_tiled
+from flashtile.backends.torch import attention as torch_tiled
 from flashtile.backends import triton as triton_backend
 from flashtile.backends.spec import AttnSpec
 from flashtile.backends.triton.launch_common import poison_outputs

@@ -1,11 +1,13 @@
-"""The tiled PyTorch CPU backend against the float64 reference."""
+"""The torch backend against the float64 reference: the tiled engine, and the calls it hands to
+PyTorch's fused CPU kernel (``aten_route``)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from flashtile.backends import torch_tiled
+from flashtile.backends.torch import attention as torch_tiled
 from flashtile.backends.spec import AttnSpec
 from flashtile.reference import naive
 
@@ -18,9 +20,18 @@ FP32_RTOL = 1e-5
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Tiles of 8 queries x 16 keys, so that short test sequences still span many tiles."""
-    monkeypatch.setattr(torch_tiled, "BLOCK_N", 16)
+    monkeypatch.setattr(torch_tiled, "BLOCK_N_MAX", 16)
+    monkeypatch.setattr(torch_tiled, "BLOCK_N_MIN", 16)
     monkeypatch.setattr(torch_tiled, "BLOCK_M_MAX", 8)
     monkeypatch.setattr(torch_tiled, "BLOCK_M_MIN", 8)
+
+
+@pytest.fixture(params=["tiled", "auto"])
+def engine(request, monkeypatch):
+    """``tiled``: every call runs the tiled engine; ``auto``: calls PyTorch's fused kernel
+    computes exactly go to it (the backend's default)."""
+    monkeypatch.setattr(torch_tiled, "USE_ATEN", request.param == "auto")
+    return request.param
 
 
 def _fp32_tol(want):
@@ -92,7 +103,7 @@ def _case_id(c):
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_fp32_matches_reference(case, small_tiles):
+def test_fp32_matches_reference(case, engine, small_tiles):
     name, B, sq, sk, H, Hk, D, fields, alibi = case
     q, k, v, do, slopes = _inputs(len(name) + 7 * sq + sk, B, sq, sk, H, Hk, D, alibi=alibi)
     spec = AttnSpec(softmax_scale=D ** -0.5, **fields)
@@ -108,7 +119,7 @@ def test_fp32_matches_reference(case, small_tiles):
 @pytest.mark.parametrize("fields", [{}, dict(window_right=0), dict(window_left=100,
                                                                    window_right=40)],
                          ids=["full", "causal", "window"])
-def test_fp32_default_tiles(fields):
+def test_fp32_default_tiles(fields, engine):
     # sequences longer than one default tile, with the module's own tile sizes
     B, sq, sk, H, Hk, D = 1, 300, 520, 2, 1, 32
     q, k, v, do, _ = _inputs(sq + len(fields), B, sq, sk, H, Hk, D)
@@ -122,13 +133,13 @@ def test_fp32_default_tiles(fields):
 
 
 LOW_CASES = [c for c in CASES if c[0] in {
-    "plain", "causal-sq>sk", "window", "softcap-causal", "alibi-bh-causal",
+    "plain", "causal", "causal-top-left", "gqa-2", "causal-sq>sk", "window", "softcap-causal", "alibi-bh-causal",
     "mqa-window-softcap-alibi", "headdim-256"}]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case", LOW_CASES, ids=_case_id)
-def test_low_precision_accuracy_rule(case, dtype, small_tiles):
+def test_low_precision_accuracy_rule(case, dtype, engine, small_tiles):
     name, B, sq, sk, H, Hk, D, fields, alibi = case
     q, k, v, do, slopes = _inputs(len(name) + sq, B, sq, sk, H, Hk, D, dtype=dtype,
                                   alibi=alibi)
@@ -200,7 +211,7 @@ def test_varlen_matches_dense_per_sequence(case, small_tiles):
 
 @pytest.mark.parametrize("sq,sk", [(0, 9), (9, 0), (0, 0)], ids=["sq0", "sk0", "both0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_empty_sequences(sq, sk, dtype):
+def test_empty_sequences(sq, sk, dtype, engine):
     q, k, v, do, _ = _inputs(3, 2, sq, sk, 4, 2, 8, dtype=dtype)
     spec = AttnSpec(softmax_scale=0.35, window_right=0)
     out, lse, (dq, dk, dv) = _run(q, k, v, do, spec, None)
@@ -246,7 +257,7 @@ def test_rows_that_see_nothing(case, dtype, small_tiles):
         assert_close("dv", dv, want_dv, **_fp32_tol(want_dv))
 
 
-def test_non_contiguous_inputs(small_tiles):
+def test_non_contiguous_inputs(engine, small_tiles):
     g = make_gen(12)
     # (B, H, S, D) storage seen through a transpose, as an SDPA-layout caller would pass it
     q = randn(g, 2, 4, 33, 16).transpose(1, 2)
@@ -283,3 +294,153 @@ def test_rejects_bad_head_ratio():
     q, k, v, _, _ = _inputs(0, 1, 8, 8, 3, 2, 8)
     with pytest.raises(ValueError, match="multiple"):
         torch_tiled.forward(q, k, v, AttnSpec(softmax_scale=0.3))
+
+
+# ---------------------------------------------------------------------------------------
+# routing to PyTorch's fused CPU kernel
+
+
+class _OpLog(TorchDispatchMode):
+    """Names of the ATen ops a block runs (as the dispatcher sees them from Python)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+_FUSED = "_scaled_dot_product_flash_attention_for_cpu"
+
+# (id, Sq, Sk, H, Hk, spec fields, extra forward kwargs, expected is_causal or None)
+ROUTES = [
+    ("full", 33, 47, 4, 4, {}, {}, False),
+    ("full-gqa", 33, 47, 4, 2, {}, {}, False),
+    ("causal-square", 40, 40, 4, 1, dict(window_right=0), {}, True),
+    ("causal-top-left-sq<sk", 20, 47, 2, 2, dict(window_right=0, bottom_right=False), {}, True),
+    ("causal-top-left-sq>sk", 47, 20, 2, 2, dict(window_right=0, bottom_right=False), {},
+     True),
+    ("causal-bottom-right-sq<sk", 20, 47, 2, 2, dict(window_right=0), {}, None),
+    ("causal-bottom-right-sq>sk", 47, 20, 2, 2, dict(window_right=0), {}, None),
+    ("window", 40, 40, 2, 2, dict(window_left=8, window_right=0), {}, None),
+    ("right-window", 40, 40, 2, 2, dict(window_right=3), {}, None),
+    ("softcap", 40, 40, 2, 2, dict(softcap=3.0), {}, None),
+    ("dropout", 40, 40, 2, 2, dict(dropout_p=0.1), {}, None),
+    ("alibi", 40, 40, 2, 2, {}, dict(alibi_slopes=torch.ones(2)), None),
+    ("float-bias", 40, 40, 2, 2, {}, dict(attn_bias=torch.zeros(1, 1, 40, 40)), None),
+    ("bool-mask", 40, 40, 2, 2, {}, dict(attn_bias=torch.ones(1, 1, 40, 40, dtype=torch.bool)),
+     None),
+    ("empty-keys", 40, 0, 2, 2, {}, {}, None),
+]
+
+
+@pytest.mark.parametrize("case", ROUTES, ids=_case_id)
+def test_routes_exactly_the_calls_the_fused_kernel_computes(case):
+    name, sq, sk, H, Hk, fields, kw, want = case
+    q, k, v, _, _ = _inputs(1, 2, sq, sk, H, Hk, 16)
+    spec = AttnSpec(softmax_scale=0.25, **fields)
+    got = torch_tiled.aten_route(q, k, v, spec, alibi_slopes=kw.get("alibi_slopes"),
+                                 attn_bias=kw.get("attn_bias"))
+    assert got is want, f"{name}: aten_route gave {got}, expected {want}"
+    for dtype in (torch.float16, torch.bfloat16):
+        low = [x.to(dtype) for x in (q, k, v)]
+        assert torch_tiled.aten_route(*low, spec, alibi_slopes=kw.get("alibi_slopes"),
+                                      attn_bias=kw.get("attn_bias")) is want
+    # float64 and mixed dtypes stay on the tiled engine
+    assert torch_tiled.aten_route(q.double(), k.double(), v.double(), spec) is None
+    assert torch_tiled.aten_route(q, k.half(), v.half(), spec) is None
+    # varlen and paged calls too
+    assert torch_tiled.aten_route(q, k, v, spec, varlen=True) is None
+
+
+ROUTED = [c for c in ROUTES if c[-1] is not None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("case", ROUTED, ids=_case_id)
+def test_routed_equals_tiled_equals_reference(case, dtype, monkeypatch, small_tiles):
+    """A routed call runs the fused kernel once per pass and no tiled op, and agrees with the
+    tiled engine and with float64 (flash-attn's rule in fp16/bf16)."""
+    name, sq, sk, H, Hk, fields, _, _ = case
+    q, k, v, do, _ = _inputs(len(name) + sq, 2, sq, sk, H, Hk, 16, dtype=dtype)
+    spec = AttnSpec(softmax_scale=0.25, **fields)
+    with _OpLog() as log:
+        out, lse, grads = _run(q, k, v, do, spec, None)
+    assert log.names.count(_FUSED) == 1 and log.names.count(_FUSED + "_backward") == 1
+    assert not {"bmm", "baddbmm", "exp2"} & set(log.names), "the tiled engine ran"
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (2, H, sq)
+    assert out.is_contiguous() and lse.is_contiguous()
+    assert all(g.dtype == dtype and g.is_contiguous() for g in grads)
+    monkeypatch.setattr(torch_tiled, "USE_ATEN", False)
+    t_out, t_lse, t_grads = _run(q, k, v, do, spec, None)
+    want_out, want_lse, want_grads = _reference(q, k, v, do, spec, None)
+    names = ("out", "dq", "dk", "dv")
+    if dtype == torch.float32:
+        for n, got, tiled, want in zip(names, (out,) + grads, (t_out,) + t_grads,
+                                       (want_out,) + want_grads):
+            assert_close(f"routed {n} vs float64", got, want, **_fp32_tol(want))
+            assert_close(f"routed {n} vs tiled", got, tiled, **_fp32_tol(want))
+    else:
+        qa, ka, va = (x.clone().requires_grad_() for x in (q, k, v))
+        base_out, _ = math_attention(qa, ka, va, **naive_kwargs(spec))
+        base_out.backward(do)
+        for n, got, tiled, want, base, f in zip(
+                names, (out,) + grads, (t_out,) + t_grads, (want_out,) + want_grads,
+                (base_out, qa.grad, ka.grad, va.grad), (2.0, 3.0, 3.0, 3.0)):
+            low_precision_bound(f"routed {n}", got, want, base, f)
+            low_precision_bound(f"tiled {n}", tiled, want, base, f)
+    assert_close("routed lse vs float64", lse, want_lse, atol=1e-4, rtol=1e-5)
+    assert_close("routed lse vs tiled", lse, t_lse, atol=1e-4, rtol=1e-5)
+
+
+def test_mixed_paths_share_one_lse():
+    """The forward of one engine and the backward of the other give the same gradients: both
+    save the same natural-log lse (so a saved forward is valid whichever path runs later)."""
+    q, k, v, do, _ = _inputs(5, 1, 64, 64, 4, 2, 32)
+    spec = AttnSpec(softmax_scale=0.2, window_right=0)
+    out, lse = torch_tiled.forward(q, k, v, spec)  # routed
+    routed = torch_tiled.backward(do, q, k, v, out, lse, spec)
+    torch_tiled.USE_ATEN = False
+    try:
+        t_out, t_lse = torch_tiled.forward(q, k, v, spec)
+        tiled_bwd = torch_tiled.backward(do, q, k, v, out, lse, spec)
+    finally:
+        torch_tiled.USE_ATEN = True
+    routed_bwd = torch_tiled.backward(do, q, k, v, t_out, t_lse, spec)
+    tol = dict(atol=1e-5, rtol=1e-5)
+    assert_close("lse", t_lse, lse, **tol)
+    for n, a, b, c in zip(("dq", "dk", "dv"), routed, tiled_bwd, routed_bwd):
+        assert_close(f"{n}: tiled backward of the routed forward", b, a, **tol)
+        assert_close(f"{n}: routed backward of the tiled forward", c, a, **tol)
+
+
+@pytest.mark.parametrize("api", ["sdpa", "flash_attn_func"])
+def test_public_functions_route(api):
+    """The public functions reach the fused kernel through the backend registry."""
+    import flashtile
+    g = make_gen(9)
+    x = [randn(g, 2, 4, 48, 16).requires_grad_() for _ in range(3)]
+    with flashtile.use_backend("torch"), _OpLog() as log:
+        if api == "sdpa":
+            out = flashtile.scaled_dot_product_attention(*x, is_causal=True)
+        else:
+            out = flashtile.flash_attn_func(*(t.transpose(1, 2) for t in x), causal=True)
+        out.sum().backward()
+    assert log.names.count(_FUSED) == 1 and log.names.count(_FUSED + "_backward") == 1
+
+
+def test_tiled_engine_op_count_is_coarse():
+    """One causal fwd+bwd at N=1024 (B1 H8 d64) in the tiled engine stays a few hundred ATen
+    ops (tiles of all heads, sized by a memory budget; 128-key tiles issued ~1,100)."""
+    q, k, v, do, _ = _inputs(2, 1, 1024, 1024, 8, 8, 64)
+    spec = AttnSpec(softmax_scale=0.125, window_right=0)
+    torch_tiled.USE_ATEN = False
+    try:
+        with _OpLog() as log:
+            _run(q, k, v, do, spec, None)
+    finally:
+        torch_tiled.USE_ATEN = True
+    assert len(log.names) <= 300, f"{len(log.names)} ATen ops"

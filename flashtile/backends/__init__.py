@@ -94,4 +94,4 @@ def get(name: str):
     """The module implementing ``forward``/``backward`` for backend ``name``."""
     if name == "triton":
         return importlib.import_module(".triton", __name__)
-    return importlib.import_module(".torch_tiled", __name__)
+    return importlib.import_module(".torch", __name__)

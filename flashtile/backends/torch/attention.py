@@ -56,19 +56,27 @@ import math
 
 import torch
 
-from .. import paged_kv
-from ..rng import dropout_counters, philox_uniform
-from .spec import AttnSpec
+from ... import paged_kv
+from ...rng import dropout_counters, philox_uniform
+from ..spec import AttnSpec
 
-__all__ = ["forward", "backward"]
+__all__ = ["forward", "backward", "aten_route"]
 
-# Keys per tile.  Queries per tile are chosen so that one score tile of all heads holds
-# about TILE_ELEMS floats (2 MiB, the size of one core's L2 on the machine this was tuned on:
-# the tile is read and written several times - max, exp2, sum, P V - and should stay there).
-BLOCK_N = 128
-BLOCK_M_MAX = 256
+# Tile shape.  Every elementwise step of the engine is one ATen op over a whole tile of all
+# heads (a parallel region of its own), so the tile is chosen as large as a memory budget
+# allows: one score tile ``[B*Hk, BLOCK_M*G, BLOCK_N]`` holds at most about TILE_ELEMS floats
+# (16 MiB; the backward keeps about four such tiles alive).  The budget does not grow with the
+# sequence length, so the engine's extra memory stays ``O(N * tile)``.
+TILE_ELEMS = 1 << 22
+BLOCK_N_MAX = 1024
+BLOCK_N_MIN = 64
+BLOCK_M_MAX = 1024
 BLOCK_M_MIN = 16
-TILE_ELEMS = 1 << 19
+
+# Calls PyTorch's own fused CPU kernel computes exactly go to it (see ``aten_route``); tests
+# turn this off to run the tiled engine on the same calls.
+USE_ATEN = True
+_ATEN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _NEG_INF = float("-inf")
 _F32_LOWEST = torch.finfo(torch.float32).min
@@ -133,11 +141,27 @@ def _sequences(cu_seqlens_q, cu_seqlens_k):
     return [(cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(len(cq) - 1)]
 
 
-def _block_m(BH, G, D):
-    """Queries per tile: a score tile (or, for very wide heads, the accumulator) ~ TILE_ELEMS."""
-    per_query = max(1, BH * G * max(BLOCK_N, D))
-    bm = TILE_ELEMS // per_query
-    return int(max(BLOCK_M_MIN, min(BLOCK_M_MAX, bm)))
+def _tile_shape(BH, G, D, sk, band_width=None):
+    """``(block_m, block_n)``: queries and keys per tile, within the ``TILE_ELEMS`` budget.
+
+    Keys per tile: the whole key range up to ``BLOCK_N_MAX``; queries per tile: as many as fit
+    the budget (also for the ``[BH, BM*G, D]`` accumulator of very wide heads), between
+    ``BLOCK_M_MIN`` and ``BLOCK_M_MAX``; with many heads the key tile shrinks in turn.  A
+    sliding window of ``band_width`` keys caps the queries per tile near that width (a block
+    of ``BM`` queries spans ``BM + band_width - 1`` keys, so a taller block mostly computes
+    scores the window hides) and sizes the key tile to that span, one tile per block."""
+    rows = max(1, BH * G)
+    bm_cap = BLOCK_M_MAX
+    span = sk
+    if band_width is not None:
+        bm_cap = min(bm_cap, -(-band_width // 16) * 16)
+        span = min(sk, bm_cap + band_width - 1)
+    bn = max(1, min(BLOCK_N_MAX, span))
+    bm = TILE_ELEMS // (rows * max(bn, D))
+    bm = int(max(BLOCK_M_MIN, min(bm_cap, bm)))
+    if rows * bm * bn > TILE_ELEMS:
+        bn = int(max(min(BLOCK_N_MIN, bn), TILE_ELEMS // (rows * bm)))
+    return bm, bn
 
 
 class _Band:
@@ -148,6 +172,10 @@ class _Band:
         self.shift = sk - sq if spec.bottom_right else 0
         self.wl = spec.window_left
         self.wr = spec.window_right
+        self._rel = None  # int32 [BM, 1, BN] offsets j - i, built on first use
+        self.tile = (0, 0)  # the caller's (block_m, block_n)
+        # keys a query sees at most, when the window bounds both sides
+        self.width = self.wl + self.wr + 1 if self.wl >= 0 and self.wr >= 0 else None
 
     def key_range(self, i0, i1):
         """Half-open range of keys visible to at least one query of ``[i0, i1)``."""
@@ -167,14 +195,26 @@ class _Band:
         return True
 
     def hidden(self, i0, i1, j0, j1, device):
-        """Boolean ``[BM, 1, BN]``: True where the pair is NOT visible."""
-        i = torch.arange(i0, i1, device=device).view(-1, 1, 1)
-        j = torch.arange(j0, j1, device=device).view(1, 1, -1)
-        hide = torch.zeros((i1 - i0, 1, j1 - j0), dtype=torch.bool, device=device)
-        if self.wl >= 0:
-            hide |= j < i + self.shift - self.wl
+        """Boolean ``[BM, 1, BN]``: True where the pair is NOT visible.
+
+        Built from one cached table of offsets ``j - i``: one op a tile (three for a band
+        with both edges) instead of building index ranges for every tile."""
+        bm, bn = i1 - i0, j1 - j0
+        rel = self._rel
+        if rel is None or rel.shape[0] < bm or rel.shape[2] < bn or rel.device != device:
+            # [BM, 1, BN]: j - i for a tile starting at (0, 0), as large as the largest tile
+            m, n = max(bm, self.tile[0]), max(bn, self.tile[1])
+            rel = (torch.arange(n, device=device, dtype=torch.int32).view(1, 1, -1)
+                   - torch.arange(m, device=device, dtype=torch.int32).view(-1, 1, 1))
+            self._rel = rel
+        rel = rel[:bm, :, :bn]
+        base = i0 - j0 + self.shift  # j - i > wr  <=>  rel > i0 - j0 + shift + wr
+        hide = None
         if self.wr >= 0:
-            hide |= j > i + self.shift + self.wr
+            hide = rel > base + self.wr
+        if self.wl >= 0:
+            left = rel < base - self.wl
+            hide = left if hide is None else hide.logical_or_(left)
         return hide
 
 
@@ -301,6 +341,83 @@ class _Scores:
 
 
 # ---------------------------------------------------------------------------------------
+# PyTorch's fused CPU kernel
+
+
+def _aten_ops():
+    ops = torch.ops.aten
+    try:
+        return (ops._scaled_dot_product_flash_attention_for_cpu,
+                ops._scaled_dot_product_flash_attention_for_cpu_backward)
+    except AttributeError:  # a PyTorch build without the kernel
+        return None
+
+
+def aten_route(q, k, v, spec: AttnSpec, *, varlen=False, alibi_slopes=None, attn_bias=None,
+               block_mask=None, block_table=None):
+    """``is_causal`` for PyTorch's fused CPU kernel when it computes exactly this call, else None.
+
+    ``aten::_scaled_dot_product_flash_attention_for_cpu`` (and its ``_backward``) is the kernel
+    behind ``F.scaled_dot_product_attention`` on the CPU: FlashAttention-2's schedule in C++,
+    one parallel region for the whole call, with the natural-log ``lse`` ``(B, H, Sq)`` float32
+    that this backend returns, and grouped-query attention by head index ``h // (H // Hk)``.
+    It is used when the call needs nothing else: dense (not varlen or paged) CPU tensors of
+    one dtype among float32 / float16 / bfloat16, no dropout, softcap, ALiBi, bias, mask or
+    block mask, and either no window or plain causal masking where its top-left diagonal is
+    the one asked for (``bottom_right=False``, or ``Sq == Sk``).  Every query then sees at
+    least key 0, so no row is empty (the kernel would give such a row ``lse = 0``, not
+    ``-inf``).  Empty inputs stay on the tiled engine (the kernel does not accept them).
+    """
+    if not USE_ATEN or varlen or block_table is not None:
+        return None
+    if alibi_slopes is not None or attn_bias is not None or block_mask is not None:
+        return None
+    if spec.dropout_p > 0 or spec.softcap > 0 or spec.window_left >= 0:
+        return None
+    if q.device.type != "cpu" or q.dtype not in _ATEN_DTYPES:
+        return None
+    if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
+        return None
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.numel() == 0 or k.numel() == 0:
+        return None
+    if spec.window_right < 0:
+        causal = False
+    elif spec.window_right == 0 and (not spec.bottom_right or q.shape[1] == k.shape[1]):
+        causal = True
+    else:
+        return None
+    if _aten_ops() is None:
+        return None
+    return causal
+
+
+def _heads_view(x):
+    """flash layout ``(B, S, H, D)`` -> the kernel's ``(B, H, S, D)`` view (unit last stride)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x.transpose(1, 2)
+
+
+def _aten_forward(q, k, v, spec: AttnSpec, causal: bool):
+    fwd, _ = _aten_ops()
+    out, lse = fwd(_heads_view(q), _heads_view(k), _heads_view(v), 0.0, causal,
+                   scale=spec.softmax_scale)
+    # the kernel writes out as (B, S, H, D) memory already and lse as (B, S, H) memory
+    return out.transpose(1, 2).contiguous(), lse.contiguous()
+
+
+def _aten_backward(do, q, k, v, out, lse, spec: AttnSpec, causal: bool):
+    _, bwd = _aten_ops()
+    do = do.to(q.dtype)
+    out = out.to(q.dtype)
+    dq, dk, dv = bwd(_heads_view(do), _heads_view(q), _heads_view(k), _heads_view(v),
+                     _heads_view(out), lse.to(torch.float32), 0.0, causal,
+                     scale=spec.softmax_scale)
+    return (dq.transpose(1, 2).contiguous(), dk.transpose(1, 2).contiguous(),
+            dv.transpose(1, 2).contiguous())
+
+
+# ---------------------------------------------------------------------------------------
 # forward
 
 
@@ -321,7 +438,7 @@ def _forward_dense(q, k, v, spec: AttnSpec, slopes, out, lse, extras=None):
     qs.mul_(spec.softmax_scale * scores.q_factor)
     ks = _rows_first(k, B, Sk, Hk, 1, D)  # [BH, Sk, D]
     vs = _rows_first(v, B, Sk, Hk, 1, D)  # [BH, Sk, D]
-    block_m = _block_m(BH, G, D)
+    block_m, block_n = band.tile = _tile_shape(BH, G, D, Sk, band.width)
     for i0 in range(0, Sq, block_m):
         i1 = min(i0 + block_m, Sq)
         rows = (i1 - i0) * G
@@ -334,8 +451,8 @@ def _forward_dense(q, k, v, spec: AttnSpec, slopes, out, lse, extras=None):
         b_m = torch.full((BH, rows), _NEG_INF, device=q.device)  # [BH, BM*G]
         b_l = torch.zeros((BH, rows), device=q.device)  # [BH, BM*G]
         b_acc = torch.zeros((BH, rows, D), device=q.device)  # [BH, BM*G, D]
-        for j0 in range(lo, hi, BLOCK_N):
-            j1 = min(j0 + BLOCK_N, hi)
+        for j0 in range(lo, hi, block_n):
+            j1 = min(j0 + block_n, hi)
             if extras is not None and extras.skip(i0, i1, j0, j1):
                 continue
             b_s, _ = scores.tile(b_q, ks[:, j0:j1].transpose(1, 2), i0, i1, j0, j1)
@@ -408,7 +525,11 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
         k, v = paged_kv.gather_varlen(k, slots), paged_kv.gather_varlen(v, slots)
     _check(q, k, v, spec, varlen)
     H = q.shape[-2]
+    causal = aten_route(q, k, v, spec, varlen=varlen, alibi_slopes=alibi_slopes,
+                        attn_bias=attn_bias, block_mask=block_mask, block_table=block_table)
     with torch.no_grad():
+        if causal is not None:
+            return _aten_forward(q, k, v, spec, causal)
         extras = _extras(q, k, spec, varlen, attn_bias, rng_seed, block_mask, block_size,
                          max_seqlen_q, max_seqlen_k)
         if not varlen:
@@ -464,7 +585,7 @@ def _backward_dense(do, q, k, v, out, lse, spec: AttnSpec, slopes, dq, dk, dv, e
     # same kv head, so the matmuls below also do GQA's sum over the group
     dk_acc = torch.zeros((BH, Sk, D), device=q.device)  # [BH, Sk, D]
     dv_acc = torch.zeros((BH, Sk, D), device=q.device)  # [BH, Sk, D]
-    block_m = _block_m(BH, G, D)
+    block_m, block_n = band.tile = _tile_shape(BH, G, D, Sk, band.width)
     for i0 in range(0, Sq, block_m):
         i1 = min(i0 + block_m, Sq)
         rows = (i1 - i0) * G
@@ -477,8 +598,8 @@ def _backward_dense(do, q, k, v, out, lse, spec: AttnSpec, slopes, dq, dk, dv, e
         b_o = out_rows[:, :, i0:i1].to(torch.float32).reshape(BH, rows, D)  # [BH, BM*G, D]
         b_delta = (b_o * b_do).sum(dim=-1, keepdim=True)  # [BH, BM*G, 1]
         b_dq = torch.zeros((BH, rows, D), device=q.device)  # [BH, BM*G, D]
-        for j0 in range(lo, hi, BLOCK_N):
-            j1 = min(j0 + BLOCK_N, hi)
+        for j0 in range(lo, hi, block_n):
+            j1 = min(j0 + block_n, hi)
             if extras is not None and extras.skip(i0, i1, j0, j1):
                 continue
             b_k = ks[:, j0:j1]  # [BH, BN, D]
@@ -519,7 +640,11 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
         raise ValueError("give both cu_seqlens_q and cu_seqlens_k, or neither")
     _check(q, k, v, spec, varlen)
     H = q.shape[-2]
+    causal = aten_route(q, k, v, spec, varlen=varlen, alibi_slopes=alibi_slopes,
+                        attn_bias=attn_bias, block_mask=block_mask)
     with torch.no_grad():
+        if causal is not None:
+            return _aten_backward(do, q, k, v, out, lse, spec, causal)
         extras = _extras(q, k, spec, varlen, attn_bias, rng_seed, block_mask, block_size,
                          max_seqlen_q, max_seqlen_k)
         db_acc = None

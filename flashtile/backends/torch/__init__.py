@@ -1,0 +1,8 @@
+"""Torch backend: exact attention for any device in PyTorch ops (``attention.py``).
+
+On the CPU, calls that PyTorch's fused kernel computes exactly go to it; everything else runs
+the tiled engine (windows, softcap, ALiBi, dropout, biases, block-sparse, varlen, paged).
+"""
+from .attention import backward, forward
+
+__all__ = ["forward", "backward"]
