@@ -6,9 +6,11 @@ from .block_sparse import (block_mask_from_dense, block_sparse_attn_func, butter
                            strided_block_mask)
 from .decode import build_tree_mask, merge_attention_states
 from .interface import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
-                        flash_attn_varlen_func, flash_attn_with_kvcache,
+                        flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
+                        flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache,
                         scaled_dot_product_attention)
-from .padding import pad_input, unpad_input
+from .padding import (index_first_axis, index_first_axis_residual, index_put_first_axis,
+                      pad_input, unpad_input, unpad_input_for_concatenated_sequences)
 
 __version__ = "0.1.0"
 
@@ -29,6 +31,12 @@ __all__ = [
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "index_first_axis",
+    "index_first_axis_residual",
+    "index_put_first_axis",
+    "unpad_input_for_concatenated_sequences",
     "scaled_dot_product_attention",
     "use_backend",
 ]

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backends, paged_kv
+from . import _functorch, backends, paged_kv
 from .backends.spec import AttnSpec
 from .rng import draw_seed
 
@@ -224,6 +224,8 @@ def attention(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
             int(block_size[0]), int(block_size[1]), block_table)
     if torch.compiler.is_compiling():
         return attn_fwd(*args)
+    if _functorch.active():  # torch.func transforms need setup_context and a vmap rule
+        return _functorch.AttnFunction.apply(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (attn_bias is not None and attn_bias.requires_grad)):
         return FlashAttnFunction.apply(*args)

@@ -19,6 +19,19 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+def _maybe_contiguous(x):
+    """A last dimension with stride != 1 is copied (flash-attn's ``maybe_contiguous``): the
+    kernels read each row of ``headdim`` values as one contiguous vector."""
+    if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[-1] > 1 and x.stride(-1) != 1:
+        return x.contiguous()
+    return x
+
+
+def _no_probs(q: torch.Tensor) -> torch.Tensor:
+    """``S_dmask`` of a call without dropout: an empty tensor of q's dtype, as flash-attn."""
+    return q.new_empty((0,))
+
+
 def _check_qkv(q, k, v, layout_q: str, layout_kv: str, ndim: int, names=("q", "k", "v"),
                ndim_kv: int | None = None):
     nq, nk, nv = names
@@ -42,12 +55,15 @@ def _check_qkv(q, k, v, layout_q: str, layout_kv: str, ndim: int, names=("q", "k
     V.heads(q.shape[-2], k.shape[-2])
 
 
-def _spec(q, softmax_scale, causal, window_size, softcap, dropout_p, bottom_right=True):
+def _spec(q, softmax_scale, causal, window_size, softcap, dropout_p, bottom_right=True,
+          scale_name="softmax_scale"):
+    """``q``: the query tensor, or its head dim as an int."""
+    head_dim = q if isinstance(q, int) else q.shape[-1]
     left, right = V.window(window_size)
     if causal:
         right = 0
-    return AttnSpec(V.softmax_scale(softmax_scale, q.shape[-1]), left, right, bottom_right,
-                    V.softcap(softcap), V.dropout(dropout_p))
+    return AttnSpec(V.softmax_scale(softmax_scale, head_dim, scale_name), left, right,
+                    bottom_right, V.softcap(softcap), V.dropout(dropout_p))
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -89,18 +105,27 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             ``-slope * |i + seqlen_k - seqlen_q - j|`` to the scores.
         deterministic: accepted for compatibility; the backward is always deterministic
             (no atomics: two backward calls give bitwise-identical gradients).
-        return_attn_probs: also return the log-sum-exp and the probabilities (testing only:
-            the probabilities are an N x N tensor).
+        return_attn_probs: also return the log-sum-exp and, with dropout, the dropout pattern
+            (testing only: ``S_dmask`` is an N x N tensor built on the device after the call).
+
+    q, k and v may be strided views (e.g. slices of a packed tensor); one whose last
+    dimension has a stride other than 1 is copied first, as flash-attn does.
 
     Returns:
         out ``(batch, seqlen_q, nheads, headdim)`` in the input dtype; with
         ``return_attn_probs=True``, ``(out, softmax_lse, S_dmask)`` where ``softmax_lse`` is
-        float32 ``(batch, nheads, seqlen_q)`` (natural log, ``-inf`` for rows that see no key)
-        and ``S_dmask`` float32 ``(batch, nheads, seqlen_q, seqlen_k)`` holds the normalised
-        probabilities P (before dropout) with the sign flipped where dropout dropped the
-        element: ``S_dmask >= 0`` is the keep mask and ``S_dmask.abs()`` is P.  Entries that
-        are exactly 0 (masked keys) count as kept.
+        float32 ``(batch, nheads, seqlen_q)`` (natural log, ``-inf`` for rows that see no key).
+        With ``dropout_p == 0``, ``S_dmask`` is an empty ``(0,)`` tensor of q's dtype (as in
+        flash-attn; nothing N x N is built).  With dropout it is float32
+        ``(batch, nheads, seqlen_q, seqlen_k)`` (exact sizes, no padding) and holds the
+        normalised probabilities ``P = exp(scores - softmax_lse)`` (before dropout, scaling
+        ``1``: rows sum to 1) with the sign flipped where dropout dropped the element:
+        ``S_dmask >= 0`` is the keep mask and ``S_dmask.abs()`` is P.  Entries that are
+        exactly 0 (masked keys) count as kept.  flash-attn documents its ``S_dmask`` as "the
+        output of softmax (possibly with different scaling)": its CUDA kernels store
+        block-wise unnormalised values that its tests rescale; flashtile's are normalised.
     """
+    q, k, v = _maybe_contiguous(q), _maybe_contiguous(k), _maybe_contiguous(v)
     _check_qkv(q, k, v, "(batch, seqlen, nheads, headdim)", "(batch, seqlen_k, nheads_k, headdim)", 4)
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"batch of q ({q.shape[0]}) and k/v ({k.shape[0]}) must match")
@@ -110,6 +135,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     out, lse = attention(q, k, v, spec, alibi_slopes=slopes, rng_seed=seed)
     if not return_attn_probs:
         return out
+    if spec.dropout_p == 0:
+        return out, lse, _no_probs(q)
     with torch.no_grad():
         probs = sign_dropped(attention_probs(q, k, lse, spec, slopes), seed, spec.dropout_p)
     return out, lse, probs
@@ -165,11 +192,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Returns:
         out ``(total_q, nheads, headdim)``; with ``return_attn_probs=True``
         ``(out, softmax_lse, S_dmask)`` with ``softmax_lse`` float32 ``(nheads, total_q)`` and
-        ``S_dmask`` float32 ``(batch, nheads, max_seqlen_q, max_seqlen_k)`` as in
-        ``flash_attn_func``, sequence ``b`` in the top-left ``(len_q, len_k)`` corner of
-        ``S_dmask[b]`` (zeros elsewhere).
+        ``S_dmask`` as in ``flash_attn_func`` (empty without dropout); with dropout float32
+        ``(batch, nheads, max_seqlen_q, max_seqlen_k)``, sequence ``b`` in the top-left
+        ``(len_q, len_k)`` corner of ``S_dmask[b]`` (zeros elsewhere).
     """
     paged = block_table is not None
+    q, k, v = _maybe_contiguous(q), _maybe_contiguous(k), _maybe_contiguous(v)
     if paged:
         _check_qkv(q, k, v, "(total_q, nheads, headdim)",
                    "(num_blocks, page_size, nheads_k, headdim) (paged, with block_table)", 3,
@@ -198,6 +226,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          max_seqlen_k=max_seqlen_k, rng_seed=seed, block_table=block_table)
     if not return_attn_probs:
         return out
+    if spec.dropout_p == 0:
+        return out, lse, _no_probs(q)
     with torch.no_grad():
         if paged:
             k = paged_kv.gather_varlen(k, paged_kv.varlen_slots(block_table, cu_seqlens_k,
@@ -234,12 +264,51 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                            alibi_slopes, deterministic, return_attn_probs)
 
 
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """``flash_attn_varlen_func`` on ``qkv`` of shape ``(total, 3, nheads, headdim)``: queries,
+    keys and values of the same packed sequences (``cu_seqlens`` int32 ``(batch + 1,)``,
+    ``max_seqlen`` an int), as flash-attn 2.x.  ``dqkv`` comes back in ``qkv``'s layout."""
+    V.tensor("qkv", qkv, 4, "(total, 3, nheads, headdim)")
+    if qkv.shape[1] != 3:
+        raise ValueError(f"qkv must have shape (total, 3, nheads, headdim), got "
+                         f"{tuple(qkv.shape)}")
+    q, k, v = qkv.unbind(dim=1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                                    causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False,
+                                    return_attn_probs=False):
+    """``flash_attn_varlen_func`` with ``q`` ``(total_q, nheads, headdim)`` and ``kv`` of shape
+    ``(total_k, 2, nheads_k, headdim)``, as flash-attn 2.x (GQA/MQA allowed)."""
+    V.tensor("kv", kv, 4, "(total_k, 2, nheads_k, headdim)")
+    if kv.shape[1] != 2:
+        raise ValueError(f"kv must have shape (total_k, 2, nheads_k, headdim), got "
+                         f"{tuple(kv.shape)}")
+    k, v = kv.unbind(dim=1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                                  softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-                                 is_causal=False, scale=None, enable_gqa=False):
+                                 is_causal=False, *, scale=None, enable_gqa=False):
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
 
-    Arguments follow PyTorch: ``query (..., H, L, E)``, ``key``/``value (..., H_kv, S, E)``
-    with the same leading batch dimensions; ``is_causal`` is *top-left* aligned (query ``i``
+    Arguments follow PyTorch (``scale`` and ``enable_gqa`` keyword-only): ``query
+    (..., H, L, E)``, ``key``/``value (..., H_kv, S, E)``; 2-D ``(L, E)`` inputs work.  All
+    dimensions before the last two broadcast as in PyTorch (a key/value batch of 1 serves
+    every query batch; ``H_kv = 1`` serves every head); ``enable_gqa=True`` lets ``H`` be a
+    multiple of ``H_kv`` (query head ``h`` uses key/value head ``h // (H // H_kv)``).
+    Zero-size ``L``, ``S``, ``H``, ``E`` or batch return what PyTorch returns (empty, or zeros
+    when ``S == 0``).  ``is_causal`` must be a bool and is *top-left* aligned (query ``i``
     sees keys ``j <= i``), as in PyTorch::
 
         L=2, S=5, is_causal=True
@@ -256,66 +325,102 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             1 0 0 1                         0     0     0.7  -inf
             0 0 0 0   -> output row 0       ...
 
-    A row whose mask hides every key outputs 0 (flash-attn's convention and what PyTorch's
-    fused CPU kernel does; PyTorch's documented math formula would give NaN).  When a float
-    mask requires grad, its gradient is ``dS = P * (dP - rowsum(dO * O))``, the gradient with
-    respect to the (natural-log) score, summed over the mask's broadcast dimensions.  A full
-    ``(..., H, L, S)`` mask receives it directly; a broadcast mask costs a temporary float32
-    ``(B, H, L, S)`` buffer in the Triton backend (the torch backend reduces tile by tile).
-    ``attn_mask`` together with ``is_causal=True`` is rejected (PyTorch's documented
-    semantics); put the causal mask into ``attn_mask`` instead.
+    A row whose mask hides every key outputs 0 with zero gradients, as PyTorch 2.13 does on
+    every backend (and flash-attn).  When a float mask requires grad, its gradient is
+    ``dS = P * (dP - rowsum(dO * O))``, the gradient with respect to the (natural-log) score,
+    summed over the mask's broadcast dimensions.  A full ``(..., H, L, S)`` mask receives it
+    directly; a broadcast mask costs a temporary float32 ``(B, H, L, S)`` buffer in the
+    Triton backend (the torch backend reduces tile by tile).  ``attn_mask`` together with
+    ``is_causal=True`` is rejected (PyTorch's documented semantics); put the causal mask into
+    ``attn_mask`` instead.
 
     ``dropout_p`` in ``[0, 1)`` drops normalised probabilities (kept ones are scaled by
     ``1 / (1 - dropout_p)``), always applied like PyTorch's (pass 0.0 in eval); the keep mask
     is drawn as in ``flash_attn_func`` (``torch.manual_seed`` makes it repeatable).
-    ``scale`` defaults to ``1 / sqrt(E)``; ``enable_gqa=True`` lets ``H`` be a multiple of
-    ``H_kv``.  The value head dim must equal the query head dim.
+    ``scale`` (a finite float, or a one-element tensor) defaults to ``1 / sqrt(E)``.  The
+    value head dim must equal the query head dim; dtypes are float16, bfloat16, float32.
+    ``torch.func`` transforms (``grad``, ``vjp``, ``vmap`` and their compositions) work; under
+    ``vmap`` the op runs once per mapped element.
 
     Returns ``(..., H, L, E)`` in the input dtype (a transposed view of a ``(..., L, H, E)``
     buffer, like PyTorch's flash backend).
     """
-    for name, x in (("query", query), ("key", key), ("value", value)):
+    names = ("query", "key", "value")
+    for name, x in zip(names, (query, key, value)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() < 3:
-            raise ValueError(f"{name} must have shape (..., heads, seq, headdim) with at least 3 "
+        if x.dim() < 2:
+            raise ValueError(f"{name} must have shape (..., L|S, E) with at least 2 "
                              f"dimensions, got {tuple(x.shape)}")
-    if not (query.dim() == key.dim() == value.dim()):
-        raise ValueError(f"query, key and value must have the same number of dimensions, got "
-                         f"{query.dim()}, {key.dim()}, {value.dim()}")
-    lead = query.shape[:-3]
-    if key.shape[:-3] != lead or value.shape[:-3] != lead:
-        raise ValueError(f"query, key and value must share their batch dimensions, got "
-                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
-    if key.shape[-2] != value.shape[-2] or key.shape[-3] != value.shape[-3]:
-        raise ValueError(f"key and value must have the same number of heads and keys, got "
-                         f"{tuple(key.shape)} and {tuple(value.shape)}")
-    if value.shape[-1] != query.shape[-1] or key.shape[-1] != query.shape[-1]:
+    if type(is_causal) is not bool:  # noqa: E721  (PyTorch accepts exactly a bool)
+        raise TypeError(f"is_causal must be bool, not {type(is_causal).__name__}")
+    if type(enable_gqa) is not bool:  # noqa: E721
+        raise TypeError(f"enable_gqa must be bool, not {type(enable_gqa).__name__}")
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1 and not _compiling():
+        scale = float(scale)
+    ndim = max(query.dim(), key.dim(), value.dim())
+    L, E, S, Ev = query.shape[-2], query.shape[-1], key.shape[-2], value.shape[-1]
+    if key.shape[-1] != E or Ev != E:
         raise ValueError(f"query, key and value must share the head dim, got "
-                         f"{query.shape[-1]}, {key.shape[-1]}, {value.shape[-1]}")
-    nheads, nheads_k = query.shape[-3], key.shape[-3]
-    if nheads != nheads_k and not enable_gqa:
-        raise ValueError(f"query has {nheads} heads but key/value have {nheads_k}; pass "
-                         "enable_gqa=True for grouped-query attention")
-    bias = None
+                         f"{E}, {key.shape[-1]}, {Ev}")
+    if value.shape[-2] != S:
+        raise ValueError(f"key and value must have the same number of keys S, got "
+                         f"{tuple(key.shape)} and {tuple(value.shape)}")
+    # Lift to (..., H, L|S, E) with one rank: missing leading dims broadcast as size 1.
+    q4, k4, v4 = (x.reshape((1,) * (max(ndim, 3) - x.dim()) + tuple(x.shape))
+                  for x in (query, key, value))
+    try:
+        lead = torch.broadcast_shapes(q4.shape[:-3], k4.shape[:-3], v4.shape[:-3])
+        nheads_kv = torch.broadcast_shapes(k4.shape[-3:-2], v4.shape[-3:-2])[0]
+    except RuntimeError:
+        raise ValueError(f"the batch dimensions of query {tuple(query.shape)}, key "
+                         f"{tuple(key.shape)} and value {tuple(value.shape)} (all but the "
+                         "last two) are not broadcastable") from None
+    nheads_q = q4.shape[-3]
+    if enable_gqa and nheads_kv != 0 and nheads_q % nheads_kv == 0:
+        nheads = nheads_q
+    elif nheads_q == nheads_kv or nheads_kv == 1 or nheads_q == 1:
+        nheads = max(nheads_q, nheads_kv) if min(nheads_q, nheads_kv) else 0
+    else:
+        hint = ("; pass enable_gqa=True for grouped-query attention"
+                if not enable_gqa and nheads_kv and nheads_q % nheads_kv == 0 else "")
+        raise ValueError(f"query has {nheads_q} heads but key/value have {nheads_kv}: the "
+                         f"number of query heads must be a multiple of the key/value heads "
+                         f"with enable_gqa=True, or one of them must be 1{hint}")
+    out_shape = (*lead, nheads, L, E) if ndim >= 3 else (L, E)
+    target = (*lead, nheads, L, S)
     if attn_mask is not None:
-        target = (*lead, nheads, query.shape[-2], key.shape[-2])
         V.attn_mask(attn_mask, query, target)
         if is_causal:
             raise ValueError("attn_mask cannot be combined with is_causal=True (PyTorch's "
                              "semantics); fold the causal mask into attn_mask")
-        bias = _mask_4d(attn_mask, target)
+    for name, x in zip(names, (query, key, value)):
+        V.float_dtype(name, x)
+    V.same_dtype_device(dict(zip(names, (query, key, value))))
+    spec = _spec(max(E, 1), scale, is_causal, (-1, -1), 0.0, dropout_p,
+                 bottom_right=False, scale_name="scale")
+    if min(L, S, E, nheads, *lead) == 0:
+        # Nothing to tile: PyTorch's own function computes exactly what it returns here
+        # (empty outputs, or zeros when S == 0), with gradients.
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, dropout_p=spec.dropout_p,
+            is_causal=is_causal, scale=None if scale is None else spec.softmax_scale,
+            enable_gqa=enable_gqa)
+    # key/value heads: one per query head, a group per key/value head (GQA), or one (MQA)
+    hk = nheads_kv
+    q4 = q4.expand(*lead, nheads, L, E)
+    k4 = k4.expand(*lead, hk, S, E)
+    v4 = v4.expand(*lead, hk, S, E)
+    bias = _mask_4d(attn_mask, target) if attn_mask is not None else None
 
     def to_flash(x):  # (..., H, L, E) -> (B, L, H, E) view; copies only a strided last dim
-        x = x.reshape(-1, *x.shape[-3:]).transpose(1, 2)
-        return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
+        return _maybe_contiguous(x.reshape(-1, *x.shape[-3:]).transpose(1, 2))
 
-    q, k, v = to_flash(query), to_flash(key), to_flash(value)
+    q, k, v = to_flash(q4), to_flash(k4), to_flash(v4)
     _check_qkv(q, k, v, "(..., heads, seq, headdim)", "(..., heads_kv, seq, headdim)", 4,
-               names=("query", "key", "value"))
-    spec = _spec(q, scale, is_causal, (-1, -1), 0.0, dropout_p, bottom_right=False)
+               names=names)
     out, _ = attention(q, k, v, spec, attn_bias=bias, rng_seed=dropout_seed(spec, q.device))
-    return out.transpose(1, 2).reshape(*lead, nheads, query.shape[-2], query.shape[-1])
+    return out.transpose(1, 2).reshape(out_shape)
 
 
 def _mask_4d(mask: torch.Tensor, target: tuple[int, ...]) -> torch.Tensor:
