@@ -88,13 +88,14 @@ def _arr(a, digits):
 def sparse_layout(n_rows: int, n_cols: int, group: int) -> np.ndarray:
     """Boolean ``(n_rows, n_cols)`` token mask of the ``sparse`` view: a local + global pattern.
 
-    Tokens are grouped by ``group``; group ``a`` of queries sees key groups ``a - 1``, ``a``
-    (local band) and ``0`` (a global first group).  Tile sizes that divide ``group`` turn this
-    into an exact block mask, so every such tile size computes the same function.
+    Tokens are grouped by ``group``; query group ``a`` sees key group ``a`` (local) and the
+    first group is global: it sees every key and every query sees it.  Tile sizes that divide
+    ``group`` turn this into an exact block mask, so every such tile size computes the same
+    function.
     """
     ga = np.arange(n_rows)[:, None] // group
     gb = np.arange(n_cols)[None, :] // group
-    return (gb == 0) | (gb == ga) | (gb == ga - 1)
+    return (gb == 0) | (ga == 0) | (gb == ga)
 
 
 def _block_mask(token_mask, br, bc):
@@ -190,7 +191,7 @@ def _naive(q, k, v, causal, token_mask=None, do=None):
 
 def export_trace(view: str = "fa1", *, n: int = 16, d: int = 4, br: int = 4, bc: int = 4,
                  causal: bool = False, seed: int = 0, elem_bytes: int = 2, digits: int = 9,
-                 num_splits: int = 2, sparse_group: int = 8) -> dict:
+                 num_splits: int = 2, sparse_group: int = 4) -> dict:
     """Run ``view``'s algorithm on seeded random ``(n, d)`` inputs and record every block step.
 
     ``br``/``bc``: query/key tile sizes (``decode`` uses one query row and ``bc`` only);
@@ -362,6 +363,7 @@ def export_trace(view: str = "fa1", *, n: int = 16, d: int = 4, br: int = 4, bc:
                  "br": br, "bc": bc, "tr": -(-sq // br), "tc": -(-n // bc), "causal": causal,
                  "seed": seed, "scale": _num(tau, digits), "elem_bytes": elem_bytes,
                  "num_splits": num_splits if view == "decode" else None,
+                 "sparse_group": sparse_group if view == "sparse" else None,
                  "block_mask": block_mask.astype(int).tolist() if block_mask is not None else None,
                  "tiles_visited": n_tiles, "tiles_skipped": n_skip,
                  "sram_footprint": footprint, "digits": digits},
@@ -384,25 +386,29 @@ def export_traces(ns=(8, 16, 32), d: int = 4, tiles=(2, 4, 8), seed: int = 0,
                   elem_bytes: int = 2, digits: int = 9, max_tiles: int = 8) -> dict:
     """Every view x sequence length x tile pair x causal flag, keyed ``view|n|br|bc|causal``.
 
-    Tile sizes larger than ``n``, or giving more than ``max_tiles`` tiles per side, are left out; the sparse view groups tokens by the largest tile
-    size so every tile pair computes the same function.
+    Tile sizes larger than ``n``, or giving more than ``max_tiles`` tiles per side, are left
+    out.  The sparse view groups tokens by the largest tile size that still makes 4 groups and
+    offers the tile sizes that divide it, so every tile pair computes the same function.
     """
     ns = sorted({int(x) for x in ns})
     tiles = sorted({int(x) for x in tiles})
-    group = max(tiles)
-    if any(group % t for t in tiles):
-        raise ValueError(f"every tile size must divide the largest one ({group}), got {tiles}")
+    if any(max(tiles) % t for t in tiles):
+        raise ValueError(f"every tile size must divide the largest one ({max(tiles)}), got {tiles}")
     traces = {}
     for n in ns:
         # at most max_tiles tiles per side, so every trace stays short enough to watch
         ts = [t for t in tiles if t <= n and -(-n // t) <= max_tiles] or [n]
+        # the sparse view's groups: the largest tile size that still gives 4 groups, and only
+        # the tile sizes that divide it (so the layout is the same function for all of them)
+        group = max([t for t in ts if n // t >= 4] or [min(ts)])
         for view in VIEWS:
+            vts = [t for t in ts if group % t == 0] if view == "sparse" else ts
             for causal in ((False,) if view == "decode" else (False, True)):
-                for br in ((1,) if view == "decode" else ts):
-                    for bc in ts:
+                for br in ((1,) if view == "decode" else vts):
+                    for bc in vts:
                         tr = export_trace(view, n=n, d=d, br=br, bc=bc, causal=causal, seed=seed,
                                           elem_bytes=elem_bytes, digits=digits,
-                                          sparse_group=max(ts))
+                                          sparse_group=group)
                         traces[_key(view, n, br, bc, causal)] = tr
     # the same formulas at a realistic size: one head, N = 4096, d = 64, 128 x 128 tiles
     at_scale = {"n": 4096, "d": 64, "br": 128, "bc": 128,
