@@ -11,43 +11,13 @@ from . import _validate as V
 from . import paged_kv
 from .autograd import attention, dropout_seed
 from .backends.spec import AttnSpec
-from .decode import flash_attn_with_kvcache  # noqa: F401  (documented there; exported here)
+from ._validate import check_qkv as _check_qkv
+from ._validate import spec as _spec
 from .masks import attention_probs, attention_probs_varlen, sign_dropped
 
 
 def _compiling() -> bool:
     return torch.compiler.is_compiling()
-
-
-def _check_qkv(q, k, v, layout_q: str, layout_kv: str, ndim: int, names=("q", "k", "v"),
-               ndim_kv: int | None = None):
-    nq, nk, nv = names
-    ndim_kv = ndim if ndim_kv is None else ndim_kv
-    V.tensor(nq, q, ndim, layout_q)
-    V.tensor(nk, k, ndim_kv, layout_kv)
-    V.tensor(nv, v, ndim_kv, layout_kv)
-    named = dict(zip(names, (q, k, v)))
-    for name, x in named.items():
-        V.float_dtype(name, x)
-    V.same_dtype_device(named)
-    for name, x in named.items():
-        V.last_dim_contiguous(name, x)
-    if k.shape != v.shape:
-        raise ValueError(f"{nk} and {nv} must have the same shape {layout_kv}, got {nk} "
-                         f"{tuple(k.shape)} and {nv} {tuple(v.shape)}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"headdim of {nq} ({q.shape[-1]}) and {nk}/{nv} ({k.shape[-1]}) "
-                         "must match")
-    V.head_dim(q.shape[-1], nq)
-    V.heads(q.shape[-2], k.shape[-2])
-
-
-def _spec(q, softmax_scale, causal, window_size, softcap, dropout_p, bottom_right=True):
-    left, right = V.window(window_size)
-    if causal:
-        right = 0
-    return AttnSpec(V.softmax_scale(softmax_scale, q.shape[-1]), left, right, bottom_right,
-                    V.softcap(softcap), V.dropout(dropout_p))
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -176,20 +146,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                    ndim_kv=4)
     else:
         _check_qkv(q, k, v, "(total_q, nheads, headdim)", "(total_k, nheads_k, headdim)", 3)
-    if not _compiling():
-        lens_q = V.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q,
-                              "max_seqlen_q", q.device)
-        # paged k/v: the pool's size says nothing about the number of keys
-        lens_k = V.cu_seqlens("cu_seqlens_k", cu_seqlens_k, None if paged else k.shape[0],
-                              max_seqlen_k, "max_seqlen_k", q.device)
-        batch = len(lens_q)
-        if batch != len(lens_k):
-            raise ValueError(f"cu_seqlens_q describes {batch} sequences but cu_seqlens_k "
-                             f"describes {len(lens_k)}")
-        if paged:
-            V.block_table(block_table, lens_k, k, q.device)
-    else:
-        batch = cu_seqlens_q.shape[0] - 1
+    # static checks here; the values (cu_seqlens, max_seqlen, block_table entries) are checked
+    # where the op runs, so they hold under torch.compile too (_validate.varlen_values)
+    batch = V.cu_seqlens("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, "max_seqlen_q", q.device)
+    V.cu_seqlens("cu_seqlens_k", cu_seqlens_k, max_seqlen_k, "max_seqlen_k", q.device)
+    if paged:
+        V.block_table(block_table, batch, k, q.device)
     spec = _spec(q, softmax_scale, causal, window_size, softcap, dropout_p)
     slopes = V.alibi(alibi_slopes, batch, q.shape[1], q.device)
     seed = dropout_seed(spec, q.device)

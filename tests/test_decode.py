@@ -23,7 +23,7 @@ import torch
 
 from flashtile import paged_kv
 from flashtile.backends.triton.launch_common import poison_outputs
-from flashtile.decode import (build_tree_mask, flash_attn_with_kvcache, merge_attention_states,
+from flashtile.kvcache import (build_tree_mask, flash_attn_with_kvcache, merge_attention_states,
                               select_decode_backend)
 
 INTERP = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -699,6 +699,8 @@ def test_eager_plan_replays_the_recorded_launches_with_new_tensors(monkeypatch):
     monkeypatch.setattr(launch_common, "_no_launch_hooks", lambda: True)
     monkeypatch.setattr(launch_common, "run_direct",
                         lambda compiled, grid, values, device: ran.append((compiled, grid, values)) or True)
+    # the stubbed check kernel writes no error record: nothing to read back
+    monkeypatch.setattr(launch_decode, "value_checks_enabled", lambda device: False)
     launch_decode._plan.cache_clear()
 
     def make(seed):
@@ -721,7 +723,8 @@ def test_eager_plan_replays_the_recorded_launches_with_new_tensors(monkeypatch):
         first = make("a")
         _, plan = launch_decode.record_plan(first, call(first))
         kernels = [s[0] for s in seen]
-        assert plan is not None and len(plan.launches) == 4  # append, rotate q, split-KV, combine
+        # check, append, rotate q, split-KV, combine
+        assert plan is not None and len(plan.launches) == 5
         second = make("b")
         seen.clear()
         (want_out, _), _ = launch_decode.record_plan(second, call(second))
@@ -755,7 +758,7 @@ def test_eager_plan_replays_the_recorded_launches_with_new_tensors(monkeypatch):
 
 
 def test_eager_plans_only_for_cuda_triton_calls():
-    from flashtile.decode import _eager_plan_key
+    from flashtile.kvcache import _eager_plan_key
 
     t = torch.zeros(1, 1, 2, 16)
     args = (t, t, t, None, None, None, None, torch.zeros(1, dtype=torch.int32), None, None, None, None)
