@@ -73,7 +73,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     """
     _check_qkv(q, k, v, "(batch, seqlen, nheads, headdim)", "(batch, seqlen_k, nheads_k, headdim)", 4)
     if k.shape[0] != q.shape[0]:
-        raise ValueError(f"batch of q ({q.shape[0]}) and k/v ({k.shape[0]}) must match")
+        raise V.FlashtileInputError(f"batch of q ({q.shape[0]}) and k/v ({k.shape[0]}) must match")
     spec = _spec(q, softmax_scale, causal, window_size, softcap, dropout_p)
     slopes = V.alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
     seed = dropout_seed(spec, q.device)
@@ -176,7 +176,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     """``flash_attn_func`` on ``qkv`` of shape ``(batch, seqlen, 3, nheads, headdim)``."""
     V.tensor("qkv", qkv, 5, "(batch, seqlen, 3, nheads, headdim)")
     if qkv.shape[2] != 3:
-        raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got "
+        raise V.FlashtileInputError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got "
                          f"{tuple(qkv.shape)}")
     q, k, v = qkv.unbind(dim=2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
@@ -189,7 +189,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     """``flash_attn_func`` with ``kv`` of shape ``(batch, seqlen_k, 2, nheads_k, headdim)``."""
     V.tensor("kv", kv, 5, "(batch, seqlen_k, 2, nheads_k, headdim)")
     if kv.shape[2] != 2:
-        raise ValueError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got "
+        raise V.FlashtileInputError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got "
                          f"{tuple(kv.shape)}")
     k, v = kv.unbind(dim=2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
@@ -240,31 +240,31 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() < 3:
-            raise ValueError(f"{name} must have shape (..., heads, seq, headdim) with at least 3 "
+            raise V.FlashtileInputError(f"{name} must have shape (..., heads, seq, headdim) with at least 3 "
                              f"dimensions, got {tuple(x.shape)}")
     if not (query.dim() == key.dim() == value.dim()):
-        raise ValueError(f"query, key and value must have the same number of dimensions, got "
+        raise V.FlashtileInputError(f"query, key and value must have the same number of dimensions, got "
                          f"{query.dim()}, {key.dim()}, {value.dim()}")
     lead = query.shape[:-3]
     if key.shape[:-3] != lead or value.shape[:-3] != lead:
-        raise ValueError(f"query, key and value must share their batch dimensions, got "
+        raise V.FlashtileInputError(f"query, key and value must share their batch dimensions, got "
                          f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
     if key.shape[-2] != value.shape[-2] or key.shape[-3] != value.shape[-3]:
-        raise ValueError(f"key and value must have the same number of heads and keys, got "
+        raise V.FlashtileInputError(f"key and value must have the same number of heads and keys, got "
                          f"{tuple(key.shape)} and {tuple(value.shape)}")
     if value.shape[-1] != query.shape[-1] or key.shape[-1] != query.shape[-1]:
-        raise ValueError(f"query, key and value must share the head dim, got "
+        raise V.FlashtileInputError(f"query, key and value must share the head dim, got "
                          f"{query.shape[-1]}, {key.shape[-1]}, {value.shape[-1]}")
     nheads, nheads_k = query.shape[-3], key.shape[-3]
     if nheads != nheads_k and not enable_gqa:
-        raise ValueError(f"query has {nheads} heads but key/value have {nheads_k}; pass "
+        raise V.FlashtileInputError(f"query has {nheads} heads but key/value have {nheads_k}; pass "
                          "enable_gqa=True for grouped-query attention")
     bias = None
     if attn_mask is not None:
         target = (*lead, nheads, query.shape[-2], key.shape[-2])
         V.attn_mask(attn_mask, query, target)
         if is_causal:
-            raise ValueError("attn_mask cannot be combined with is_causal=True (PyTorch's "
+            raise V.FlashtileInputError("attn_mask cannot be combined with is_causal=True (PyTorch's "
                              "semantics); fold the causal mask into attn_mask")
         bias = _mask_4d(attn_mask, target)
 
