@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 
 import torch
 
@@ -243,15 +242,14 @@ def block_table(table, batch: int, k: torch.Tensor, device: torch.device) -> tor
 
 
 def value_checks_enabled(device: torch.device) -> bool:
-    """Whether the values of index tensors are read on the host and checked: always for CPU
-    tensors (free); on a GPU unless ``FLASHTILE_CHECK_INDICES=0`` or while a CUDA graph is
-    being captured (a host read is impossible there; the kernels' own guards keep every
-    access in bounds)."""
-    if device.type == "cpu":
+    """Whether the values of index tensors can be read back on the host: always for CPU
+    tensors (free); on a GPU except while a CUDA graph is being captured (a host read is
+    impossible there).  In a captured graph the decode kernels' guards keep every access in
+    bounds; the varlen kernels trust ``cu_seqlens`` / ``block_table`` (check them before
+    capturing)."""
+    if device.type != "cuda":
         return True
-    if os.environ.get("FLASHTILE_CHECK_INDICES", "") == "0":
-        return False
-    return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+    return not torch.cuda.is_current_stream_capturing()
 
 
 def _cu_values(name: str, values: list[int], total, max_seqlen, max_name: str) -> list[int]:

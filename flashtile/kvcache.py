@@ -127,7 +127,7 @@ def _eager_plan_key(tensors: tuple, scalars: tuple):
         if isinstance(window, (tuple, list)):
             window = tuple((type(w), w) for w in window)
         key = (tuple(parts), tuple((type(v), v) for v in scalars[:2] + (window,) + scalars[3:]),
-               torch.cuda.current_device())
+               torch.cuda.current_device(), os.environ.get("FLASHTILE_CHECK_INDICES", ""))
         hash(key)
     except TypeError:
         return None

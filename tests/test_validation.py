@@ -287,3 +287,24 @@ def test_kvcache_paged_block_table_bounds(append, where, monkeypatch):
             flashtile.flash_attn_with_kvcache(q, kc, vc, block_table=table, **kw)
         out = flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=_i32(page), block_table=table)
     assert out.shape == (1, 1, 1, d) and not out.isnan().any()
+
+
+def test_kvcache_guards_without_checks(monkeypatch):
+    """With no check at all (host check off, ``FLASHTILE_CHECK_INDICES=0``: no check kernel),
+    the Triton kernels still turn no bad index into an address: row 1's append past what its
+    block table addresses and through page -7 is dropped, row 0's valid append lands in its
+    page, and the call completes."""
+    monkeypatch.undo()
+    from flashtile import kvcache
+    monkeypatch.setattr(kvcache.V, "kvcache_values", lambda *a: None)
+    monkeypatch.setenv("FLASHTILE_CHECK_INDICES", "0")
+    q, kc, vc, kw = _kv_setup(paged=True)
+    for lens, table in ((_i32(10, 48), _i32(0, 1, 2, 3, 4, 5)), (_i32(10, 20), _i32(0, 1, 2, 3, -7, 5))):
+        k_cache, v_cache = kc.clone(), vc.clone()
+        kw.update(cache_seqlens=lens, block_table=table.reshape(2, 3))
+        with flashtile.use_backend("triton"):
+            out = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+        want_k, want_v = kc.clone(), vc.clone()
+        want_k[0, 10], want_v[0, 10] = kw["k"][0, 0], kw["v"][0, 0]  # row 0: page 0, slot 10
+        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+        assert out.shape == q.shape

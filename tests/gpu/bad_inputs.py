@@ -7,8 +7,9 @@ reading or writing out of bounds (run it under ``compute-sanitizer --tool memche
 
 Covers the dense, varlen, paged varlen, kvcache (with append), block-sparse and SDPA functions,
 compiled calls (``torch.compile(fullgraph=True)``) of varlen and kvcache, and kvcache calls
-whose index values are not read back (``FLASHTILE_CHECK_INDICES=0``, and inside a captured CUDA
-graph), where only the kernels' guards stand between bad indices and memory.  Prints one line
+whose index values are not read back (inside a captured CUDA graph, and with
+``FLASHTILE_CHECK_INDICES=0``), where only the kernels' guards stand between bad indices and
+memory.  Prints one line
 per case and exits 0 when every case behaved; 1 otherwise.
 """
 from __future__ import annotations
@@ -183,8 +184,9 @@ def cases(dev, dtype):
 
 
 def unchecked_kvcache(dev, dtype, capture: bool) -> list[str]:
-    """Bad index values with no read-back (``FLASHTILE_CHECK_INDICES=0``, or inside a captured
-    CUDA graph): nothing may be written, and (under memcheck) nothing read out of bounds."""
+    """Bad index values with no read-back.  Inside a captured CUDA graph the check kernel still
+    runs and the append must write nothing; with ``FLASHTILE_CHECK_INDICES=0`` (no check
+    kernel) the call must complete.  Under memcheck neither may touch memory out of bounds."""
     failures = []
     r = lambda *s: torch.randn(*s, device=dev, dtype=dtype)  # noqa: E731
     bad = {
@@ -217,8 +219,9 @@ def unchecked_kvcache(dev, dtype, capture: bool) -> list[str]:
                 flash_attn_with_kvcache(q, kc, vc, **kw)
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        ok = torch.equal(kc, before[0]) and torch.equal(vc, before[1])
-        print(f"{'ok  ' if ok else 'FAIL'} {label}: cache unchanged={ok}")
+        unchanged = torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+        ok = unchanged or not capture
+        print(f"{'ok  ' if ok else 'FAIL'} {label}: completed, cache unchanged={unchanged}")
         if not ok:
             failures.append(label)
     return failures
@@ -248,10 +251,10 @@ def main(argv=None) -> int:
         if not good:
             failures.append(name)
     if dev.type == "cuda":  # CPU tensors are always checked on the host
+        failures += unchecked_kvcache(dev, dtype, capture=True)
         os.environ["FLASHTILE_CHECK_INDICES"] = "0"
         try:
             failures += unchecked_kvcache(dev, dtype, capture=False)
-            failures += unchecked_kvcache(dev, dtype, capture=True)
         finally:
             del os.environ["FLASHTILE_CHECK_INDICES"]
     print(f"{len(failures)} failed" + (": " + ", ".join(failures) if failures else ""))

@@ -191,6 +191,11 @@ class _Recorder:
 _pinned = threading.local()  # a pinned (3,) int32 host buffer per thread
 
 
+def checks_on() -> bool:
+    """The device-side index check runs unless ``FLASHTILE_CHECK_INDICES=0``."""
+    return os.environ.get("FLASHTILE_CHECK_INDICES", "") != "0"
+
+
 class _Readback:
     """Copies a call's error record to the host as soon as the check kernel has written it;
     :meth:`finish` waits for that copy only and raises on an error.  Nothing is read while a
@@ -199,9 +204,9 @@ class _Readback:
 
     __slots__ = ("host", "event")
 
-    def __init__(self, err: torch.Tensor):
+    def __init__(self, err: torch.Tensor | None):
         self.host = self.event = None
-        if not value_checks_enabled(err.device):
+        if err is None or not value_checks_enabled(err.device):
             return
         if err.device.type != "cuda":
             self.host = err
@@ -261,13 +266,13 @@ class Plan:
             return None
         bufs = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.allocs]
         pools = (inputs, bufs)
-        readback = None
+        readback = _Readback(None)
         for i, (compiled, grid, template, slots) in enumerate(self.launches):
             values = template.copy()
             for pos, kind, j in slots:
                 values[pos] = pools[kind][j]
             launch_common.run_direct(compiled, grid, values, self.stream_device)
-            if i == 0:  # the check kernel
+            if i == 0 and self.err is not None:  # the check kernel
                 readback = _Readback(bufs[self.err])
         readback.finish(self.info)
         return bufs[self.out], bufs[self.lse]
@@ -304,11 +309,11 @@ def record_plan(inputs: tuple, call):
     if not launches or slots.get(id(out), (0,))[0] != 1 or slots.get(id(lse), (0,))[0] != 1:
         return (out, lse), None
     err = rec.err
-    if err is None or slots.get(id(err), (0,))[0] != 1:
+    if err is not None and slots.get(id(err), (0,))[0] != 1:
         return (out, lse), None
     allocs = [(tuple(t.shape), t.dtype) for t in rec.allocs]
     return (out, lse), Plan(allocs, launches, slots[id(out)][1], slots[id(lse)][1], out.device,
-                            slots[id(err)][1], rec.info)
+                            slots[id(err)][1] if err is not None else None, rec.info)
 
 
 def _check_runnable(x: torch.Tensor) -> None:
@@ -474,13 +479,16 @@ def decode_forward(
     seqlen_ro = int(rotary_cos.shape[0]) if rotary_cos is not None else 0
     span = max(seqlen_new, sq if rotary_q_per_token else 1)
 
-    # the check runs first: its record gates the append's writes
-    err = _alloc((3,), torch.int32, device)
-    _check(err, cache_seqlens, cache_leftpad, cache_batch_idx, block_table, batch=b,
-           n_cols=n_cols, seqlen_new=seqlen_new, capacity=capacity, cache_rows=cache_rows,
-           rotary_need=seqlen_ro - span if rotary_cos is not None else 1 << 30,
-           page_size=page_size)
+    # the check runs first: its record gates the append's writes (FLASHTILE_CHECK_INDICES=0:
+    # no check kernel and no read-back; the kernels' guards still keep every access in bounds)
+    err = None
     info = (paged, seqlen_new, capacity, n_cols, page_size, cache_rows, seqlen_ro, span)
+    if checks_on():
+        err = _alloc((3,), torch.int32, device)
+        _check(err, cache_seqlens, cache_leftpad, cache_batch_idx, block_table, batch=b,
+               n_cols=n_cols, seqlen_new=seqlen_new, capacity=capacity, cache_rows=cache_rows,
+               rotary_need=seqlen_ro - span if rotary_cos is not None else 1 << 30,
+               page_size=page_size)
     rec = getattr(_tls, "recorder", None)
     if rec is not None:
         rec.err, rec.info = err, info

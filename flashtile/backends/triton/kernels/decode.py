@@ -112,6 +112,7 @@ def _check_kernel(
         "HAS_Y": lambda a: a["y_ptr"] is not None,
         "HAS_BATCH_IDX": lambda a: a["batch_idx_ptr"] is not None,
         "PAGED": lambda a: a["block_table_ptr"] is not None,
+        "HAS_ERR": lambda a: a["err_ptr"] is not None,
     }
 )
 @triton.jit
@@ -135,6 +136,7 @@ def _rotary_append_kernel(
     HAS_Y: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr,
     PAGED: tl.constexpr,
+    HAS_ERR: tl.constexpr,
 ):
     """Rotate ``x[b, t]`` (all heads) and store it; copy ``y[b, t]`` alongside.
 
@@ -154,7 +156,7 @@ def _rotary_append_kernel(
     ``[0, capacity)``, cache rows outside ``[0, cache_rows)`` and pages outside
     ``[0, num_blocks)`` are not written, positions outside ``[0, seqlen_ro)`` are not rotated,
     and with ``TO_CACHE`` nothing at all is written when the error record ``err_ptr[0]``
-    (:func:`_check_kernel`, launched first) is set.
+    (:func:`_check_kernel`, launched first; ``err_ptr`` is None when the checks are off) is set.
     """
     i_t = tl.program_id(0)
     i_b = tl.program_id(1)
@@ -194,7 +196,9 @@ def _rotary_append_kernel(
 
     if TO_CACHE:
         pos_w = cache_len + i_t
-        m_pos = (pos_w >= 0) & (pos_w < capacity) & (tl.load(err_ptr) == 0)
+        m_pos = (pos_w >= 0) & (pos_w < capacity)
+        if HAS_ERR:
+            m_pos = m_pos & (tl.load(err_ptr) == 0)
         if PAGED:
             page = tl.load(block_table_ptr + i_b.to(tl.int64) * stride_btb + pos_w // PAGE_SIZE,
                            mask=m_pos, other=0).to(tl.int64)
