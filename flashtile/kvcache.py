@@ -204,9 +204,7 @@ def kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor]
     a = V.KVCacheSpec(q, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
                       tree_mask, softmax_scale, window_left, window_right, softcap,
                       rotary_q_per_token, num_splits, seqlen_new, capacity)
-    out, lse = _run(a, k_cache, v_cache, rotary_cos, rotary_sin, alibi_slopes,
-                    rotary_interleaved)
-    return out.clone() if out is q else out, lse
+    return _run(a, k_cache, v_cache, rotary_cos, rotary_sin, alibi_slopes, rotary_interleaved)
 
 
 @kvcache_fwd.register_fake

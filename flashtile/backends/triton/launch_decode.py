@@ -23,7 +23,7 @@ import os
 import threading
 
 import torch
-from ..._validate import FlashtileInputError, kvcache_error_message, value_checks_enabled
+from ..._validate import MAX_SPLITS, FlashtileInputError, kvcache_error_message, value_checks_enabled
 from .kernels.decode import (_check_kernel, _combine_kernel, _rotary_append_kernel,
                              _split_kv_kernel)
 from . import launch_common
@@ -33,7 +33,6 @@ from .launch_common import launch as _launch
 __all__ = ["decode", "decode_forward", "record_decode", "merge_states", "combine", "choose_num_splits", "default_num_splits", "num_sms",
            "attn_config", "MAX_SPLITS"]
 
-MAX_SPLITS = 128
 # a split should stream at least this many key tiles, or its fixed cost (q load, partial
 # store, combine read) outweighs the parallelism it buys
 MIN_TILES_PER_SPLIT = 4
@@ -262,7 +261,7 @@ class Plan:
     def run(self, inputs: tuple):
         """``(out, lse)`` for ``inputs`` (same signature as the recorded call), or None when a
         profiler hook asks for Triton's own launch path (nothing is launched then)."""
-        if not launch_common._no_launch_hooks():
+        if not launch_common.no_launch_hooks():
             return None
         bufs = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.allocs]
         pools = (inputs, bufs)
