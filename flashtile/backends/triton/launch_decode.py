@@ -187,7 +187,7 @@ class _Recorder:
         self.info = None
 
 
-_pinned = threading.local()  # a pinned (3,) int32 host buffer per thread
+_pinned = threading.local()  # per thread: device index -> (pinned (3,) int32 buffer, event)
 
 
 def checks_on() -> bool:
@@ -210,13 +210,17 @@ class _Readback:
         if err.device.type != "cuda":
             self.host = err
             return
-        host = getattr(_pinned, "buf", None)
-        if host is None:
-            host = _pinned.buf = torch.empty(3, dtype=torch.int32, pin_memory=True)
-        host.copy_(err, non_blocking=True)
-        self.event = torch.cuda.Event()
+        # one pinned buffer and one event per thread and device: each call waits for its copy
+        # before returning, so the next call may reuse them
+        bufs = getattr(_pinned, "bufs", None)
+        if bufs is None:
+            bufs = _pinned.bufs = {}
+        index = err.device.index
+        if index not in bufs:
+            bufs[index] = (torch.empty(3, dtype=torch.int32, pin_memory=True), torch.cuda.Event())
+        self.host, self.event = bufs[index]
+        self.host.copy_(err, non_blocking=True)
         self.event.record()
-        self.host = host
 
     def finish(self, info: tuple) -> None:
         if self.host is None:
