@@ -252,6 +252,30 @@ def value_checks_enabled(device: torch.device) -> bool:
     return not torch.cuda.is_current_stream_capturing()
 
 
+def _safe_cu(cu: torch.Tensor, max_len: int, total) -> torch.Tensor:
+    """``cu`` made non-decreasing from 0 with lengths <= ``max_len`` and end <= ``total``."""
+    c = torch.cummax(cu.clamp(min=0), 0).values
+    lens = (c[1:] - c[:-1]).clamp(max=max_len)
+    c = torch.cat([c.new_zeros(1), lens.cumsum(0).to(c.dtype)])
+    return c if total is None else c.clamp(max=total)
+
+
+def varlen_guard(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int,
+                 k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                 block_table_: torch.Tensor | None):
+    """Index tensors no kernel can read or write out of bounds with, computed on the device
+    (for CUDA-graph capture, where :func:`varlen_values` cannot read them): ``cu_seqlens_*``
+    non-decreasing from 0, within the packed totals and ``max_seqlen_*`` (and, paged, what the
+    block table addresses), ``block_table`` entries clamped to the pool.  Equal to the inputs
+    when those are valid; a call with invalid ones computes garbage, in bounds."""
+    cu_q = _safe_cu(cu_seqlens_q, max_seqlen_q, total_q)
+    if block_table_ is None:
+        return cu_q, _safe_cu(cu_seqlens_k, max_seqlen_k, k.shape[0]), None
+    capacity = block_table_.shape[1] * k.shape[1]
+    cu_k = _safe_cu(cu_seqlens_k, min(max_seqlen_k, capacity), None)
+    return cu_q, cu_k, block_table_.clamp(0, max(k.shape[0] - 1, 0))
+
+
 def _cu_values(name: str, values: list[int], total, max_seqlen, max_name: str) -> list[int]:
     if values[0] != 0:
         raise FlashtileInputError(f"{name} must start at 0, got {values[0]}")
@@ -274,9 +298,8 @@ def varlen_values(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_
     ``cu_seqlens_*`` start at 0, never decrease, end at the packed totals (keys: unless
     paged), ``max_seqlen_*`` cover the longest sequence, and with paged ``k``/``v`` every
     ``block_table`` entry a sequence reads is a page of the pool.  One host read of the small
-    index tensors (see :func:`value_checks_enabled`)."""
-    if not value_checks_enabled(cu_seqlens_q.device):
-        return
+    index tensors (see :func:`value_checks_enabled`; where it is impossible, use
+    :func:`varlen_guard`)."""
     paged = block_table_ is not None
     lens_q = _cu_values("cu_seqlens_q", cu_seqlens_q.tolist(), total_q, max_seqlen_q,
                         "max_seqlen_q")

@@ -75,8 +75,13 @@ def _forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
              attn_bias, rng_seed, block_mask, block_m, block_n, block_table=None):
     if cu_seqlens_q is not None:
         # the value checks run here, inside the op, so they hold eager and compiled alike
-        V.varlen_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k, max_seqlen_q, max_seqlen_k,
-                        block_table)
+        if V.value_checks_enabled(q.device):
+            V.varlen_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k, max_seqlen_q,
+                            max_seqlen_k, block_table)
+        else:  # CUDA-graph capture: no host read; clamped indices keep the kernels in bounds
+            cu_seqlens_q, cu_seqlens_k, block_table = V.varlen_guard(
+                cu_seqlens_q, cu_seqlens_k, q.shape[0], k, max_seqlen_q, max_seqlen_k,
+                block_table)
     spec = _spec(softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p)
     impl = backends.get(backends.select(q.device))
     with _no_autocast(q.device):
@@ -106,6 +111,10 @@ def _backward_body(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens
                    max_seqlen_k, softmax_scale, window_left, window_right, bottom_right, softcap,
                    dropout_p, attn_bias, rng_seed, block_mask, block_m, block_n, bias_grad,
                    block_table):
+    if cu_seqlens_q is not None and not V.value_checks_enabled(q.device):
+        # the forward's guard (CUDA-graph capture): the same clamped indices
+        cu_seqlens_q, cu_seqlens_k, block_table = V.varlen_guard(
+            cu_seqlens_q, cu_seqlens_k, q.shape[0], k, max_seqlen_q, max_seqlen_k, block_table)
     spec = _spec(softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p)
     impl = backends.get(backends.select(q.device))
     kw = _kwargs(alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -308,3 +308,32 @@ def test_kvcache_guards_without_checks(monkeypatch):
         want_k[0, 10], want_v[0, 10] = kw["k"][0, 0], kw["v"][0, 0]  # row 0: page 0, slot 10
         assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
         assert out.shape == q.shape
+
+
+@pytest.mark.parametrize("backend", BOTH_BACKENDS)
+def test_varlen_guard_when_values_cannot_be_read(backend, monkeypatch):
+    """Where no host read is possible (CUDA-graph capture, emulated here by switching the
+    read-back off), varlen calls run on clamped index tensors: the identity for valid ones
+    (bitwise the checked result, forward and backward) and in bounds for each bad input of
+    the table (finite results, no crash)."""
+    monkeypatch.undo()
+    from flashtile import _validate
+    cases = [_varlen_case(c)[0] for c in VARLEN_VALUE_CASES if c != "cu-int64"]
+    valid = (*_varlen_case("cu-k-not-monotone")[0][:3], _i32(0, 5, 12), _i32(0, 4, 12), 7, 8)
+    paged_ok = (*_varlen_case("page-past-pool")[0][:7], _i32(3, 0, 2, 1).reshape(2, 2))
+
+    def run(args):
+        leaves = [a.clone().requires_grad_() if i < 3 else a for i, a in enumerate(args)]
+        out = _varlen_call(*leaves)
+        return (out, *torch.autograd.grad(out.sum(), leaves[:3]))
+
+    with flashtile.use_backend(backend):
+        want = [run(valid), run(paged_ok)]
+        monkeypatch.setattr(_validate, "value_checks_enabled", lambda device: False)
+        for args, w in zip((valid, paged_ok), want):
+            for got, expect in zip(run(args), w):
+                assert torch.equal(got, expect)
+        for args in cases:
+            out, *grads = run(args)
+            assert out.shape == args[0].shape and torch.isfinite(out).all()
+            assert all(torch.isfinite(g).all() for g in grads)

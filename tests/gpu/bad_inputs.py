@@ -9,7 +9,7 @@ Covers the dense, varlen, paged varlen, kvcache (with append), block-sparse and 
 compiled calls (``torch.compile(fullgraph=True)``) of varlen and kvcache, and kvcache calls
 whose index values are not read back (inside a captured CUDA graph, and with
 ``FLASHTILE_CHECK_INDICES=0``), where only the kernels' guards stand between bad indices and
-memory.  Prints one line
+memory, and varlen calls inside a captured CUDA graph (clamped index tensors).  Prints one line
 per case and exits 0 when every case behaved; 1 otherwise.
 """
 from __future__ import annotations
@@ -227,6 +227,39 @@ def unchecked_kvcache(dev, dtype, capture: bool) -> list[str]:
     return failures
 
 
+def captured_varlen(dev, dtype) -> list[str]:
+    """Bad ``cu_seqlens`` / ``block_table`` inside a captured CUDA graph (no host read is
+    possible): the call runs on clamped index tensors, in bounds, with finite output."""
+    failures = []
+    r = lambda *s: torch.randn(*s, device=dev, dtype=dtype)  # noqa: E731
+    i = lambda *v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
+    q, k, v, kp, vp = r(12, 2, 16), r(12, 2, 16), r(12, 2, 16), r(4, 16, 2, 16), r(4, 16, 2, 16)
+    bad = {
+        "cu past total": (k, v, i(0, 5, 20), i(0, 5, 20), 15, 15, None),
+        "cu not monotone": (k, v, i(0, 5, 12), i(0, 9, 5), 7, 9, None),
+        "page 99": (kp, vp, i(0, 5, 12), i(0, 20, 30), 7, 20, i(0, 99, 1, 2).reshape(2, 2)),
+        "page -3": (kp, vp, i(0, 5, 12), i(0, 20, 30), 7, 20, i(0, 1, -3, 2).reshape(2, 2)),
+    }
+    for name, (kk, vv, cq, ck, mq, mk, bt) in bad.items():
+        label = f"graph: varlen {name}"
+        call = lambda: flash_attn_varlen_func(q, kk, vv, cq, ck, mq, mk, causal=True,  # noqa: E731
+                                              block_table=bt)
+        good = (i(0, 5, 12), i(0, 5, 12) if bt is None else i(0, 20, 30))
+        flash_attn_varlen_func(q, kk, vv, *good, mq, mk, causal=True,
+                               block_table=None if bt is None else i(0, 1, 2, 3).reshape(2, 2))
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call()
+        graph.replay()
+        torch.cuda.synchronize()
+        ok = bool(torch.isfinite(out).all())
+        print(f"{'ok  ' if ok else 'FAIL'} {label}: completed, finite output={ok}")
+        if not ok:
+            failures.append(label)
+    return failures
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -251,6 +284,7 @@ def main(argv=None) -> int:
         if not good:
             failures.append(name)
     if dev.type == "cuda":  # CPU tensors are always checked on the host
+        failures += captured_varlen(dev, dtype)
         failures += unchecked_kvcache(dev, dtype, capture=True)
         os.environ["FLASHTILE_CHECK_INDICES"] = "0"
         try:
