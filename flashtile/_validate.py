@@ -18,7 +18,7 @@ import numbers
 import torch
 
 from .backends.spec import AttnSpec, KVCacheSpec
-from .paged_kv import PAGE_SIZE_MULTIPLE, check_page_size, row_capacity
+from .paged_kv import check_page_size, row_capacity
 
 
 

@@ -10,7 +10,6 @@ import torch
 from . import _validate as V
 from . import paged_kv
 from .autograd import attention, dropout_seed
-from .backends.spec import AttnSpec
 from ._validate import check_qkv as _check_qkv
 from ._validate import spec as _spec
 from .masks import attention_probs, attention_probs_varlen, sign_dropped
