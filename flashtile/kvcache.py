@@ -126,6 +126,8 @@ def _eager_plan_key(tensors: tuple, scalars: tuple):
         window = scalars[2]
         if isinstance(window, (tuple, list)):
             window = tuple((type(w), w) for w in window)
+        if any(isinstance(v, torch.Tensor) for v in scalars) or isinstance(window, torch.Tensor):
+            return None  # a tensor window_size (or scale) would key by identity: no plan
         key = (tuple(parts), tuple((type(v), v) for v in scalars[:2] + (window,) + scalars[3:]),
                torch.cuda.current_device(), os.environ.get("FLASHTILE_CHECK_INDICES", ""))
         hash(key)
