@@ -192,6 +192,11 @@ def test_window_size_as_list_or_tensor(monkeypatch):
     want = flashtile.flash_attn_func(q, k, v, window_size=(3, 1))
     for w in ([3, 1], torch.tensor([3, 1]), torch.tensor([3, 1], dtype=torch.int32)):
         assert torch.equal(flashtile.flash_attn_func(q, k, v, window_size=w), want), w
+    kc, vc = k.clone(), v.clone()
+    want_kv = flashtile.flash_attn_with_kvcache(q[:, :1], kc, vc, cache_seqlens=6, window_size=(3, 1))
+    for w in ([3, 1], torch.tensor([3, 1])):
+        got = flashtile.flash_attn_with_kvcache(q[:, :1], kc, vc, cache_seqlens=6, window_size=w)
+        assert torch.equal(got, want_kv), w
     with pytest.raises(TypeError, match="window_size"):
         flashtile.flash_attn_func(q, k, v, window_size=torch.tensor([3.0, 1.0]))
     with pytest.raises(ValueError, match="window_size"):
