@@ -45,10 +45,12 @@ PAGE_SIZE_MULTIPLE = 16
 
 
 def check_page_size(page_size: int, name: str = "paged k_cache/v_cache") -> None:
-    """Raise ``ValueError`` unless ``page_size`` is a positive multiple of 16; ``name`` says
-    which arguments hold the pages."""
+    """Raise :class:`flashtile.FlashtileInputError` (a ``ValueError``) unless ``page_size`` is
+    a positive multiple of 16; ``name`` says which arguments hold the pages."""
     if page_size <= 0 or page_size % PAGE_SIZE_MULTIPLE != 0:
-        raise ValueError(
+        from ._validate import FlashtileInputError  # _validate imports this module
+
+        raise FlashtileInputError(
             f"{name}: page_size (dim 1 of the cache) must be a positive multiple of "
             f"{PAGE_SIZE_MULTIPLE}, got {page_size}"
         )

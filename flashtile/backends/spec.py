@@ -48,6 +48,9 @@ flash-attn).
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple, Optional
+
+import torch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,3 +69,33 @@ class AttnSpec:
     @property
     def has_window(self) -> bool:
         return self.window_left >= 0 or self.window_right >= 0
+
+
+class KVCacheSpec(NamedTuple):
+    """A validated ``flash_attn_with_kvcache`` call, as the decode backends receive it.
+
+    Layouts (flash-attn's): ``q (B, Sq, H, D)``; the cache ``(B_cache, S_cache, Hk, D)`` or,
+    with ``block_table (B, max_blocks)``, pages ``(num_blocks, page_size, Hk, D)``; new
+    ``k``/``v`` ``(B, S_new, Hk, D)``; out ``(B, Sq, H, D)``, lse float32 ``(B, H, Sq)``.
+    Keys of row ``b`` are cache positions ``[leftpad[b], cache_seqlens[b] + seqlen_new)``;
+    visibility follows the window rule above with ``bottom_right`` alignment per row, and
+    with a tree mask the ``Sq`` queries (the row's last ``Sq`` keys) see each other only where
+    ``tree_mask[b, t, u]`` is set.
+    """
+
+    q: torch.Tensor
+    k: Optional[torch.Tensor]
+    v: Optional[torch.Tensor]
+    cache_seqlens: torch.Tensor  # int32 (B,)
+    cache_batch_idx: Optional[torch.Tensor]
+    cache_leftpad: Optional[torch.Tensor]
+    block_table: Optional[torch.Tensor]
+    tree_mask: Optional[torch.Tensor]  # bool (B|1, Sq, Sq)
+    softmax_scale: float
+    window_left: int
+    window_right: int
+    softcap: float
+    rotary_q_per_token: bool
+    num_splits: int
+    seqlen_new: int
+    capacity: int

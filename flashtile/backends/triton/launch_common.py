@@ -208,6 +208,12 @@ def _no_launch_hooks() -> bool:
     return hook is None or not getattr(hook, "calls", True)
 
 
+def no_launch_hooks() -> bool:
+    """True unless a profiler hooks Triton's launches (then recorded launches must not be
+    replayed directly: the hook would miss them)."""
+    return _no_launch_hooks()
+
+
 def _direct_key(kernel, named: dict, meta: dict):
     """``(kernel, device, scalars, their types, tensors, options)``, or None when the plain path
     must run (a parameter left at its default, or a tensor where the first call had a scalar)."""
