@@ -37,14 +37,19 @@ CASES = [
 
 
 def _ref(kw):
-    mask = kw.get("attn_mask")
-
-    def ref(q, k, v, *rest, dtype):
-        m = rest[0] if rest else mask
-        cast = [x.to(dtype) for x in (q, k, v)]
-        return F.scaled_dot_product_attention(
-            *cast, attn_mask=None if m is None else m.to(dtype),
-            is_causal=kw.get("is_causal", False), enable_gqa=kw.get("enable_gqa", False))
+    """The SDPA formula with PyTorch ops in ``dtype`` (matmul broadcasting does the batch
+    broadcast): float64 is the reference, the input dtype the error baseline."""
+    def ref(q, k, v, *mask, dtype):
+        q, k, v = (x.to(dtype) for x in (q, k, v))
+        if kw.get("enable_gqa") and k.dim() >= 3 and q.shape[-3] != k.shape[-3]:
+            k, v = (x.repeat_interleave(q.shape[-3] // x.shape[-3], dim=-3) for x in (k, v))
+        s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+        if kw.get("is_causal"):
+            L, S = s.shape[-2:]
+            s = s.masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(), float("-inf"))
+        if mask:
+            s = s + mask[0].to(dtype)
+        return torch.softmax(s, dim=-1) @ v
     return ref
 
 
