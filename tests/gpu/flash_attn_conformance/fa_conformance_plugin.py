@@ -221,6 +221,12 @@ def pytest_runtest_logreport(report):
         results[report.nodeid] = (name, "failed", "teardown: " + _first_error_line(report))
 
 
+def pytest_collectreport(report):
+    if report.failed:
+        _state["notes"].append(f"collection error in {report.nodeid}: "
+                               f"{_first_error_line(report)}")
+
+
 def _environment() -> dict:
     env = {}
     try:
