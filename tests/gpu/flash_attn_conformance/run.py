@@ -14,9 +14,9 @@ goes last on ``sys.path``, so installed packages take precedence.
 pytest runs with ``fa_conformance_plugin.py``, which keeps ``K`` parametrisations of each
 test function (a seeded random subset: the same seed and file give the same items), leaves
 out the test functions that call flash-attn's compiled extension directly, skips what would
-start after ``--budget-s`` seconds, and writes ``DIR/summary.md`` and ``DIR/summary.json`` (counts per
-test function, each failure with its first error line) plus the full pytest log
-``DIR/pytest.log``.
+start after ``--budget-s`` seconds, and writes ``DIR/summary.md`` and ``DIR/summary.json``
+(counts per test function, each failure with its first error line) plus the full pytest
+log ``DIR/pytest.log``.
 
 ``S_dmask`` (``return_attn_probs=True`` with dropout): flash-attn's kernels store it as
 block-wise unnormalised values and the test file rescales them with its helper
