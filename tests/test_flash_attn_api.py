@@ -183,3 +183,41 @@ def test_varlen_packed_bad_shapes_name_the_argument(bad):
         else:
             flashtile.flash_attn_varlen_kvpacked_func(torch.randn(4, 2, 8),
                                                       torch.randn(4, 3, 2, 8), cu, cu, 4, 4)
+
+
+def test_conformance_alias_package_imports_and_rotary():
+    """The ``flash_attn`` alias of tests/gpu/flash_attn_conformance exposes what flash-attn's
+    test file imports, and its independent ``apply_rotary_emb`` agrees with flashtile's
+    rotary code (run in a subprocess so the alias never enters this process's modules)."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    alias = os.path.join(root, "tests", "gpu", "flash_attn_conformance", "alias")
+    code = """
+import torch, flashtile
+from flash_attn import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+                        flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
+                        flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
+from flash_attn.bert_padding import pad_input, unpad_input, index_first_axis
+from flash_attn.flash_attn_interface import _get_block_size_n, USE_TRITON_ROCM
+from flash_attn.layers.rotary import apply_rotary_emb
+from flashtile.decode import apply_rotary
+assert flash_attn_varlen_qkvpacked_func is flashtile.flash_attn_varlen_qkvpacked_func
+x = torch.randn(2, 5, 3, 16)
+cos, sin = torch.randn(12, 4), torch.randn(12, 4)
+offsets = torch.tensor([2, 7])
+pos = torch.arange(5)[None] + offsets[:, None]
+for inter in (False, True):
+    got = apply_rotary_emb(x, cos, sin, interleaved=inter, seqlen_offsets=offsets)
+    assert torch.allclose(got, apply_rotary(x, cos, sin, pos, interleaved=inter), atol=1e-6)
+    cu = torch.tensor([0, 5, 10], dtype=torch.int32)
+    packed = apply_rotary_emb(x.reshape(10, 3, 16), cos, sin, interleaved=inter,
+                              seqlen_offsets=offsets, cu_seqlens=cu)
+    assert torch.allclose(packed.view(2, 5, 3, 16), got, atol=1e-6)
+print("ok")
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([alias, root]))
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
