@@ -324,16 +324,22 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if value.shape[-2] != S:
         raise V.FlashtileInputError(f"key and value must have the same number of keys S, got "
                          f"{tuple(key.shape)} and {tuple(value.shape)}")
-    # Lift to (..., H, L|S, E) with one rank: missing leading dims broadcast as size 1.
-    q4, k4, v4 = (x.reshape((1,) * (max(ndim, 3) - x.dim()) + tuple(x.shape))
-                  for x in (query, key, value))
-    try:
-        lead = torch.broadcast_shapes(q4.shape[:-3], k4.shape[:-3], v4.shape[:-3])
-        nheads_kv = torch.broadcast_shapes(k4.shape[-3:-2], v4.shape[-3:-2])[0]
-    except RuntimeError:
-        raise V.FlashtileInputError(f"the batch dimensions of query {tuple(query.shape)}, key "
-                         f"{tuple(key.shape)} and value {tuple(value.shape)} (all but the "
-                         "last two) are not broadcastable") from None
+    q4, k4, v4 = query, key, value
+    kshape = key.shape
+    if ndim == query.dim() == key.dim() == value.dim() >= 3 and kshape[:-2] == value.shape[:-2] \
+            and query.shape[:-3] == kshape[:-3]:  # the common case: nothing broadcasts
+        lead, nheads_kv, expand = kshape[:-3], kshape[-3], False
+    else:  # lift to (..., H, L|S, E) with one rank; missing leading dims broadcast as 1
+        q4, k4, v4 = (x if x.dim() == max(ndim, 3) else
+                      x.reshape((1,) * (max(ndim, 3) - x.dim()) + tuple(x.shape))
+                      for x in (query, key, value))
+        lead = _broadcast(q4.shape[:-3], k4.shape[:-3], v4.shape[:-3])
+        heads_kv = _broadcast(k4.shape[-3:-2], v4.shape[-3:-2])
+        if lead is None or heads_kv is None:
+            raise V.FlashtileInputError(f"the batch dimensions of query {tuple(query.shape)}, key "
+                             f"{tuple(key.shape)} and value {tuple(value.shape)} (all but "
+                             "the last two) are not broadcastable")
+        nheads_kv, expand = heads_kv[0], True
     nheads_q = q4.shape[-3]
     if enable_gqa and nheads_kv != 0 and nheads_q % nheads_kv == 0:
         nheads = nheads_q
@@ -352,9 +358,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         if is_causal:
             raise V.FlashtileInputError("attn_mask cannot be combined with is_causal=True (PyTorch's "
                              "semantics); fold the causal mask into attn_mask")
-    for name, x in zip(names, (query, key, value)):
-        V.float_dtype(name, x)
-    V.same_dtype_device(dict(zip(names, (query, key, value))))
     spec = _spec(max(E, 1), scale, is_causal, (-1, -1), 0.0, dropout_p,
                  bottom_right=False, scale_name="scale")
     if min(L, S, E, nheads, *lead) == 0:
@@ -365,10 +368,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             is_causal=is_causal, scale=None if scale is None else spec.softmax_scale,
             enable_gqa=enable_gqa)
     # key/value heads: one per query head, a group per key/value head (GQA), or one (MQA)
-    hk = nheads_kv
-    q4 = q4.expand(*lead, nheads, L, E)
-    k4 = k4.expand(*lead, hk, S, E)
-    v4 = v4.expand(*lead, hk, S, E)
+    if expand or nheads_q != nheads:
+        q4, k4, v4 = (x if x.shape[:-2] == want else x.expand(*want, *x.shape[-2:])
+                      for x, want in ((q4, (*lead, nheads)), (k4, (*lead, nheads_kv)),
+                                      (v4, (*lead, nheads_kv))))
     bias = _mask_4d(attn_mask, target) if attn_mask is not None else None
 
     def to_flash(x):  # (..., H, L, E) -> (B, L, H, E) view; copies only a strided last dim
@@ -379,6 +382,21 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                names=names)
     out, _ = attention(q, k, v, spec, attn_bias=bias, rng_seed=dropout_seed(spec, q.device))
     return out.transpose(1, 2).reshape(out_shape)
+
+
+def _broadcast(*shapes):
+    """PyTorch's broadcast of equal-length shapes (tuples), or None when they do not
+    broadcast (a plain loop: ``torch.broadcast_shapes`` costs ~100 us a call)."""
+    first = tuple(shapes[0])
+    if all(tuple(s) == first for s in shapes[1:]):
+        return first
+    out = []
+    for sizes in zip(*shapes):
+        big = {n for n in sizes if n != 1}
+        if len(big) > 1:
+            return None
+        out.append(big.pop() if big else 1)
+    return tuple(out)
 
 
 def _mask_4d(mask: torch.Tensor, target: tuple[int, ...]) -> torch.Tensor:

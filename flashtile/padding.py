@@ -138,7 +138,8 @@ def unpad_input_for_concatenated_sequences(hidden_states: torch.Tensor,
         raise FlashtileInputError("hidden_states must be a tensor of shape (batch, seqlen, ...), got "
                          f"{tuple(getattr(hidden_states, 'shape', ()))}")
     lengths = attention_mask_in_length
-    if not isinstance(lengths, torch.Tensor) or tuple(lengths.shape) != tuple(hidden_states.shape[:2]):
+    if (not isinstance(lengths, torch.Tensor)
+            or tuple(lengths.shape) != tuple(hidden_states.shape[:2])):
         raise FlashtileInputError("attention_mask_in_length must be a tensor of shape (batch, seqlen) = "
                          f"{tuple(hidden_states.shape[:2])}, got "
                          f"{tuple(getattr(lengths, 'shape', ()))}")

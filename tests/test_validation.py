@@ -94,7 +94,7 @@ def test_varlen_rejects(override, exc, needle):
 SDPA_BAD = [
     ("gqa-without-flag", lambda: (torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)), {}, ValueError, "enable_gqa"),
     ("value-headdim", lambda: (torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 8)), {}, ValueError, "head dim"),
-    ("rank2", lambda: (torch.randn(8, 16),) * 3, {}, ValueError, "query"),
+    ("rank1", lambda: (torch.randn(16),) * 3, {}, ValueError, "query"),
     ("batch-dims", lambda: (torch.randn(2, 2, 8, 16), torch.randn(3, 2, 8, 16), torch.randn(3, 2, 8, 16)), {}, ValueError, "batch"),
     ("int-query", lambda: (torch.ones(1, 2, 8, 16, dtype=torch.int64), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)), {}, TypeError, "query"),
 ]
