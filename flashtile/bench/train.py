@@ -60,7 +60,8 @@ PRESETS = {
 }
 
 MODELS = {
-    "tiny": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=512),
+    "tiny": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=512, bos_token_id=511,
+                 eos_token_id=511),
     "small": dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257),
     "medium": dict(n_embd=1024, n_layer=24, n_head=16, vocab_size=50257),
 }
@@ -124,6 +125,7 @@ def run_one(model: str, impl: str, context: int, steps: int, warmup: int, tokens
     """Train ``steps`` steps (the first ``warmup`` untimed); returns the measurements."""
     batch = max(1, tokens_per_step // context)
     rec = dict(model=model, impl=impl, context=context, batch=batch, steps=0, status="ok",
+               params_m=None,
                losses=[], tokens_per_s=None, peak_mem_gib=None, step_s=None)
     if impl == "sdpa_fa2" and device.type != "cuda":
         rec["status"] = "unavailable: SDPA's flash kernel needs a CUDA device"
@@ -132,6 +134,7 @@ def run_one(model: str, impl: str, context: int, steps: int, warmup: int, tokens
     model_obj = opt = None
     try:
         model_obj = _gpt2(model, context, name, device, seed)
+        rec["params_m"] = sum(p.numel() for p in model_obj.parameters()) / 1e6
         if compile_model:
             model_obj = torch.compile(model_obj)
         opt = torch.optim.AdamW(model_obj.parameters(), lr=lr, betas=(0.9, 0.95),
@@ -203,7 +206,8 @@ def padded_compare(device, steps: int = 5, context: int = 512, batch: int = 8,
         ids = torch.randint(0, MODELS[model]["vocab_size"], (batch, context),
                             generator=torch.Generator().manual_seed(0)).to(device)
         for label, name in names.items():
-            cfg = GPT2Config(n_positions=max(1024, context), **MODELS[model])
+            cfg = GPT2Config(n_positions=max(1024, context), resid_pdrop=0.0, embd_pdrop=0.0,
+                             attn_pdrop=0.0, **MODELS[model])
             torch.manual_seed(0)
             m = GPT2LMHeadModel._from_config(cfg, attn_implementation=name).to(device, dtype)
             times = []
@@ -221,6 +225,12 @@ def padded_compare(device, steps: int = 5, context: int = 512, batch: int = 8,
                             median_s=times[len(times) // 2], min_s=times[0]))
             del m
     return out
+
+
+def _padded(device) -> list[dict]:
+    if device.type == "cpu":  # the tiny model at a short context: seconds, not minutes
+        return padded_compare(device, steps=3, context=256, batch=8, model="tiny")
+    return padded_compare(device, steps=5, context=1024, batch=8, model="small")
 
 
 # ----------------------------------------------------------------------------- driver
@@ -312,7 +322,7 @@ def run(args) -> dict:
                     break
         p["tokens_per_step"] = saved
     if args.padded:
-        res["padded"] = padded_compare(device, model="tiny" if device.type == "cpu" else "small")
+        res["padded"] = _padded(device)
     res["wall_s"] = time.perf_counter() - start
     res["summary"] = summarize(res)
     return res
@@ -499,11 +509,15 @@ def report(merged: dict, sources: list[str], images: list[str], doc_path: str) -
             f"{k} {_fmt(v)}" for k, v in s["longest"].items()) + ".", ""]
     if merged["padded"]:
         lines += ["## Padded batches: key-padding mask vs unpad + varlen", "",
-                  "| device file | model | pad fraction | implementation | median s (fwd+bwd) |",
-                  "|---|---|---|---|---|"]
+                  "Forward + backward of GPT-2 on a left-padded batch whose row `r` of `B` is "
+                  "padded by `pad fraction * r / (B - 1)` of the context (median of the timed "
+                  "iterations): flashtile's default key-padding mask path, its "
+                  "`register(padded=\"varlen\")` path, and HF `sdpa`.", "",
+                  "| dtype | model | context x batch | pad fraction | implementation | median s (fwd+bwd) |",
+                  "|---|---|---|---|---|---|"]
         for r in merged["padded"]:
-            lines.append(f"| {r['dtype']} | {r['model']} | {r['pad_fraction']} | {r['impl']} | "
-                         f"{r['median_s']:.4f} |")
+            lines.append(f"| {r['dtype']} | {r['model']} | {r['context']} x {r['batch']} | "
+                         f"{r['pad_fraction']} | {r['impl']} | {r['median_s']:.4f} |")
         lines.append("")
     if merged["skipped"]:
         lines += ["Skipped for the time budget: " + ", ".join(
@@ -511,7 +525,27 @@ def report(merged: dict, sources: list[str], images: list[str], doc_path: str) -
     for img in images:
         rel = os.path.relpath(img, os.path.dirname(doc_path) or ".")
         lines.append(f"![{os.path.basename(img)}]({rel})")
-    lines += ["", "## Beside the paper", "", PAPER, "",
+    if not [r for r in runs if r["kind"] in ("curve", "timed", "long")]:
+        lines += ["## Training results", "",
+                  "Not measured yet: they come from two GPU commands (below); this page is "
+                  "then regenerated with their results.", ""]
+    lines += ["## How to reproduce", "",
+              "Two GPU commands of at most ~9 minutes each (`--budget-s` stops early and lists "
+              "what it skipped), then the report:", "",
+              "    python -m flashtile.bench.train --preset gpu-a --padded "
+              "--out benchmarks/results/train_h100_a.json",
+              "    python -m flashtile.bench.train --preset gpu-b "
+              "--out benchmarks/results/train_h100_b.json",
+              "    python -m flashtile.bench.train --report benchmarks/results/train_h100_a.json "
+              "benchmarks/results/train_h100_b.json benchmarks/results/train_padded_cpu.json "
+              "--doc docs/end-to-end.md --plots docs/img", "",
+              "`gpu-a`: 200-step loss curves of GPT-2 small at 1K and 2K with every "
+              "implementation, timed runs at 4K and 8K, and the padded-batch comparison. "
+              "`gpu-b`: GPT-2 medium at 1K-8K, and the longest GPT-2 small context of each "
+              "implementation (batch 1, doubling from 16K until out of memory), with "
+              "block-sparse flashtile at the longest one. `--preset cpu-dry` runs the whole "
+              "pipeline on a tiny model on a CPU.", ""]
+    lines += ["## Beside the paper", "", PAPER, "",
               "Differences that come from the set-up, not from the kernels: the paper trains on "
               "8 A100s to convergence on OpenWebText and reports days; here one H100 runs a "
               "few hundred steps on synthetic tokens and we report tokens/s. The paper's "
@@ -580,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         res = dict(env=_env(device), preset=None, params={}, runs=[], skipped=[])
         t = time.perf_counter()
-        res["padded"] = padded_compare(device, model="tiny" if device.type == "cpu" else "small")
+        res["padded"] = _padded(device)
         res["wall_s"] = time.perf_counter() - t
         res["summary"] = summarize(res)
     else:
