@@ -45,7 +45,7 @@ PRESETS = {
     # timed runs at 4K and 8K (Table 2 rows for small, Table 4 analogue).
     "gpu-a": dict(models=["small"], impls=["eager", "sdpa", "sdpa_fa2", "flashtile"],
                   curve_contexts=[1024, 2048], curve_steps=200, contexts=[4096, 8192],
-                  timed_steps=8, warmup=2, tokens_per_step=16384, long=False, budget_s=520),
+                  timed_steps=8, warmup=2, tokens_per_step=16384, long=False, budget_s=480),
     # GPT-2 medium 1K..8K timed, and the longest GPT-2 small context of each implementation
     # (with block-sparse flashtile at the longest one).
     "gpu-b": dict(models=["medium"], impls=["eager", "sdpa", "sdpa_fa2", "flashtile"],
@@ -205,31 +205,35 @@ def padded_compare(device, steps: int = 5, context: int = 512, batch: int = 8,
         mask = mask.to(device)
         ids = torch.randint(0, MODELS[model]["vocab_size"], (batch, context),
                             generator=torch.Generator().manual_seed(0)).to(device)
+        models = {}
         for label, name in names.items():
             cfg = GPT2Config(n_positions=max(1024, context), resid_pdrop=0.0, embd_pdrop=0.0,
                              attn_pdrop=0.0, **MODELS[model])
             torch.manual_seed(0)
-            m = GPT2LMHeadModel._from_config(cfg, attn_implementation=name).to(device, dtype)
-            times = []
-            for i in range(steps + 1):
+            models[label] = GPT2LMHeadModel._from_config(cfg, attn_implementation=name).to(
+                device, dtype)
+        times = {label: [] for label in models}
+        for i in range(steps + 1):  # interleaved, so drifting machine load hits all alike
+            for label, m in models.items():
                 _sync(device)
                 t = time.perf_counter()
                 loss = m(input_ids=ids, attention_mask=mask, labels=ids).loss
                 loss.backward()
                 _sync(device)
                 if i:
-                    times.append(time.perf_counter() - t)
-            times.sort()
+                    times[label].append(time.perf_counter() - t)
+        for label, ts in times.items():
+            ts.sort()
             out.append(dict(impl=label, pad_fraction=pad, context=context, batch=batch,
                             model=model, dtype=str(dtype).replace("torch.", ""),
-                            median_s=times[len(times) // 2], min_s=times[0]))
-            del m
+                            median_s=ts[len(ts) // 2], min_s=ts[0]))
+        del models
     return out
 
 
 def _padded(device) -> list[dict]:
     if device.type == "cpu":  # the tiny model at a short context: seconds, not minutes
-        return padded_compare(device, steps=3, context=256, batch=8, model="tiny")
+        return padded_compare(device, steps=6, context=256, batch=8, model="tiny")
     return padded_compare(device, steps=5, context=1024, batch=8, model="small")
 
 
@@ -249,6 +253,7 @@ def _env(device) -> dict:
     else:
         env["cpu"] = platform.processor() or platform.machine()
         env["threads"] = torch.get_num_threads()
+        env["loadavg_1m"] = os.getloadavg()[0]  # shared machines: how busy it was
     try:
         import triton
         env["triton"] = triton.__version__
@@ -407,7 +412,7 @@ def plots(merged: dict, outdir: str) -> list[str]:
     runs = [r for r in merged["runs"] if r["kind"] != "long" and r["tokens_per_s"]]
     for metric, label, fname in (("tokens_per_s", "tokens/s", "end-to-end-throughput.png"),
                                  ("peak_mem_gib", "peak memory (GiB)", "end-to-end-memory.png")):
-        models = sorted({r["model"] for r in runs})
+        models = sorted({r["model"] for r in runs if r[metric]})
         if not models:
             continue
         fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
@@ -462,7 +467,8 @@ def report(merged: dict, sources: list[str], images: list[str], doc_path: str) -
         lines.append(f"- `{e['file']}`: {e.get('gpu', e.get('cpu', e['device']))}, torch "
                      f"{e['torch']}, transformers {e['transformers']}, flashtile "
                      f"{e['flashtile']}, {e['date']}, preset `{e['preset']}`, "
-                     f"{_fmt(e.get('wall_s'))} s")
+                     f"{_fmt(e.get('wall_s'))} s"
+                     + (f", load average {e['loadavg_1m']:.1f}" if "loadavg_1m" in e else ""))
     lines += ["", "Method: GPT-2 from `GPT2Config` (random initialisation, seed 0, dropout 0), "
               "synthetic Zipf-distributed token sequences with repeated motifs generated from "
               "a fixed seed, AdamW (lr 6e-4, betas 0.9/0.95, weight decay 0.1, linear warm-up), "
@@ -500,7 +506,7 @@ def report(merged: dict, sources: list[str], images: list[str], doc_path: str) -
                   f"(ratio {t['ratio']:.2f}).", ""]
     longs = [r for r in runs if r["kind"] == "long"]
     if longs:
-        lines += ["## Longest context (GPT-2 small, batch 1)", "",
+        lines += [f"## Longest context (GPT-2 {longs[0]['model']}, batch 1)", "",
                   "| implementation | context | status | tokens/s | peak GiB |", "|---|---|---|---|---|"]
         for r in longs:
             lines.append(f"| {r['impl']} | {r['context']} | {r['status']} | "
@@ -510,14 +516,15 @@ def report(merged: dict, sources: list[str], images: list[str], doc_path: str) -
     if merged["padded"]:
         lines += ["## Padded batches: key-padding mask vs unpad + varlen", "",
                   "Forward + backward of GPT-2 on a left-padded batch whose row `r` of `B` is "
-                  "padded by `pad fraction * r / (B - 1)` of the context (median of the timed "
-                  "iterations): flashtile's default key-padding mask path, its "
+                  "padded by `pad fraction * r / (B - 1)` of the context (timed iterations "
+                  "interleaved across implementations): flashtile's default key-padding mask path, its "
                   "`register(padded=\"varlen\")` path, and HF `sdpa`.", "",
-                  "| dtype | model | context x batch | pad fraction | implementation | median s (fwd+bwd) |",
-                  "|---|---|---|---|---|---|"]
+                  "| dtype | model | context x batch | pad fraction | implementation | median s | min s |",
+                  "|---|---|---|---|---|---|---|"]
         for r in merged["padded"]:
             lines.append(f"| {r['dtype']} | {r['model']} | {r['context']} x {r['batch']} | "
-                         f"{r['pad_fraction']} | {r['impl']} | {r['median_s']:.4f} |")
+                         f"{r['pad_fraction']} | {r['impl']} | {r['median_s']:.4f} | "
+                         f"{r['min_s']:.4f} |")
         lines.append("")
     if merged["skipped"]:
         lines += ["Skipped for the time budget: " + ", ".join(
@@ -525,6 +532,7 @@ def report(merged: dict, sources: list[str], images: list[str], doc_path: str) -
     for img in images:
         rel = os.path.relpath(img, os.path.dirname(doc_path) or ".")
         lines.append(f"![{os.path.basename(img)}]({rel})")
+    lines.append("")
     if not [r for r in runs if r["kind"] in ("curve", "timed", "long")]:
         lines += ["## Training results", "",
                   "Not measured yet: they come from two GPU commands (below); this page is "
@@ -626,7 +634,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.out}")
     print(json.dumps(res["summary"], indent=1))
     for r in res.get("padded", []):
-        print(f"[padded] pad={r['pad_fraction']} {r['impl']:18s} {r['median_s']:.4f} s")
+        print(f"[padded] pad={r['pad_fraction']} {r['impl']:18s} median {r['median_s']:.4f} s "
+              f"min {r['min_s']:.4f} s")
     return 0
 
 
