@@ -45,7 +45,7 @@ PRESETS = {
     # timed runs at 4K and 8K (Table 2 rows for small, Table 4 analogue).
     "gpu-a": dict(models=["small"], impls=["eager", "sdpa", "sdpa_fa2", "flashtile"],
                   curve_contexts=[1024, 2048], curve_steps=200, contexts=[4096, 8192],
-                  timed_steps=8, warmup=2, tokens_per_step=16384, long=False, budget_s=480),
+                  timed_steps=8, warmup=2, tokens_per_step=16384, long=False, budget_s=450),
     # GPT-2 medium 1K..8K timed, and the longest GPT-2 small context of each implementation
     # (with block-sparse flashtile at the longest one).
     "gpu-b": dict(models=["medium"], impls=["eager", "sdpa", "sdpa_fa2", "flashtile"],
