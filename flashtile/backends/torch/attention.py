@@ -1,6 +1,21 @@
-"""Tiled exact attention on the CPU with PyTorch: FlashAttention-2's schedule in ``torch`` ops.
+"""Exact attention for the torch backend: PyTorch's fused CPU kernel, or a tiled engine in ops.
 
-Forward, for a block of ``BLOCK_M`` queries and every key tile ``j`` it can see::
+Two paths, chosen per call (``forward``/``backward`` follow the interface in ``spec.py``):
+
+* **PyTorch's fused CPU kernel** (``aten_route``): a call that needs only what
+  ``F.scaled_dot_product_attention``'s CPU flash kernel computes - dense CPU tensors in
+  float32/float16/bfloat16, no window or plain causal with the kernel's top-left diagonal
+  (``bottom_right=False``, or ``Sq == Sk``), a softmax scale, grouped-query heads, and nothing
+  else - runs that kernel and its backward: one ATen op a pass, one parallel region, so it
+  keeps its speed when other processes compete for the cores.
+* **The tiled engine** below, for everything else: sliding windows, bottom-right causal with
+  ``Sq != Sk``, softcap, ALiBi, dropout (flashtile's Philox stream), biases and bool masks
+  (with their gradient), block-sparse masks, varlen and paged calls, and empty inputs.
+
+Both return the same natural-log ``lse``, so a forward of one path and a backward of the
+other agree.
+
+Forward of the tiled engine, for a block of ``BLOCK_M`` queries and every key tile ``j`` it can see::
 
     S     = tau Q_i K_j^T                       (softcap: c tanh(S / c); ALiBi; window mask)
     m_new = max(m, rowmax(S))
@@ -23,7 +38,10 @@ every masked score, while ``exp2`` only slows down for results in the denormal r
 
 Nothing ``Sq x Sk`` is ever allocated: the live temporaries are a few
 ``[B*Hk, BLOCK_M*G, BLOCK_N]`` tiles, so the extra memory is ``O(N * tile)`` on top of
-fp32 copies of the inputs and outputs.
+fp32 copies of the inputs and outputs.  The tiles are as large as a fixed memory budget
+allows (``TILE_ELEMS``, ``_tile_shape``): each step is one ATen op over a whole tile, and a
+few large ops instead of thousands of small ones is what keeps the engine fast when a core is
+shared (every op is a parallel region that waits for its slowest thread).
 
 All heads of all batch entries go through one ``bmm`` per tile.  Grouped-query attention
 needs no copy of K/V: for key/value head ``hk`` the ``G = H // Hk`` query heads that read it
@@ -362,15 +380,24 @@ def aten_route(q, k, v, spec: AttnSpec, *, varlen=False, alibi_slopes=None, attn
     one parallel region for the whole call, with the natural-log ``lse`` ``(B, H, Sq)`` float32
     that this backend returns, and grouped-query attention by head index ``h // (H // Hk)``.
     It is used when the call needs nothing else: dense (not varlen or paged) CPU tensors of
-    one dtype among float32 / float16 / bfloat16, no dropout, softcap, ALiBi, bias, mask or
+    one dtype among float32 / float16 / bfloat16, no dropout, softcap, ALiBi, float bias or
     block mask, and either no window or plain causal masking where its top-left diagonal is
-    the one asked for (``bottom_right=False``, or ``Sq == Sk``).  Every query then sees at
-    least key 0, so no row is empty (the kernel would give such a row ``lse = 0``, not
-    ``-inf``).  Empty inputs stay on the tiled engine (the kernel does not accept them).
+    the one asked for (``bottom_right=False``, or ``Sq == Sk``).  A bool ``attn_bias``
+    (True = visible) is passed as the additive 0 / ``-inf`` mask the kernel takes (same
+    shape, the input dtype: memory in proportion to the caller's mask); a row it hides
+    completely gets output 0 from the kernel but ``lse = 0``, which ``_aten_forward`` sets to
+    ``-inf`` as everywhere in flashtile (and ``_aten_backward`` hands back as 0, where the
+    kernel's ``exp(-inf - 0)`` gives the row no gradient).  Float biases stay on the tiled
+    engine: their gradient needs ``dS``, and a row of huge finite negatives (``finfo.min``)
+    overflows to ``-inf`` in the engine's base-2 scores but not in the kernel.  Empty inputs
+    stay on the tiled engine too (the kernel does not accept them).
     """
     if not USE_ATEN or varlen or block_table is not None:
         return None
-    if alibi_slopes is not None or attn_bias is not None or block_mask is not None:
+    if alibi_slopes is not None or block_mask is not None:
+        return None
+    if attn_bias is not None and (attn_bias.dtype != torch.bool or attn_bias.dim() != 4
+                                  or attn_bias.device != q.device):
         return None
     if spec.dropout_p > 0 or spec.softcap > 0 or spec.window_left >= 0:
         return None
@@ -398,21 +425,43 @@ def _heads_view(x):
     return x.transpose(1, 2)
 
 
-def _aten_forward(q, k, v, spec: AttnSpec, causal: bool):
+def _aten_mask(attn_bias, dtype, causal: bool, sq: int):
+    """A bool ``attn_bias`` -> the kernel's additive mask, and the rows it leaves without a
+    visible key (bool, broadcastable to lse's ``(B, H, Sq)``; None when there are none)."""
+    if attn_bias is None:
+        return None, None
+    mask = torch.zeros(attn_bias.shape, dtype=dtype, device=attn_bias.device)
+    mask.masked_fill_(attn_bias.logical_not(), _NEG_INF)
+    seen = attn_bias.any(dim=-1)  # [B|1, H|1, Sq|1]
+    if causal:  # top-left: query i sees keys j <= i, so its first visible key must be <= i
+        first = attn_bias.to(torch.uint8).argmax(dim=-1)  # [B|1, H|1, Sq|1]
+        rows = torch.arange(sq, device=attn_bias.device)
+        seen = seen & (first <= rows)
+    empty = seen.logical_not_()
+    return mask, (empty if bool(empty.any()) else None)
+
+
+def _aten_forward(q, k, v, spec: AttnSpec, causal: bool, attn_bias=None):
     fwd, _ = _aten_ops()
+    mask, empty = _aten_mask(attn_bias, q.dtype, causal, q.shape[1])
     out, lse = fwd(_heads_view(q), _heads_view(k), _heads_view(v), 0.0, causal,
-                   scale=spec.softmax_scale)
+                   attn_mask=mask, scale=spec.softmax_scale)
     # the kernel writes out as (B, S, H, D) memory already and lse as (B, S, H) memory
-    return out.transpose(1, 2).contiguous(), lse.contiguous()
+    out, lse = out.transpose(1, 2).contiguous(), lse.contiguous()
+    if empty is not None:  # the kernel gives them lse = 0 (and output 0)
+        lse.masked_fill_(empty, _NEG_INF)
+    return out, lse
 
 
-def _aten_backward(do, q, k, v, out, lse, spec: AttnSpec, causal: bool):
+def _aten_backward(do, q, k, v, out, lse, spec: AttnSpec, causal: bool, attn_bias=None):
     _, bwd = _aten_ops()
-    do = do.to(q.dtype)
-    out = out.to(q.dtype)
-    dq, dk, dv = bwd(_heads_view(do), _heads_view(q), _heads_view(k), _heads_view(v),
-                     _heads_view(out), lse.to(torch.float32), 0.0, causal,
-                     scale=spec.softmax_scale)
+    mask, _ = _aten_mask(attn_bias, q.dtype, causal, q.shape[1])
+    lse = lse.to(torch.float32)
+    if mask is not None:  # rows that see no key: lse 0 as the kernel's forward leaves it
+        lse = lse.masked_fill(lse == _NEG_INF, 0.0)
+    dq, dk, dv = bwd(_heads_view(do.to(q.dtype)), _heads_view(q), _heads_view(k),
+                     _heads_view(v), _heads_view(out.to(q.dtype)), lse, 0.0, causal,
+                     attn_mask=mask, scale=spec.softmax_scale)
     return (dq.transpose(1, 2).contiguous(), dk.transpose(1, 2).contiguous(),
             dv.transpose(1, 2).contiguous())
 
@@ -529,7 +578,7 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
                         attn_bias=attn_bias, block_mask=block_mask, block_table=block_table)
     with torch.no_grad():
         if causal is not None:
-            return _aten_forward(q, k, v, spec, causal)
+            return _aten_forward(q, k, v, spec, causal, attn_bias)
         extras = _extras(q, k, spec, varlen, attn_bias, rng_seed, block_mask, block_size,
                          max_seqlen_q, max_seqlen_k)
         if not varlen:
@@ -644,7 +693,7 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
                         attn_bias=attn_bias, block_mask=block_mask)
     with torch.no_grad():
         if causal is not None:
-            return _aten_backward(do, q, k, v, out, lse, spec, causal)
+            return _aten_backward(do, q, k, v, out, lse, spec, causal, attn_bias)
         extras = _extras(q, k, spec, varlen, attn_bias, rng_seed, block_mask, block_size,
                          max_seqlen_q, max_seqlen_k)
         db_acc = None
