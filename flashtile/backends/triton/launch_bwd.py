@@ -72,11 +72,12 @@ def _dbias_target(dbias, full_shape):
 
 def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
              cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, attn_bias=None,
-             rng_seed=None, block_mask=None, block_size=None, dbias=None):
-    """Returns ``(dq, dk, dv)``; with ``dbias`` (shaped like ``attn_bias``) also writes the
-    gradient of the additive bias into it."""
+             rng_seed=None, block_mask=None, block_size=None, dbias=None, grad_dtype=None):
+    """Returns ``(dq, dk, dv)`` (in ``grad_dtype``, default the inputs' dtypes); with ``dbias``
+    (shaped like ``attn_bias``) also writes the gradient of the additive bias into it."""
     plain = (alibi_slopes is None and cu_seqlens_q is None and attn_bias is None
-             and rng_seed is None and block_mask is None and dbias is None and do.stride(-1) == 1
+             and rng_seed is None and block_mask is None and dbias is None and grad_dtype is None
+             and do.stride(-1) == 1
              and PLANS and launch_common.plans_enabled())
     if plain:
         key = (launch_common.signature(do, q, k, v, out, lse), q.dtype, q.device, spec)
@@ -86,9 +87,9 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
             return _replay(plan, do, q, k, v, out, lse)
     varlen, batch, sq, sk, nheads, nheads_k, head_dim = layout(q, k, cu_seqlens_q, max_seqlen_q,
                                                                max_seqlen_k)
-    dq = empty(q.shape, q.dtype, q.device)
-    dk = empty(k.shape, k.dtype, k.device)
-    dv = empty(v.shape, v.dtype, v.device)
+    dq = empty(q.shape, grad_dtype or q.dtype, q.device)
+    dk = empty(k.shape, grad_dtype or k.dtype, k.device)
+    dv = empty(v.shape, grad_dtype or v.dtype, v.device)
     if batch == 0 or sq == 0 or sk == 0 or q.numel() == 0 or k.numel() == 0:
         if dbias is not None:
             dbias.zero_()
@@ -100,7 +101,7 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
     group = nheads // nheads_k
     bd = block_d(head_dim)
     prec = dot_precision(q.dtype)
-    scalars = scalar_args(spec)
+    scalars = scalar_args(spec, sq, sk, nheads)
     alibi, stride_ab = alibi_args(alibi_slopes, batch)
     lse_b, lse_h = lse_strides(lse, varlen)
     bias, bias_strides = bias_args(attn_bias)
