@@ -173,20 +173,25 @@ def _cp_step(q, k, v, do, mode, layout):
     return step
 
 
-def _peer_step(S, a, device, world):
-    """PyTorch's context_parallel over SDPA: (B, H, S, D) buffers sharded in place."""
+def _peer_time(S, a, device, world):
+    """Seconds per causal fwd+bwd step of PyTorch's context_parallel over SDPA, and its K/V
+    rotation method.  The ``(B, H, S, D)`` buffers are sharded in place (load-balanced) once,
+    on entering the context; the steps run inside it on the local shards."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental import _attention as cp_attention
     mesh = init_device_mesh(device, (world,))
     q, k, v, do = (x.transpose(1, 2).contiguous() for x in _inputs(S, a, device))
-    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    with context_parallel(mesh, buffers=[q, k, v, do], buffer_seq_dims=[2, 2, 2, 2],
+                          no_restore_buffers={q, k, v, do}):
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
 
-    def step():
-        with context_parallel(mesh, buffers=[q, k, v, do], buffer_seq_dims=[2, 2, 2, 2],
-                              no_restore_buffers={q, k, v, do}):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        def step():
+            out = F.scaled_dot_product_attention(*leaves, is_causal=True)
             out.backward(do)
-    return step
+        t = _time(step, device, a.warmup, a.iters)
+    rotate = getattr(getattr(cp_attention, "_cp_options", None), "rotate_method", None)
+    return t, str(getattr(rotate, "value", rotate))
 
 
 def _oom(e: BaseException) -> bool:
@@ -243,9 +248,9 @@ def _measure_world(S, a, device, rank, world, ref, label):
                    layout="torch", impl="torch.distributed.tensor.experimental.context_parallel"
                    " + SDPA")
         try:
-            t = _time(_peer_step(S, a, device, world), device, a.warmup, a.iters)
+            t, rotate = _peer_time(S, a, device, world)
             tflops = attn_flops(S, a.heads, a.headdim) / world / t / 1e12
-            row.update(ms=t * 1e3, tflops_per_gpu=tflops, efficiency=tflops / ref_tflops,
+            row.update(rotate_method=rotate, ms=t * 1e3, tflops_per_gpu=tflops, efficiency=tflops / ref_tflops,
                        reference_seqlen=ref_len, reference_tflops=ref_tflops)
         except Exception as e:  # noqa: BLE001
             row.update(error=f"{type(e).__name__}: {str(e)[:200]}")
