@@ -327,3 +327,24 @@ def test_zigzag_shards_hold_chunks_r_and_2R_minus_1_minus_r():
     starts = sorted(g for ps in got for _, g, _ in ps)
     assert starts == [3 * i for i in range(2 * R)]
     assert pieces("contiguous", R, 2, n) == [(0, 12, 6)]
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_partial_dropout_counters_of_a_batch_and_head_slice(backend):
+    """Batch entry 1 and heads 4..5 of a (3, 8)-head call, keys split at 10: the keep mask is
+    that slice of the whole call's (an element off would move the output far past the rule)."""
+    S, D, p = 24, 16, 0.3
+    q = randn(1, S, 2, D)
+    k, v = randn(1, S, 1, D), randn(1, S, 1, D)
+    seed = torch.tensor([next_seed()])
+    keep = keep_mask(int(seed[0]), p, 3, 8, S, S)[1:2, 4:6]
+    kw = dict(seqlen_q_total=S, seqlen_k_total=S, causal=True, dropout_p=p, rng_seed=seed,
+              batch_offset=1, head_offset=4, nheads_total=8)
+    with flashtile.use_backend(backend), poison_outputs():
+        parts = [partial_attention(q, k[:, a:b], v[:, a:b], k_offset=a, **kw)
+                 for a, b in ((0, 10), (10, S))]
+    out, _ = flashtile.merge_attention_states(*parts[0], *parts[1])
+    ref64 = math_attention(q.double(), k.double(), v.double(), window_right=0, dropout_mask=keep,
+                           dropout_p=p)[0]
+    base = math_attention(q, k, v, window_right=0, dropout_mask=keep, dropout_p=p)[0]
+    assert_flash_rule(f"{backend} batch/head slice", out, ref64, base, 2, 1e-5)

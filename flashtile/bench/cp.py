@@ -348,7 +348,7 @@ def _check(a, device):
     from flashtile import flash_attn_func, merge_attention_states
     from flashtile.distributed import partial_attention, partial_attention_backward
     from flashtile.rng import draw_seed
-    S, H, D = a.check_seqlen, a.heads, a.headdim
+    S = a.check_seqlen
     q, k, v, do = _inputs(S, a, device, seed=2)
     out = {"partial": [], "world1_overhead": []}
     for causal, window, p in ((True, (-1, -1), 0.0), (False, (300, 100), 0.0),
