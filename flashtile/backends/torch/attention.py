@@ -122,6 +122,8 @@ def _check(q, k, v, spec: AttnSpec, varlen: bool):
         raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({Hk})")
     if not varlen and k.shape[0] != q.shape[0]:
         raise ValueError("q and k must have the same batch size")
+    if varlen and spec.is_partial:
+        raise ValueError("partial calls (global offsets) take the dense layout, not varlen")
 
 
 def _slopes(alibi_slopes, B, H):
@@ -187,7 +189,7 @@ class _Band:
 
     def __init__(self, spec: AttnSpec, sq: int, sk: int):
         self.sk = sk
-        self.shift = sk - sq if spec.bottom_right else 0
+        self.shift = spec.shift(sq, sk)  # global positions for partial calls
         self.wl = spec.window_left
         self.wr = spec.window_right
         self._rel = None  # int32 [BM, 1, BN] offsets j - i, built on first use
@@ -244,7 +246,8 @@ class _Extras:
     """
 
     def __init__(self, B, H, Hk, attn_bias=None, block_mask=None, block_size=None,
-                 seed=None, dropout_p=0.0, batch_offset=0, seqlen_q=0, seqlen_k=0):
+                 seed=None, dropout_p=0.0, batch_offset=0, seqlen_q=0, seqlen_k=0,
+                 q_offset=0, k_offset=0, head_offset=0, nheads_total=0):
         self.B, self.H, self.Hk, self.G = B, H, Hk, H // Hk
         self.bias = attn_bias
         self.bias_bool = attn_bias is not None and attn_bias.dtype == torch.bool
@@ -253,6 +256,8 @@ class _Extras:
         self.seed = seed
         self.dropout_p = float(dropout_p)
         self.b0, self.cq, self.ck = batch_offset, seqlen_q, seqlen_k
+        self.q0, self.k0 = q_offset, k_offset  # global position of local query / key 0
+        self.h0, self.HT = head_offset, nheads_total or H  # global head of local head 0, count
 
     @property
     def active(self) -> bool:
@@ -295,10 +300,10 @@ class _Extras:
     def keep(self, i0, i1, j0, j1, device):
         """Dropout keep mask of the tile, float32 ``[B*Hk, BM*G, BN]`` of 0 / ``1 / (1 - p)``."""
         b = torch.arange(self.b0, self.b0 + self.B, device=device).view(-1, 1, 1, 1, 1)
-        h = torch.arange(self.H, device=device).view(1, self.Hk, 1, self.G, 1)
-        i = torch.arange(i0, i1, device=device).view(1, 1, -1, 1, 1)
-        j = torch.arange(j0, j1, device=device).view(1, 1, 1, 1, -1)
-        u = philox_uniform(self.seed, dropout_counters(b, h, i, j, self.H, self.cq, self.ck))
+        h = torch.arange(self.h0, self.h0 + self.H, device=device).view(1, self.Hk, 1, self.G, 1)
+        i = torch.arange(self.q0 + i0, self.q0 + i1, device=device).view(1, 1, -1, 1, 1)
+        j = torch.arange(self.k0 + j0, self.k0 + j1, device=device).view(1, 1, 1, 1, -1)
+        u = philox_uniform(self.seed, dropout_counters(b, h, i, j, self.HT, self.cq, self.ck))
         p32 = torch.tensor(self.dropout_p, dtype=torch.float32, device=device)
         z = (u >= p32).to(torch.float32) * (1.0 / (1.0 - self.dropout_p))
         return z.view(self.B * self.Hk, (i1 - i0) * self.G, j1 - j0)
@@ -325,6 +330,7 @@ class _Scores:
         self.band = band
         self.G = G
         self.sq, self.sk = sq, sk
+        self.alibi_shift = float(spec.alibi_shift(sq, sk))
         # [B*Hk, 1, G, 1]: one slope per (batch, kv head, group member), in base 2
         self.slopes = None if slopes is None else (slopes * _LOG2E).reshape(B * Hk, 1, G, 1)
         # what Q is pre-multiplied by, on top of tau, so that Q K^T comes out ready to use:
@@ -348,7 +354,7 @@ class _Scores:
             i = torch.arange(i0, i1, dtype=torch.float32, device=b_s.device)
             j = torch.arange(j0, j1, dtype=torch.float32, device=b_s.device)
             # ALiBi distance is always measured from the bottom-right diagonal
-            dist = (i.view(-1, 1) + float(self.sk - self.sq) - j.view(1, -1)).abs_()
+            dist = (i.view(-1, 1) + self.alibi_shift - j.view(1, -1)).abs_()
             b_s4.addcmul_(self.slopes, dist.view(1, i1 - i0, 1, BN), value=-1.0)
         if self.extras is not None:
             self.extras.apply(b_s4.view(self.extras.B, self.extras.Hk, i1 - i0, self.G, BN),
@@ -542,8 +548,10 @@ def _extras(q, k, spec: AttnSpec, varlen, attn_bias, rng_seed, block_mask, block
     if varlen:
         B, cq, ck = 1, int(max_seqlen_q or 0), int(max_seqlen_k or 0)
     else:
-        B, cq, ck = q.shape[0], q.shape[1], k.shape[1]
-    return _Extras(B, H, Hk, attn_bias, block_mask, block_size, seed, spec.dropout_p, 0, cq, ck)
+        B, (cq, ck) = q.shape[0], spec.totals(q.shape[1], k.shape[1])
+    return _Extras(B, H, Hk, attn_bias, block_mask, block_size, seed, spec.dropout_p,
+                   spec.batch_offset, cq, ck, spec.q_offset, spec.k_offset, spec.head_offset,
+                   spec.nheads_total)
 
 
 def _for_sequence(extras, b):
@@ -553,13 +561,14 @@ def _for_sequence(extras, b):
     pick = lambda t: None if t is None else t[b:b + 1] if t.shape[0] > 1 else t  # noqa: E731
     return _Extras(1, extras.H, extras.Hk, pick(extras.bias), pick(extras.block_mask),
                    (extras.bm, extras.bn), extras.seed, extras.dropout_p, b, extras.cq,
-                   extras.ck)
+                   extras.ck, head_offset=extras.h0, nheads_total=extras.HT)
 
 
 def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
             cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, attn_bias=None,
-            rng_seed=None, block_mask=None, block_size=None, block_table=None):
-    """Exact attention, tiled.  Returns ``(out, lse)``; layouts as in ``spec.py``.
+            rng_seed=None, block_mask=None, block_size=None, block_table=None, out_dtype=None):
+    """Exact attention, tiled.  Returns ``(out, lse)``; layouts as in ``spec.py``; ``out`` in
+    ``out_dtype`` (default q's dtype; partial calls ask for float32).
 
     ``max_seqlen_*`` only matter with dropout (they are the varlen counter strides).  With
     ``block_table`` (varlen), ``k``/``v`` are page pools ``(num_blocks, page_size, Hk, D)``.
@@ -582,13 +591,13 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
         extras = _extras(q, k, spec, varlen, attn_bias, rng_seed, block_mask, block_size,
                          max_seqlen_q, max_seqlen_k)
         if not varlen:
-            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+            out = torch.empty_like(q, dtype=out_dtype, memory_format=torch.contiguous_format)
             lse = torch.empty((q.shape[0], H, q.shape[1]), dtype=torch.float32,
                               device=q.device)
             _forward_dense(q, k, v, spec, _slopes(alibi_slopes, q.shape[0], H), out, lse,
                            extras)
             return out, lse
-        out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+        out = torch.zeros_like(q, dtype=out_dtype, memory_format=torch.contiguous_format)
         lse = torch.full((H, q.shape[0]), _NEG_INF, dtype=torch.float32, device=q.device)
         seqs = _sequences(cu_seqlens_q, cu_seqlens_k)
         slopes = _slopes(alibi_slopes, len(seqs), H)
@@ -679,8 +688,9 @@ def _backward_dense(do, q, k, v, out, lse, spec: AttnSpec, slopes, dq, dk, dv, e
 
 def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
              cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, attn_bias=None,
-             rng_seed=None, block_mask=None, block_size=None, dbias=None):
-    """Gradients ``(dq, dk, dv)`` of :func:`forward`, in the dtypes of ``q``, ``k``, ``v``.
+             rng_seed=None, block_mask=None, block_size=None, dbias=None, grad_dtype=None):
+    """Gradients ``(dq, dk, dv)`` of :func:`forward`, in the dtypes of ``q``, ``k``, ``v`` (or
+    ``grad_dtype``).
 
     With ``dbias`` (a tensor shaped like ``attn_bias``) the bias gradient is written into it.
     """
@@ -699,9 +709,9 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
         db_acc = None
         if dbias is not None:
             db_acc = torch.zeros(dbias.shape, dtype=torch.float32, device=dbias.device)
-        dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
-        dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
-        dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
+        dq = torch.zeros_like(q, dtype=grad_dtype, memory_format=torch.contiguous_format)
+        dk = torch.zeros_like(k, dtype=grad_dtype, memory_format=torch.contiguous_format)
+        dv = torch.zeros_like(v, dtype=grad_dtype, memory_format=torch.contiguous_format)
         if not varlen:
             _backward_dense(do, q, k, v, out, lse, spec, _slopes(alibi_slopes, q.shape[0], H),
                             dq, dk, dv, extras, db_acc)

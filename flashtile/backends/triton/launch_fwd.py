@@ -23,11 +23,13 @@ _plans = launch_common.PlanCache()
 
 def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
             max_seqlen_q=None, max_seqlen_k=None, attn_bias=None, rng_seed=None,
-            block_mask=None, block_size=None, block_table=None):
+            block_mask=None, block_size=None, block_table=None, out_dtype=None):
     """``(out, lse)``.  With ``block_table`` (varlen only) ``k``/``v`` are page pools
-    ``(num_blocks, page_size, Hk, D)`` read through the table inside the kernel."""
+    ``(num_blocks, page_size, Hk, D)`` read through the table inside the kernel.  ``out`` is in
+    ``out_dtype`` (default q's; partial calls ask for float32)."""
     no_feature = (alibi_slopes is None and cu_seqlens_q is None and attn_bias is None
-                  and rng_seed is None and block_mask is None and block_table is None)
+                  and rng_seed is None and block_mask is None and block_table is None
+                  and out_dtype is None)
     if no_feature and launch_sm90.eligible(q, k, v, spec):
         return launch_sm90.forward(q, k, v, spec)
     plain = no_feature and launch_common.plans_enabled()
@@ -54,7 +56,7 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu
     else:
         page_size, stride_bt = 1, 0
         k_strides, v_strides = seq_strides(k, varlen), seq_strides(v, varlen)
-    out = empty(q.shape, q.dtype, q.device)
+    out = empty(q.shape, out_dtype or q.dtype, q.device)
     lse_shape = (nheads, q.shape[0]) if varlen else (batch, nheads, sq)
     lse = empty(lse_shape, torch.float32, q.device)
     if out.numel() == 0 or batch == 0 or sq == 0:
@@ -77,7 +79,7 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu
         *bs_strides, bs_m, bs_n, stride_bt, sq, sk, nheads, nheads // nheads_k,
     ), dict(dropout_p=dropout_p, dropout_scale=dropout_scale, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
             BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size, DOT_PREC=dot_precision(q.dtype),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **scalar_args(spec)))
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **scalar_args(spec, sq, sk, nheads)))
     if plain and launched is not None and q.device.index is not None:
         compiled, values = launched
         # q, k, v, out, lse are the kernel's first five arguments; a new call replaces them

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .fwd import score_tile
-from .masking import (FEATURE_FLAGS, LOG2E, dropout_keep, dropout_row_base,
+from .masking import (FEATURE_FLAGS, LOG2E, dropout_keep, dropout_row0, dropout_row_base, frame,
                       key_range, query_range, sequence, tanh, tile_start, visible)
 
 
@@ -58,9 +58,9 @@ def _softcap_ds(b_ds, b_q, b_k, softcap_scale, DOT_PREC: tl.constexpr,
 
 @triton.jit
 def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse, p_delta,
-                stride_qm, stride_dm, o_n, o_d, m_start, m_end, sq, sk, shift,
+                stride_qm, stride_dm, o_n, o_d, m_start, m_end, sq, sk, shift, alibi_shift,
                 window_left, window_right, qk_scale, softcap_scale, slope,
-                p_bias, stride_bm, stride_bn, seed, bh, seqlen_q, seqlen_k, dropout_p,
+                p_bias, stride_bm, stride_bn, seed, row0, seqlen_k_total, k_offset, dropout_p,
                 dropout_scale, p_list, tiles_per_block, bs_m,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                 EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -93,7 +93,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse, p_delta,
             b_do = tl.load(p_do, mask=m_d[None, :], other=0.0)
             b_lse2 = _lse2(tl.load(p_lse + o_m))
             b_delta = tl.load(p_delta + o_m)
-        b_s = score_tile(b_q, b_k, o_m, o_n, sq, sk, qk_scale, softcap_scale, slope,
+        b_s = score_tile(b_q, b_k, o_m, o_n, sq, sk, alibi_shift, qk_scale, softcap_scale, slope,
                          p_bias, stride_bm, stride_bn, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI,
                          HAS_BIAS, BIAS_BOOL)  # [BLOCK_M, BLOCK_N]
         if MASKED:
@@ -101,7 +101,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse, p_delta,
             b_s = tl.where(m_vis, b_s, float("-inf"))
         b_p = tl.math.exp2(b_s - b_lse2[:, None])  # [BLOCK_M, BLOCK_N]
         if HAS_DROPOUT:
-            m_keep = dropout_keep(seed, dropout_row_base(bh, seqlen_q, seqlen_k, o_m), o_n,
+            m_keep = dropout_keep(seed, dropout_row_base(row0, seqlen_k_total, k_offset, o_m), o_n,
                                   dropout_p)
             b_pd = tl.where(m_keep, b_p * dropout_scale, 0.0)
         else:
@@ -131,6 +131,7 @@ def attn_bwd_dkdv_kernel(
     stride_bsb, stride_bsh, stride_bsr, bs_m, bs_n,
     seqlen_q, seqlen_k, HK, GROUP,
     scale, qk_scale, softcap_scale, window_left, window_right, dropout_p, dropout_scale,
+    q_offset, k_offset, seqlen_q_total, seqlen_k_total, batch_offset, head_offset, nheads_total,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -147,6 +148,8 @@ def attn_bwd_dkdv_kernel(
     i_hk = i_bh % HK
     q_start, sq, k_start, sk, shift = sequence(CU_Q, CU_K, i_b, seqlen_q, seqlen_k, IS_VARLEN,
                                                BOTTOM_RIGHT)
+    shift, alibi_shift = frame(sq, sk, q_offset, k_offset, seqlen_q_total, seqlen_k_total,
+                               IS_VARLEN, BOTTOM_RIGHT)
     n_first = i_n * BLOCK_N
     if n_first >= sk:
         return
@@ -175,7 +178,8 @@ def attn_bwd_dkdv_kernel(
         p_bias = BIAS
         if HAS_BIAS:
             p_bias = BIAS + i_b.to(tl.int64) * stride_biasb + i_h.to(tl.int64) * stride_biash
-        bh = (i_b * (HK * GROUP) + i_h).to(tl.int64)
+        row0 = dropout_row0(i_b, batch_offset, nheads_total, i_h, head_offset,
+                            seqlen_q_total, q_offset)
         p_q_base = Q + i_b.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qm + i_h * stride_qh
         p_do_base = (DO + i_b.to(tl.int64) * stride_dob + q_start.to(tl.int64) * stride_dom
                      + i_h * stride_doh)
@@ -189,38 +193,38 @@ def attn_bwd_dkdv_kernel(
             t_all = t_full + tl.load(p_bs + 1) * tpb
             b_dk, b_dv = _dkdv_inner(
                 b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse, p_delta, stride_qm,
-                stride_dom, o_n, o_d, 0, t_full, sq, sk, shift, window_left, window_right,
-                qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, bh,
-                seqlen_q, seqlen_k, dropout_p, dropout_scale, p_bs + 2, tpb, bs_m, HEAD_DIM,
+                stride_dom, o_n, o_d, 0, t_full, sq, sk, shift, alibi_shift, window_left, window_right,
+                qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, row0,
+                seqlen_k_total, k_offset, dropout_p, dropout_scale, p_bs + 2, tpb, bs_m, HEAD_DIM,
                 BLOCK_M, False, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
                 HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, True, 1)
             b_dk, b_dv = _dkdv_inner(
                 b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse, p_delta, stride_qm,
-                stride_dom, o_n, o_d, t_full, t_all, sq, sk, shift, window_left, window_right,
-                qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, bh,
-                seqlen_q, seqlen_k, dropout_p, dropout_scale, p_bs + 2, tpb, bs_m, HEAD_DIM,
+                stride_dom, o_n, o_d, t_full, t_all, sq, sk, shift, alibi_shift, window_left, window_right,
+                qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, row0,
+                seqlen_k_total, k_offset, dropout_p, dropout_scale, p_bs + 2, tpb, bs_m, HEAD_DIM,
                 BLOCK_M, True, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
                 HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, True, 1)
         else:
             b_dk, b_dv = _dkdv_inner(
                 b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse, p_delta, stride_qm,
-                stride_dom, o_n, o_d, lo, full_lo, sq, sk, shift, window_left, window_right,
-                qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, bh,
-                seqlen_q, seqlen_k, dropout_p, dropout_scale, BS_IDX, 1, 1, HEAD_DIM, BLOCK_M, True, EVEN_D,
+                stride_dom, o_n, o_d, lo, full_lo, sq, sk, shift, alibi_shift, window_left, window_right,
+                qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, row0,
+                seqlen_k_total, k_offset, dropout_p, dropout_scale, BS_IDX, 1, 1, HEAD_DIM, BLOCK_M, True, EVEN_D,
                 DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL,
                 HAS_DROPOUT, False, BLOCK_M)
             b_dk, b_dv = _dkdv_inner(
                 b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse, p_delta, stride_qm,
-                stride_dom, o_n, o_d, full_lo, full_hi, sq, sk, shift, window_left,
+                stride_dom, o_n, o_d, full_lo, full_hi, sq, sk, shift, alibi_shift, window_left,
                 window_right, qk_scale, softcap_scale, slope, p_bias, stride_biasm,
-                stride_biasn, seed, bh, seqlen_q, seqlen_k, dropout_p, dropout_scale, BS_IDX, 1, 1, HEAD_DIM,
+                stride_biasn, seed, row0, seqlen_k_total, k_offset, dropout_p, dropout_scale, BS_IDX, 1, 1, HEAD_DIM,
                 BLOCK_M, False, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
                 HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, False, BLOCK_M)
             b_dk, b_dv = _dkdv_inner(
                 b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse, p_delta, stride_qm,
-                stride_dom, o_n, o_d, full_hi, hi, sq, sk, shift, window_left, window_right,
-                qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, bh,
-                seqlen_q, seqlen_k, dropout_p, dropout_scale, BS_IDX, 1, 1, HEAD_DIM, BLOCK_M, True, EVEN_D,
+                stride_dom, o_n, o_d, full_hi, hi, sq, sk, shift, alibi_shift, window_left, window_right,
+                qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, row0,
+                seqlen_k_total, k_offset, dropout_p, dropout_scale, BS_IDX, 1, 1, HEAD_DIM, BLOCK_M, True, EVEN_D,
                 DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL,
                 HAS_DROPOUT, False, BLOCK_M)
     p_dk = (DK + i_b.to(tl.int64) * stride_dkb + k_start.to(tl.int64) * stride_dkn
@@ -233,7 +237,7 @@ def attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn,
-              o_m, o_d, n_start, n_end, sq, sk, shift, window_left, window_right,
+              o_m, o_d, n_start, n_end, sq, sk, shift, alibi_shift, window_left, window_right,
               qk_scale, softcap_scale, slope, p_bias, stride_bm, stride_bn, seed, row_base,
               dropout_p, dropout_scale, p_dbias, stride_dbm, stride_dbn,
               p_list, tiles_per_block, bs_n,
@@ -261,7 +265,7 @@ def _dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, s
         else:
             b_k = tl.load(p_k, mask=m_d[None, :], other=0.0)
             b_v = tl.load(p_v, mask=m_d[None, :], other=0.0)
-        b_s = score_tile(b_q, b_k, o_m, o_n, sq, sk, qk_scale, softcap_scale, slope,
+        b_s = score_tile(b_q, b_k, o_m, o_n, sq, sk, alibi_shift, qk_scale, softcap_scale, slope,
                          p_bias, stride_bm, stride_bn, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI,
                          HAS_BIAS, BIAS_BOOL)  # [BLOCK_M, BLOCK_N]
         if MASKED:
@@ -301,6 +305,7 @@ def attn_bwd_dq_kernel(
     stride_bsb, stride_bsh, stride_bsr, bs_m, bs_n,
     seqlen_q, seqlen_k, H, GROUP,
     scale, qk_scale, softcap_scale, window_left, window_right, dropout_p, dropout_scale,
+    q_offset, k_offset, seqlen_q_total, seqlen_k_total, batch_offset, head_offset, nheads_total,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -319,6 +324,8 @@ def attn_bwd_dq_kernel(
     i_hk = i_h // GROUP
     q_start, sq, k_start, sk, shift = sequence(CU_Q, CU_K, i_b, seqlen_q, seqlen_k, IS_VARLEN,
                                                BOTTOM_RIGHT)
+    shift, alibi_shift = frame(sq, sk, q_offset, k_offset, seqlen_q_total, seqlen_k_total,
+                               IS_VARLEN, BOTTOM_RIGHT)
     m_first = i_m * BLOCK_M
     if m_first >= sq:
         return
@@ -352,7 +359,10 @@ def attn_bwd_dq_kernel(
     row_base = o_m
     if HAS_DROPOUT:
         seed = tl.load(RNG)
-        row_base = dropout_row_base((i_b * H + i_h).to(tl.int64), seqlen_q, seqlen_k, o_m)
+        row_base = dropout_row_base(
+            dropout_row0(i_b, batch_offset, nheads_total, i_h, head_offset, seqlen_q_total,
+                         q_offset), seqlen_k_total,
+            k_offset, o_m)
     p_k_base = K + i_b.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_kn + i_hk * stride_kh
     p_v_base = V + i_b.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vn + i_hk * stride_vh
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -367,14 +377,14 @@ def attn_bwd_dq_kernel(
         t_all = t_full + tl.load(p_bs + 1) * tpb
         b_dq = _dq_inner(
             b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d,
-            0, t_full, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
+            0, t_full, sq, sk, shift, alibi_shift, window_left, window_right, qk_scale, softcap_scale, slope,
             p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, dropout_scale,
             p_dbias, stride_dbm, stride_dbn, p_bs + 2, tpb, bs_n, HEAD_DIM, BLOCK_N, False,
             EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL,
             HAS_DROPOUT, STORE_DBIAS, True, 1)
         b_dq = _dq_inner(
             b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d,
-            t_full, t_all, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale,
+            t_full, t_all, sq, sk, shift, alibi_shift, window_left, window_right, qk_scale, softcap_scale,
             slope, p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, dropout_scale,
             p_dbias, stride_dbm, stride_dbn, p_bs + 2, tpb, bs_n, HEAD_DIM, BLOCK_N, True,
             EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL,
@@ -382,21 +392,21 @@ def attn_bwd_dq_kernel(
     else:
         b_dq = _dq_inner(
             b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d,
-            lo, full_lo, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale,
+            lo, full_lo, sq, sk, shift, alibi_shift, window_left, window_right, qk_scale, softcap_scale,
             slope, p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, dropout_scale,
             p_dbias, stride_dbm, stride_dbn, BS_IDX, 1, 1, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC,
             HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT,
             STORE_DBIAS, False, BLOCK_N)
         b_dq = _dq_inner(
             b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d,
-            full_lo, full_hi, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale,
+            full_lo, full_hi, sq, sk, shift, alibi_shift, window_left, window_right, qk_scale, softcap_scale,
             slope, p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, dropout_scale,
             p_dbias, stride_dbm, stride_dbn, BS_IDX, 1, 1, HEAD_DIM, BLOCK_N, False, EVEN_D, DOT_PREC,
             HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT,
             STORE_DBIAS, False, BLOCK_N)
         b_dq = _dq_inner(
             b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d,
-            full_hi, hi, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale,
+            full_hi, hi, sq, sk, shift, alibi_shift, window_left, window_right, qk_scale, softcap_scale,
             slope, p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, dropout_scale,
             p_dbias, stride_dbm, stride_dbn, BS_IDX, 1, 1, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC,
             HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT,

@@ -35,8 +35,8 @@ Optional features (constexpr flags, derived from which optional pointers are Non
 import triton
 import triton.language as tl
 
-from .masking import (FEATURE_FLAGS, LOG2E, apply_bias, dropout_keep, dropout_row_base,
-                      key_range, sequence, tanh, tile_start, visible)
+from .masking import (FEATURE_FLAGS, LOG2E, apply_bias, dropout_keep, dropout_row0,
+                      dropout_row_base, frame, key_range, sequence, tanh, tile_start, visible)
 
 # The forward kernel's flags: the shared ones plus paged keys/values, which only the forward
 # reads in place (the backward runs on keys/values gathered from the pages).
@@ -47,21 +47,22 @@ FWD_FEATURE_FLAGS = {
 
 
 @triton.jit
-def score_tile(b_q, b_k, o_m, o_n, sq, sk, qk_scale, softcap_scale, slope,
+def score_tile(b_q, b_k, o_m, o_n, sq, sk, alibi_shift, qk_scale, softcap_scale, slope,
                p_bias, stride_bm, stride_bn,
                DOT_PREC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                HAS_BIAS: tl.constexpr, BIAS_BOOL: tl.constexpr):
     """Base-2 scores of one tile before the visibility mask, ``# [BLOCK_M, BLOCK_N]``.
 
     Without softcap ``qk_scale = scale * log2(e)``; with it ``qk_scale = softcap * log2(e)``
-    and ``softcap_scale = scale / softcap``.  ``slope`` is already multiplied by log2(e).
+    and ``softcap_scale = scale / softcap``.  ``slope`` is already multiplied by log2(e);
+    ALiBi's distance is ``|i + alibi_shift - j|`` (``masking.frame``).
     """
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
     if HAS_SOFTCAP:
         b_s = tanh(b_s * softcap_scale)
     b_s = b_s * qk_scale
     if HAS_ALIBI:
-        b_dist = (o_m[:, None] + (sk - sq)) - o_n[None, :]  # [BLOCK_M, BLOCK_N]
+        b_dist = (o_m[:, None] + alibi_shift) - o_n[None, :]  # [BLOCK_M, BLOCK_N]
         b_s = b_s - slope * tl.abs(b_dist).to(tl.float32)
     if HAS_BIAS:
         b_s = apply_bias(b_s, p_bias, stride_bm, stride_bn, o_m, o_n, sq, sk, BIAS_BOOL)
@@ -101,7 +102,7 @@ def _kv_rows(p_bt, n0, o_n, sk, stride_kpage, stride_kn, stride_vpage, stride_vn
 
 @triton.jit
 def _fwd_inner(b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn,
-               o_m, o_d, n_start, n_end, sq, sk, shift, window_left, window_right,
+               o_m, o_d, n_start, n_end, sq, sk, shift, alibi_shift, window_left, window_right,
                qk_scale, softcap_scale, slope, p_bias, stride_bm, stride_bn,
                seed, row_base, dropout_p, p_bt, stride_kpage, stride_vpage,
                p_list, tiles_per_block, bs_n,
@@ -137,7 +138,7 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn,
             b_k = tl.load(p_k)
         else:
             b_k = tl.load(p_k, mask=m_d[None, :], other=0.0)
-        b_s = score_tile(b_q, b_k, o_m, o_n, sq, sk, qk_scale, softcap_scale, slope,
+        b_s = score_tile(b_q, b_k, o_m, o_n, sq, sk, alibi_shift, qk_scale, softcap_scale, slope,
                          p_bias, stride_bm, stride_bn, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI,
                          HAS_BIAS, BIAS_BOOL)  # [BLOCK_M, BLOCK_N]
         if MASKED:
@@ -181,6 +182,7 @@ def attn_fwd_kernel(
     stride_bsb, stride_bsh, stride_bsr, bs_m, bs_n, stride_btb,
     seqlen_q, seqlen_k, H, GROUP,
     qk_scale, softcap_scale, window_left, window_right, dropout_p, dropout_scale,
+    q_offset, k_offset, seqlen_q_total, seqlen_k_total, batch_offset, head_offset, nheads_total,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -198,6 +200,8 @@ def attn_fwd_kernel(
     i_hk = i_h // GROUP
     q_start, sq, k_start, sk, shift = sequence(CU_Q, CU_K, i_b, seqlen_q, seqlen_k, IS_VARLEN,
                                                BOTTOM_RIGHT)
+    shift, alibi_shift = frame(sq, sk, q_offset, k_offset, seqlen_q_total, seqlen_k_total,
+                               IS_VARLEN, BOTTOM_RIGHT)
     m_first = i_m * BLOCK_M
     if m_first >= sq:
         return
@@ -232,7 +236,10 @@ def attn_fwd_kernel(
     row_base = o_m
     if HAS_DROPOUT:
         seed = tl.load(RNG)
-        row_base = dropout_row_base((i_b * H + i_h).to(tl.int64), seqlen_q, seqlen_k, o_m)
+        row_base = dropout_row_base(
+            dropout_row0(i_b, batch_offset, nheads_total, i_h, head_offset, seqlen_q_total,
+                         q_offset), seqlen_k_total,
+            k_offset, o_m)
 
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -250,14 +257,14 @@ def attn_fwd_kernel(
         t_all = t_full + tl.load(p_bs + 1) * tpb
         b_acc, b_l, b_m = _fwd_inner(
             b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, 0,
-            t_full, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
+            t_full, sq, sk, shift, alibi_shift, window_left, window_right, qk_scale, softcap_scale, slope,
             p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
             stride_vb, p_bs + 2, tpb, bs_n, HEAD_DIM, BLOCK_N, False, EVEN_D, DOT_PREC,
             HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED,
             PAGE_SIZE, True, 1)
         b_acc, b_l, b_m = _fwd_inner(
             b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, t_full,
-            t_all, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
+            t_all, sq, sk, shift, alibi_shift, window_left, window_right, qk_scale, softcap_scale, slope,
             p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
             stride_vb, p_bs + 2, tpb, bs_n, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC,
             HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED,
@@ -267,21 +274,21 @@ def attn_fwd_kernel(
         # Stage 3: tiles cut by the right edge (the causal diagonal) or the end of the sequence.
         b_acc, b_l, b_m = _fwd_inner(
             b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, lo,
-            full_lo, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
+            full_lo, sq, sk, shift, alibi_shift, window_left, window_right, qk_scale, softcap_scale, slope,
             p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
             stride_vb, BS_IDX, 1, 1, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC, HAS_SOFTCAP,
             HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED, PAGE_SIZE,
             False, BLOCK_N)
         b_acc, b_l, b_m = _fwd_inner(
             b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, full_lo,
-            full_hi, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
+            full_hi, sq, sk, shift, alibi_shift, window_left, window_right, qk_scale, softcap_scale, slope,
             p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
             stride_vb, BS_IDX, 1, 1, HEAD_DIM, BLOCK_N, False, EVEN_D, DOT_PREC, HAS_SOFTCAP,
             HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED, PAGE_SIZE,
             False, BLOCK_N)
         b_acc, b_l, b_m = _fwd_inner(
             b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, full_hi,
-            hi, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
+            hi, sq, sk, shift, alibi_shift, window_left, window_right, qk_scale, softcap_scale, slope,
             p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
             stride_vb, BS_IDX, 1, 1, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC, HAS_SOFTCAP,
             HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED, PAGE_SIZE,

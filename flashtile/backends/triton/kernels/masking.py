@@ -17,6 +17,9 @@ Optional element-wise features, each behind a constexpr flag of the kernels:
 * dropout: element ``(b, h, i, j)`` is kept iff ``tl.rand(seed, counter) >= p`` with the int64
   counter ``((b * H + h) * seqlen_q + i) * seqlen_k + j`` (:func:`dropout_keep`; the same rule
   as ``flashtile.rng``);
+* partial calls (dense): runtime offsets and global lengths (:func:`frame`,
+  :func:`dropout_row0`) make the masks, ALiBi distances and dropout counters those of the
+  global positions, so blocks of one long sequence computed apart agree with the whole call;
 * block sparsity: the kernels walk host-built lists of the nonzero mask blocks, those visible
   throughout first (no predicate), then those cut by a bound (``launch_common.block_lists``),
   so zero blocks are never loaded.
@@ -58,6 +61,27 @@ def sequence(CU_Q, CU_K, i_b, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr,
     else:
         shift = sk * 0
     return q_start, sq, k_start, sk, shift
+
+
+@triton.jit
+def frame(sq, sk, q_offset, k_offset, seqlen_q_total, seqlen_k_total, IS_VARLEN: tl.constexpr,
+          BOTTOM_RIGHT: tl.constexpr):
+    """``(shift, alibi_shift)`` of a call whose local query ``i`` / key ``j`` are the global
+    ``q_offset + i`` / ``k_offset + j`` of a sequence of ``seqlen_*_total`` queries / keys (a
+    partial call; a plain call has offsets 0 and totals equal to its lengths): key ``j`` is on
+    the diagonal of query ``i`` when ``j = i + shift``, and ALiBi's distance is
+    ``|i + alibi_shift - j|`` (always bottom-right).  Varlen calls are never partial: their
+    diagonal is each sequence's ``sk - sq``."""
+    if IS_VARLEN:
+        d = sk - sq
+    else:
+        d = seqlen_k_total - seqlen_q_total
+    alibi_shift = d + (q_offset - k_offset) + sk * 0
+    if BOTTOM_RIGHT:
+        shift = alibi_shift
+    else:
+        shift = (q_offset - k_offset) + sk * 0
+    return shift, alibi_shift
 
 
 # A constexpr so kernels may read it as a global.
@@ -183,7 +207,15 @@ def dropout_keep(seed, row_base, o_n, dropout_p):
 
 
 @triton.jit
-def dropout_row_base(bh, seqlen_q, seqlen_k, o_m):
-    """int64 ``(bh * seqlen_q + i) * seqlen_k`` for the rows ``o_m``, with ``bh = b * H + h``
-    already int64, ``# [BLOCK]``."""
-    return (bh * seqlen_q + o_m.to(tl.int64)) * seqlen_k
+def dropout_row_base(row0, seqlen_k_total, k_offset, o_m):
+    """int64 counter of local key 0 for the rows ``o_m``, ``# [BLOCK]``:
+    ``(row0 + i) * seqlen_k_total + k_offset`` with the int64
+    ``row0 = ((batch_offset + b) * H + h) * seqlen_q_total + q_offset`` (:func:`dropout_row0`)."""
+    return (row0 + o_m.to(tl.int64)) * seqlen_k_total + k_offset
+
+
+@triton.jit
+def dropout_row0(i_b, batch_offset, nheads_total, i_h, head_offset, seqlen_q_total, q_offset):
+    """int64 dropout counter row of local query 0 of batch entry ``i_b``, head ``i_h``."""
+    return (((i_b + batch_offset) * nheads_total + head_offset + i_h).to(tl.int64)
+            * seqlen_q_total + q_offset)
