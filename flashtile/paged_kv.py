@@ -15,7 +15,7 @@ A row's capacity is ``max_blocks * page_size``.  Page sizes must be a multiple o
 at an unaligned offset.
 
 Everything here is plain PyTorch (any device).  The gathers are what the torch backend of
-:func:`flashtile.decode.flash_attn_with_kvcache` reads the cache with; the Triton kernels do
+:func:`flashtile.kvcache.flash_attn_with_kvcache` reads the cache with; the Triton kernels do
 the same mapping per key inside the kernel.
 
 Varlen calls with ``block_table`` (:func:`flashtile.flash_attn_varlen_func`) number the keys of

@@ -18,7 +18,7 @@ from flashtile.distributed import partial_attention, partial_attention_backward
 from flashtile.rng import keep_mask
 
 from helpers import assert_close, assert_flash_rule, check_flash_rule, next_seed, randn
-from helpers_reference import math_attention
+from helpers import math_attention
 
 # ---------------------------------------------------------------------------------------
 # partial attention: blocks of one sequence at their global offsets

@@ -174,7 +174,7 @@ def _plan(on_gpu: bool, head_dim: int, seqlen_q: int, group: int, dtype: torch.d
 # arguments per launch rebuilt from the same shapes.  While a call runs with a recorder, every
 # allocation and every direct launch (compiled kernel, grid, arguments) is noted;
 # :func:`record_plan` turns that into a :class:`Plan` that replays the call for new tensors of
-# the same signature (see ``flashtile.decode``): allocate the same buffers, put the caller's
+# the same signature (see ``flashtile.kvcache``): allocate the same buffers, put the caller's
 # tensors and the buffers in their argument slots, launch the same compiled kernels.
 _tls = threading.local()  # the recorder of the call running on this thread, if any
 
