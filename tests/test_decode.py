@@ -930,12 +930,3 @@ def test_triton_kernels_under_interpreter():
     text = log.read()
     assert rc == 0, f"triton tests under TRITON_INTERPRET=1 failed (rc={rc}):\n{text[-20000:]}"
     assert " passed" in text and " failed" not in text, text[-2000:]
-
-
-def test_decode_module_name_is_kvcache():
-    """``flashtile.decode`` (the former module name) is ``flashtile.kvcache`` itself."""
-    import flashtile.decode
-    import flashtile.kvcache
-
-    assert flashtile.decode is flashtile.kvcache
-    assert flashtile.decode.flash_attn_with_kvcache is flash_attn_with_kvcache

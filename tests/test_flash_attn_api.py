@@ -202,7 +202,7 @@ from flash_attn import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qk
 from flash_attn.bert_padding import pad_input, unpad_input, index_first_axis
 from flash_attn.flash_attn_interface import _get_block_size_n, USE_TRITON_ROCM
 from flash_attn.layers.rotary import apply_rotary_emb
-from flashtile.decode import apply_rotary
+from flashtile.rotary import apply_rotary
 assert flash_attn_varlen_qkvpacked_func is flashtile.flash_attn_varlen_qkvpacked_func
 x = torch.randn(2, 5, 3, 16)
 cos, sin = torch.randn(12, 4), torch.randn(12, 4)
