@@ -64,9 +64,12 @@ def test_flash_attn_func_and_varlen_under_autocast(device, backend, dtype):
             out_varlen = flashtile.flash_attn_varlen_func(
                 q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, 24, 24, causal=True)
         want = flashtile.flash_attn_func(q.to(dtype), k.to(dtype), v.to(dtype), causal=True)
+        want_varlen = flashtile.flash_attn_varlen_func(
+            *(x.to(dtype).flatten(0, 1) for x in (q, k, v)), cu, cu, 24, 24, causal=True)
     assert out.dtype == out_varlen.dtype == dtype
     assert torch.equal(out, want)
-    assert torch.equal(out_varlen, want.flatten(0, 1))
+    # (the dense call may take PyTorch's fused CPU kernel, the varlen call the tiled engine)
+    assert torch.equal(out_varlen, want_varlen)
 
 
 def test_autocast_disabled_region_keeps_input_dtype():
