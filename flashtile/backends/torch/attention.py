@@ -400,6 +400,8 @@ def aten_route(q, k, v, spec: AttnSpec, *, varlen=False, alibi_slopes=None, attn
     """
     if not USE_ATEN or varlen or block_table is not None:
         return None
+    if spec.is_partial or spec.head_offset or spec.nheads_total:
+        return None  # global offsets / lengths of a partial call: the kernel has no such frame
     if alibi_slopes is not None or block_mask is not None:
         return None
     if attn_bias is not None and (attn_bias.dtype != torch.bool or attn_bias.dim() != 4
@@ -583,8 +585,10 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
         k, v = paged_kv.gather_varlen(k, slots), paged_kv.gather_varlen(v, slots)
     _check(q, k, v, spec, varlen)
     H = q.shape[-2]
-    causal = aten_route(q, k, v, spec, varlen=varlen, alibi_slopes=alibi_slopes,
-                        attn_bias=attn_bias, block_mask=block_mask, block_table=block_table)
+    causal = None
+    if out_dtype in (None, q.dtype):
+        causal = aten_route(q, k, v, spec, varlen=varlen, alibi_slopes=alibi_slopes,
+                            attn_bias=attn_bias, block_mask=block_mask, block_table=block_table)
     with torch.no_grad():
         if causal is not None:
             return _aten_forward(q, k, v, spec, causal, attn_bias)
@@ -699,8 +703,10 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
         raise ValueError("give both cu_seqlens_q and cu_seqlens_k, or neither")
     _check(q, k, v, spec, varlen)
     H = q.shape[-2]
-    causal = aten_route(q, k, v, spec, varlen=varlen, alibi_slopes=alibi_slopes,
-                        attn_bias=attn_bias, block_mask=block_mask)
+    causal = None
+    if grad_dtype in (None, q.dtype):
+        causal = aten_route(q, k, v, spec, varlen=varlen, alibi_slopes=alibi_slopes,
+                            attn_bias=attn_bias, block_mask=block_mask)
     with torch.no_grad():
         if causal is not None:
             return _aten_backward(do, q, k, v, out, lse, spec, causal, attn_bias)
