@@ -244,7 +244,7 @@ def test_worker_runs_each_pass_between_markers_and_logs_configs(tmp_path, monkey
     entries = [json.loads(line) for line in log.read_text().splitlines()]
     assert [(e["index"], e.get("pass_")) for e in entries] == [
         (0, "fwd"), (0, "bwd"), (1, "fwd"), (1, "bwd"), (2, None), (3, "bwd"), (4, "fwd"),
-        (4, "bwd")]
+        (4, "bwd")], entries
     assert "error" in entries[4] and not entries[4].get("marked")
     assert entries[5]["configs"]["dkdv"] == [16, 16, 1, 1]
     assert entries[0]["configs"]["fwd"][:2] == [16, 16]  # the interpreter's tiles
