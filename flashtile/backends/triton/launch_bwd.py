@@ -87,6 +87,9 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
              rng_seed=None, block_mask=None, block_size=None, dbias=None, grad_dtype=None):
     """Returns ``(dq, dk, dv)`` (in ``grad_dtype``, default the inputs' dtypes); with ``dbias``
     (shaped like ``attn_bias``) also writes the gradient of the additive bias into it."""
+    if not lse.is_contiguous():
+        # the kernels index the contiguous ``delta`` buffer with lse's strides
+        lse = lse.contiguous()
     plain = (alibi_slopes is None and cu_seqlens_q is None and attn_bias is None
              and rng_seed is None and block_mask is None and dbias is None and grad_dtype is None
              and do.stride(-1) == 1
