@@ -154,9 +154,10 @@ def softcap(c):
 
 
 def check_qkv(q, k, v, layout_q: str, layout_kv: str, ndim: int, names=("q", "k", "v"),
-              ndim_kv: int | None = None) -> None:
+              ndim_kv: int | None = None, heads_dim: int = -2) -> None:
     """q, k, v: tensors of the given ranks, one supported float dtype, one device, contiguous
-    last dimension, k and v of one shape, one head dim, query heads a multiple of k/v heads."""
+    last dimension, k and v of one shape, one head dim, query heads (dimension ``heads_dim``)
+    a multiple of k/v heads."""
     nq, nk, nv = names
     ndim_kv = ndim if ndim_kv is None else ndim_kv
     tensor(nq, q, ndim, layout_q)
@@ -175,7 +176,7 @@ def check_qkv(q, k, v, layout_q: str, layout_kv: str, ndim: int, names=("q", "k"
         raise FlashtileInputError(f"headdim of {nq} ({q.shape[-1]}) and {nk}/{nv} "
                                   f"({k.shape[-1]}) must match")
     head_dim(q.shape[-1], nq)
-    heads(q.shape[-2], k.shape[-2])
+    heads(q.shape[heads_dim], k.shape[heads_dim])
 
 
 def spec(q, softmax_scale_, causal, window_size, softcap_, dropout_p, bottom_right=True,

@@ -38,10 +38,26 @@ def _spec(softmax_scale, window_left, window_right, bottom_right, softcap, dropo
                     float(softcap), float(dropout_p))
 
 
-def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor], max_seqlen_q: int):
+def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor], max_seqlen_q: int,
+               heads_first: bool = False):
     if cu_seqlens_q is not None:
         return (q.shape[1], q.shape[0])
+    if heads_first:
+        return (q.shape[0], q.shape[1], q.shape[2])
     return (q.shape[0], q.shape[2], q.shape[1])
+
+
+def _as_promised(x: Tensor, like: Optional[Tensor] = None) -> Tensor:
+    """``x`` with the strides the ops' fake implementations promise (the compiled graph reads
+    the result with those): contiguous, or with ``like`` those of ``torch.empty_like(like)``.
+    A copy only where the backend's layout differs (PyTorch's CPU kernel returns a transposed
+    ``lse`` and flash-layout gradients); eager calls skip this."""
+    if like is None or like.is_contiguous():
+        return x.contiguous()
+    want = torch.empty_like(like, device="meta").stride()
+    if all(a == b for n, a, b in zip(x.shape, x.stride(), want) if n != 1):
+        return x
+    return torch.empty_like(like).copy_(x)
 
 
 def _kwargs(alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_bias,
@@ -70,9 +86,16 @@ def _no_autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
+def _native_heads_first(name: str) -> bool:
+    """Whether backend ``name`` takes dense ``(B, H, S, D)`` tensors itself (the torch backend:
+    PyTorch's fused CPU kernel reads that layout); the others get flash-layout views."""
+    return name == "torch"
+
+
 def _forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
              softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p,
-             attn_bias, rng_seed, block_mask, block_m, block_n, block_table=None):
+             attn_bias, rng_seed, block_mask, block_m, block_n, block_table=None,
+             heads_first=False):
     if cu_seqlens_q is not None:
         # the value checks run here, inside the op, so they hold eager and compiled alike
         if V.value_checks_enabled(q.device):
@@ -83,42 +106,61 @@ def _forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                 cu_seqlens_q, cu_seqlens_k, q.shape[0], k, max_seqlen_q, max_seqlen_k,
                 block_table)
     spec = _spec(softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p)
-    impl = backends.get(backends.select(q.device))
+    name = backends.select(q.device)
+    impl = backends.get(name)
+    kw = _kwargs(alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_bias,
+                 rng_seed, block_mask, block_m, block_n, block_table)
     with _no_autocast(q.device):
-        return impl.forward(q, k, v, spec, **_kwargs(alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                                                     max_seqlen_q, max_seqlen_k, attn_bias,
-                                                     rng_seed, block_mask, block_m, block_n,
-                                                     block_table))
+        if not heads_first:
+            return impl.forward(q, k, v, spec, **kw)
+        if _native_heads_first(name):
+            return impl.forward(q, k, v, spec, heads_first=True, **kw)
+        out, lse = impl.forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), spec,
+                                **kw)
+        return out.transpose(1, 2), lse
 
 
 def _backward_impl(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                    max_seqlen_k, softmax_scale, window_left, window_right, bottom_right, softcap,
                    dropout_p, attn_bias, rng_seed, block_mask, block_m, block_n, bias_grad,
-                   block_table=None):
+                   block_table=None, heads_first=False):
     """``(dq, dk, dv, dbias)``; ``dbias`` is an empty ``(0,)`` tensor unless ``bias_grad``.
 
     Paged ``k``/``v`` (``block_table``): the backward runs on the packed keys/values the call
     read, and dK/dV come back in the paged layout (zero in slots no key maps to, summed where
     sequences share a page)."""
-    with _no_autocast(q.device):
-        return _backward_body(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                              max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
-                              window_right, bottom_right, softcap, dropout_p, attn_bias,
-                              rng_seed, block_mask, block_m, block_n, bias_grad, block_table)
+    dq, dk, dv, dbias = _backward_eager(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q,
+                                        cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                        window_left, window_right, bottom_right, softcap,
+                                        dropout_p, attn_bias, rng_seed, block_mask, block_m,
+                                        block_n, bias_grad, block_table, heads_first)
+    return dq, dk, dv, q.new_empty((0,)) if dbias is None else dbias
+
+
+def _backward_eager(*args):
+    """``_backward_impl`` with ``dbias`` None unless ``bias_grad`` (no placeholder tensor)."""
+    with _no_autocast(args[1].device):
+        return _backward_body(*args)
 
 
 def _backward_body(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                    max_seqlen_k, softmax_scale, window_left, window_right, bottom_right, softcap,
                    dropout_p, attn_bias, rng_seed, block_mask, block_m, block_n, bias_grad,
-                   block_table):
+                   block_table, heads_first):
     if cu_seqlens_q is not None and not V.value_checks_enabled(q.device):
         # the forward's guard (CUDA-graph capture): the same clamped indices
         cu_seqlens_q, cu_seqlens_k, block_table = V.varlen_guard(
             cu_seqlens_q, cu_seqlens_k, q.shape[0], k, max_seqlen_q, max_seqlen_k, block_table)
     spec = _spec(softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p)
-    impl = backends.get(backends.select(q.device))
+    name = backends.select(q.device)
+    impl = backends.get(name)
     kw = _kwargs(alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                  attn_bias, rng_seed, block_mask, block_m, block_n)
+    flip = heads_first and not _native_heads_first(name)
+    if heads_first and not flip:
+        kw["heads_first"] = True
+    if flip:  # flash-layout views for a backend that takes only that layout
+        do, q, k, v, out = (x.transpose(1, 2) for x in (do, q, k, v, out))
     k_pool, v_pool, slots = k, v, None
     if block_table is not None:
         slots = paged_kv.varlen_slots(block_table, cu_seqlens_k, int(k.shape[1]))
@@ -127,11 +169,13 @@ def _backward_body(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens
         dbias = torch.empty_like(attn_bias, memory_format=torch.contiguous_format)
         dq, dk, dv = impl.backward(do, q, k, v, out, lse, spec, dbias=dbias, **kw)
     else:
-        dbias = q.new_empty((0,))
+        dbias = None
         dq, dk, dv = impl.backward(do, q, k, v, out, lse, spec, **kw)
     if slots is not None:
         dk = paged_kv.scatter_add_varlen(dk, slots, k_pool)
         dv = paged_kv.scatter_add_varlen(dv, slots, v_pool)
+    if flip:
+        dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     return dq, dk, dv, dbias
 
 
@@ -141,18 +185,23 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor],
              max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
              bottom_right: bool, softcap: float, dropout_p: float, attn_bias: Optional[Tensor],
              rng_seed: Optional[Tensor], block_mask: Optional[Tensor], block_m: int,
-             block_n: int, block_table: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    return _forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p,
-                    attn_bias, rng_seed, block_mask, block_m, block_n, block_table)
+             block_n: int, block_table: Optional[Tensor],
+             heads_first: bool) -> tuple[Tensor, Tensor]:
+    out, lse = _forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                        max_seqlen_k, softmax_scale, window_left, window_right, bottom_right,
+                        softcap, dropout_p, attn_bias, rng_seed, block_mask, block_m, block_n,
+                        block_table, heads_first)
+    return _as_promised(out, q if heads_first else None), lse.contiguous()
 
 
 @attn_fwd.register_fake
 def _(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
       softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p, attn_bias,
-      rng_seed, block_mask, block_m, block_n, block_table):
-    out = q.new_empty(q.shape)
-    lse = q.new_empty(_lse_shape(q, cu_seqlens_q, max_seqlen_q), dtype=torch.float32)
+      rng_seed, block_mask, block_m, block_n, block_table, heads_first):
+    # heads-first: PyTorch's CPU kernel allocates out with empty_like(q)
+    out = torch.empty_like(q) if heads_first else q.new_empty(q.shape)
+    lse = q.new_empty(_lse_shape(q, cu_seqlens_q, max_seqlen_q, heads_first),
+                      dtype=torch.float32)
     return out, lse
 
 
@@ -163,31 +212,33 @@ def attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tens
              softmax_scale: float, window_left: int, window_right: int, bottom_right: bool,
              softcap: float, dropout_p: float, attn_bias: Optional[Tensor],
              rng_seed: Optional[Tensor], block_mask: Optional[Tensor], block_m: int,
-             block_n: int, bias_grad: bool,
-             block_table: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _backward_impl(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                          max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
-                          bottom_right, softcap, dropout_p, attn_bias, rng_seed, block_mask,
-                          block_m, block_n, bias_grad, block_table)
+             block_n: int, bias_grad: bool, block_table: Optional[Tensor],
+             heads_first: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    dq, dk, dv, dbias = _backward_impl(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q,
+                                       cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                       window_left, window_right, bottom_right, softcap,
+                                       dropout_p, attn_bias, rng_seed, block_mask, block_m,
+                                       block_n, bias_grad, block_table, heads_first)
+    return _as_promised(dq, q), _as_promised(dk, k), _as_promised(dv, v), dbias
 
 
 @attn_bwd.register_fake
 def _(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
       max_seqlen_k, softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p,
-      attn_bias, rng_seed, block_mask, block_m, block_n, bias_grad, block_table):
+      attn_bias, rng_seed, block_mask, block_m, block_n, bias_grad, block_table, heads_first):
     dbias = attn_bias.new_empty(attn_bias.shape) if bias_grad else q.new_empty((0,))
     # the gradients come in their inputs' layouts (launch_bwd allocates them with empty_like)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
 
-_N_INPUTS = 20
+_N_INPUTS = 21
 _BIAS_INDEX = 14
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
      softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p, attn_bias,
-     rng_seed, block_mask, block_m, block_n, block_table) = inputs
+     rng_seed, block_mask, block_m, block_n, block_table, heads_first) = inputs
     out, lse = output
     # The dropout seed is saved next to the LSE: the backward regenerates the keep mask.
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
@@ -195,6 +246,7 @@ def _setup_context(ctx, inputs, output):
     ctx.params = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right,
                   bottom_right, softcap, dropout_p)
     ctx.block = (block_m, block_n)
+    ctx.heads_first = heads_first
     ctx.mark_non_differentiable(lse)
 
 
@@ -207,7 +259,7 @@ def _grads(ctx, dout, bwd):
     bias_grad = bool(attn_bias is not None and ctx.needs_input_grad[_BIAS_INDEX])
     dq, dk, dv, dbias = bwd(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                             *ctx.params, attn_bias, rng_seed, block_mask, *ctx.block, bias_grad,
-                            block_table)
+                            block_table, ctx.heads_first)
     grads = [None] * _N_INPUTS
     grads[0], grads[1], grads[2] = dq, dk, dv
     if bias_grad:
@@ -237,7 +289,7 @@ class FlashAttnFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
-        return _grads(ctx, dout, _backward_impl)
+        return _grads(ctx, dout, _backward_eager)
 
 
 def dropout_seed(spec: AttnSpec, device: torch.device) -> Optional[Tensor]:
@@ -247,11 +299,18 @@ def dropout_seed(spec: AttnSpec, device: torch.device) -> Optional[Tensor]:
 
 def attention(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
               cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, attn_bias=None, rng_seed=None,
-              block_mask=None, block_size=(0, 0), block_table=None):
+              block_mask=None, block_size=(0, 0), block_table=None, heads_first=False):
     """Differentiable ``(out, lse)`` for validated inputs (layouts of ``backends.spec``).
 
     With ``spec.dropout_p > 0``, ``rng_seed`` (see :func:`dropout_seed`) fixes the keep mask;
-    one is drawn here when it is None.
+    one is drawn here when it is None.  ``heads_first`` (dense calls): ``q``, ``k``, ``v`` and
+    ``out`` are ``(B, H, S, D)`` (``F.scaled_dot_product_attention``'s layout) instead of
+    ``(B, S, H, D)``; ``lse`` is ``(B, H, Sq)`` either way.
+
+    Strides: eager calls return what the backend produced (PyTorch's CPU kernel: ``out`` in
+    the layout of ``q``, ``lse`` a transposed view, gradients contiguous in the flash layout,
+    exactly as ``F.scaled_dot_product_attention``); the compiled op returns the strides its
+    fake implementation promises (``_as_promised``), copying only where they differ.
     """
     if spec.dropout_p > 0 and rng_seed is None:
         rng_seed = draw_seed(q.device)
@@ -266,7 +325,7 @@ def attention(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
     args = (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
             int(max_seqlen_k), spec.softmax_scale, spec.window_left, spec.window_right,
             spec.bottom_right, spec.softcap, spec.dropout_p, attn_bias, rng_seed, block_mask,
-            int(block_size[0]), int(block_size[1]), block_table)
+            int(block_size[0]), int(block_size[1]), block_table, bool(heads_first))
     if torch.compiler.is_compiling():
         return attn_fwd(*args)
     if _functorch.active():  # torch.func transforms need setup_context and a vmap rule

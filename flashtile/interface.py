@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import _validate as V
-from . import paged_kv
+from . import backends, paged_kv
 from .autograd import attention, dropout_seed
 from ._validate import check_qkv as _check_qkv
 from ._validate import spec as _spec
@@ -101,6 +101,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     out, lse = attention(q, k, v, spec, alibi_slopes=slopes, rng_seed=seed)
     if not return_attn_probs:
         return out
+    lse = lse.contiguous()  # PyTorch's CPU kernel hands back a transposed view
     if spec.dropout_p == 0:
         return out, lse, _no_probs(q)
     with torch.no_grad():
@@ -373,15 +374,24 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                       for x, want in ((q4, (*lead, nheads)), (k4, (*lead, nheads_kv)),
                                       (v4, (*lead, nheads_kv))))
     bias = _mask_4d(attn_mask, target) if attn_mask is not None else None
+    # The torch backend takes SDPA's (B, H, L, E) layout as it is (PyTorch's CPU kernel reads
+    # it directly); the others get flash-layout (B, L, H, E) views.
+    heads_first = backends.select(q4.device) == "torch"
 
-    def to_flash(x):  # (..., H, L, E) -> (B, L, H, E) view; copies only a strided last dim
-        return _maybe_contiguous(x.reshape(-1, *x.shape[-3:]).transpose(1, 2))
+    def to_4d(x):  # (..., H, L, E) -> (B, H, L, E) or (B, L, H, E) views; copies only a
+        # strided last dim
+        if x.dim() != 4:
+            x = x.reshape(-1, *x.shape[-3:])
+        return _maybe_contiguous(x if heads_first else x.transpose(1, 2))
 
-    q, k, v = to_flash(q4), to_flash(k4), to_flash(v4)
+    q, k, v = to_4d(q4), to_4d(k4), to_4d(v4)
     _check_qkv(q, k, v, "(..., heads, seq, headdim)", "(..., heads_kv, seq, headdim)", 4,
-               names=names)
-    out, _ = attention(q, k, v, spec, attn_bias=bias, rng_seed=dropout_seed(spec, q.device))
-    return out.transpose(1, 2).reshape(out_shape)
+               names=names, heads_dim=1 if heads_first else 2)
+    out, _ = attention(q, k, v, spec, attn_bias=bias, rng_seed=dropout_seed(spec, q.device),
+                       heads_first=heads_first)
+    if not heads_first:
+        out = out.transpose(1, 2)
+    return out if out.shape == out_shape else out.reshape(out_shape)
 
 
 def _broadcast(*shapes):

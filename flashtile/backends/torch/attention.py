@@ -106,13 +106,14 @@ _LN2 = math.log(2.0)
 # shared helpers
 
 
-def _check(q, k, v, spec: AttnSpec, varlen: bool):
+def _check(q, k, v, spec: AttnSpec, varlen: bool, heads_first: bool = False):
     nd = 3 if varlen else 4
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != nd:
             raise ValueError(f"{name} must have {nd} dimensions, got shape {tuple(x.shape)}")
-    H, D = q.shape[-2], q.shape[-1]
-    Hk = k.shape[-2]
+    hdim = 1 if heads_first else -2
+    H, D = q.shape[hdim], q.shape[-1]
+    Hk = k.shape[hdim]
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
                          f"{tuple(v.shape)}")
@@ -124,6 +125,8 @@ def _check(q, k, v, spec: AttnSpec, varlen: bool):
         raise ValueError("q and k must have the same batch size")
     if varlen and spec.is_partial:
         raise ValueError("partial calls (global offsets) take the dense layout, not varlen")
+    if varlen and heads_first:
+        raise ValueError("heads_first is a dense layout; varlen calls take (total, H, D)")
 
 
 def _slopes(alibi_slopes, B, H):
@@ -378,7 +381,7 @@ def _aten_ops():
 
 
 def aten_route(q, k, v, spec: AttnSpec, *, varlen=False, alibi_slopes=None, attn_bias=None,
-               block_mask=None, block_table=None):
+               block_mask=None, block_table=None, heads_first=False):
     """``is_causal`` for PyTorch's fused CPU kernel when it computes exactly this call, else None.
 
     ``aten::_scaled_dot_product_flash_attention_for_cpu`` (and its ``_backward``) is the kernel
@@ -396,7 +399,8 @@ def aten_route(q, k, v, spec: AttnSpec, *, varlen=False, alibi_slopes=None, attn
     kernel's ``exp(-inf - 0)`` gives the row no gradient).  Float biases stay on the tiled
     engine: their gradient needs ``dS``, and a row of huge finite negatives (``finfo.min``)
     overflows to ``-inf`` in the engine's base-2 scores but not in the kernel.  Empty inputs
-    stay on the tiled engine too (the kernel does not accept them).
+    stay on the tiled engine too (the kernel does not accept them).  ``heads_first``: q/k/v
+    are ``(B, H, S, D)`` (the kernel's own layout) instead of ``(B, S, H, D)``.
     """
     if not USE_ATEN or varlen or block_table is not None:
         return None
@@ -415,9 +419,10 @@ def aten_route(q, k, v, spec: AttnSpec, *, varlen=False, alibi_slopes=None, attn
         return None
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.numel() == 0 or k.numel() == 0:
         return None
+    seq = 2 if heads_first else 1
     if spec.window_right < 0:
         causal = False
-    elif spec.window_right == 0 and (not spec.bottom_right or q.shape[1] == k.shape[1]):
+    elif spec.window_right == 0 and (not spec.bottom_right or q.shape[seq] == k.shape[seq]):
         causal = True
     else:
         return None
@@ -426,11 +431,15 @@ def aten_route(q, k, v, spec: AttnSpec, *, varlen=False, alibi_slopes=None, attn
     return causal
 
 
-def _heads_view(x):
-    """flash layout ``(B, S, H, D)`` -> the kernel's ``(B, H, S, D)`` view (unit last stride)."""
+def _kernel_view(x, heads_first: bool):
+    """``x`` as the kernel reads it: ``(B, H, S, D)`` with a unit last stride.
+
+    Views only (a transpose of the flash layout ``(B, S, H, D)``); the kernel takes any other
+    strides (zero ones included), but it reads a row of ``D`` values as one contiguous vector,
+    so a strided last dimension is copied first."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    return x.transpose(1, 2)
+    return x if heads_first else x.transpose(1, 2)
 
 
 def _aten_mask(attn_bias, dtype, causal: bool, sq: int):
@@ -449,29 +458,40 @@ def _aten_mask(attn_bias, dtype, causal: bool, sq: int):
     return mask, (empty if bool(empty.any()) else None)
 
 
-def _aten_forward(q, k, v, spec: AttnSpec, causal: bool, attn_bias=None):
+def _aten_forward(q, k, v, spec: AttnSpec, causal: bool, attn_bias=None, heads_first=False):
+    """The kernel's ``(out, lse)`` as it allocates them, nothing copied: ``out`` has q's
+    layout (``empty_like`` of the kernel's view of q), ``lse`` ``(B, H, Sq)`` is a view of a
+    ``(B, Sq, H)`` buffer."""
     fwd, _ = _aten_ops()
-    mask, empty = _aten_mask(attn_bias, q.dtype, causal, q.shape[1])
-    out, lse = fwd(_heads_view(q), _heads_view(k), _heads_view(v), 0.0, causal,
-                   attn_mask=mask, scale=spec.softmax_scale)
-    # the kernel writes out as (B, S, H, D) memory already and lse as (B, S, H) memory
-    out, lse = out.transpose(1, 2).contiguous(), lse.contiguous()
+    mask, empty = _aten_mask(attn_bias, q.dtype, causal, q.shape[2 if heads_first else 1])
+    out, lse = fwd(_kernel_view(q, heads_first), _kernel_view(k, heads_first),
+                   _kernel_view(v, heads_first), 0.0, causal, attn_mask=mask,
+                   scale=spec.softmax_scale)
     if empty is not None:  # the kernel gives them lse = 0 (and output 0)
         lse.masked_fill_(empty, _NEG_INF)
-    return out, lse
+    return (out if heads_first else out.transpose(1, 2)), lse
 
 
-def _aten_backward(do, q, k, v, out, lse, spec: AttnSpec, causal: bool, attn_bias=None):
+def _aten_backward(do, q, k, v, out, lse, spec: AttnSpec, causal: bool, attn_bias=None,
+                   heads_first=False):
+    """``(dq, dk, dv)`` as the kernel allocates them (a ``(B, S, H, D)`` buffer each: contiguous
+    in the flash layout, a transposed view in the heads-first one); ``out``/``lse`` are read
+    with whatever strides they have."""
     _, bwd = _aten_ops()
-    mask, _ = _aten_mask(attn_bias, q.dtype, causal, q.shape[1])
+    mask, _ = _aten_mask(attn_bias, q.dtype, causal, q.shape[2 if heads_first else 1])
     lse = lse.to(torch.float32)
     if mask is not None:  # rows that see no key: lse 0 as the kernel's forward leaves it
         lse = lse.masked_fill(lse == _NEG_INF, 0.0)
-    dq, dk, dv = bwd(_heads_view(do.to(q.dtype)), _heads_view(q), _heads_view(k),
-                     _heads_view(v), _heads_view(out.to(q.dtype)), lse, 0.0, causal,
-                     attn_mask=mask, scale=spec.softmax_scale)
-    return (dq.transpose(1, 2).contiguous(), dk.transpose(1, 2).contiguous(),
-            dv.transpose(1, 2).contiguous())
+    grads = bwd(_kernel_view(do.to(q.dtype), heads_first), _kernel_view(q, heads_first),
+                _kernel_view(k, heads_first), _kernel_view(v, heads_first),
+                _kernel_view(out.to(q.dtype), heads_first), lse, 0.0, causal, attn_mask=mask,
+                scale=spec.softmax_scale)
+    return tuple(grads) if heads_first else tuple(g.transpose(1, 2) for g in grads)
+
+
+def _flash(*xs):
+    """Heads-first ``(B, H, S, D)`` tensors as flash-layout ``(B, S, H, D)`` views."""
+    return tuple(x.transpose(1, 2) for x in xs)
 
 
 # ---------------------------------------------------------------------------------------
@@ -568,12 +588,20 @@ def _for_sequence(extras, b):
 
 def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
             cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, attn_bias=None,
-            rng_seed=None, block_mask=None, block_size=None, block_table=None, out_dtype=None):
+            rng_seed=None, block_mask=None, block_size=None, block_table=None, out_dtype=None,
+            heads_first=False):
     """Exact attention, tiled.  Returns ``(out, lse)``; layouts as in ``spec.py``; ``out`` in
     ``out_dtype`` (default q's dtype; partial calls ask for float32).
 
     ``max_seqlen_*`` only matter with dropout (they are the varlen counter strides).  With
     ``block_table`` (varlen), ``k``/``v`` are page pools ``(num_blocks, page_size, Hk, D)``.
+    ``heads_first`` (dense only): q, k, v and out are ``(B, H, S, D)``, the layout of
+    ``F.scaled_dot_product_attention`` and of PyTorch's fused kernel, which then reads them as
+    they are; ``lse`` is ``(B, H, Sq)`` either way.
+
+    The strides of the results are those of the path that ran, nothing is copied to change
+    them: the tiled engine returns contiguous ``out``/``lse`` (in the flash layout), the fused
+    kernel ``out`` in the layout of q and ``lse`` as a view of a ``(B, Sq, H)`` buffer.
     """
     varlen = cu_seqlens_q is not None
     if varlen != (cu_seqlens_k is not None):
@@ -583,15 +611,22 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
             raise ValueError("block_table needs the varlen layout (cu_seqlens_q/cu_seqlens_k)")
         slots = paged_kv.varlen_slots(block_table, cu_seqlens_k, int(k.shape[1]))
         k, v = paged_kv.gather_varlen(k, slots), paged_kv.gather_varlen(v, slots)
-    _check(q, k, v, spec, varlen)
-    H = q.shape[-2]
+    _check(q, k, v, spec, varlen, heads_first)
     causal = None
     if out_dtype in (None, q.dtype):
         causal = aten_route(q, k, v, spec, varlen=varlen, alibi_slopes=alibi_slopes,
-                            attn_bias=attn_bias, block_mask=block_mask, block_table=block_table)
+                            attn_bias=attn_bias, block_mask=block_mask, block_table=block_table,
+                            heads_first=heads_first)
+    if causal is not None:
+        with torch.no_grad():
+            return _aten_forward(q, k, v, spec, causal, attn_bias, heads_first)
+    if heads_first:  # the tiled engine works in the flash layout: views there and back
+        out, lse = forward(*_flash(q, k, v), spec, alibi_slopes=alibi_slopes,
+                           attn_bias=attn_bias, rng_seed=rng_seed, block_mask=block_mask,
+                           block_size=block_size, out_dtype=out_dtype)
+        return out.transpose(1, 2), lse
+    H = q.shape[-2]
     with torch.no_grad():
-        if causal is not None:
-            return _aten_forward(q, k, v, spec, causal, attn_bias)
         extras = _extras(q, k, spec, varlen, attn_bias, rng_seed, block_mask, block_size,
                          max_seqlen_q, max_seqlen_k)
         if not varlen:
@@ -692,24 +727,32 @@ def _backward_dense(do, q, k, v, out, lse, spec: AttnSpec, slopes, dq, dk, dv, e
 
 def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
              cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, attn_bias=None,
-             rng_seed=None, block_mask=None, block_size=None, dbias=None, grad_dtype=None):
+             rng_seed=None, block_mask=None, block_size=None, dbias=None, grad_dtype=None,
+             heads_first=False):
     """Gradients ``(dq, dk, dv)`` of :func:`forward`, in the dtypes of ``q``, ``k``, ``v`` (or
-    ``grad_dtype``).
+    ``grad_dtype``), and the layout of ``q``/``k``/``v`` given by ``heads_first`` (strides: the
+    tiled engine's are contiguous in the flash layout, as are the fused kernel's).
 
     With ``dbias`` (a tensor shaped like ``attn_bias``) the bias gradient is written into it.
     """
     varlen = cu_seqlens_q is not None
     if varlen != (cu_seqlens_k is not None):
         raise ValueError("give both cu_seqlens_q and cu_seqlens_k, or neither")
-    _check(q, k, v, spec, varlen)
-    H = q.shape[-2]
+    _check(q, k, v, spec, varlen, heads_first)
     causal = None
     if grad_dtype in (None, q.dtype):
         causal = aten_route(q, k, v, spec, varlen=varlen, alibi_slopes=alibi_slopes,
-                            attn_bias=attn_bias, block_mask=block_mask)
+                            attn_bias=attn_bias, block_mask=block_mask, heads_first=heads_first)
+    if causal is not None:
+        with torch.no_grad():
+            return _aten_backward(do, q, k, v, out, lse, spec, causal, attn_bias, heads_first)
+    if heads_first:  # the tiled engine works in the flash layout: views there and back
+        grads = backward(*_flash(do, q, k, v, out), lse, spec, alibi_slopes=alibi_slopes,
+                         attn_bias=attn_bias, rng_seed=rng_seed, block_mask=block_mask,
+                         block_size=block_size, dbias=dbias, grad_dtype=grad_dtype)
+        return _flash(*grads)
+    H = q.shape[-2]
     with torch.no_grad():
-        if causal is not None:
-            return _aten_backward(do, q, k, v, out, lse, spec, causal, attn_bias)
         extras = _extras(q, k, spec, varlen, attn_bias, rng_seed, block_mask, block_size,
                          max_seqlen_q, max_seqlen_k)
         db_acc = None
