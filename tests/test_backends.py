@@ -145,3 +145,102 @@ def test_default_budget_long_sequence_window():
     rec = _fwd_bwd_largest(q, k, v, causal=True, window_size=(128, 0))
     assert rec.largest <= max(q.numel(), torch_attention.TILE_ELEMS), (rec.op, rec.largest)
     assert rec.largest * 1000 <= N * N
+
+
+# ---------------------------------------------------------------------------------------
+# the ops' layouts: dense calls in the flash layout and in SDPA's heads-first one
+
+
+def _qkv(layout, B=2, H=4, Hk=2, S=24, D=16, seed=0):
+    """q, k, v and a gradient in one of the dense layouts the op takes.
+
+    ``flash``: contiguous ``(B, S, H, D)``; ``flash-strided``: ``(B, S, H, D)`` views of
+    ``(B, H, S, D)`` memory; ``heads-first``: contiguous ``(B, H, S, D)``; ``heads-first-
+    strided``: ``(B, H, S, D)`` views of ``(B, S, H, D)`` memory (transformers' layout)."""
+    g = torch.Generator().manual_seed(seed)
+    flash_shape = layout.startswith("flash")
+    strided = layout.endswith("strided")
+
+    def make(h):
+        if flash_shape != strided:  # (B, S, h, D) memory
+            x = torch.randn(B, S, h, D, generator=g)
+        else:
+            x = torch.randn(B, h, S, D, generator=g)
+        return x.transpose(1, 2) if strided else x
+    return make(H), make(Hk), make(Hk), make(H)
+
+
+LAYOUTS = ["flash", "flash-strided", "heads-first", "heads-first-strided"]
+
+
+@pytest.mark.parametrize("path", ["routed", "tiled"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_attention_ops_fake_layouts_match_the_real_ones(layout, path):
+    """``torch.library.opcheck`` of ``flashtile::attn_fwd`` / ``attn_bwd`` on the torch
+    backend: the fake implementations give the shapes and strides the real ops return (a
+    compiled graph reads the results with them), through PyTorch's fused kernel (causal) and
+    the tiled engine (a sliding window)."""
+    from flashtile import autograd as A
+    q, k, v, do = _qkv(layout)
+    window_left = 4 if path == "tiled" else -1
+    heads_first = layout.startswith("heads-first")
+    tail = (None, None, None, 0, 0, 0.25, window_left, 0, False, 0.0, 0.0, None, None, None,
+            0, 0)
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_()) + tail
+    with flashtile.use_backend("torch"):
+        torch.library.opcheck(torch.ops.flashtile.attn_fwd.default,
+                              args + (None, heads_first))
+        out, lse = A._forward(*args, None, heads_first)
+        routed = torch_attention.aten_route(q, k, v, A._spec(0.25, window_left, 0, False,
+                                                             0.0, 0.0),
+                                            heads_first=heads_first) is not None
+        assert routed == (path == "routed")
+        torch.library.opcheck(torch.ops.flashtile.attn_bwd.default,
+                              (do, q.detach(), k.detach(), v.detach(), out.detach(), lse)
+                              + tail + (False, None, heads_first))
+
+
+@pytest.mark.parametrize("layout", ["heads-first", "heads-first-strided"])
+def test_inductor_sdpa_fwd_bwd_on_cpu(layout):
+    """The SDPA drop-in compiled by inductor (fullgraph, dynamic) with its backward on the CPU
+    torch backend gives the eager results; inductor asserts that every op result has the
+    strides of its fake."""
+    torch._dynamo.reset()
+    q, k, v, do = _qkv(layout, seed=7)
+    x = [t.requires_grad_() for t in (q, k, v)]
+
+    def f(q, k, v):
+        return flashtile.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    with flashtile.use_backend("torch"):
+        want = f(*x)
+        want_grads = torch.autograd.grad(want, x, do)
+        got = torch.compile(f, fullgraph=True, dynamic=True)(*x)
+        grads = torch.autograd.grad(got, x, do)
+    torch._dynamo.reset()
+    assert_close("out", got, want, atol=1e-6, rtol=1e-6)
+    for n, a, b in zip(("dq", "dk", "dv"), grads, want_grads):
+        assert_close(n, a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_heads_first_on_a_flash_layout_backend():
+    """``attention(heads_first=True)`` on the Triton backend (which takes the flash layout
+    only) runs on flash-layout views and hands the results back in the heads-first layout:
+    bitwise the flash-layout call."""
+    from flashtile.autograd import attention
+    from flashtile.backends.spec import AttnSpec
+    q, k, v, do = _qkv("heads-first", B=1, H=2, Hk=1, S=16, seed=3)
+    spec = AttnSpec(softmax_scale=0.25, window_right=0)
+    results = []
+    with flashtile.use_backend("triton"):
+        for heads_first in (True, False):
+            x = [(t if heads_first else t.transpose(1, 2)).detach().requires_grad_()
+                 for t in (q, k, v)]
+            out, lse = attention(*x, spec, heads_first=heads_first)
+            g = do if heads_first else do.transpose(1, 2)
+            grads = torch.autograd.grad(out, x, g)
+            if not heads_first:
+                out, grads = out.transpose(1, 2), [t.transpose(1, 2) for t in grads]
+            results.append((out, lse, *grads))
+    for n, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        assert_close(n, a, b, 0, 0)

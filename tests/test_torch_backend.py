@@ -475,3 +475,239 @@ def test_tiled_engine_op_count_is_coarse():
     finally:
         torch_tiled.USE_ATEN = True
     assert len(log.names) <= 300, f"{len(log.names)} ATen ops"
+
+
+@pytest.mark.parametrize("case", ROUTES, ids=_case_id)
+def test_heads_first_routes_as_the_flash_layout(case):
+    """The same decision for the same call in SDPA's ``(B, H, S, D)`` layout."""
+    name, sq, sk, H, Hk, fields, kw, want = case
+    q, k, v, _, _ = _inputs(3, 2, sq, sk, H, Hk, 16)
+    spec = AttnSpec(softmax_scale=0.25, **fields)
+    got = torch_tiled.aten_route(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), spec,
+                                 alibi_slopes=kw.get("alibi_slopes"),
+                                 attn_bias=kw.get("attn_bias"), heads_first=True)
+    assert got is want, f"{name}: aten_route gave {got}, expected {want}"
+
+
+HEADS_FIRST_CASES = [c for c in CASES if c[0] in ("causal", "gqa-2", "causal-sq<sk", "window",
+                                                   "alibi-bh-causal", "softcap")]
+
+
+@pytest.mark.parametrize("case", HEADS_FIRST_CASES, ids=_case_id)
+def test_heads_first_equals_flash_layout(case, engine, small_tiles):
+    """``heads_first=True`` on ``(B, H, S, D)`` views gives bitwise the results of the flash
+    layout, through the fused kernel and through the tiled engine (views there and back)."""
+    name, B, sq, sk, H, Hk, D, fields, alibi = case
+    q, k, v, do, slopes = _inputs(len(name), B, sq, sk, H, Hk, D, alibi=alibi)
+    spec = AttnSpec(softmax_scale=0.3, **fields)
+    out, lse, grads = _run(q, k, v, do, spec, slopes)
+    hf = [x.transpose(1, 2) for x in (q, k, v, do)]
+    h_out, h_lse = torch_tiled.forward(*hf[:3], spec, alibi_slopes=slopes, heads_first=True)
+    h_grads = torch_tiled.backward(hf[3], *hf[:3], h_out, h_lse, spec, alibi_slopes=slopes,
+                                   heads_first=True)
+    assert h_out.shape == hf[0].shape and h_lse.shape == lse.shape
+    assert_close("out", h_out.transpose(1, 2), out, 0, 0)
+    assert_close("lse", h_lse, lse, 0, 0)
+    for n, got, want in zip(("dq", "dk", "dv"), h_grads, grads):
+        assert_close(n, got.transpose(1, 2), want, 0, 0)
+
+
+# ---------------------------------------------------------------------------------------
+# the public functions on the routed path: ATen ops issued, and every routing decision
+
+# One causal fwd+bwd of flashtile.scaled_dot_product_attention issues exactly the ATen ops of
+# torch's own F.scaled_dot_product_attention: the kernel, the detach of the saved output
+# (forward and backward) and the backward kernel.  flash_attn_func adds the 12 transposes its
+# (B, S, H, D) layout needs to reach the kernel's (B, H, S, D) views (5 in, 1 out, 3 + 3).
+SDPA_OPS = [_FUSED, "detach", "detach", _FUSED + "_backward"]
+FLASH_ATTN_FUNC_OPS = 16
+_COPIES = {"clone", "copy_", "_to_copy", "contiguous", "empty_like", "new_empty", "empty",
+           "empty_strided", "zeros", "zeros_like"}
+
+
+def _sdpa_qkv(seed, layout, B, H, Hk, L, S, D, dtype=torch.float32):
+    """SDPA-layout ``(B, H, L, D)`` tensors: contiguous (``bhsd``), or ``(B, L, H, D)``
+    memory seen through a transpose (``bshd``: a projection's output reshaped, as in
+    transformers' attention layers)."""
+    g = make_gen(seed)
+
+    def make(h, n):
+        if layout == "bhsd":
+            return randn(g, B, h, n, D, dtype=dtype)
+        return randn(g, B, n, h, D, dtype=dtype).transpose(1, 2)
+    return make(H, L), make(Hk, S), make(Hk, S), make(H, L)
+
+
+def _logged_fwd_bwd(fn, xs, do):
+    """``(out, grads, op names)`` of one forward+backward of ``fn(*xs)`` (do made outside)."""
+    xs = [x.detach().requires_grad_() for x in xs]
+    with _OpLog() as log:
+        out = fn(*xs)
+        grads = torch.autograd.grad(out, xs, do)
+    return out, grads, log.names
+
+
+SDPA_ROUTED = [  # (id, H, Hk, L, S, kwargs)
+    ("causal", 4, 4, 40, 40, dict(is_causal=True)),
+    ("full-scale", 4, 4, 33, 47, dict(scale=0.3)),
+    ("gqa-causal", 8, 2, 40, 40, dict(is_causal=True, enable_gqa=True)),
+    ("causal-L<S", 2, 2, 20, 47, dict(is_causal=True)),
+]
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", SDPA_ROUTED, ids=lambda c: c[0])
+def test_sdpa_issues_torch_sdpas_ops_and_results(case, dtype, layout):
+    """flashtile's SDPA on the routed path issues exactly torch SDPA's ATen ops (4 a
+    fwd+bwd, no copy, no layout change) and returns bitwise its output and gradients, in the
+    same strides."""
+    import flashtile
+    import torch.nn.functional as F
+    name, H, Hk, L, S, kw = case
+    q, k, v, do = _sdpa_qkv(len(name), layout, 2, H, Hk, L, S, 16, dtype)
+    with flashtile.use_backend("torch"):
+        out, grads, ops = _logged_fwd_bwd(
+            lambda *x: flashtile.scaled_dot_product_attention(*x, **kw), (q, k, v), do)
+    want_out, want_grads, want_ops = _logged_fwd_bwd(
+        lambda *x: F.scaled_dot_product_attention(*x, **kw), (q, k, v), do)
+    assert want_ops == SDPA_OPS, f"torch's SDPA issued {want_ops}"
+    assert ops == want_ops, f"flashtile issued {ops}"
+    assert out.stride() == want_out.stride()
+    assert_close("out vs torch SDPA", out, want_out, 0, 0)
+    for n, got, want in zip(("dq", "dk", "dv"), grads, want_grads):
+        assert got.stride() == want.stride(), n
+        assert_close(f"{n} vs torch SDPA", got, want, 0, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_flash_attn_func_routed_ops(dtype):
+    """flash_attn_func on the routed path: the two kernels, the saved output's two detaches
+    and views only (the transposes between its layout and the kernel's), nothing copied."""
+    import flashtile
+    g = make_gen(21)
+    q, do = randn(g, 2, 40, 8, 16, dtype=dtype), randn(g, 2, 40, 8, 16, dtype=dtype)
+    k, v = randn(g, 2, 40, 2, 16, dtype=dtype), randn(g, 2, 40, 2, 16, dtype=dtype)
+    with flashtile.use_backend("torch"):
+        out, grads, ops = _logged_fwd_bwd(
+            lambda *x: flashtile.flash_attn_func(*x, causal=True), (q, k, v), do)
+    assert len(ops) <= FLASH_ATTN_FUNC_OPS, ops
+    assert ops.count(_FUSED) == 1 and ops.count(_FUSED + "_backward") == 1
+    assert set(ops) == {_FUSED, _FUSED + "_backward", "detach", "transpose"}, ops
+    assert out.is_contiguous() and all(x.is_contiguous() for x in grads)
+    with flashtile.use_backend("torch"):
+        torch_tiled.USE_ATEN = False
+        try:
+            t_out, t_grads, _ = _logged_fwd_bwd(
+                lambda *x: flashtile.flash_attn_func(*x, causal=True), (q, k, v), do)
+        finally:
+            torch_tiled.USE_ATEN = True
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for n, got, want in zip(("out", "dq", "dk", "dv"), (out,) + grads, (t_out,) + t_grads):
+        assert_close(f"routed {n} vs tiled", got, want, **tol)
+
+
+def _sdpa_call(**kw):
+    import flashtile
+    return lambda q, k, v: flashtile.scaled_dot_product_attention(q, k, v, **kw)
+
+
+def _flash_call(**kw):
+    import flashtile
+    return lambda q, k, v: flashtile.flash_attn_func(q, k, v, **kw)
+
+
+def _varlen_call(q, k, v):
+    import flashtile
+    B, L, H, D = q.shape
+    cu = torch.arange(0, (B + 1) * L, L, dtype=torch.int32)
+    S = k.shape[1]
+    cuk = torch.arange(0, (B + 1) * S, S, dtype=torch.int32)
+    out = flashtile.flash_attn_varlen_func(q.reshape(B * L, H, D), k.reshape(B * S, -1, D),
+                                           v.reshape(B * S, -1, D), cu, cuk, L, S, causal=True)
+    return out.view(B, L, H, D)
+
+
+def _qkvpacked_call(q, k, v):
+    import flashtile
+    return flashtile.flash_attn_qkvpacked_func(torch.stack([q, k, v], dim=2), causal=True)
+
+
+_MASK = torch.rand(1, 4, 24, 24, generator=make_gen(5)) > 0.4
+_MASK[..., 0] = True  # every row sees a key
+
+# (id, function of (q, k, v), layout of the inputs, (H, Hk, L, S), routed?, torch's SDPA
+# arguments giving the same result or None); flash-layout inputs are (B, L|S, H|Hk, D)
+DECISIONS = [
+    ("sdpa-causal", _sdpa_call(is_causal=True), "sdpa", (4, 4, 24, 24), True,
+     dict(is_causal=True)),
+    ("sdpa-full-scale", _sdpa_call(scale=0.2), "sdpa", (4, 4, 24, 30), True, dict(scale=0.2)),
+    ("sdpa-gqa", _sdpa_call(enable_gqa=True), "sdpa", (4, 2, 24, 24), True,
+     dict(enable_gqa=True)),
+    ("sdpa-causal-L>S", _sdpa_call(is_causal=True), "sdpa", (2, 2, 30, 20), True,
+     dict(is_causal=True)),
+    ("sdpa-bool-mask", _sdpa_call(attn_mask=_MASK), "sdpa", (4, 4, 24, 24), True,
+     dict(attn_mask=_MASK)),
+    ("sdpa-float-mask", _sdpa_call(attn_mask=torch.where(_MASK, 0.5, -2.0)), "sdpa",
+     (4, 4, 24, 24), False, dict(attn_mask=torch.where(_MASK, 0.5, -2.0))),
+    ("sdpa-dropout", _sdpa_call(dropout_p=0.3), "sdpa", (4, 4, 24, 24), False, None),
+    ("sdpa-3d", lambda q, k, v: _sdpa_call(is_causal=True)(q[0], k[0], v[0]), "sdpa",
+     (4, 4, 24, 24), True, None),
+    ("sdpa-broadcast-kv-batch", lambda q, k, v: _sdpa_call(is_causal=True)(q, k[:1], v[:1]),
+     "sdpa", (4, 4, 24, 24), True, None),
+    ("sdpa-strided-last-dim", lambda q, k, v: _sdpa_call(is_causal=True)(
+        q, torch.stack([k, k], -1)[..., 0], v), "sdpa", (4, 4, 24, 24), True, None),
+    ("flash-causal", _flash_call(causal=True), "flash", (4, 4, 24, 24), True, None),
+    ("flash-full-gqa", _flash_call(), "flash", (4, 2, 24, 30), True, None),
+    ("flash-causal-bottom-right", _flash_call(causal=True), "flash", (2, 2, 20, 30), False,
+     None),
+    ("flash-window", _flash_call(window_size=(5, 0)), "flash", (2, 2, 24, 24), False, None),
+    ("flash-softcap", _flash_call(causal=True, softcap=3.0), "flash", (2, 2, 24, 24), False,
+     None),
+    ("flash-alibi", _flash_call(alibi_slopes=torch.tensor([0.5, 0.25])), "flash",
+     (2, 2, 24, 24), False, None),
+    ("flash-dropout", _flash_call(dropout_p=0.2), "flash", (2, 2, 24, 24), False, None),
+    ("varlen-causal", _varlen_call, "flash", (2, 2, 24, 24), False, None),
+    ("qkvpacked-causal", _qkvpacked_call, "flash", (2, 2, 24, 24), True, None),
+]
+
+
+@pytest.mark.parametrize("case", DECISIONS, ids=lambda c: c[0])
+def test_public_routing_decisions(case):
+    """Each public call reaches the fused kernel (once a pass, no tiled op) exactly when it
+    computes that call; routed results equal the tiled engine's, and torch's SDPA where its
+    arguments are the same."""
+    import flashtile
+    import torch.nn.functional as F
+    name, fn, layout, (H, Hk, L, S), routed, torch_kw = case
+    g = make_gen(len(name))
+    shape = (lambda h, n: (2, h, n, 16)) if layout == "sdpa" else (lambda h, n: (2, n, h, 16))
+    q, k, v, do = (randn(g, *shape(h, n)) for h, n in ((H, L), (Hk, S), (Hk, S), (H, L)))
+    if name == "sdpa-3d":
+        do = do[0]
+    with flashtile.use_backend("torch"):
+        torch.manual_seed(0)
+        out, grads, ops = _logged_fwd_bwd(fn, (q, k, v), do)
+    tiled_ops = {"bmm", "baddbmm", "exp2"} & set(ops)
+    if routed:
+        assert ops.count(_FUSED) == 1 and ops.count(_FUSED + "_backward") == 1, ops
+        assert not tiled_ops, f"the tiled engine ran: {tiled_ops}"
+    else:
+        assert _FUSED not in ops and _FUSED + "_backward" not in ops, ops
+        assert tiled_ops, ops
+    if "dropout" in name:
+        return
+    if routed:
+        with flashtile.use_backend("torch"):
+            torch_tiled.USE_ATEN = False
+            try:
+                t_out, t_grads, _ = _logged_fwd_bwd(fn, (q, k, v), do)
+            finally:
+                torch_tiled.USE_ATEN = True
+        for n, got, want in zip(("out", "dq", "dk", "dv"), (out,) + grads, (t_out,) + t_grads):
+            assert_close(f"routed {n} vs tiled", got, want, **_fp32_tol(want))
+    if torch_kw is not None:
+        w_out, w_grads, _ = _logged_fwd_bwd(
+            lambda *x: F.scaled_dot_product_attention(*x, **torch_kw), (q, k, v), do)
+        for n, got, want in zip(("out", "dq", "dk", "dv"), (out,) + grads, (w_out,) + w_grads):
+            assert_close(f"{n} vs torch SDPA", got, want, **_fp32_tol(want))
