@@ -1,9 +1,9 @@
 """CPU benchmark: flashtile's torch backend against torch SDPA and naive attention.
 
-One causal forward+backward at B=1, H=8, N=4096, d=64, float32 (by default), each
-implementation in a fresh process, first on the machine as it is ("quiet": run it when nothing
-else is busy) and then with one busy foreign process that this script starts (a spinning
-Python loop, stopped at the end).  Implementations:
+One causal forward+backward at B=1, H=8, N=4096, d=64, float32 (by default), first on the
+machine as it is ("quiet": run it when nothing else is busy) and then with one busy foreign
+process that this script starts (a spinning Python loop, stopped at the end).
+Implementations:
 
 * ``flashtile``        ``flashtile.scaled_dot_product_attention(q, k, v, is_causal=True)``
 * ``flashtile_tiled``  the same call with the torch backend's tiled engine forced (what runs
@@ -13,14 +13,22 @@ Python loop, stopped at the end).  Implementations:
 * ``sdpa``             ``torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)``
 * ``naive``            ``softmax(mask(q k^T * scale)) v``, materialising ``N x N``
 
-Each child process times ``torch.autograd.grad(fn(), (q, k, v), dO)``: one step whose peak
-resident-memory growth is read (VmHWM after resetting it), then ``--reps`` timed steps.  The
-parent also counts the ATen ops of one step of each implementation with a
-``TorchDispatchMode`` (views included) at N and at 1024.  It writes a JSON (device, versions,
-date, conditions, op counts, per-rep times, medians, ratios to SDPA) and a PNG of the medians.
+Method.  Every implementation runs in a worker process of its own (its own allocator and
+thread pool), started once per condition; each worker first takes one step whose peak
+resident-memory growth is read (VmHWM after resetting it; this also warms it up).  The timed
+steps are then interleaved: in each of ``--reps`` rounds every worker takes one step of
+``torch.autograd.grad(fn(), (q, k, v), dO)``, one worker at a time, the order rotated by one
+every round, so that slow phases of a shared machine fall on every implementation alike.
+Reported per implementation: the median, the minimum and the interquartile range (q1, q3) of
+its steps; the ratio of its median to SDPA's; and the paired ratio (median and IQR over
+rounds of its time divided by SDPA's time in the same round), the statistic least moved by
+drifts in the machine's load.  The parent also counts the ATen ops of one step of each
+implementation with a ``TorchDispatchMode`` (views included) at N and at 1024.  It writes a
+JSON (device, versions, date, conditions, op counts, per-round times, statistics) and a PNG
+of the medians with their IQR.
 
 usage (from the repository root):
-    python benchmarks/bench_cpu.py OUT.json [--png OUT.png] [--threads 2] [--reps 5]
+    python benchmarks/bench_cpu.py OUT.json [--png OUT.png] [--threads 2] [--reps 15]
         [--n 4096] [--conditions quiet,busy] [--impls flashtile,flashtile_tiled,sdpa,naive]
 """
 from __future__ import annotations
@@ -32,6 +40,7 @@ import json
 import math
 import os
 import platform
+import select
 import statistics
 import subprocess
 import sys
@@ -123,8 +132,10 @@ def _kib(key):
         return next(int(line.split()[1]) for line in f if line.startswith(key))
 
 
-def child(impl, N, threads, reps):
-    """Runs in its own process: one measured step for memory, then ``reps`` timed steps."""
+def worker(impl, N, threads):
+    """Runs in its own process: one measured step for memory, reported as a JSON line, then
+    one timed step for each ``step`` line read from stdin (its time in seconds printed back),
+    until ``quit`` or the end of stdin."""
     torch.set_num_threads(threads)
     q, k, v, do = inputs(N)
     fn = make_fn(impl, q, k, v)
@@ -140,13 +151,13 @@ def child(impl, N, threads, reps):
     step()
     first = time.perf_counter() - t0
     extra = (_kib("VmHWM") - base) / 1024
-    times = []
-    for _ in range(reps):
+    print(json.dumps(dict(first_s=first, extra_peak_mib=extra)), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "step":
+            break
         t0 = time.perf_counter()
         step()
-        times.append(time.perf_counter() - t0)
-    return dict(first_s=first, times_s=times, median_s=statistics.median(times),
-                extra_peak_mib=extra)
+        print(repr(time.perf_counter() - t0), flush=True)
 
 
 @contextlib.contextmanager
@@ -167,17 +178,113 @@ def busy_process(active):
         spin.wait()
 
 
-def _run_child(impl, N, threads, reps, timeout):
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", impl, "--n", str(N),
-           "--threads", str(threads), "--reps", str(reps)]
+class _Worker:
+    """A worker process for one implementation, driven one step at a time."""
+
+    def __init__(self, impl, N, threads):
+        self.impl = impl
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", impl, "--n", str(N),
+               "--threads", str(threads)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+    def _line(self, timeout):
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError(f"{self.impl}: no answer within {timeout} s")
+        line = self.proc.stdout.readline()
+        if not line:
+            err = self.proc.stderr.read().strip().splitlines()
+            raise RuntimeError(f"{self.impl}: " + (err[-1] if err else
+                                                   f"exit {self.proc.wait()}"))
+        return line
+
+    def start(self, timeout):
+        """The first step's ``{"first_s", "extra_peak_mib"}``."""
+        return json.loads(self._line(timeout))
+
+    def step(self, timeout):
+        self.proc.stdin.write("step\n")
+        self.proc.stdin.flush()
+        return float(self._line(timeout))
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _quartiles(xs):
+    """``(q1, median, q3)`` (``statistics.quantiles``' exclusive method; one value: itself)."""
+    if len(xs) < 2:
+        return xs[0], xs[0], xs[0]
+    q1, q2, q3 = statistics.quantiles(xs, n=4)
+    return q1, statistics.median(xs), q3
+
+
+def _summary(times):
+    q1, med, q3 = _quartiles(times)
+    return dict(median_s=med, min_s=min(times), q1_s=q1, q3_s=q3, iqr_s=q3 - q1)
+
+
+def run_condition(impls, N, threads, reps, timeout, settle=0.1):
+    """Starts one worker per implementation, then ``reps`` interleaved rounds (rotated order).
+
+    Returns ``{impl: result}``; a worker that fails keeps its error and drops out."""
+    results, live = {}, {}
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return dict(error=f"timed out after {timeout} s")
-    if res.returncode != 0:
-        return dict(error=res.stderr.strip().splitlines()[-1] if res.stderr.strip()
-                    else f"exit {res.returncode}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+        for m in impls:
+            w = _Worker(m, N, threads)
+            try:
+                results[m] = dict(w.start(timeout), times_s=[], round_of_time=[])
+                live[m] = w
+            except (TimeoutError, RuntimeError, ValueError) as e:
+                results[m] = dict(error=str(e))
+                w.proc.kill()
+                w.proc.wait()
+        order = [m for m in impls if m in live]
+        for r in range(reps):
+            for i in range(len(order)):
+                m = order[(r + i) % len(order)]
+                if m not in live:
+                    continue
+                time.sleep(settle)  # the previous worker's threads go idle
+                try:
+                    t = live[m].step(timeout)
+                except (TimeoutError, RuntimeError, ValueError) as e:
+                    results[m]["error"] = str(e)
+                    live.pop(m).close()
+                    continue
+                results[m]["times_s"].append(t)
+                results[m]["round_of_time"].append(r)
+            print(f"  round {r + 1}/{reps}: " + ", ".join(
+                f"{m} {results[m]['times_s'][-1] * 1e3:.0f} ms" for m in order
+                if results[m].get("times_s") and results[m]["round_of_time"][-1] == r),
+                flush=True)
+    finally:
+        for w in live.values():
+            w.close()
+    for m, res in results.items():
+        if res.get("times_s"):
+            res.update(_summary(res["times_s"]))
+    base = results.get("sdpa", {})
+    if base.get("times_s"):
+        sdpa_round = dict(zip(base["round_of_time"], base["times_s"]))
+        for m, res in results.items():
+            if not res.get("times_s"):
+                continue
+            res["ratio_to_sdpa"] = res["median_s"] / base["median_s"]
+            paired = [t / sdpa_round[r] for r, t in zip(res["round_of_time"], res["times_s"])
+                      if r in sdpa_round]
+            if paired:
+                q1, med, q3 = _quartiles(paired)
+                res["paired_ratio_to_sdpa"] = dict(median=med, q1=q1, q3=q3)
+    return results
 
 
 def _git_commit():
@@ -216,28 +323,31 @@ def plot(result, path):
     width = 0.8 / len(conds)
     for c_i, cond in enumerate(conds):
         rows = result["conditions"][cond]["results"]
-        xs, ys = [], []
+        xs, ys, err = [], [], [[], []]
         for i_i, impl in enumerate(impls):
-            med = rows.get(impl, {}).get("median_s")
+            row = rows.get(impl, {})
+            med = row.get("median_s")
             if med is not None:
                 xs.append(i_i + (c_i - (len(conds) - 1) / 2) * width)
                 ys.append(med * 1e3)
+                err[0].append((med - row["q1_s"]) * 1e3)
+                err[1].append((row["q3_s"] - med) * 1e3)
         load = result["conditions"][cond].get("loadavg_before")
         label = cond if not load else f"{cond} (1-min load {load[0]:.1f} before)"
-        bars = ax.bar(xs, ys, width, label=label)
+        bars = ax.bar(xs, ys, width, label=label, yerr=err, capsize=3)
         for bar, impl in zip(bars, [m for m in impls if rows.get(m, {}).get("median_s")]):
             ratio = rows[impl].get("ratio_to_sdpa")
             if ratio is not None:
-                ax.annotate(f"{ratio:.2f}x", (bar.get_x() + bar.get_width() / 2,
-                                              bar.get_height()),
+                top = max(bar.get_height(), rows[impl]["q3_s"] * 1e3)  # above the IQR bar
+                ax.annotate(f"{ratio:.2f}x", (bar.get_x() + bar.get_width() / 2, top),
                             ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(impls)), impls, rotation=15)
-    ax.set_ylabel("median time of one fwd+bwd (ms)")
+    ax.set_ylabel("time of one fwd+bwd (ms): median, IQR")
     ax.set_yscale("log")
     s = result["shape"]
     ax.set_title(f"CPU, B{s['B']} H{s['H']} N{s['N']} d{s['D']} fp32 causal fwd+bwd, "
-                 f"{result['threads']} threads\n(labels: ratio to torch SDPA in the same "
-                 "condition)", fontsize=9)
+                 f"{result['threads']} threads, {result['reps']} interleaved rounds\n"
+                 "(labels: ratio of medians to torch SDPA in the same condition)", fontsize=9)
     ax.legend(title="machine")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -249,17 +359,21 @@ def main(argv=None):
     p.add_argument("--png", help="plot of the medians (default: OUT with .png)")
     p.add_argument("--n", type=int, default=4096, help="sequence length (default 4096)")
     p.add_argument("--threads", type=int, default=2, help="torch threads per process")
-    p.add_argument("--reps", type=int, default=5, help="timed steps per process")
+    p.add_argument("--reps", type=int, default=15,
+                   help="interleaved rounds: timed steps per implementation (default 15)")
     p.add_argument("--conditions", default="quiet,busy",
                    help="comma list of quiet (as is) and busy (one spinning process)")
     p.add_argument("--impls", default="flashtile,flashtile_tiled,sdpa,naive",
                    help=f"comma list among {','.join(IMPLS)}")
-    p.add_argument("--timeout", type=float, default=600, help="seconds per child process")
-    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--timeout", type=float, default=600,
+                   help="seconds a worker may take to start or for one step")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a.child:
-        print(json.dumps(child(a.child, a.n, a.threads, a.reps)))
+    if a.worker:
+        worker(a.worker, a.n, a.threads)
         return 0
+    if a.reps < 1:
+        p.error("--reps must be at least 1")
     if not a.out:
         p.error("give the JSON file to write")
     impls = [m for m in a.impls.split(",") if m]
@@ -284,20 +398,29 @@ def main(argv=None):
                       flashtile_commit=_git_commit()),
         shape=dict(B=1, H=8, N=a.n, D=64, dtype="float32", causal=True), threads=a.threads,
         reps=a.reps, impls=impls, window_for_flashtile_window=WINDOW,
+        method="one worker process per implementation; rounds of one step each, interleaved, "
+               "order rotated every round",
         aten_ops_fwd_bwd=ops, conditions={})
     for cond in conds:
+        print(f"[{cond}]", flush=True)
         with busy_process(cond == "busy") as pid:
-            entry = dict(busy_process_pid=pid, loadavg_before=_loadavg(), results={})
-            for m in impls:
-                entry["results"][m] = r = _run_child(m, a.n, a.threads, a.reps, a.timeout)
-                print(f"[{cond}] {m}: " + (f"median {r['median_s'] * 1e3:.0f} ms, extra peak "
-                                           f"{r['extra_peak_mib']:.0f} MiB" if "error" not in r
-                                           else r["error"]), flush=True)
+            entry = dict(busy_process_pid=pid, loadavg_before=_loadavg())
+            entry["results"] = run_condition(impls, a.n, a.threads, a.reps, a.timeout)
             entry["loadavg_after"] = _loadavg()
-        base = entry["results"].get("sdpa", {}).get("median_s")
         for m, r in entry["results"].items():
-            if base and "median_s" in r:
-                r["ratio_to_sdpa"] = r["median_s"] / base
+            if "median_s" not in r:
+                print(f"[{cond}] {m}: {r.get('error')}", flush=True)
+                continue
+            line = (f"[{cond}] {m}: median {r['median_s'] * 1e3:.0f} ms (min "
+                    f"{r['min_s'] * 1e3:.0f}, IQR {r['q1_s'] * 1e3:.0f}-{r['q3_s'] * 1e3:.0f}), "
+                    f"extra peak {r['extra_peak_mib']:.0f} MiB")
+            if "paired_ratio_to_sdpa" in r:
+                pr = r["paired_ratio_to_sdpa"]
+                line += (f"; {r['ratio_to_sdpa']:.2f}x SDPA's median, paired ratio "
+                         f"{pr['median']:.2f} (IQR {pr['q1']:.2f}-{pr['q3']:.2f})")
+            if "error" in r:
+                line += f"; stopped: {r['error']}"
+            print(line, flush=True)
         result["conditions"][cond] = entry
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
