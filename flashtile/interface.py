@@ -301,8 +301,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ``torch.func`` transforms (``grad``, ``vjp``, ``vmap`` and their compositions) work; under
     ``vmap`` the op runs once per mapped element.
 
-    Returns ``(..., H, L, E)`` in the input dtype (a transposed view of a ``(..., L, H, E)``
-    buffer, like PyTorch's flash backend).
+    Returns ``(..., H, L, E)`` in the input dtype.  On the Triton backend it is a transposed
+    view of a ``(..., L, H, E)`` buffer, like PyTorch's CUDA flash backend; on the torch
+    backend, calls PyTorch's fused CPU kernel computes exactly (no float mask, dropout or empty
+    dimension) run that kernel on the inputs as they are: the output and the gradients have
+    the strides ``F.scaled_dot_product_attention`` gives them on the CPU.
     """
     names = ("query", "key", "value")
     for name, x in zip(names, (query, key, value)):

@@ -7,7 +7,12 @@ Two paths, chosen per call (``forward``/``backward`` follow the interface in ``s
   float32/float16/bfloat16, no window or plain causal with the kernel's top-left diagonal
   (``bottom_right=False``, or ``Sq == Sk``), a softmax scale, grouped-query heads, and nothing
   else - runs that kernel and its backward: one ATen op a pass, one parallel region, so it
-  keeps its speed when other processes compete for the cores.
+  keeps its speed when other processes compete for the cores.  Nothing is copied around it:
+  ``heads_first`` calls (``F.scaled_dot_product_attention``'s ``(B, H, S, D)`` layout, what
+  ``flashtile.scaled_dot_product_attention`` passes) reach the kernel as they are, flash-layout
+  ones as transposed views, and ``out``/``lse``/gradients come back in the buffers the kernel
+  allocated (with a ``TorchDispatchMode`` counting, one causal fwd+bwd through the SDPA
+  drop-in issues exactly the 4 ATen ops of torch's own SDPA).
 * **The tiled engine** below, for everything else: sliding windows, bottom-right causal with
   ``Sq != Sk``, softcap, ALiBi, dropout (flashtile's Philox stream), biases and bool masks
   (with their gradient), block-sparse masks, varlen and paged calls, and empty inputs.
