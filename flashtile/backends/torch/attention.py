@@ -75,6 +75,7 @@ Optional features, with the Triton kernels' semantics (``_Extras``):
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -376,12 +377,15 @@ class _Scores:
 # PyTorch's fused CPU kernel
 
 
+@functools.lru_cache(maxsize=None)
 def _aten_ops():
+    """The kernel's forward and backward overloads (the overload itself, not the packet: the
+    packet resolves it on every call), or None in a PyTorch build without the kernel."""
     ops = torch.ops.aten
     try:
-        return (ops._scaled_dot_product_flash_attention_for_cpu,
-                ops._scaled_dot_product_flash_attention_for_cpu_backward)
-    except AttributeError:  # a PyTorch build without the kernel
+        return (ops._scaled_dot_product_flash_attention_for_cpu.default,
+                ops._scaled_dot_product_flash_attention_for_cpu_backward.default)
+    except AttributeError:
         return None
 
 
