@@ -262,8 +262,8 @@ class _Ring:
                 if entry[0] == seq:
                     self.pending.remove(entry)
                     break
-            status = int(self.words[slot, 0]) if written else _DONE
-            if status != _DONE:
+            status = int(self.words[slot, 0]) if written else 0
+            if status not in (0, _DONE):
                 raise self._error([(slot, status - _DONE, info)], "")
 
     def _wait(self, slot: int) -> bool:
