@@ -757,9 +757,14 @@ def test_eager_plan_replays_the_recorded_launches_with_new_tensors(monkeypatch):
                 if isinstance(y, torch.Tensor) and any(y is t for t in second):
                     assert x is y, f"{kernel}: argument {i} is not the caller's tensor"
                 elif isinstance(y, torch.Tensor) and y.dtype == torch.int32 and y.shape == (4,):
-                    # the error record: a slot of the ring, another one than the fresh call's
-                    ring = launch_decode._RINGS[x.device]
-                    assert any(x is v for v in ring.views) and x is not y
+                    # the error record: the address of a ring slot, another one than the fresh
+                    # call's
+                    ring = launch_decode._RINGS[y.device]
+                    assert any(y is v for v in ring.views)
+                    assert x in ring.addrs and x != y.data_ptr()
+                elif isinstance(y, torch.Tensor) and y.dtype == torch.int32 and y.shape == (1,):
+                    # the verdict of the append: a buffer of the plan's, passed as an address
+                    assert isinstance(x, int) and x == plan.errs[next(iter(plan.errs))][1]
                 elif isinstance(y, torch.Tensor):
                     # a buffer of the call: fresh, of the recorded shape, the same one wherever
                     # the fresh call used the same one

@@ -220,6 +220,9 @@ class _Ring:
         self.buf = torch.zeros((total, 4), dtype=torch.int32, pin_memory=device.type == "cuda")
         self.words = self.buf.numpy()
         self.views = [self.buf[i] for i in range(total)]
+        # each slot's address, which is also its device address (unified addressing): launch
+        # plans pass it as is, sparing the launcher a pointer query
+        self.addrs = [self.buf.data_ptr() + self.buf.stride(0) * 4 * i for i in range(total)]
         self.pending: collections.deque = collections.deque()  # (seq, slot, info)
         self.seq = 0
         self.graphs: list = []  # (slot, info) of captured calls
@@ -377,20 +380,21 @@ def _capturing(device: torch.device) -> bool:
 
 
 def _begin(device: torch.device, mode: str, info: tuple, capturing: bool | None = None):
-    """The record of a new call: ``(slot tensor or None, rec_sticky, handle or None)``.  Raises
-    the errors that earlier calls on ``device`` recorded."""
+    """The record of a new call: ``(ring, slot, rec_sticky, handle)``, ``slot`` None when there
+    is none (checks off, or no slot left for a captured call).  Raises the errors that earlier
+    calls on ``device`` recorded."""
     if mode == "off":
-        return None, 0, None
+        return None, None, 0, None
     if capturing is None:
         capturing = _capturing(device)
     if capturing:
         # nothing can be read while capturing; pinned memory is not allocated then either
         ring = _RINGS.get(device)
         slot = ring.begin_graph(info) if ring is not None else None
-        return (ring.views[slot] if slot is not None else None), 1, None
+        return ring, slot, 1, None
     ring = _ring(device)
     seq, slot = ring.begin(info)
-    return ring.views[slot], 0, (ring, seq, slot, mode == "sync", info)
+    return ring, slot, 0, (ring, seq, slot, mode == "sync", info)
 
 
 def _end(handle) -> None:
@@ -432,6 +436,7 @@ class _Recorder:
         self.allocs: list = []
         self.launches: list = []
         self.slot = None  # the error record of the call
+        self.err = None  # the buffer of its verdict, if any
         self.mode = "off"
         self.info = None
 
@@ -456,16 +461,32 @@ def _go(kernel, grid, **kwargs) -> None:
 
 class Plan:
     """A recorded eager call: buffers to allocate, then launches whose tensor arguments are the
-    call's inputs (by position), those buffers, or the call's error record."""
+    call's inputs (by position), those buffers, or the call's error record.
 
-    __slots__ = ("allocs", "launches", "out", "lse", "device", "stream_device", "mode", "info")
+    The record slot and the verdict buffer go to the launches as addresses (the launcher takes
+    an int as a device pointer as it is).  The verdict buffer is kept per stream and reused by
+    the next replay on that stream: stream order puts its write (the append) after the last
+    read of the previous call (its split-KV kernel)."""
 
-    def __init__(self, allocs, launches, out, lse, device, mode, info):
+    __slots__ = ("allocs", "launches", "out", "lse", "device", "stream_device", "mode", "info",
+                 "err", "errs")
+
+    def __init__(self, allocs, launches, out, lse, device, mode, info, err):
         self.allocs, self.launches, self.out, self.lse, self.device = allocs, launches, out, lse, device
         self.mode, self.info = mode, info  # the check mode and the record's message facts
+        self.err, self.errs = err, {}  # the verdict buffer's index in allocs; per stream
         # launches go to the current device's stream, as the direct launches they replay did
         # (the plan key holds the current device)
         self.stream_device = torch.cuda.current_device() if device.type == "cuda" else None
+
+    def _err(self) -> int:
+        dev = self.stream_device
+        stream = launch_common._raw_stream(dev) if dev is not None else None
+        err = self.errs.get(stream)
+        if err is None:
+            buf = torch.empty((1,), dtype=torch.int32, device=self.device)
+            err = self.errs[stream] = (buf, buf.data_ptr())
+        return err[1]
 
     def run(self, inputs: tuple):
         """``(out, lse)`` for ``inputs`` (same signature as the recorded call, outside CUDA-graph
@@ -473,9 +494,13 @@ class Plan:
         launched then)."""
         if not launch_common.no_launch_hooks():
             return None
-        slot, _, handle = _begin(self.device, self.mode, self.info, capturing=False)
-        bufs = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.allocs]
-        pools = (inputs, bufs, (slot,))
+        ring, slot, _, handle = _begin(self.device, self.mode, self.info, capturing=False)
+        err = self.err
+        bufs = [torch.empty(shape, dtype=dtype, device=self.device) if i != err else None
+                for i, (shape, dtype) in enumerate(self.allocs)]
+        if err is not None:
+            bufs[err] = self._err()
+        pools = (inputs, bufs, (ring.addrs[slot] if slot is not None else None,))
         try:
             for compiled, grid, template, slots in self.launches:
                 values = template.copy()
@@ -523,8 +548,9 @@ def record_plan(inputs: tuple, call):
     if not launches or slots.get(id(out), (0,))[0] != 1 or slots.get(id(lse), (0,))[0] != 1:
         return (out, lse), None
     allocs = [(tuple(t.shape), t.dtype) for t in rec.allocs]
+    err = slots[id(rec.err)][1] if rec.err is not None else None
     return (out, lse), Plan(allocs, launches, slots[id(out)][1], slots[id(lse)][1], out.device,
-                            rec.mode, rec.info)
+                            rec.mode, rec.info, err)
 
 
 # --------------------------------------------------------------------------------------------
@@ -719,7 +745,8 @@ def decode_forward(
     span = max(seqlen_new, sq if rotary_q_per_token else 1)
     info = (paged, seqlen_new, capacity, n_cols, page_size, cache_rows, seqlen_ro, span)
     mode = check_mode() if b > 0 else "off"  # no rows: nothing is read or written
-    slot, sticky, handle = _begin(q.device, mode, info)
+    ring, slot, sticky, handle = _begin(q.device, mode, info)
+    slot = ring.views[slot] if slot is not None else None
     rec = getattr(_tls, "recorder", None)
     if rec is not None:
         rec.slot, rec.mode, rec.info = slot, mode, info
@@ -761,6 +788,9 @@ def _launch_all(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
         fused = False
         if checking:
             err = _alloc((1,), torch.int32, device)
+            rec = getattr(_tls, "recorder", None)
+            if rec is not None:
+                rec.err = err
             block_h = min(_next_pow2(hk), max(1, 4096 // max(16, _next_pow2(d))))
             programs = seqlen_new * b * _cdiv(hk, block_h)
             fused = programs * b * (n_cols + 4) <= FUSED_CHECK_BUDGET
