@@ -212,7 +212,7 @@ class _Ring:
     record waits in ``pending`` (oldest first) until a later call finds it written."""
 
     SLOTS = 256
-    GRAPH_SLOTS = 256
+    GRAPH_SLOTS = 4096  # a model captures one call per layer; slots are not given back
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -327,10 +327,11 @@ class _Ring:
                 if status not in (0, _DONE):
                     errors.append((slot, status - _DONE, info))
             graph_errors = []
-            for slot, info in self.graphs:
-                status = int(self.words[slot, 0])
-                if status not in (0, _DONE):
-                    graph_errors.append((slot, status - _DONE, info))
+            if self.graphs:
+                written = self.words[self.SLOTS:self.SLOTS + len(self.graphs), 0]
+                for i in written.nonzero()[0].tolist():
+                    slot, info = self.graphs[i]
+                    graph_errors.append((slot, int(written[i]) - _DONE, info))
             if errors:
                 raise self._error(errors + graph_errors, "checked")
             if graph_errors:

@@ -437,7 +437,7 @@ def _split_kv_kernel(
     o_h = i_hk * GROUP + o_m % GROUP  # [BLOCK_M] query head
     m_m = o_t < seqlen_q  # [BLOCK_M]
     if HAS_REC:
-        m_m = m_m & worker
+        m_m = m_m & worker  # [BLOCK_M]
     o_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     m_d = o_d < head_dim  # [BLOCK_D]
 
@@ -540,7 +540,7 @@ def _split_kv_kernel(
         b_l = b_l * b_alpha + tl.sum(b_p, 1)  # [BLOCK_M]
         b_v = tl.load(V + o_v[:, None] + o_vh + o_d[None, :], mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
         b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_D]
-        b_m = b_m_new
+        b_m = b_m_new  # [BLOCK_M]
 
     m_seen = b_l > 0.0  # [BLOCK_M]
     b_l_safe = tl.where(m_seen, b_l, 1.0)  # [BLOCK_M]
