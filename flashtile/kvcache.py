@@ -109,9 +109,9 @@ def select_decode_backend(device: torch.device) -> str:
 # and run, a later call whose every tensor has the same shape, strides, dtype, device and 16-byte
 # alignment, with the same other arguments, replays its launches without validating again (the
 # host checks depend on nothing else on a GPU; the device-side index check is part of the
-# replayed launches, with a new error record per call) or rebuilding kernel arguments.  Only on CUDA outside CUDA-graph capture,
-# with launch plans on (launch_common.plans_enabled), with a cache_seqlens tensor and no tree
-# mask.
+# replayed launches, with a new error record per call) or rebuilding kernel arguments.  Only on
+# CUDA outside CUDA-graph capture, with launch plans on (launch_common.plans_enabled), with a
+# cache_seqlens tensor and no tree mask.
 # FLASHTILE_DECODE_PLANS=0 (or EAGER_PLANS = False, for code that patches launch internals)
 # turns them off.
 EAGER_PLANS = os.environ.get("FLASHTILE_DECODE_PLANS", "1") != "0"
