@@ -5,7 +5,7 @@ from .backends import use_backend
 from .block_sparse import (block_mask_from_dense, block_sparse_attn_func, butterfly_block_mask,
                            expand_block_mask, global_block_mask, local_block_mask,
                            strided_block_mask)
-from .kvcache import flash_attn_with_kvcache, merge_attention_states
+from .kvcache import check_kvcache_errors, flash_attn_with_kvcache, merge_attention_states
 from .masks import build_tree_mask
 from .interface import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                         flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
@@ -29,6 +29,7 @@ __all__ = [
     "unpad_input",
     "build_tree_mask",
     "flash_attn_with_kvcache",
+    "check_kvcache_errors",
     "merge_attention_states",
     "flash_attn_func",
     "flash_attn_kvpacked_func",

@@ -606,7 +606,7 @@ def kvcache_values(a: KVCacheSpec, k_cache: torch.Tensor, rotary_cos) -> None:
     seqlen_new <= capacity``, ``0 <= cache_leftpad <= cache_seqlens``, ``cache_batch_idx``
     rows of the cache, ``block_table`` entries the call reads or writes pages of the pool, and
     the rotary tables long enough.  The Triton path checks the same on the device
-    (``check_kernel``) without a host read."""
+    (``backends/triton/kernels/decode.py:_index_error``) without a host read."""
     b, sq = a.q.shape[0], a.q.shape[1]
     new, capacity = a.seqlen_new, a.capacity
     paged = a.block_table is not None
@@ -658,7 +658,7 @@ def kvcache_error_message(code: int, index: int, value: int, paged: bool, seqlen
                           capacity: int, n_cols: int, page_size: int, cache_rows: int,
                           seqlen_ro: int, span: int) -> str:
     """The message of the device-side check's error record ``(code, index, value)`` (see
-    ``backends/triton/kernels/decode.py:_check_kernel``); the same words as
+    ``backends/triton/kernels/decode.py:_index_error``); the same words as
     :func:`kvcache_values`."""
     if code == 1:
         return f"cache_seqlens[{index}]={value} must be >= 0"

@@ -50,18 +50,29 @@ Autograd is not supported (as in flash-attn): nothing is recorded for autograd (
 backend runs under ``torch.no_grad()``; the triton path only launches kernels into fresh
 outputs) and the outputs never require grad.
 
-Index values (``cache_seqlens``, ``cache_leftpad``, ``cache_batch_idx``, ``block_table``) are
-checked on every call: on the host for CPU tensors and the torch backend, on the device by the
-Triton path (a check kernel whose error record the call reads back right after it ran, without
-waiting for the attention kernels; inside CUDA-graph capture the kernels' guards keep every
-access in bounds and nothing is read back).  Under ``torch.compile`` the call is the custom op
+Index values (``cache_seqlens``, ``cache_leftpad``, ``cache_batch_idx``, ``block_table``, the
+rotary tables' length) are checked on every call.  The torch backend checks them on the host and
+raises in the call.  The Triton path checks them on the device inside kernels the call launches
+anyway, and never reads them on the host: a call with a bad index writes nothing into the
+caches, its output is NaN where the index was used, and the error (argument, row, value) is
+raised, as set by ``FLASHTILE_KVCACHE_CHECK``:
+
+* ``async`` (default): by the next call on the same device that finds the record written
+  (before it launches anything), or by :func:`check_kvcache_errors`, which waits;
+* ``sync``: by the call itself, which waits for its check (flash-attn's behaviour);
+* ``off`` (also ``FLASHTILE_CHECK_INDICES=0``): never; the kernels' guards still keep every
+  access inside the cache.
+
+Inside CUDA-graph capture nothing is read back; a replay that finds a bad index keeps its error
+for :func:`check_kvcache_errors`.  Under ``torch.compile`` the call is the custom op
 ``flashtile::kvcache_fwd`` (fake implementation for tracing), so it compiles with
-``fullgraph=True``.
+``fullgraph=True``; the checks run inside it.
 
 Eager host cost: on a GPU the triton path reads no tensor values on the host, so an eager call
-costs the Python work of validation and launch preparation plus
-one Triton launch per kernel (split-KV, and the combine only when ``num_splits > 1``; the
-append/rotary kernels only when ``k``/``v``/rotary tables are given).
+costs the Python work of validation and launch preparation (with the check: reading one word
+of the oldest outstanding error record) plus one Triton launch per kernel (split-KV, and the
+combine only when ``num_splits > 1``; the append/rotary kernels only when ``k``/``v``/rotary
+tables are given).
 ``benchmarks/decode_host_profile.py`` measures that Python work on the CPU.
 """
 
@@ -80,6 +91,7 @@ from .rotary import apply_rotary
 
 __all__ = [
     "flash_attn_with_kvcache",
+    "check_kvcache_errors",
     "merge_attention_states",
     "build_tree_mask",
     "apply_rotary",
@@ -96,9 +108,10 @@ def select_decode_backend(device: torch.device) -> str:
 # Launch plans of eager triton calls (see launch_decode.Plan): after a call has been validated
 # and run, a later call whose every tensor has the same shape, strides, dtype, device and 16-byte
 # alignment, with the same other arguments, replays its launches without validating again (the
-# host checks depend on nothing else on a GPU; the device-side check kernel is one of the
-# replayed launches) or rebuilding kernel arguments.  Only on CUDA, with launch plans on
-# (launch_common.plans_enabled), with a cache_seqlens tensor and no tree mask.
+# host checks depend on nothing else on a GPU; the device-side index check is part of the
+# replayed launches, with a new error record per call) or rebuilding kernel arguments.  Only on
+# CUDA outside CUDA-graph capture, with launch plans on (launch_common.plans_enabled), with a
+# cache_seqlens tensor and no tree mask.
 # FLASHTILE_DECODE_PLANS=0 (or EAGER_PLANS = False, for code that patches launch internals)
 # turns them off.
 EAGER_PLANS = os.environ.get("FLASHTILE_DECODE_PLANS", "1") != "0"
@@ -111,8 +124,10 @@ def _eager_plan_key(tensors: tuple, scalars: tuple):
     if not (EAGER_PLANS and isinstance(q, torch.Tensor) and q.is_cuda and isinstance(seqlens, torch.Tensor)):
         return None
     from .backends.triton.launch_common import plans_enabled
+    from .backends.triton.launch_decode import check_mode
 
-    if not plans_enabled() or backends.select(q.device) != "triton":
+    if (not plans_enabled() or torch.cuda.is_current_stream_capturing()
+            or backends.select(q.device) != "triton"):
         return None
     parts = []
     for x in tensors:
@@ -129,11 +144,37 @@ def _eager_plan_key(tensors: tuple, scalars: tuple):
         if any(isinstance(v, torch.Tensor) for v in scalars) or isinstance(window, torch.Tensor):
             return None  # a tensor window_size (or scale) would key by identity: no plan
         key = (tuple(parts), tuple((type(v), v) for v in scalars[:2] + (window,) + scalars[3:]),
-               torch.cuda.current_device(), os.environ.get("FLASHTILE_CHECK_INDICES", ""))
+               torch.cuda.current_device(), check_mode())
         hash(key)
     except TypeError:
         return None
     return key
+
+
+def check_kvcache_errors(device: torch.device | str | int | None = None) -> None:
+    """Wait for the ``flash_attn_with_kvcache`` calls issued so far and raise the first bad index
+    value they found.
+
+    On the Triton path (every CUDA call, and CPU calls under ``TRITON_INTERPRET=1``) a call does
+    not wait for its own index check (``FLASHTILE_KVCACHE_CHECK=async``, the default): its error
+    is raised by a later call on the same device once the check has run, or here.  This
+    synchronises ``device`` (every device with calls when None), reads every outstanding error
+    record, and raises :class:`flashtile.FlashtileInputError` naming the argument, the batch row
+    and the value of the first bad call.  It also reports replays of CUDA graphs: a captured call
+    keeps the error of a replay that found a bad index until this reports it.  Returns None when
+    every call was valid.  Call it where a decode loop synchronises anyway (e.g. after reading
+    the sampled tokens) to learn of a bad index at a known point.
+    """
+    import sys
+
+    launch = sys.modules.get("flashtile.backends.triton.launch_decode")
+    if launch is None:  # no triton call has run in this process
+        return
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    launch.check_errors(device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,8 +226,9 @@ def merge_attention_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torc
 # --------------------------------------------------------------------------------------------
 def _run(a, k_cache, v_cache, rotary_cos, rotary_sin, alibi_slopes, rotary_interleaved):
     name = backends.select(a.q.device)
-    if a.q.device.type == "cpu" or name == "torch":
-        # free on CPU; the torch backend reads these values anyway
+    if name == "torch":
+        # the torch backend reads these values on the host anyway; the triton path checks them
+        # on the device (also under the interpreter, so that CPU tests run the same machinery)
         V.kvcache_values(a, k_cache, rotary_cos)
     return backends.get(name).decode(a, k_cache, v_cache, rotary_cos, rotary_sin, alibi_slopes,
                                      rotary_interleaved)
@@ -289,11 +331,13 @@ def flash_attn_with_kvcache(
 
     Shapes, dtypes and devices are always checked before anything runs or is written.  Values
     of index tensors (lengths vs capacity, leftpad, ``cache_batch_idx``, ``block_table`` pages,
-    rotary table length) are checked on every call, before anything is written: on the host
-    for CPU tensors, on the device for CUDA tensors (no device synchronisation; inside a CUDA
-    graph the kernels only keep every access in bounds).  ``FLASHTILE_CHECK_INDICES=0`` skips
-    the GPU read-back.  Bad values raise :class:`flashtile.FlashtileInputError` (a
-    ``ValueError`` and a ``RuntimeError``).  Forward only: no autograd.
+    rotary table length) are checked on every call: on the host by the torch backend (raised
+    in the call); on the device by the Triton path, without a host synchronisation: a bad call
+    writes nothing into the caches, its output is NaN where the index was used, and the error
+    is raised by the next call on the device or by :func:`check_kvcache_errors`
+    (``FLASHTILE_KVCACHE_CHECK=sync``: by the call itself; ``off``: never, the kernels' guards
+    still keep every access in bounds).  Bad values raise :class:`flashtile.FlashtileInputError`
+    (a ``ValueError`` and a ``RuntimeError``).  Forward only: no autograd.
     """
     tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                cache_leftpad, block_table, alibi_slopes)

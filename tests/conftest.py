@@ -8,3 +8,22 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.pop("FLASHTILE_BACKEND", None)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_kvcache_error_carried_over():
+    """A bad index found by the Triton decode path is raised at a later call (see
+    ``flashtile.check_kvcache_errors``): one test's bad call must not fail the next test."""
+    yield
+    import sys
+
+    if "flashtile.backends.triton.launch_decode" in sys.modules:
+        import flashtile
+
+        try:
+            flashtile.check_kvcache_errors()
+        except flashtile.FlashtileInputError:
+            pass

@@ -125,14 +125,22 @@ def test_kvcache_with_tensor_seqlens_compiles_fullgraph(paged):
     assert torch.equal(kc2, kc) and torch.equal(vc2, vc)  # the append happened in both
 
 
-def test_kvcache_compiled_rejects_bad_index_values():
-    """The value checks run inside the op: compiled calls reject them too."""
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_kvcache_compiled_rejects_bad_index_values(mode, monkeypatch):
+    """The value checks run inside the op: compiled calls reject them too (in the call with
+    ``FLASHTILE_KVCACHE_CHECK=sync``; by default at the next call or check)."""
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", mode)
     q, kc, vc = torch.randn(1, 1, 2, 16), torch.randn(2, 16, 2, 16), torch.randn(2, 16, 2, 16)
     table = _i32(0, 1).reshape(1, 2)
     f = torch.compile(lambda q, kc, vc, lens, t: flashtile.flash_attn_with_kvcache(
         q, kc, vc, cache_seqlens=lens, block_table=t), fullgraph=True, backend="aot_eager")
     f(q, kc, vc, _i32(20), table)
+    late = flashtile.check_kvcache_errors if mode == "async" else (lambda: None)
     with pytest.raises(RuntimeError, match="block_table"):
         f(q, kc, vc, _i32(40), table)
+        late()
     with pytest.raises(flashtile.FlashtileInputError, match=r"block_table\[0, 1\]=7"):
         f(q, kc, vc, _i32(20), _i32(0, 7).reshape(1, 2))
+        late()
+    f(q, kc, vc, _i32(20), table)
+    flashtile.check_kvcache_errors()

@@ -21,6 +21,7 @@ import zlib
 import pytest
 import torch
 
+import flashtile
 from flashtile import paged_kv
 from flashtile.backends.triton.launch_common import poison_outputs
 from flashtile.kvcache import (build_tree_mask, flash_attn_with_kvcache, merge_attention_states,
@@ -610,7 +611,7 @@ def _record_launches(monkeypatch):
     from flashtile.backends.triton import launch_decode
 
     launches = []
-    for name in ("_split_kv_kernel", "_combine_kernel", "_rotary_append_kernel"):
+    for name in ("_check_kernel", "_split_kv_kernel", "_combine_kernel", "_rotary_append_kernel"):
         inner = getattr(launch_decode, name)
         while hasattr(inner, "fn") and hasattr(inner.fn, "run"):
             inner = inner.fn
@@ -619,14 +620,26 @@ def _record_launches(monkeypatch):
 
 
 @pytest.mark.skipif(not INTERP, reason=f"runs in the TRITON_INTERPRET=1 child process ({SUBPROCESS_TEST})")
+@pytest.mark.parametrize("mode", ["async", "sync", "off"])
 @pytest.mark.parametrize("case,expected", [
     ("attend", ["_split_kv_kernel"]),
     ("attend-splits", ["_split_kv_kernel", "_combine_kernel"]),
     ("append", ["_rotary_append_kernel", "_split_kv_kernel"]),
     ("append-rotary", ["_rotary_append_kernel", "_rotary_append_kernel", "_split_kv_kernel"]),
+    ("append-over-budget", ["_check_kernel", "_rotary_append_kernel", "_split_kv_kernel"]),
 ])
-def test_triton_launches_only_what_the_call_uses(monkeypatch, case, expected):
+def test_triton_launches_only_what_the_call_uses(monkeypatch, case, expected, mode):
+    """The index check costs no launch of its own (it runs inside the append, or the split-KV
+    kernel when nothing is appended), except before an append too large to carry it."""
+    from flashtile.backends.triton import launch_decode
+
     launches = _record_launches(monkeypatch)
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", mode)
+    if case == "append-over-budget":
+        monkeypatch.setattr(launch_decode, "FUSED_CHECK_BUDGET", 0)
+        if mode == "off":
+            expected = expected[1:]
+    monkeypatch.setattr(launch_decode._Ring, "_wait", lambda self, slot: True)  # nothing ran
     gen = _seed("launches-" + case)
     b, cap, h, hk, d = 2, 48, 4, 2, 16
     q = torch.randn(b, 1, h, d, generator=gen).requires_grad_()
@@ -644,10 +657,19 @@ def test_triton_launches_only_what_the_call_uses(monkeypatch, case, expected):
     assert not out.requires_grad and not lse.requires_grad
 
 
-@pytest.mark.parametrize("kernel_name", ["_split_kv_kernel", "_rotary_append_kernel"])
+def _params(kernel):
+    """``(runtime argument names, constexpr names)`` of a jitted kernel, in signature order."""
+    import inspect
+
+    params = inspect.signature(kernel.fn.fn).parameters.values()
+    const = [p.name for p in params if "constexpr" in str(p.annotation)]
+    return [n for n in kernel.arg_names if n not in const], const
+
+
+@pytest.mark.parametrize("kernel_name", ["_split_kv_kernel", "_rotary_append_kernel", "_check_kernel"])
 def test_triton_launch_helper_derives_the_same_constexprs_as_triton(monkeypatch, kernel_name):
-    """``launch_decode._launch`` evaluates a kernel's ``triton.heuristics`` itself; the jitted
-    function must receive exactly what Triton's own wrapper would pass it."""
+    """``launch_decode._go`` launches by keyword and evaluates a kernel's ``triton.heuristics``
+    itself; the jitted function must receive exactly what Triton's own wrapper would pass it."""
     from triton.runtime.autotuner import Heuristics
 
     from flashtile.backends.triton import launch_decode
@@ -656,25 +678,23 @@ def test_triton_launch_helper_derives_the_same_constexprs_as_triton(monkeypatch,
     assert isinstance(kernel, Heuristics)
     seen = []
     monkeypatch.setattr(kernel.fn, "run", lambda *a, **kw: seen.append((a, kw)))
-    n_pos = sum(1 for n in kernel.arg_names if not n.isupper())  # runtime arguments come first
-    assert all(not n.isupper() for n in kernel.arg_names[:n_pos])
-    meta = {n: 16 for n in kernel.arg_names[n_pos:] if n not in kernel.values}
-    meta["num_warps"] = 4
+    runtime, const = _params(kernel)
     marker = torch.zeros(1)
     for variant in range(8):
-        args = []
-        for i, name in enumerate(kernel.arg_names[:n_pos]):
-            if name.endswith("_ptr"):
-                args.append(marker if (variant >> (i % 3)) & 1 or name in ("q_ptr", "x_ptr") else None)
+        kwargs = {n: 16 for n in const if n not in kernel.values}
+        kwargs["num_warps"] = 4
+        for i, name in enumerate(runtime):
+            if name.isupper():  # a pointer
+                kwargs[name] = marker if (variant >> (i % 3)) & 1 or name in ("Q", "X", "SEQLENS") else None
             elif name == "softcap":
-                args.append(2.5 if variant & 1 else 0.0)
+                kwargs[name] = 2.5 if variant & 1 else 0.0
             elif name in ("window_left", "window_right"):
-                args.append((-1, 0, 7)[(variant + i) % 3])
+                kwargs[name] = (-1, 0, 7)[(variant + i) % 3]
             else:
-                args.append(i + variant)
+                kwargs[name] = i + variant
         grid = (3, 1 + variant, 1)
-        kernel[grid](*args, **meta)  # Triton's wrapper
-        launch_decode._launch(kernel, grid, tuple(args), dict(meta))
+        kernel[grid](**kwargs)  # Triton's wrapper
+        launch_decode._go(kernel, grid, **kwargs)
         (a_ref, kw_ref), (a_new, kw_new) = seen[-2:]
         assert a_new == a_ref and kw_new == kw_ref
         assert set(kernel.values) <= set(kw_new)
@@ -699,8 +719,8 @@ def test_eager_plan_replays_the_recorded_launches_with_new_tensors(monkeypatch):
     monkeypatch.setattr(launch_common, "_no_launch_hooks", lambda: True)
     monkeypatch.setattr(launch_common, "run_direct",
                         lambda compiled, grid, values, device: ran.append((compiled, grid, values)) or True)
-    # the stubbed check kernel writes no error record: nothing to read back
-    monkeypatch.setattr(launch_decode, "value_checks_enabled", lambda device: False)
+    # the stubbed kernels write no error record: nothing to wait for
+    monkeypatch.setattr(launch_decode._Ring, "_wait", lambda self, slot: True)
     launch_decode._plan.cache_clear()
 
     def make(seed):
@@ -723,8 +743,8 @@ def test_eager_plan_replays_the_recorded_launches_with_new_tensors(monkeypatch):
         first = make("a")
         _, plan = launch_decode.record_plan(first, call(first))
         kernels = [s[0] for s in seen]
-        # check, append, rotate q, split-KV, combine
-        assert plan is not None and len(plan.launches) == 5
+        # append (checking the indices), rotate q, split-KV, combine
+        assert plan is not None and len(plan.launches) == 4
         second = make("b")
         seen.clear()
         (want_out, _), _ = launch_decode.record_plan(second, call(second))
@@ -736,6 +756,15 @@ def test_eager_plan_replays_the_recorded_launches_with_new_tensors(monkeypatch):
             for i, (x, y) in enumerate(zip(got, want)):
                 if isinstance(y, torch.Tensor) and any(y is t for t in second):
                     assert x is y, f"{kernel}: argument {i} is not the caller's tensor"
+                elif isinstance(y, torch.Tensor) and y.dtype == torch.int32 and y.shape == (4,):
+                    # the error record: the address of a ring slot, another one than the fresh
+                    # call's
+                    ring = launch_decode._RINGS[y.device]
+                    assert any(y is v for v in ring.views)
+                    assert x in ring.addrs and x != y.data_ptr()
+                elif isinstance(y, torch.Tensor) and y.dtype == torch.int32 and y.shape == (1,):
+                    # the verdict of the append: a buffer of the plan's, passed as an address
+                    assert isinstance(x, int) and x == plan.errs[next(iter(plan.errs))][1]
                 elif isinstance(y, torch.Tensor):
                     # a buffer of the call: fresh, of the recorded shape, the same one wherever
                     # the fresh call used the same one
@@ -855,6 +884,12 @@ BAD_CONTIG = {
 }
 
 
+# the cases whose bad value is in an index tensor: the Triton path finds them on the device
+VALUE_ERRORS = {"block-table-out-of-range", "block-table-negative", "seqlens-overflow",
+                "seqlens-negative", "leftpad-past-seqlens", "rotary-table-short",
+                "batch-idx-out-of-range"}
+
+
 def _bad_setup(kind: str):
     gen = _seed("bad", kind)
     q = torch.randn(2, 1, 4, 16, generator=gen)
@@ -901,8 +936,16 @@ def test_bad_input_raises_before_writing(backend, name):
     elif mutate == "cache-strided":
         kc = torch.randn(kc.shape[:-1] + (32,))[..., ::2]
     k_before, v_before = kc.clone(), vc.clone()
-    with pytest.raises(err, match=fragment):
-        flash_attn_with_kvcache(q, kc, vc, **kw)
+    if backend == "triton" and name in VALUE_ERRORS:
+        # index values are checked on the device: the call returns NaN and writes nothing, and
+        # the error comes at the next check (FLASHTILE_KVCACHE_CHECK=async, the default)
+        out = flash_attn_with_kvcache(q, kc, vc, **kw)
+        assert out.isnan().all()
+        with pytest.raises(err, match=fragment):
+            flashtile.check_kvcache_errors()
+    else:
+        with pytest.raises(err, match=fragment):
+            flash_attn_with_kvcache(q, kc, vc, **kw)
     if kc.device.type != "meta" and vc.device.type != "meta":
         assert torch.equal(kc, k_before) and torch.equal(vc, v_before)
 
@@ -912,6 +955,240 @@ def test_packed_tree_mask_limited_to_64_tokens():
     kc = torch.randn(1, 80, 2, 16)
     with pytest.raises(ValueError, match="at most 64"):
         flash_attn_with_kvcache(q, kc, kc.clone(), tree_mask=torch.ones(1, 65, dtype=torch.int64))
+
+
+# --------------------------------------------------------------------------------------------
+# index values on the Triton path: checked on the device, raised without a host wait
+# --------------------------------------------------------------------------------------------
+TRITON_ONLY = pytest.mark.skipif(not INTERP, reason=f"runs in the TRITON_INTERPRET=1 child process ({SUBPROCESS_TEST})")
+CHECK_CASES = {
+    # name: (paged, append, change of the call's arguments, message, batch row that is bad)
+    "page-99-append": (True, True, dict(block_table=_i32(0, 1, 2, 3, 99, 5).reshape(2, 3)),
+                       r"block_table\[1, 1\]=99 is not a page", 1),
+    "page-negative-attend": (True, False, dict(block_table=_i32(-2, 1, 2, 3, 4, 5).reshape(2, 3)),
+                             r"block_table\[0, 0\]=-2 is not a page", 0),
+    "page-99-attend-splits": (True, False, dict(block_table=_i32(0, 1, 2, 3, 99, 5).reshape(2, 3),
+                                                num_splits=3),
+                              r"block_table\[1, 1\]=99 is not a page", 1),
+    "seqlens-past-table-append": (True, True, dict(cache_seqlens=_i32(10, 48)),
+                                  r"cache_seqlens\[1\]=48 \+ 1 new tokens exceeds", 1),
+    "seqlens-negative-attend": (False, False, dict(cache_seqlens=_i32(-1, 30)),
+                                r"cache_seqlens\[0\]=-1 must be >= 0", 0),
+    "leftpad-append": (False, True, dict(cache_leftpad=_i32(0, 40)),
+                       r"cache_leftpad\[1\]=40 must be in", 1),
+    "batch-idx-attend": (False, False, dict(cache_batch_idx=_i32(5, 1)),
+                         r"cache_batch_idx\[0\]=5", 0),
+    "rotary-short-append": (True, True, dict(rotary_cos=torch.ones(20, 4), rotary_sin=torch.zeros(20, 4)),
+                            r"rotary_cos/rotary_sin have 20 positions .*cache_seqlens\[1\]=30", 1),
+}
+
+
+def _check_setup(paged: bool, append: bool, seed: str):
+    """``(q, k_cache, v_cache, kwargs)`` of a valid call: batch 2, lengths 10 and 30, six pages
+    of 16 slots (paged) or two rows of 48."""
+    gen = _seed("check", seed)
+    q = torch.randn(2, 1, 4, 16, generator=gen)
+    if paged:
+        kc, bt = torch.randn(6, 16, 2, 16, generator=gen), _i32(0, 1, 2, 3, 4, 5).reshape(2, 3)
+    else:
+        kc, bt = torch.randn(2, 48, 2, 16, generator=gen), None
+    kw = dict(cache_seqlens=_i32(10, 30), block_table=bt, return_softmax_lse=True)
+    if append:
+        kw.update(k=torch.randn(2, 1, 2, 16, generator=gen), v=torch.randn(2, 1, 2, 16, generator=gen))
+    return q, kc, torch.randn(kc.shape, generator=gen), kw
+
+
+@pytest.fixture
+def check_mode(monkeypatch):
+    """Set FLASHTILE_KVCACHE_CHECK for one test (unset: the default, ``async``)."""
+    monkeypatch.delenv("FLASHTILE_KVCACHE_CHECK", raising=False)
+    monkeypatch.delenv("FLASHTILE_CHECK_INDICES", raising=False)
+    return lambda mode: monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", mode)
+
+
+@TRITON_ONLY
+@pytest.mark.parametrize("path", ["fused", "check-kernel"])
+@pytest.mark.parametrize("name", list(CHECK_CASES))
+def test_async_check_raises_at_the_next_call(name, path, check_mode, monkeypatch):
+    """Default mode: the bad call returns without waiting, writes nothing into the caches and
+    its output is NaN (every row when it appends, the bad row's otherwise); the next call on the
+    device raises the error (argument, row, value) before it runs; calls after that run
+    normally.  ``check-kernel``: the one-program check kernel that precedes large appends."""
+    from flashtile.backends.triton import launch_decode
+
+    if path == "check-kernel":
+        monkeypatch.setattr(launch_decode, "FUSED_CHECK_BUDGET", 0)
+    paged, append, change, message, bad_row = CHECK_CASES[name]
+    q, kc, vc, kw = _check_setup(paged, append, name)
+    if name.startswith("rotary") or name.startswith("leftpad") or name.startswith("batch"):
+        kw.update({k: v for k, v in dict(rotary_cos=torch.ones(80, 4), rotary_sin=torch.zeros(80, 4),
+                                         cache_leftpad=_i32(0, 0), cache_batch_idx=_i32(0, 1)).items()
+                   if k in change})
+    with flashtile.use_backend("triton"):
+        good_kc, good_vc = kc.clone(), vc.clone()
+        want, want_lse = flash_attn_with_kvcache(q, good_kc, good_vc, **kw)
+        assert not want.isnan().any()
+        k_bad, v_bad = kc.clone(), vc.clone()
+        out, lse = flash_attn_with_kvcache(q, k_bad, v_bad, **{**kw, **change})
+        assert torch.equal(k_bad, kc) and torch.equal(v_bad, vc), "a bad call wrote into the cache"
+        if append:
+            assert out.isnan().all() and lse.isnan().all()
+        else:
+            assert out[bad_row].isnan().all() and lse[bad_row].isnan().all()
+            good = 1 - bad_row
+            torch.testing.assert_close(out[good], want[good], rtol=0, atol=0)
+        k_next, v_next = kc.clone(), vc.clone()
+        with pytest.raises(flashtile.FlashtileInputError, match=message) as info:
+            flash_attn_with_kvcache(q, k_next, v_next, **kw)
+        assert isinstance(info.value, ValueError) and isinstance(info.value, RuntimeError)
+        assert "an earlier flash_attn_with_kvcache call" in str(info.value)
+        assert "this call did not run" in str(info.value)
+        assert torch.equal(k_next, kc) and torch.equal(v_next, vc), "the raising call ran"
+        # reported once: the calls after it run normally
+        again_k, again_v = kc.clone(), vc.clone()
+        got, got_lse = flash_attn_with_kvcache(q, again_k, again_v, **kw)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got_lse, want_lse, rtol=0, atol=0)
+    assert torch.equal(again_k, good_kc) and torch.equal(again_v, good_vc)
+    flashtile.check_kvcache_errors()
+
+
+@TRITON_ONLY
+@pytest.mark.parametrize("name", ["page-99-append", "seqlens-negative-attend"])
+def test_async_check_raises_at_check_kvcache_errors(name, check_mode):
+    """With no later call, ``check_kvcache_errors()`` waits and raises the error; once."""
+    paged, append, change, message, _ = CHECK_CASES[name]
+    q, kc, vc, kw = _check_setup(paged, append, name)
+    with flashtile.use_backend("triton"):
+        flash_attn_with_kvcache(q, kc, vc, **{**kw, **change})
+        with pytest.raises(flashtile.FlashtileInputError, match=message) as info:
+            flashtile.check_kvcache_errors()
+        assert "this call did not run" not in str(info.value)
+        flashtile.check_kvcache_errors()
+        flashtile.check_kvcache_errors("cpu")
+
+
+@TRITON_ONLY
+@pytest.mark.parametrize("name", ["page-99-append", "seqlens-past-table-append", "batch-idx-attend"])
+def test_sync_check_raises_in_the_call(name, check_mode):
+    """``FLASHTILE_KVCACHE_CHECK=sync`` (flash-attn's behaviour): the call itself raises, as a
+    ``RuntimeError`` too, and the cache is untouched; later calls run normally."""
+    check_mode("sync")
+    paged, append, change, message, _ = CHECK_CASES[name]
+    q, kc, vc, kw = _check_setup(paged, append, name)
+    k_bad, v_bad = kc.clone(), vc.clone()
+    with flashtile.use_backend("triton"):
+        with pytest.raises(RuntimeError, match=message):
+            flash_attn_with_kvcache(q, k_bad, v_bad, **{**kw, **change})
+        assert torch.equal(k_bad, kc) and torch.equal(v_bad, vc)
+        out, _ = flash_attn_with_kvcache(q, kc.clone(), vc.clone(), **kw)
+    assert not out.isnan().any()
+    flashtile.check_kvcache_errors()
+
+
+@TRITON_ONLY
+@pytest.mark.parametrize("spelling", ["FLASHTILE_KVCACHE_CHECK=off", "FLASHTILE_CHECK_INDICES=0"])
+def test_check_off_raises_nothing_and_keeps_the_guards(spelling, check_mode, monkeypatch):
+    """Checks off: no error ever, no NaN; the guards still drop the append past what row 1's
+    block table addresses, and row 0's valid append lands."""
+    var, value = spelling.split("=")
+    monkeypatch.setenv(var, value)
+    q, kc, vc, kw = _check_setup(True, True, "off")
+    k_cache, v_cache = kc.clone(), vc.clone()
+    with flashtile.use_backend("triton"):
+        out, _ = flash_attn_with_kvcache(q, k_cache, v_cache, **{**kw, "cache_seqlens": _i32(10, 48)})
+        flash_attn_with_kvcache(q, kc.clone(), vc.clone(), **kw)
+    flashtile.check_kvcache_errors()
+    assert not out.isnan().any()
+    want_k, want_v = kc.clone(), vc.clone()
+    want_k[0, 10], want_v[0, 10] = kw["k"][0, 0], kw["v"][0, 0]  # row 0: page 0, slot 10
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_check_mode_rejects_unknown_values(monkeypatch):
+    from flashtile.backends.triton.launch_decode import check_mode
+
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "later")
+    with pytest.raises(ValueError, match="FLASHTILE_KVCACHE_CHECK"):
+        check_mode()
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "sync")
+    monkeypatch.setenv("FLASHTILE_CHECK_INDICES", "0")
+    assert check_mode() == "sync"  # the new variable wins
+    monkeypatch.delenv("FLASHTILE_KVCACHE_CHECK")
+    assert check_mode() == "off"
+    monkeypatch.delenv("FLASHTILE_CHECK_INDICES")
+    assert check_mode() == "async"
+
+
+@TRITON_ONLY
+def test_captured_call_keeps_a_replay_error_for_check_kvcache_errors(check_mode, monkeypatch):
+    """A call captured in a CUDA graph (capture emulated: the record is a slot of its own,
+    written only on an error): a later eager call raises nothing for it, ``check_kvcache_errors``
+    does, once; a captured call with valid indices reports nothing."""
+    from flashtile.backends.triton import launch_decode
+
+    q, kc, vc, kw = _check_setup(True, True, "graph")
+    bad = dict(block_table=_i32(0, 1, 2, 3, 99, 5).reshape(2, 3))
+    with flashtile.use_backend("triton"):
+        flash_attn_with_kvcache(q, kc.clone(), vc.clone(), **kw)  # the ring exists before capture
+        monkeypatch.setattr(launch_decode, "_capturing", lambda device: True)
+        flash_attn_with_kvcache(q, kc.clone(), vc.clone(), **kw)
+        k_bad = kc.clone()
+        out, _ = flash_attn_with_kvcache(q, k_bad, vc.clone(), **{**kw, **bad})
+        monkeypatch.setattr(launch_decode, "_capturing", lambda device: False)
+        assert out.isnan().all() and torch.equal(k_bad, kc)
+        flash_attn_with_kvcache(q, kc.clone(), vc.clone(), **kw)
+        with pytest.raises(flashtile.FlashtileInputError,
+                           match=r"captured in a CUDA graph .*block_table\[1, 1\]=99"):
+            flashtile.check_kvcache_errors()
+        flashtile.check_kvcache_errors()
+
+
+def test_error_ring_retires_in_order_and_waits_when_full(monkeypatch):
+    """The host side of the records, with a device that writes them late (emulated): an error is
+    raised once every older record is written, by the first call that finds it so; a call that
+    finds the ring full waits for the oldest record."""
+    from flashtile.backends.triton import launch_decode
+    from flashtile.backends.triton.kernels.decode import RECORD_DONE
+
+    done = RECORD_DONE.value
+    ring = launch_decode._Ring(torch.device("cpu"))
+    ring.synchronous = False
+    ring.SLOTS = 4
+    info = (True, 1, 48, 3, 16, 6, 0, 1)  # paged, 1 new token, capacity 48, 3 columns, 6 pages
+    waited = []
+
+    def device_writes(slot):  # the device gets to the oldest record while the host waits
+        waited.append(slot)
+        ring.words[slot, 0] = done
+        return True
+
+    monkeypatch.setattr(ring, "_wait", device_writes)
+    s0, s1 = ring.begin(info)[1], ring.begin(info)[1]
+    ring.words[s1] = (done + 5, 4, 99, 0)  # call 1 found block_table[1, 1] = 99; call 0 runs on
+    assert ring.begin(info)[1] == 2  # nothing raised: call 0's record is not written yet
+    ring.words[s0, 0] = done
+    with pytest.raises(flashtile.FlashtileInputError, match=r"block_table\[1, 1\]=99"):
+        ring.begin(info)
+    assert [p[0] for p in ring.pending] == [2]
+    assert [ring.begin(info)[0] for _ in range(3)] == [3, 4, 5]  # the ring is full now
+    assert ring.begin(info)[0] == 6 and waited == [2]
+    ring.check()  # the emulated device wrote nothing else: no error, nothing pending
+    assert not ring.pending
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_merge_attention_states_nan_lse_makes_the_row_nan(backend):
+    """A NaN partial lse (a split that read a bad index) gives a NaN row, not a dropped side."""
+    gen = _seed("merge-nan")
+    oa, ob = torch.randn(1, 2, 3, 16, generator=gen), torch.randn(1, 2, 3, 16, generator=gen)
+    la, lb = torch.randn(1, 3, 2, generator=gen), torch.randn(1, 3, 2, generator=gen)
+    la[0, 1, 0] = NAN
+    out, lse = merge_attention_states(oa, la, ob, lb)
+    nan_row = torch.zeros(1, 3, 2, dtype=torch.bool)
+    nan_row[0, 1, 0] = True
+    assert torch.equal(lse.isnan(), nan_row)
+    assert torch.equal(out.isnan().all(-1), nan_row.transpose(1, 2)) and out.isnan().sum() == 16
 
 
 # --------------------------------------------------------------------------------------------

@@ -203,8 +203,8 @@ def test_window_size_as_list_or_tensor(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------
-# flash_attn_with_kvcache: the dense rules, and index values checked on the host and on the
-# device (the Triton path's check kernel)
+# flash_attn_with_kvcache: the dense rules, and index values checked on the host (torch
+# backend) and on the device (the Triton path)
 # ------------------------------------------------------------------------------------------
 def _kv_setup(paged=True):
     q = torch.randn(2, 1, 4, 16)
@@ -250,36 +250,38 @@ KV_VALUE_CASES = {
 }
 
 
-@pytest.mark.parametrize("backend,where", [("torch", "host"), ("triton", "host"),
-                                           ("triton", "device")])
+@pytest.mark.parametrize("backend,mode", [("torch", "host"), ("triton", "sync"), ("triton", "async")])
 @pytest.mark.parametrize("case", list(KV_VALUE_CASES))
-def test_kvcache_index_values_rejected_before_writing(case, backend, where, monkeypatch):
+def test_kvcache_index_values_rejected_before_writing(case, backend, mode, monkeypatch):
     """Each bad index value raises ``FlashtileInputError`` naming the argument, and the cache
-    is unchanged.  ``device``: the host check is switched off, so the Triton path's check
-    kernel (the GPU default) must catch it and keep the append from writing."""
+    is unchanged.  The torch backend checks on the host; the Triton path on the device:
+    ``sync`` raises in the call, ``async`` (the default) returns NaN and raises at the next
+    check."""
     paged, change, needle = KV_VALUE_CASES[case]
     monkeypatch.undo()  # the kernels run
-    if where == "device":
-        from flashtile import kvcache
-        monkeypatch.setattr(kvcache.V, "kvcache_values", lambda *a: None)
+    if mode != "host":
+        monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", mode)
     q, kc, vc, kw = _kv_setup(paged)
     kw.update(change)
     k_before, v_before = kc.clone(), vc.clone()
     with flashtile.use_backend(backend), pytest.raises(flashtile.FlashtileInputError, match=needle):
-        flashtile.flash_attn_with_kvcache(q, kc, vc, **kw)
+        if mode == "async":
+            assert flashtile.flash_attn_with_kvcache(q, kc, vc, **kw).isnan().all()
+            flashtile.check_kvcache_errors()
+        else:
+            flashtile.flash_attn_with_kvcache(q, kc, vc, **kw)
     assert torch.equal(kc, k_before) and torch.equal(vc, v_before)
 
 
-@pytest.mark.parametrize("where", ["host", "device"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("append", [False, True])
-def test_kvcache_paged_block_table_bounds(append, where, monkeypatch):
+def test_kvcache_paged_block_table_bounds(append, mode, monkeypatch):
     """flash-attn's ``test_flash_attn_kvcache_paged_block_table_bounds`` scenario: a length past
-    what ``block_table`` addresses raises ``RuntimeError`` matching "block_table"; exactly at
-    capacity works."""
+    what ``block_table`` addresses raises ``RuntimeError`` matching "block_table" (in the call
+    with ``FLASHTILE_KVCACHE_CHECK=sync``, as flash-attn does; at the next call by default);
+    exactly at capacity works."""
     monkeypatch.undo()
-    if where == "device":
-        from flashtile import kvcache
-        monkeypatch.setattr(kvcache.V, "kvcache_values", lambda *a: None)
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", mode)
     page, d = 16, 16
     kc, vc = torch.randn(4, page, 1, d, dtype=torch.float16), torch.randn(4, page, 1, d, dtype=torch.float16)
     table = torch.zeros(1, 1, dtype=torch.int32)
@@ -289,18 +291,19 @@ def test_kvcache_paged_block_table_bounds(append, where, monkeypatch):
     with flashtile.use_backend("triton"):
         with pytest.raises(RuntimeError, match="block_table"):
             flashtile.flash_attn_with_kvcache(q, kc, vc, block_table=table, **kw)
+            flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=_i32(page), block_table=table)
         out = flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=_i32(page), block_table=table)
     assert out.shape == (1, 1, 1, d) and not out.isnan().any()
+    flashtile.check_kvcache_errors()
 
 
 def test_kvcache_guards_without_checks(monkeypatch):
-    """With no check at all (host check off, ``FLASHTILE_CHECK_INDICES=0``: no check kernel),
-    the Triton kernels still turn no bad index into an address: row 1's append past what its
-    block table addresses and through page -7 is dropped, row 0's valid append lands in its
-    page, and the call completes."""
+    """With no check at all (``FLASHTILE_CHECK_INDICES=0``, the older spelling of
+    ``FLASHTILE_KVCACHE_CHECK=off``), the Triton kernels still turn no bad index into an
+    address: row 1's append past what its block table addresses and through page -7 is
+    dropped, row 0's valid append lands in its page, and the call completes."""
     monkeypatch.undo()
-    from flashtile import kvcache
-    monkeypatch.setattr(kvcache.V, "kvcache_values", lambda *a: None)
+    monkeypatch.delenv("FLASHTILE_KVCACHE_CHECK", raising=False)
     monkeypatch.setenv("FLASHTILE_CHECK_INDICES", "0")
     q, kc, vc, kw = _kv_setup(paged=True)
     for lens, table in ((_i32(10, 48), _i32(0, 1, 2, 3, 4, 5)), (_i32(10, 20), _i32(0, 1, 2, 3, -7, 5))):

@@ -1,15 +1,24 @@
 """Decode-step cost of ``flash_attn_with_kvcache``'s index checks on a CUDA GPU.
 
-Times one decode step (append one token, attend; bf16, 32 query / 8 KV heads, d=128) eager
-(host wall time per step, launch plans on: what a host-bound decode loop sees) and replayed
-from a CUDA graph (GPU time per step), with the checks on (the default: check kernel plus
-read-back) and off (``FLASHTILE_CHECK_INDICES=0``: guards only), interleaved round by round in
-one process.  Prints medians over the rounds.
+Eager decode steps run back to back (the host launches step after step without waiting, as a
+serving loop does; the time per step is the larger of host and GPU time), bf16, 32 query / 8 KV
+heads, d=128, a 16K-key cache, batch 1 and 8, contiguous and paged (64-slot pages), with an
+appended token and without, under each ``FLASHTILE_KVCACHE_CHECK`` mode:
 
-    PYTHONPATH=. python tests/gpu/decode_check_timing.py
-    # the same steps on another checkout (e.g. one without the checks), all rows as "on":
-    cd /path/to/other/checkout && PYTHONPATH=. python /path/to/decode_check_timing.py --old
+* ``off``: no check (the kernels' guards only): the reference;
+* ``async`` (the default): checked on the device, error raised at a later call;
+* ``sync``: the call waits for its own check (flash-attn's behaviour).
+
+Modes are interleaved round by round in one process and the median over rounds is reported,
+with each mode's ratio to ``off``.  CUDA-graph replays (GPU time per step) are timed too, for
+``off`` and ``async`` (a captured call never waits; ``sync`` captures as ``async``).  Writes a
+JSON file (``--out``) and prints a table.
+
+    TORCHINDUCTOR_COMPILE_THREADS=1 PYTHONPATH=. python tests/gpu/decode_check_timing.py \
+        --out decode_check_timing_h100.json            # ~1 minute on an H100
 """
+import argparse
+import json
 import os
 import statistics
 import sys
@@ -17,80 +26,129 @@ import time
 
 import torch
 
-import flashtile
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-dev, dt = "cuda", torch.bfloat16
-H, HK, D = 32, 8, 128
-ROUNDS, STEPS = 9, 200
+import flashtile  # noqa: E402
+
+DEV, DT = "cuda", torch.bfloat16
+H, HK, D, L, PAGE = 32, 8, 128, 16384, 64
+MODES = ("off", "async", "sync")
 
 
-def setup(B, L, paged):
-    g = torch.Generator(device=dev).manual_seed(0)
-    r = lambda *s: torch.randn(*s, device=dev, dtype=dt, generator=g)
-    q, k, v = r(B, 1, H, D), r(B, 1, HK, D), r(B, 1, HK, D)
+def make_step(batch: int, paged: bool, append: bool):
+    """A decode step on fixed tensors: every call attends to the same ``L - 1`` keys (the
+    append rewrites the same slot), so steps are identical and independent of their count."""
+    g = torch.Generator(device=DEV).manual_seed(0)
+    r = lambda *s: torch.randn(*s, device=DEV, dtype=DT, generator=g)  # noqa: E731
+    q = r(batch, 1, H, D)
+    k, v = (r(batch, 1, HK, D), r(batch, 1, HK, D)) if append else (None, None)
     if paged:
-        P = 64
-        n = B * (L // P)
-        kc, vc = r(n, P, HK, D), r(n, P, HK, D)
-        bt = torch.randperm(n, device=dev, generator=g).to(torch.int32).reshape(B, L // P)
+        n = batch * (L // PAGE)
+        kc, vc = r(n, PAGE, HK, D), r(n, PAGE, HK, D)
+        table = torch.randperm(n, device=DEV, generator=g).to(torch.int32).reshape(batch, L // PAGE)
     else:
-        kc, vc, bt = r(B, L, HK, D), r(B, L, HK, D), None
-    lens = torch.full((B,), L - 1, dtype=torch.int32, device=dev)
-    return lambda: flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens,
-                                                     block_table=bt, causal=True)
+        kc, vc, table = r(batch, L, HK, D), r(batch, L, HK, D), None
+    lens = torch.full((batch,), L - 1, dtype=torch.int32, device=DEV)
+
+    def step():
+        return flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens,
+                                                 block_table=table, causal=True)
+    return step
 
 
-def set_checks(on):
-    if on:
-        os.environ.pop("FLASHTILE_CHECK_INDICES", None)
-    else:
-        os.environ["FLASHTILE_CHECK_INDICES"] = "0"
+def set_mode(mode: str) -> None:
+    os.environ["FLASHTILE_KVCACHE_CHECK"] = mode
 
 
-def eager_us(step):
+def eager_us(step, steps: int) -> float:
+    """Mean time per step of ``steps`` back-to-back eager calls, from an idle GPU to an idle
+    GPU."""
     torch.cuda.synchronize()
     t = time.perf_counter()
-    for _ in range(STEPS):
+    for _ in range(steps):
         step()
     torch.cuda.synchronize()
-    return (time.perf_counter() - t) / STEPS * 1e6
+    return (time.perf_counter() - t) / steps * 1e6
 
 
-def graph_us(graph):
+def graph_us(graph, steps: int) -> float:
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
-    for _ in range(STEPS):
+    for _ in range(steps):
         graph.replay()
     b.record()
     b.synchronize()
-    return a.elapsed_time(b) / STEPS * 1e3
+    return a.elapsed_time(b) / steps * 1e3
 
 
-modes = [True] if "--old" in sys.argv else [True, False]
-print(f"{'config':<22} {'mode':<4} {'eager us/step':>14} {'graph us/step':>14}")
-for B, L, paged in ((1, 16384, False), (8, 16384, True), (64, 4096, True), (64, 16384, False)):
-    step = setup(B, L, paged)
-    graphs = {}
-    for on in modes:
-        set_checks(on)
-        for _ in range(20):
+def capture(step):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
             step()
-        torch.cuda.synchronize()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()
-        torch.cuda.current_stream().wait_stream(s)
-        graphs[on] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[on]):
-            step()
-    res = {on: ([], []) for on in modes}
-    for _ in range(ROUNDS):
-        for on in modes:
-            set_checks(on)
-            res[on][0].append(eager_us(step))
-            res[on][1].append(graph_us(graphs[on]))
-    for on in modes:
-        e, g = statistics.median(res[on][0]), statistics.median(res[on][1])
-        print(f"B{B} L{L} {'paged' if paged else 'contig':<7} {'on' if on else 'off':<4} {e:14.1f} {g:14.1f}")
-set_checks(True)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    torch.cuda.synchronize()
+    return graph
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="decode_check_timing.json")
+    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--steps", type=int, default=300)
+    args = parser.parse_args()
+    configs = [(b, paged, append) for b in (1, 8) for paged in (False, True) for append in (True, False)]
+    rows = []
+    print(f"{'config':<28} {'mode':<6} {'eager us/step':>14} {'vs off':>7} {'graph us/step':>14} {'vs off':>7}")
+    for batch, paged, append in configs:
+        step = make_step(batch, paged, append)
+        graphs = {}
+        for mode in MODES:
+            set_mode(mode)
+            for _ in range(20):  # compile, record the launch plan
+                step()
+            if mode != "sync":
+                graphs[mode] = capture(step)
+        flashtile.check_kvcache_errors()
+        eager = {m: [] for m in MODES}
+        graph = {m: [] for m in graphs}
+        for _ in range(args.rounds):
+            for mode in MODES:
+                set_mode(mode)
+                eager[mode].append(eager_us(step, args.steps))
+                if mode in graphs:
+                    graph[mode].append(graph_us(graphs[mode], args.steps))
+        flashtile.check_kvcache_errors()  # the steps were valid: nothing may be reported
+        name = f"B{batch} L{L} {'paged' if paged else 'contig'} {'append' if append else 'attend'}"
+        e_off = statistics.median(eager["off"])
+        g_off = statistics.median(graph["off"])
+        for mode in MODES:
+            e = statistics.median(eager[mode])
+            g = statistics.median(graph[mode]) if mode in graph else None
+            rows.append(dict(batch=batch, seqlen=L, paged=paged, page_size=PAGE if paged else None,
+                             append=append, mode=mode, eager_us=e, eager_vs_off=e / e_off,
+                             eager_rounds=eager[mode], graph_us=g,
+                             graph_vs_off=(g / g_off) if g is not None else None,
+                             graph_rounds=graph.get(mode)))
+            gtxt = f"{g:14.1f} {g / g_off:7.3f}" if g is not None else f"{'-':>14} {'-':>7}"
+            print(f"{name:<28} {mode:<6} {e:14.1f} {e / e_off:7.3f} {gtxt}")
+        del graphs
+    set_mode("async")
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=__import__("triton").__version__, heads=H, kv_heads=HK, head_dim=D,
+                dtype=str(DT), rounds=args.rounds, steps=args.steps,
+                method="eager: back-to-back steps between two device synchronisations, mean per "
+                       "step; graph: replays between two events; median over interleaved rounds")
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -144,3 +144,125 @@ def test_eager_plans_equal_triton_launch_bitwise(cache, variant, monkeypatch):
     for out, kc, vc in results[1:]:
         assert torch.equal(out, results[0][0])
         assert torch.equal(kc, results[0][1]) and torch.equal(vc, results[0][2])
+
+
+# --------------------------------------------------------------------------------------------
+# index checks without a host wait: records written by the kernels into pinned host memory
+# --------------------------------------------------------------------------------------------
+def _paged_step(cache, append: bool):
+    """Arguments of a paged decode step on copies of the cache (``(kp, vp, kwargs)``)."""
+    kw = dict(cache_seqlens=torch.tensor([100, 1500, 1], dtype=torch.int32, device="cuda"),
+              block_table=cache["table"].clone(), causal=True)
+    if append:
+        k1 = torch.randn(B, 1, HK, D, device="cuda", dtype=torch.bfloat16)
+        kw.update(k=k1, v=torch.randn_like(k1))
+    return cache["kp"].clone(), cache["vp"].clone(), kw
+
+
+@pytest.fixture
+def fresh_errors(monkeypatch):
+    monkeypatch.delenv("FLASHTILE_KVCACHE_CHECK", raising=False)
+    monkeypatch.delenv("FLASHTILE_CHECK_INDICES", raising=False)
+    import flashtile
+    torch.cuda.synchronize()
+    flashtile.check_kvcache_errors()
+    return flashtile
+
+
+@pytest.mark.parametrize("path", ["fused", "check-kernel"])
+@pytest.mark.parametrize("append", [True, False], ids=["append", "attend"])
+def test_async_error_raised_at_a_later_call(cache, fresh_errors, monkeypatch, append, path):
+    """Default mode on the GPU, through a launch plan: the bad call returns NaN without waiting
+    and writes nothing; once it has run, the next call raises it (argument, row, value) before
+    launching anything; the calls after that are valid and report nothing."""
+    flashtile = fresh_errors
+    from flashtile.backends.triton import launch_decode
+
+    if path == "check-kernel":
+        monkeypatch.setattr(launch_decode, "FUSED_CHECK_BUDGET", 0)
+    kp, vp, kw = _paged_step(cache, append)
+    for _ in range(2):  # the second call replays the plan the first one recorded
+        flash_attn_with_kvcache(cache["q"], kp.clone(), vp.clone(), **kw)
+    bad_table = kw["block_table"].clone()
+    bad_table[1, 3] = kp.shape[0] + 7
+    k_bad, v_bad = kp.clone(), vp.clone()
+    out = flash_attn_with_kvcache(cache["q"], k_bad, v_bad, **{**kw, "block_table": bad_table})
+    torch.cuda.synchronize()
+    assert torch.equal(k_bad, kp) and torch.equal(v_bad, vp)
+    assert out[1].isnan().all()
+    if append:
+        assert out.isnan().all()
+    else:
+        assert not out[0].isnan().any() and not out[2].isnan().any()
+    k_next = kp.clone()
+    with pytest.raises(flashtile.FlashtileInputError,
+                       match=rf"earlier .*block_table\[1, 3\]={kp.shape[0] + 7} is not a page"):
+        flash_attn_with_kvcache(cache["q"], k_next, vp.clone(), **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(k_next, kp), "the raising call ran"
+    out = flash_attn_with_kvcache(cache["q"], kp.clone(), vp.clone(), **kw)
+    flashtile.check_kvcache_errors()
+    assert not out.isnan().any()
+
+
+def test_async_error_after_the_ring_wrapped(cache, fresh_errors):
+    """Three rings' worth of valid calls back to back (the host waits for the oldest record
+    when the ring is full, never for the whole queue), then a bad one: reported once, by
+    ``check_kvcache_errors``."""
+    flashtile = fresh_errors
+    from flashtile.backends.triton import launch_decode
+
+    kp, vp, kw = _paged_step(cache, False)
+    for _ in range(3 * launch_decode._Ring.SLOTS):
+        flash_attn_with_kvcache(cache["q"], kp, vp, **kw)
+    bad = kw["cache_seqlens"].clone()
+    bad[2] = -5
+    flash_attn_with_kvcache(cache["q"], kp, vp, **{**kw, "cache_seqlens": bad})
+    with pytest.raises(flashtile.FlashtileInputError, match=r"cache_seqlens\[2\]=-5"):
+        flashtile.check_kvcache_errors()
+    flashtile.check_kvcache_errors()
+
+
+def test_sync_mode_raises_in_the_call(cache, fresh_errors, monkeypatch):
+    """``FLASHTILE_KVCACHE_CHECK=sync``: flash-attn's behaviour (a ``RuntimeError`` from the
+    call itself), the cache untouched."""
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "sync")
+    kp, vp, kw = _paged_step(cache, True)
+    flash_attn_with_kvcache(cache["q"], kp.clone(), vp.clone(), **kw)
+    k_bad = kp.clone()
+    with pytest.raises(RuntimeError, match="block_table"):
+        flash_attn_with_kvcache(cache["q"], k_bad, vp.clone(),
+                                **{**kw, "cache_seqlens": torch.tensor([100, CAP, 1], dtype=torch.int32,
+                                                                       device="cuda")})
+    assert torch.equal(k_bad, kp)
+    fresh_errors.check_kvcache_errors()
+
+
+@pytest.mark.parametrize("append", [True, False], ids=["append", "attend"])
+def test_graph_replay_with_bad_indices_is_reported(cache, fresh_errors, append):
+    """Captured with valid index tensors, replayed after a bad value was copied in: the replay
+    writes nothing and returns NaN, ``check_kvcache_errors`` reports it (once); a replay with
+    the valid values again reports nothing and matches the eager call."""
+    flashtile = fresh_errors
+    kp, vp, kw = _paged_step(cache, append)
+    k0, v0 = kp.clone(), vp.clone()
+    graph, out = capture(lambda: flash_attn_with_kvcache(cache["q"], kp, vp, **kw))
+    flashtile.check_kvcache_errors()
+    kp.copy_(k0), vp.copy_(v0)
+    lens = kw["cache_seqlens"]
+    good = lens.clone()
+    lens[1] = CAP + 5
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(kp, k0) and torch.equal(vp, v0)
+    assert out[1].isnan().all()
+    with pytest.raises(flashtile.FlashtileInputError,
+                       match=rf"captured in a CUDA graph .*cache_seqlens\[1\]={CAP + 5}"):
+        flashtile.check_kvcache_errors()
+    flashtile.check_kvcache_errors()
+    lens.copy_(good)
+    graph.replay()
+    torch.cuda.synchronize()
+    flashtile.check_kvcache_errors()
+    want = flash_attn_with_kvcache(cache["q"], k0.clone(), v0.clone(), **kw)
+    assert torch.equal(out, want)

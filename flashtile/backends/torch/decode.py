@@ -27,7 +27,8 @@ def merge_states(out_a, lse_a, out_b, lse_b):
 
 def _merge(out_a, lse_a, out_b, lse_b):
     """Merge two partial results ``out_* (B, S, H, D)``, ``lse_* (B, H, S)`` over disjoint key
-    sets: float32 ``(out, lse)`` of their union (an empty side, ``lse = -inf``, adds nothing)."""
+    sets: float32 ``(out, lse)`` of their union (an empty side, ``lse = -inf``, adds nothing; a
+    NaN ``lse`` makes the row NaN, as the Triton combine does)."""
     lse_a = lse_a.float()
     lse_b = lse_b.float()
     m = torch.maximum(lse_a, lse_b)
@@ -43,6 +44,9 @@ def _merge(out_a, lse_a, out_b, lse_b):
     zero = torch.zeros((), dtype=torch.float32, device=out_a.device)
     # an empty side adds nothing, even if its output holds garbage
     out = torch.where(wa > 0, out_a.float() * wa, zero) + torch.where(wb > 0, out_b.float() * wb, zero)
+    nan = lse_a.isnan() | lse_b.isnan()
+    lse = lse.masked_fill(nan, float("nan"))
+    out = out.masked_fill(nan.transpose(1, 2).unsqueeze(-1), float("nan"))
     return out, lse
 
 
