@@ -2,7 +2,7 @@
 
 The paper's claim is about bytes: standard attention moves ``Theta(N d + N^2)`` bytes through
 HBM, FlashAttention ``Theta(N^2 d^2 / M)``.  This benchmark measures them per kernel with
-Nsight Compute and puts them next to the model of ``flashtile.reference.io_model``::
+Nsight Compute and puts them next to the model of ``flashtile.reference.algorithms``::
 
     python -m flashtile.bench.io --quick                  # ~3 min on an H100
     python -m flashtile.bench.io                          # all sweeps, ~6-8 min
@@ -58,7 +58,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from ..reference import io_model
+from ..reference import algorithms
 
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_bytes.sum",
            "gpu__time_duration.sum")
@@ -258,18 +258,18 @@ _FLASHTILE_KERNELS = {"attn_fwd_kernel": "fwd", "attn_bwd_dq_kernel": "dq",
                       "attn_bwd_dkdv_kernel": "dkdv"}
 
 
-def problem_of(case: Case | dict) -> io_model.Problem:
+def problem_of(case: Case | dict) -> algorithms.Problem:
     c = case if isinstance(case, dict) else dataclasses.asdict(case)
-    return io_model.Problem(n=c["n"], d=c["d"], heads=c["heads"], batch=c["batch"],
+    return algorithms.Problem(n=c["n"], d=c["d"], heads=c["heads"], batch=c["batch"],
                             dtype_bytes=2 if c["dtype"] in ("bfloat16", "float16") else 4,
                             density=c.get("density", 1.0))
 
 
-def model_kernels(case: dict, configs: dict) -> dict[str, io_model.KernelIO]:
+def model_kernels(case: dict, configs: dict) -> dict[str, algorithms.KernelIO]:
     """The model's kernels for a flashtile case with the tile configs the worker used."""
     p = problem_of(case)
-    fwd = io_model.flashtile_forward(p, *configs["fwd"][:2])
-    bwd = io_model.flashtile_backward(p, tuple(configs["dkdv"][:2]), tuple(configs["dq"][:2]))
+    fwd = algorithms.flashtile_forward(p, *configs["fwd"][:2])
+    bwd = algorithms.flashtile_backward(p, tuple(configs["dkdv"][:2]), tuple(configs["dq"][:2]))
     return {k.kernel: k for k in fwd + bwd}
 
 
@@ -517,7 +517,7 @@ def build_records(cases: Sequence[Case], entries: Sequence[dict],
         g += 1
         p = problem_of(base)
         rec = dict(base, **{"pass": pass_}, block_m=None, block_n=None,
-                   compulsory_bytes=io_model.compulsory(p, pass_), kernels=kernels)
+                   compulsory_bytes=algorithms.compulsory(p, pass_), kernels=kernels)
         for field in ("dram_read_bytes", "dram_write_bytes", "l2_bytes", "ms"):
             values = [k[field] for k in kernels if k[field] is not None]
             rec[field] = sum(values) if values else None
@@ -528,7 +528,7 @@ def build_records(cases: Sequence[Case], entries: Sequence[dict],
             rec["configs"] = configs
             model = model_kernels(base, configs)
             names = ["fwd"] if pass_ == "fwd" else ["dq", "dkdv"]
-            rec["model_dram_bytes"] = io_model.dram_bytes(p, [model[n] for n in names])
+            rec["model_dram_bytes"] = algorithms.dram_bytes(p, [model[n] for n in names])
             rec["model_l2_bytes"] = sum(model[n].tile for n in names)
             for k in kernels:
                 m = model.get(_FLASHTILE_KERNELS.get(k["name"], ""))
@@ -647,7 +647,7 @@ def render_markdown(records: list[dict]) -> str:
                  f"{env.get('date', '?')}).\n")
     fig2 = _fwd_bwd(records, sweep="fig2")
     if fig2:
-        p = io_model.figure2_problem()
+        p = algorithms.figure2_problem()
         rows = ["| impl | DRAM GB (fwd+bwd) | x compulsory | L2 GB | kernel ms | model GB | paper A100 GB / ms |",
                 "|---|---|---|---|---|---|---|"]
         for impl in IMPLS:
@@ -655,7 +655,7 @@ def render_markdown(records: list[dict]) -> str:
             if r is None:
                 continue
             paper = PAPER_FIG2.get(impl)
-            model = (io_model.standard(p) if impl == "standard" else r["model"]) or None
+            model = (algorithms.standard(p) if impl == "standard" else r["model"]) or None
             paper_cell = "-" if paper is None else "{gb} / {ms}".format(**paper)
             rows.append(f"| {impl} | {_gb(r['dram'])} | {r['dram'] / r['comp']:.2f} | "
                         f"{_gb(r['l2'])} | {_ms(r['ms'])} | {_gb(model)} | {paper_cell} |")

@@ -16,7 +16,9 @@ import torch.nn.functional as F
 
 from flashtile.bench import __main__ as cli
 from flashtile.bench import common, memory, render, speed
+from flashtile.bench import io as bench_io
 from flashtile.bench import variants as bench_variants
+from flashtile.reference import algorithms
 
 needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
 
@@ -1388,3 +1390,209 @@ def test_cpu_peak_in_child_sees_the_score_matrix():
     from flashtile import __main__ as ft_cli
     mib = ft_cli.cpu_peak_in_child("standard", 1024, 16, 2)
     assert mib is not None and mib >= 8
+
+
+# ----------------------------------------------------------------------------------------------
+# io: the reading of Nsight Compute output, the records and the report (on CPU)
+
+# What `ncu --csv` prints for one forward and one backward between the markers, plus a kernel
+# with a templated name (commas inside a field), with the units ncu chooses per value.
+SAMPLE = """\
+==PROF== Connected to process 4242 (/usr/bin/python3.11)
+==PROF== Profiling "io_begin_marker_kernel" - 0: 0%....50%....100% - 1 pass
+==PROF== Profiling "attn_fwd_kernel" - 1: 0%....50%....100% - 1 pass
+==PROF== Profiling "io_end_marker_kernel" - 2: 0%....50%....100% - 1 pass
+==PROF== Profiling "io_begin_marker_kernel" - 3: 0%....50%....100% - 1 pass
+==PROF== Profiling "attn_bwd_dq_kernel" - 4: 0%....50%....100% - 1 pass
+==PROF== Profiling "attn_bwd_dkdv_kernel" - 5: 0%....50%....100% - 1 pass
+==PROF== Profiling "io_end_marker_kernel" - 6: 0%....50%....100% - 1 pass
+==PROF== Profiling "at::native::vectorized_elementwise_kernel" - 7: 0%....50%....100% - 1 pass
+==PROF== Disconnected from process 4242
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","4242","python3.11","127.0.0.1","io_begin_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","0"
+"0","4242","python3.11","127.0.0.1","io_begin_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","0"
+"0","4242","python3.11","127.0.0.1","io_begin_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","lts__t_bytes.sum","byte","1,024"
+"0","4242","python3.11","127.0.0.1","io_begin_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","2,304"
+"1","4242","python3.11","127.0.0.1","attn_fwd_kernel","1","7","(128, 1, 1)","(16, 1024, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","402,915,328"
+"1","4242","python3.11","127.0.0.1","attn_fwd_kernel","1","7","(128, 1, 1)","(16, 1024, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","138,461,184"
+"1","4242","python3.11","127.0.0.1","attn_fwd_kernel","1","7","(128, 1, 1)","(16, 1024, 1)","0","9.0","Command line profiler metrics","lts__t_bytes.sum","byte","4,730,112,000"
+"1","4242","python3.11","127.0.0.1","attn_fwd_kernel","1","7","(128, 1, 1)","(16, 1024, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","612,544"
+"2","4242","python3.11","127.0.0.1","io_end_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","0"
+"2","4242","python3.11","127.0.0.1","io_end_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","32"
+"2","4242","python3.11","127.0.0.1","io_end_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","lts__t_bytes.sum","byte","1,024"
+"2","4242","python3.11","127.0.0.1","io_end_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","2,272"
+"3","4242","python3.11","127.0.0.1","io_begin_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","0"
+"3","4242","python3.11","127.0.0.1","io_begin_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","0"
+"3","4242","python3.11","127.0.0.1","io_begin_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","lts__t_bytes.sum","byte","1,024"
+"3","4242","python3.11","127.0.0.1","io_begin_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","2,240"
+"4","4242","python3.11","127.0.0.1","attn_bwd_dq_kernel","1","7","(256, 1, 1)","(8, 1024, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","Mbyte","675.41"
+"4","4242","python3.11","127.0.0.1","attn_bwd_dq_kernel","1","7","(256, 1, 1)","(8, 1024, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","Mbyte","138.52"
+"4","4242","python3.11","127.0.0.1","attn_bwd_dq_kernel","1","7","(256, 1, 1)","(8, 1024, 1)","0","9.0","Command line profiler metrics","lts__t_bytes.sum","Gbyte","2.81"
+"4","4242","python3.11","127.0.0.1","attn_bwd_dq_kernel","1","7","(256, 1, 1)","(8, 1024, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","usecond","702.18"
+"5","4242","python3.11","127.0.0.1","attn_bwd_dkdv_kernel","1","7","(128, 1, 1)","(16, 1024, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","545,390,592"
+"5","4242","python3.11","127.0.0.1","attn_bwd_dkdv_kernel","1","7","(128, 1, 1)","(16, 1024, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","268,500,992"
+"5","4242","python3.11","127.0.0.1","attn_bwd_dkdv_kernel","1","7","(128, 1, 1)","(16, 1024, 1)","0","9.0","Command line profiler metrics","lts__t_bytes.sum","byte","5,310,001,152"
+"5","4242","python3.11","127.0.0.1","attn_bwd_dkdv_kernel","1","7","(128, 1, 1)","(16, 1024, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","1,104,864"
+"6","4242","python3.11","127.0.0.1","io_end_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","0"
+"6","4242","python3.11","127.0.0.1","io_end_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","32"
+"6","4242","python3.11","127.0.0.1","io_end_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","lts__t_bytes.sum","byte","1,024"
+"6","4242","python3.11","127.0.0.1","io_end_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","2,208"
+"7","4242","python3.11","127.0.0.1","void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char *, 1ul>>(int, at::native::FillFunctor<float>, std::array<char *, 1ul>)","1","7","(128, 1, 1)","(4096, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","0"
+"7","4242","python3.11","127.0.0.1","void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char *, 1ul>>(int, at::native::FillFunctor<float>, std::array<char *, 1ul>)","1","7","(128, 1, 1)","(4096, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","4,194,304"
+"7","4242","python3.11","127.0.0.1","void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char *, 1ul>>(int, at::native::FillFunctor<float>, std::array<char *, 1ul>)","1","7","(128, 1, 1)","(4096, 1, 1)","0","9.0","Command line profiler metrics","lts__t_bytes.sum","byte","4,210,688"
+"7","4242","python3.11","127.0.0.1","void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char *, 1ul>>(int, at::native::FillFunctor<float>, std::array<char *, 1ul>)","1","7","(128, 1, 1)","(4096, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","3,968"
+"""
+
+
+def test_ncu_csv_parses_every_kernel_in_launch_order_with_units_converted():
+    kernels = bench_io.parse_ncu_csv(SAMPLE)
+    assert [k.id for k in kernels] == list(range(8))
+    assert [bench_io.short_name(k.name) for k in kernels[:7]] == [
+        "io_begin_marker_kernel", "attn_fwd_kernel", "io_end_marker_kernel",
+        "io_begin_marker_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel",
+        "io_end_marker_kernel"]
+    # a templated name with commas inside stays one field
+    assert kernels[7].name.startswith("void at::native::vectorized_elementwise_kernel<4, ")
+    assert bench_io.short_name(kernels[7].name) == "vectorized_elementwise_kernel"
+    fwd, dq = kernels[1].metrics, kernels[4].metrics
+    assert fwd["dram__bytes_read.sum"] == 402_915_328  # thousands separators dropped
+    assert fwd["gpu__time_duration.sum"] == pytest.approx(0.612544)  # ns -> ms
+    assert dq["dram__bytes_read.sum"] == pytest.approx(675.41e6)  # Mbyte -> bytes
+    assert dq["lts__t_bytes.sum"] == pytest.approx(2.81e9)  # Gbyte -> bytes
+    assert dq["gpu__time_duration.sum"] == pytest.approx(0.70218)  # us -> ms
+
+
+def test_ncu_raw_page_parses_like_the_details_page():
+    raw = ('==PROF== Disconnected from process 1\n'
+           '"ID","Kernel Name","dram__bytes_read.sum","gpu__time_duration.sum"\n'
+           '"","","Mbyte","usecond"\n'
+           '"0","attn_fwd_kernel","1.5","250"\n')
+    (k,) = bench_io.parse_ncu_csv(raw)
+    assert k.metrics == {"dram__bytes_read.sum": 1.5e6, "gpu__time_duration.sum": 0.25}
+
+
+def test_markers_split_kernels_into_passes_and_drop_the_rest():
+    groups = bench_io.split_by_markers(bench_io.parse_ncu_csv(SAMPLE))
+    assert [[bench_io.short_name(k.name) for k in g] for g in groups] == [
+        ["attn_fwd_kernel"], ["attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"]]
+
+
+def _sample_records():
+    case = bench_io.Case("fig2", "flashtile")
+    configs = {"fwd": [64, 64, 4, 3], "dkdv": [64, 64, 4, 3], "dq": [128, 64, 8, 5]}
+    entries = [dict(index=0, pass_="fwd", configs=configs),
+               dict(index=0, pass_="bwd", configs=configs),
+               dict(index=1, error="RuntimeError: no kernel")]
+    groups = bench_io.split_by_markers(bench_io.parse_ncu_csv(SAMPLE))
+    cases = [case, bench_io.Case("fig2", "cudnn")]
+    return bench_io.build_records(cases, entries, groups, {"device": "test"})
+
+
+def test_records_carry_the_measured_sums_the_model_and_the_compulsory_bytes():
+    fwd, bwd, failed = _sample_records()
+    p = algorithms.figure2_problem()
+    assert (fwd["impl"], fwd["pass"], fwd["n"], fwd["d"], fwd["heads"], fwd["batch"]) == (
+        "flashtile", "fwd", 1024, 64, 16, 64)
+    assert (fwd["block_m"], fwd["block_n"]) == (64, 64)
+    assert fwd["dram_read_bytes"] == 402_915_328 and fwd["dram_write_bytes"] == 138_461_184
+    assert fwd["compulsory_bytes"] == algorithms.compulsory(p, "fwd")
+    assert fwd["model_dram_bytes"] == algorithms.flashtile_forward(p, 64, 64)[0].dram
+    assert bwd["dram_read_bytes"] == pytest.approx(675.41e6 + 545_390_592)
+    assert bwd["ms"] == pytest.approx(0.70218 + 1.104864)
+    assert [k["name"] for k in bwd["kernels"]] == ["attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"]
+    assert bwd["kernels"][1]["model_l2_bytes"] == algorithms.flashtile_backward(p, (64, 64), (128, 64))[1].tile
+    assert failed["impl"] == "cudnn" and failed["error"].startswith("RuntimeError")
+    for field in ("impl", "pass", "n", "d", "heads", "batch", "block_m", "block_n",
+                  "dram_read_bytes", "dram_write_bytes", "l2_bytes", "ms", "compulsory_bytes"):
+        assert field in fwd
+
+
+def test_report_tables_plots_and_doc_section(tmp_path):
+    records = _sample_records()
+    records.append(dict(sweep="fig3", impl="flashtile", n=1024, batch=16, heads=16, d=64,
+                        ms=1.5, peak_extra_bytes=2e8, **{"pass": "fwd_bwd"}))
+    md = bench_io.render_markdown(records)
+    assert "| flashtile | 2.17 | 1.34 |" in md  # fwd+bwd DRAM GB of the sample, x compulsory
+    assert "| flashtile | 1.50 |" in md  # Figure 3 time
+    pngs = bench_io.plot(records, tmp_path)
+    assert {p.name for p in pngs} == {"fig2_left.png", "fig3.png"}
+    assert all(p.stat().st_size > 1000 for p in pngs)
+    doc = tmp_path / "io.md"
+    doc.write_text(f"intro\n{bench_io.DOC_BEGIN}\nold\n{bench_io.DOC_END}\nend\n")
+    bench_io.update_doc(doc, md)
+    text = doc.read_text()
+    assert "old" not in text and md in text and text.startswith("intro") and text.endswith("end\n")
+
+
+def test_sweeps_pin_the_tile_they_vary():
+    cases = bench_io.build_cases(["blocks"], quick=True)
+    for c in cases:
+        kernel, tile = c.knob.split(".")
+        pinned = getattr(c, kernel)
+        assert pinned is not None and len(pinned) == 4
+    sizes = [c.fwd[0] for c in cases if c.knob == "fwd.block_m"]
+    assert sizes == sorted(sizes) and len(sizes) >= 3
+    assert {c.impl for c in bench_io.build_cases(["fig2"], quick=True)} == set(bench_io.IMPLS)
+
+
+def test_worker_runs_each_pass_between_markers_and_logs_configs(tmp_path, monkeypatch):
+    # the worker's flow on CPU (kernels under the interpreter): which passes it logs, in
+    # marker order, with the tile configs flashtile used; a failing case is logged, not fatal
+    import json
+
+    markers = []
+    real = bench_io._markers
+
+    def counting(device):
+        begin, end = real(device)
+        return (lambda: (markers.append("begin"), begin())), (lambda: (markers.append("end"), end()))
+
+    monkeypatch.setattr(bench_io, "_markers", counting)
+    tiny = dict(n=16, d=16, heads=1, batch=1, dtype="float32")
+    cases = [bench_io.Case("fig2", "flashtile", **tiny),
+             bench_io.Case("fig2", "standard", **tiny),
+             bench_io.Case("fig2", "cudnn", **tiny),  # SDPA's cudnn backend: no CPU kernel
+             bench_io.Case("blocks", "flashtile", passes=("bwd",), knob="dkdv.block_n",
+                           dkdv=(16, 16, 1, 1), dq=(16, 16, 1, 1), **tiny),
+             bench_io.Case("sparse", "flashtile_sparse", density=0.5, sparse_block=16,
+                           **dict(tiny, n=32))]
+    plan, log = tmp_path / "plan.json", tmp_path / "log.jsonl"
+    plan.write_text(json.dumps([c.to_json() for c in cases]))
+    bench_io.run_worker(str(plan), str(log), device="cpu")
+    entries = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(e["index"], e.get("pass_")) for e in entries] == [
+        (0, "fwd"), (0, "bwd"), (1, "fwd"), (1, "bwd"), (2, None), (3, "bwd"), (4, "fwd"),
+        (4, "bwd")], entries
+    assert "error" in entries[4] and not entries[4].get("marked")
+    assert entries[5]["configs"]["dkdv"] == [16, 16, 1, 1]
+    assert entries[0]["configs"]["fwd"][:2] == [16, 16]  # the interpreter's tiles
+    assert entries[2]["configs"] == {}
+    assert markers == ["begin", "end"] * 7
+
+
+FAKE_NCU = '''#!{python}
+"""Stands in for ncu: runs the profiled command (on the CPU) and prints the CSV sample."""
+import os, subprocess, sys
+args = sys.argv[1:]
+assert args[:3] == ["--clock-control", "none", "--metrics"], args
+cmd = args[args.index({python!r}):]
+subprocess.run(cmd + ["--device", "cpu"], check=True, env=dict(os.environ, TRITON_INTERPRET="1"))
+sys.stdout.write(open({sample!r}).read())
+'''
+
+
+def test_ncu_run_end_to_end_with_a_stand_in_profiler(tmp_path):
+    # the plumbing of run_ncu_sweeps: the ncu command line, the worker subprocess, its log,
+    # the CSV on stdout, and the records (the stand-in prints the committed sample)
+    import sys
+
+    fake = tmp_path / "ncu"
+    sample = tmp_path / "ncu_sample.csv"
+    sample.write_text(SAMPLE)
+    fake.write_text(FAKE_NCU.format(python=sys.executable, sample=str(sample)))
+    fake.chmod(0o755)
+    case = bench_io.Case("fig2", "flashtile", n=16, d=16, heads=1, batch=1, dtype="float32")
+    records = bench_io.run_ncu_sweeps([case], str(fake), True, tmp_path, timeout=600)
+    assert [(r["impl"], r["pass"]) for r in records] == [("flashtile", "fwd"), ("flashtile", "bwd")]
+    assert records[1]["dram_write_bytes"] == pytest.approx(138.52e6 + 268_500_992)
+    assert records[0]["block_m"] == 16  # the interpreter's tiles, logged by the worker
