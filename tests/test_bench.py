@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from flashtile.bench import __main__ as cli
-from flashtile.bench import common, memory, render, speed
+from flashtile.bench import common, memory, report, speed
 from flashtile.bench import io as bench_io
 from flashtile.bench import variants as bench_variants
 from flashtile.reference import algorithms
@@ -150,7 +150,7 @@ def test_parse_args_cuda_defaults_are_the_fa_sweep():
     assert cfg.ds == (64, 128, 256)
     assert cfg.ns == (512, 1024, 2048, 4096, 8192, 16384)
     assert (cfg.tokens, cfg.hidden, cfg.warmup, cfg.rep) == (16384, 2048, 25, 100)
-    assert cfg.out == Path("bench_out") and cfg.merge_into is None
+    assert cfg.out is None and cfg.plots == Path("bench_out")  # None: the device's results file
     assert [cfg.batch_for(n) for n in cfg.ns] == [32, 16, 8, 4, 2, 1]
     assert [cfg.heads_for(d) for d in cfg.ds] == [32, 16, 8]
 
@@ -174,8 +174,8 @@ def test_parse_args_overrides(tmp_path):
     cfg = speed.parse_args([
         "--device", "cuda", "--quick", "--impl", "flashtile,sdpa_math", "flex", "--mode", "bwd",
         "--causal", "1", "--d", "64", "128,256", "--n", "1K", "2k", "512", "--dtype", "bfloat16",
-        "fp16", "--warmup", "5", "--rep", "7.5", "--out", str(tmp_path), "--merge-into",
-        str(tmp_path / "all.json"), "--batch", "3", "--hidden", "1024", "--time-limit", "60",
+        "fp16", "--warmup", "5", "--rep", "7.5", "--out", str(tmp_path / "all.json"), "--plots",
+        str(tmp_path), "--batch", "3", "--hidden", "1024", "--time-limit", "60",
         "--no-plot", "--no-progress", "--seed", "4", "--no-device-ceilings"])
     assert cfg.impls == ("flashtile", "sdpa_math", "flex")
     assert cfg.modes == ("bwd",)
@@ -184,7 +184,7 @@ def test_parse_args_overrides(tmp_path):
     assert cfg.ns == (1024, 2048, 512)
     assert cfg.dtypes == ("bf16", "fp16")
     assert (cfg.warmup, cfg.rep) == (5.0, 7.5)
-    assert cfg.out == tmp_path and cfg.merge_into == tmp_path / "all.json"
+    assert cfg.out == tmp_path / "all.json" and cfg.plots == tmp_path
     assert cfg.batch_for(512) == 3 and cfg.heads_for(256) == 4
     assert (cfg.time_limit, cfg.plot, cfg.progress, cfg.seed, cfg.ceilings) == (60, False, False,
                                                                                 4, False)
@@ -349,7 +349,7 @@ def test_a_mode_is_one_function_and_an_entry(monkeypatch, tmp_path):
         build, inputs_fn=last_query, flops_fn=one_query_flops))
     assert common.flops(2, 4, 128, 16, False, "last_query") == 4 * 2 * 4 * 128 * 16
     cfg = speed.parse_args(TINY + ["--impl", "sdpa", "--mode", "last_query", "--causal", "0",
-                                   "--n", "128", "--out", str(tmp_path), "--no-plot",
+                                   "--n", "128", "--out", str(tmp_path / "r.json"), "--no-plot",
                                    "--no-device-ceilings"])
     (rec,) = speed.run_speed(cfg, timer=lambda fn: (fn(), 0.5)[1], stdout=io.StringIO())
     assert rec["status"] == "ok" and rec["mode"] == "last_query"
@@ -645,15 +645,42 @@ def test_write_json_roundtrip(tmp_path):
 
 def test_merge_json_appends_and_replaces(tmp_path):
     path = tmp_path / "h100.json"
+    common.write_result(path, "decode", [{"impl": "flashtile", "ms": 0.1}])
     first = [_record(n=1024, tflops=100.0), _record(n=2048, tflops=110.0)]
-    common.merge_json(path, first)
-    assert common.load_records(path) == first
+    common.merge_result(path, "speed", first)
+    assert common.load_records(path, "speed") == first
     rerun = _record(n=2048, tflops=120.0)
     other_mode = _record(mode="bwd", n=2048, tflops=90.0)
     other_device = _record(n=2048, tflops=50.0, device="NVIDIA A100")
-    common.merge_json(path, [rerun, other_mode, other_device])
-    merged = common.load_records(path)
+    common.merge_result(path, "speed", [rerun, other_mode, other_device])
+    merged = common.load_records(path, "speed")
     assert merged == [first[0], rerun, other_mode, other_device]
+    # the other entries of the file are kept, in their order
+    assert list(common.read_results(path)) == ["decode", "speed"]
+    assert common.read_result(path, "decode") == [{"impl": "flashtile", "ms": 0.1}]
+
+
+def test_write_result_replaces_one_entry_atomically(tmp_path):
+    path = tmp_path / "results" / "cpu.json"
+    assert common.read_results(path) == {} and common.load_records(path, "speed") == []
+    common.write_result(path, "device", {"copy_bandwidth_GBps": 10.0})
+    common.write_result(path, "cpu_b1h8n4096", {"threads": 2})
+    common.write_result(path, "device", {"copy_bandwidth_GBps": 12.0})
+    assert common.read_results(path) == {"device": {"copy_bandwidth_GBps": 12.0},
+                                         "cpu_b1h8n4096": {"threads": 2}}
+    assert sorted(p.name for p in path.parent.iterdir()) == ["cpu.json"]  # no temporary left
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="one entry per benchmark"):
+        common.write_result(path, "device", {})
+
+
+def test_results_path_names_the_device(monkeypatch):
+    assert common.results_path("cpu") == Path("benchmarks/results/cpu.json")
+    assert common.results_path("cpu", "x.json") == Path("x.json")
+    for name, tag in (("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-80GB", "a100"),
+                      ("NVIDIA GeForce RTX 4090", "rtx4090"), ("AMD Instinct MI300X", "mi300x")):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
+        assert common.device_tag("cuda") == tag, name
 
 
 def test_merge_replaces_max_seqlen_whatever_its_n():
@@ -689,7 +716,7 @@ def test_render_table_cells_and_ratios():
         _record("sdpa_flash", n=2048, status="unsupported"),
         _record("flashtile", n=1024, mode="bwd", causal=True, tflops=0.5),
     ]
-    rows = _rows(render.render_table(recs))
+    rows = _rows(report.render_table(recs))
     header, body = rows[0], rows[2:]
     assert header == ["mode", "causal", "dtype", "d", "n", "B", "H", "flashtile", "sdpa_flash",
                       "sdpa_math", "ft/sdpa_flash", "ft/sdpa_math"]
@@ -703,7 +730,7 @@ def test_render_table_cells_and_ratios():
 
 def test_render_table_later_record_wins_and_devices_split():
     recs = [_record(tflops=1.0), _record(tflops=2.0), _record(tflops=3.0, device="cpu")]
-    text = render.render_table(recs)
+    text = report.render_table(recs)
     assert "device: NVIDIA H100 80GB HBM3" in text and "device: cpu" in text
     rows = _rows("\n".join(ln for ln in text.splitlines() if ln.startswith("|")))
     cells = [row[-1] for row in rows if row[0] == "fwd"]
@@ -711,12 +738,12 @@ def test_render_table_later_record_wins_and_devices_split():
 
 
 def test_render_table_without_flashtile_has_no_ratios():
-    rows = _rows(render.render_table([_record("sdpa_flash"), _record("sdpa_math")]))
+    rows = _rows(report.render_table([_record("sdpa_flash"), _record("sdpa_math")]))
     assert not any(h.startswith("ft/") for h in rows[0])
 
 
 def test_render_table_ignores_memory_records():
-    assert render.render_table([_record(mode=common.MEMORY_MODE, peak_bytes=1)]) == \
+    assert report.render_table([_record(mode=common.MEMORY_MODE, peak_bytes=1)]) == \
         "(no speed records)"
 
 
@@ -737,7 +764,7 @@ def test_render_memory_table():
 @pytest.mark.parametrize("n,text", [(512, "512"), (1024, "1K"), (16384, "16K"), (1536, "1536"),
                                     (None, "-")], ids=["512", "1K", "16K", "odd", "none"])
 def test_format_n(n, text):
-    assert render.format_n(n) == text
+    assert report.format_n(n) == text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -753,7 +780,7 @@ def test_plot_one_png_per_mode_causal_dtype_d(tmp_path):
             for impl in ("flashtile", "sdpa_flash") for mode in ("fwd", "bwd")
             for causal in (False, True) for d in (64, 128) for n in (512, 1024, 2048)]
     recs.append(_record("sdpa_math", "fwd", False, "bf16", 64, 2048, status="oom"))
-    paths = render.plot(recs, tmp_path / "plots")
+    paths = report.plot(recs, tmp_path / "plots")
     names = sorted(p.name for p in paths)
     assert names == sorted(f"{m}_{c}_bf16_d{d}.png" for m in ("fwd", "bwd")
                            for c in ("full", "causal") for d in (64, 128))
@@ -763,7 +790,7 @@ def test_plot_one_png_per_mode_causal_dtype_d(tmp_path):
 
 def test_plot_prefixes_device_when_several(tmp_path):
     pytest.importorskip("matplotlib")
-    paths = render.plot([_record(), _record(device="cpu")], tmp_path)
+    paths = report.plot([_record(), _record(device="cpu")], tmp_path)
     assert sorted(p.name for p in paths) == ["cpu_fwd_full_bf16_d64.png",
                                              "nvidia_h100_80gb_hbm3_fwd_full_bf16_d64.png"]
 
@@ -780,7 +807,7 @@ def test_plot_memory(tmp_path):
 
 def test_plot_without_matplotlib(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    assert render.plot([_record()], tmp_path) == []
+    assert report.plot([_record()], tmp_path) == []
     assert memory.plot_memory([_record(mode="memory", peak_bytes=1)], tmp_path) == []
 
 
@@ -843,8 +870,8 @@ def test_run_memory_sweep_and_longest(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(common.IMPLS, "linear", _memory_impl(mem, 10, 1 << 30, peer=False))
     monkeypatch.setitem(common.IMPLS, "quadratic", _memory_impl(mem, 1000, 256))
     cfg = memory.MemoryConfig(device="cpu", impls=("linear", "quadratic"), n_min=64, n_max=1024,
-                             batch=1, heads=2, d=8, dtype="fp32", out=tmp_path,
-                             merge_into=tmp_path / "all.json", progress=False, plot=False)
+                             batch=1, heads=2, d=8, dtype="fp32", out=tmp_path / "all.json",
+                             progress=False, plot=False)
     records = memory.run_memory(cfg, mem=mem)
     sweep = [r for r in records if r["mode"] == "memory"]
     assert [(r["impl"], r["n"], r["status"]) for r in sweep] == [
@@ -858,9 +885,8 @@ def test_run_memory_sweep_and_longest(monkeypatch, tmp_path, capsys):
     assert longest["linear"]["n"] == 1024 and longest["linear"]["error"] is None
     assert longest["quadratic"]["n"] == 256 and longest["quadratic"]["status"] == "ok"
     assert longest["quadratic"]["error"].startswith("oom at n=512")
-    assert json.loads((tmp_path / "memory.json").read_text()) == records
-    assert not (tmp_path / "results.json").exists()
-    assert common.load_records(tmp_path / "all.json") == records
+    assert common.read_results(tmp_path / "all.json") == {"memory": records}  # no speed entry
+    assert common.load_records(tmp_path / "all.json", "memory") == records
     out = capsys.readouterr().out
     assert "longest" in out and "linear GiB" in out
 
@@ -873,8 +899,8 @@ def test_run_memory_stops_after_a_broken_context(monkeypatch, tmp_path):
     monkeypatch.setitem(common.IMPLS, "broken", common.Impl(broken, peer=False))
     monkeypatch.setitem(common.IMPLS, "linear", _memory_impl(mem, 10, 1 << 30))
     cfg = memory.MemoryConfig(device="cpu", impls=("broken", "linear"), n_min=64, n_max=256,
-                             batch=1, heads=2, d=8, dtype="fp32", out=tmp_path, progress=False,
-                             plot=False)
+                             batch=1, heads=2, d=8, dtype="fp32", out=tmp_path / "r.json",
+                             progress=False, plot=False)
     records = memory.run_memory(cfg, mem=mem, stdout=io.StringIO())
     assert [(r["impl"], r["mode"], r["status"]) for r in records] == [
         ("broken", "memory", "error"), ("broken", "max_seqlen", "error"),
@@ -893,7 +919,8 @@ def test_run_memory_input_failure_stops_everyone(monkeypatch, tmp_path):
     monkeypatch.setattr(common, "make_inputs", make_inputs)
     monkeypatch.setitem(common.IMPLS, "linear", _memory_impl(mem, 10, 1 << 30))
     cfg = memory.MemoryConfig(device="cpu", impls=("linear",), n_min=64, n_max=1024, batch=1,
-                             heads=2, d=8, dtype="fp32", out=tmp_path, progress=False, plot=False)
+                             heads=2, d=8, dtype="fp32", out=tmp_path / "r.json", progress=False,
+                             plot=False)
     records = memory.run_memory(cfg, mem=mem, stdout=io.StringIO())
     assert [(r["mode"], r["n"], r["status"]) for r in records] == [
         ("memory", 64, "ok"), ("memory", 128, "ok"), ("memory", 256, "oom"),
@@ -932,34 +959,33 @@ TINY = ["--device", "cpu", "--mode", "fwd", "bwd", "fwd_bwd", "--causal", "both"
 
 def test_main_cpu_end_to_end(stand_in, tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    out = tmp_path / "out"
-    merged = tmp_path / "merged.json"
+    out, plots = tmp_path / "cpu.json", tmp_path / "plots"
     argv = TINY + ["--impl", "flashtile", "sdpa", "sdpa_math", "sdpa_cudnn", "--out", str(out),
-                   "--merge-into", str(merged)]
+                   "--plots", str(plots)]
     assert cli.main(argv) == 0
-    records = json.loads((out / "results.json").read_text())
+    records = common.load_records(out, "speed")
     assert len(records) == 4 * 3 * 2 * 2
     assert all(tuple(r) == common.RECORD_KEYS and r["device"] == "cpu" for r in records)
     assert {r["status"] for r in records if r["impl"] != "sdpa_cudnn"} == {"ok"}
     assert {r["status"] for r in records if r["impl"] == "sdpa_cudnn"} == {"unsupported"}
     assert all(r["tflops"] > 0 and r["ms"] > 0 for r in records if r["status"] == "ok")
     assert all(r["batch"] * r["n"] == 256 and r["heads"] == 2 for r in records)
-    assert common.load_records(merged) == records
-    device = json.loads((out / "device.json").read_text())
+    assert list(common.read_results(out)) == ["speed", "device"]
+    device = common.read_result(out, "device")
     assert device["copy_bandwidth_GBps"] > 0 and device["matmul_tflops"] > 0
-    assert len(list(out.glob("*.png"))) == 3 * 2
+    assert len(list(plots.glob("*.png"))) == 3 * 2
     table = capsys.readouterr().out
     rows = _rows(table)
     assert rows[0][7:] == ["flashtile", "sdpa", "sdpa_cudnn", "sdpa_math", "ft/sdpa",
                            "ft/sdpa_cudnn", "ft/sdpa_math"]
     assert len(rows) == 2 + 3 * 2 * 2
 
-    assert cli.main(argv[:-4] + ["--impl", "sdpa", "--n", "64", "--out", str(tmp_path / "o2"),
-                                   "--merge-into", str(merged), "--no-plot"]) == 0
-    assert len(common.load_records(merged)) == len(records)  # re-run replaced its records
+    assert cli.main(argv[:-4] + ["--impl", "sdpa", "--n", "64", "--out", str(out),
+                                   "--no-plot"]) == 0
+    assert len(common.load_records(out, "speed")) == len(records)  # re-run replaced its records
     capsys.readouterr()
 
-    assert cli.main(["report", str(merged), "--out", str(tmp_path / "rep")]) == 0
+    assert cli.main(["report", str(out), "--plots", str(tmp_path / "rep")]) == 0
     report = capsys.readouterr().out
     assert len(_rows(report)) == len(rows)
     assert len(list((tmp_path / "rep").glob("*.png"))) == 6
@@ -969,10 +995,10 @@ def test_main_returns_1_on_flashtile_error(monkeypatch, tmp_path):
     def broken():
         raise ImportError("flashtile.flash_attn_func is not available")
     monkeypatch.setattr(common, "flashtile_api", broken)
-    argv = TINY + ["--impl", "flashtile", "--mode", "fwd", "--n", "64", "--out", str(tmp_path),
-                   "--no-plot", "--no-device-ceilings"]
+    argv = TINY + ["--impl", "flashtile", "--mode", "fwd", "--n", "64", "--out",
+                   str(tmp_path / "r.json"), "--no-plot", "--no-device-ceilings"]
     assert cli.main(argv) == 1
-    records = common.load_records(tmp_path / "results.json")
+    records = common.load_records(tmp_path / "r.json", "speed")
     assert {r["status"] for r in records} == {"error"}
 
 
@@ -983,11 +1009,11 @@ def test_fatal_error_stops_the_run(stand_in, monkeypatch, tmp_path, capsys):
         calls.append(inp.n)
         raise RuntimeError("CUDA error: device-side assert triggered")
     monkeypatch.setitem(common.IMPLS, "fake", common.Impl(prepare))
-    cfg = speed.parse_args(TINY + ["--impl", "fake", "sdpa", "--out", str(tmp_path), "--no-plot",
-                                   "--no-device-ceilings"])
+    cfg = speed.parse_args(TINY + ["--impl", "fake", "sdpa", "--out", str(tmp_path / "r.json"),
+                                   "--no-plot", "--no-device-ceilings"])
     records = speed.run_speed(cfg)
     assert len(records) == 1 and records[0]["status"] == "error" and calls == [64]
-    assert common.load_records(tmp_path / "results.json") == records
+    assert common.load_records(tmp_path / "r.json", "speed") == records
     assert "unrecoverable CUDA error" in capsys.readouterr().err
 
 
@@ -999,8 +1025,8 @@ def test_input_failure_is_recorded_for_the_shape(stand_in, monkeypatch, tmp_path
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
         return real(batch, n, *args, **kwargs)
     monkeypatch.setattr(common, "make_inputs", make_inputs)
-    cfg = speed.parse_args(TINY + ["--impl", "sdpa", "--mode", "fwd", "--out", str(tmp_path),
-                                   "--no-plot", "--no-device-ceilings"])
+    cfg = speed.parse_args(TINY + ["--impl", "sdpa", "--mode", "fwd", "--out",
+                                   str(tmp_path / "r.json"), "--no-plot", "--no-device-ceilings"])
     records = speed.run_speed(cfg, stdout=io.StringIO())
     assert [(r["n"], r["causal"], r["status"]) for r in records] == [
         (64, False, "ok"), (64, True, "ok"), (128, False, "oom"), (128, True, "oom")]
@@ -1011,27 +1037,29 @@ def test_input_failure_is_recorded_for_the_shape(stand_in, monkeypatch, tmp_path
 def test_resume_skips_finished_cases(stand_in, tmp_path, capsys):
     merged = tmp_path / "merged.json"
     flags = TINY + ["--impl", "sdpa", "sdpa_math", "--mode", "fwd", "--causal", "0", "--no-plot",
-                     "--no-device-ceilings", "--merge-into", str(merged)]
-    first = speed.run_speed(speed.parse_args(flags + ["--n", "64", "--out", str(tmp_path / "a")]))
+                     "--no-device-ceilings", "--out", str(merged)]
+    first = speed.run_speed(speed.parse_args(flags + ["--n", "64"]))
     assert len(first) == 2
     failed = dict(first[1], status="error", tflops=None, ms=None, error="RuntimeError: x")
-    common.write_json(merged, [first[0], failed])
+    common.write_result(merged, "speed", [first[0], failed])
     capsys.readouterr()
-    cfg = speed.parse_args(flags + ["--out", str(tmp_path / "b"), "--resume"])
+    cfg = speed.parse_args(flags + ["--resume"])
     second = speed.run_speed(cfg)
     assert [(r["impl"], r["n"]) for r in second] == [("sdpa_math", 64), ("sdpa", 128),
                                                      ("sdpa_math", 128)]
     out = capsys.readouterr()
     assert "--resume: 1 of 4 cases" in out.err
     assert len(_rows(out.out)) == 2 + 2  # the table shows the resumed case too
-    merged_records = common.load_records(merged)
+    merged_records = common.load_records(merged, "speed")
     assert len(merged_records) == 4 and {r["status"] for r in merged_records} == {"ok"}
 
 
-def test_resume_needs_merge_into(capsys):
-    with pytest.raises(SystemExit):
-        speed.parse_args(["--device", "cpu", "--resume"])
-    assert "--merge-into" in capsys.readouterr().err
+def test_resume_without_results_runs_everything(stand_in, tmp_path, capsys):
+    cfg = speed.parse_args(TINY + ["--impl", "sdpa", "--mode", "fwd", "--causal", "0",
+                                   "--no-plot", "--no-device-ceilings", "--resume",
+                                   "--out", str(tmp_path / "none_yet.json")])
+    assert [(r["impl"], r["n"]) for r in speed.run_speed(cfg)] == [("sdpa", 64), ("sdpa", 128)]
+    assert "--resume" not in capsys.readouterr().err
 
 
 def test_case_key_matches_record_key():
@@ -1042,17 +1070,17 @@ def test_case_key_matches_record_key():
 
 
 def test_time_limit_stops_between_shapes(stand_in, tmp_path, capsys):
-    cfg = speed.parse_args(TINY + ["--impl", "sdpa", "--out", str(tmp_path), "--no-plot",
-                                   "--no-device-ceilings", "--time-limit", "0"])
+    cfg = speed.parse_args(TINY + ["--impl", "sdpa", "--out", str(tmp_path / "r.json"),
+                                   "--no-plot", "--no-device-ceilings", "--time-limit", "0"])
     assert speed.run_speed(cfg) == []
-    assert common.load_records(tmp_path / "results.json") == []
+    assert common.read_results(tmp_path / "r.json") == {"speed": []}
     assert "--time-limit" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not _real_flashtile_available(), reason="flashtile.flash_attn_func missing")
 def test_real_flashtile_cpu_run(tmp_path):
-    cfg = speed.parse_args(TINY + ["--impl", "flashtile", "--out", str(tmp_path), "--no-plot",
-                                   "--no-device-ceilings"])
+    cfg = speed.parse_args(TINY + ["--impl", "flashtile", "--out", str(tmp_path / "r.json"),
+                                   "--no-plot", "--no-device-ceilings"])
     records = speed.run_speed(cfg, stdout=io.StringIO())
     assert len(records) == 3 * 2 * 2
     assert {r["status"] for r in records} == {"ok"}, [r["error"] for r in records]
@@ -1090,6 +1118,24 @@ def test_silent_progress(capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_cpu_engine_benchmark_writes_its_entry(tmp_path, capsys, monkeypatch):
+    """`python -m flashtile.bench cpu`: op counts, one child process per implementation, the
+    result under cpu_b1h8n<N> of the results file, and its plot."""
+    pytest.importorskip("matplotlib")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the CPU engine, as a CPU user runs it
+    out, png = tmp_path / "cpu.json", tmp_path / "cpu.png"
+    assert cli.main(["cpu", "--out", str(out), "--png", str(png), "--n", "64", "--reps", "1",
+                     "--threads", "1", "--conditions", "quiet", "--impls", "flashtile,sdpa"]) == 0
+    result = common.read_result(out, "cpu_b1h8n64")
+    assert list(common.read_results(out)) == ["cpu_b1h8n64"] and png.stat().st_size > 1000
+    assert result["shape"] == dict(B=1, H=8, N=64, D=64, dtype="float32", causal=True)
+    assert set(result["aten_ops_fwd_bwd"]) == {"64", "1024"}
+    runs = result["conditions"]["quiet"]["results"]
+    assert set(runs) == {"flashtile", "sdpa"} and runs["sdpa"]["ratio_to_sdpa"] == 1.0
+    assert all(r["median_s"] > 0 and len(r["times_s"]) == 1 for r in runs.values()), runs
+    assert "wrote" in capsys.readouterr().out
+
+
 def test_decode_subcommand_routes_to_the_decode_benchmark(monkeypatch, tmp_path):
     """`python -m flashtile.bench decode ...` runs flashtile.bench.decode with the remaining flags."""
     from flashtile.bench import decode as bench_decode
@@ -1117,9 +1163,9 @@ def test_variants_subcommand_routes_to_bench_variants(monkeypatch, tmp_path):
 @pytest.mark.skipif(not _real_flashtile_available(), reason="flashtile.flash_attn_func missing")
 def test_variants_cpu_end_to_end(tmp_path, capsys):
     out, merged = tmp_path / "out", tmp_path / "merged.json"
-    assert cli.main(["variants"] + VARIANTS_TINY + ["--out", str(out), "--merge-into",
-                                                      str(merged)]) == 0
-    records = common.load_records(out / "variants.json")
+    assert cli.main(["variants"] + VARIANTS_TINY + ["--out", str(merged), "--plots",
+                                                      str(out)]) == 0
+    records = common.load_records(merged, "variants")
     assert all(tuple(r) == bench_variants.RECORD_KEYS and r["device"] == "cpu" for r in records)
     assert {r["status"] for r in records} == {"ok"}, [r["error"] for r in records]
     assert all(r["ms"] > 0 and r["tflops"] > 0 and r["ratio_vs_dense"] > 0 for r in records)
@@ -1154,7 +1200,7 @@ def test_variants_cpu_end_to_end(tmp_path, capsys):
     paged = by[("varlen", "flashtile", "varlen_paged")]
     assert {r["causal"] for r in paged} == {False, True} and all(r["status"] == "ok" for r in paged)
     assert all(r["detail"]["page_size"] == bench_variants.PAGE_SIZE for r in paged)
-    assert common.load_records(merged) == records
+    assert list(common.read_results(merged)) == ["variants"]
 
     title, *table = capsys.readouterr().out.splitlines()
     assert title.startswith("variants, fp32, d=16, N=128, B=1, H=2")
@@ -1162,14 +1208,14 @@ def test_variants_cpu_end_to_end(tmp_path, capsys):
     assert rows[0] == ["sweep", "variant", "param", "causal", "mode", "flashtile ms",
                        "flashtile /ref", "sdpa ms", "sdpa /ref"]
     assert len(rows) == 2 + len({bench_variants.variant_key(r)[3:7] for r in records})
-    if render.have_matplotlib():
+    if report.have_matplotlib():
         assert sorted(p.name for p in out.glob("*.png")) == ["sparse.png", "varlen.png",
                                                             "window.png"]
 
     assert cli.main(["variants"] + VARIANTS_TINY + [
         "--sweeps", "window", "--impl", "sdpa", "--windows", "16", "--mode", "fwd", "--no-plot",
-        "--out", str(tmp_path / "o2"), "--merge-into", str(merged)]) == 0
-    assert len(common.load_records(merged)) == len(records)  # the re-run replaced its records
+        "--out", str(merged)]) == 0
+    assert len(common.load_records(merged, "variants")) == len(records)  # re-run replaced its own
     capsys.readouterr()
     assert cli.main(["report", str(merged)]) == 0
     assert "block_sparse" in capsys.readouterr().out
@@ -1195,13 +1241,14 @@ def test_variants_parse_args_overrides(tmp_path):
     cfg = bench_variants.parse_args([
         "--device", "cuda", "--sweeps", "sparse,window", "--flex", "--mode", "fwd", "--n", "2K",
         "--densities", "1", "0.5", "1/8", "--windows", "128", "1K", "--varlen-mean", "256",
-        "--varlen-tokens", "4K", "--block-size", "64", "--out", str(tmp_path), "--no-plot"])
+        "--varlen-tokens", "4K", "--block-size", "64", "--out", str(tmp_path / "r.json"),
+        "--plots", str(tmp_path), "--no-plot"])
     assert cfg.sweeps == ("sparse", "window") and cfg.impls == ("flashtile", "sdpa", "flex")
     assert cfg.modes == ("fwd",) and cfg.n == 2048 and cfg.block_size == 64
     assert cfg.densities == (Fraction(1), Fraction(1, 2), Fraction(1, 8))
     assert cfg.window_sizes() == (128, 1024)
     assert (cfg.mean_length(), cfg.total_tokens()) == (256, 4096)
-    assert cfg.out == tmp_path and not cfg.plot
+    assert cfg.out == tmp_path / "r.json" and cfg.plots == tmp_path and not cfg.plot
 
 
 @pytest.mark.parametrize(
@@ -1515,13 +1562,22 @@ def test_report_tables_plots_and_doc_section(tmp_path):
     assert "| flashtile | 2.17 | 1.34 |" in md  # fwd+bwd DRAM GB of the sample, x compulsory
     assert "| flashtile | 1.50 |" in md  # Figure 3 time
     pngs = bench_io.plot(records, tmp_path)
-    assert {p.name for p in pngs} == {"fig2_left.png", "fig3.png"}
+    assert {p.name for p in pngs} == {"fig2.png", "fig3.png"}
     assert all(p.stat().st_size > 1000 for p in pngs)
     doc = tmp_path / "io.md"
     doc.write_text(f"intro\n{bench_io.DOC_BEGIN}\nold\n{bench_io.DOC_END}\nend\n")
     bench_io.update_doc(doc, md)
     text = doc.read_text()
     assert "old" not in text and md in text and text.startswith("intro") and text.endswith("end\n")
+
+
+def test_io_records_come_from_the_results_entry(tmp_path):
+    records = _sample_records()
+    results = common.write_result(tmp_path / "h100.json", "io", records)
+    common.write_result(results, "speed", [_record()])
+    assert bench_io.load_io_records(results) == (results, records)
+    plain = common.write_json(tmp_path / "io_records.json", records)
+    assert bench_io.load_io_records(plain) == (plain, records)
 
 
 def test_sweeps_pin_the_tile_they_vary():

@@ -3,27 +3,48 @@ PyTorch's attention kernels (SDPA with no backend forced, FlashAttention-2, cuDN
 math) and FlexAttention, all in one process on the same inputs.
 
     python -m flashtile.bench --quick                      # small preset, a minute or two on a GPU
-    python -m flashtile.bench --mode fwd_bwd --d 128 --merge-into benchmarks/results/h100.json
+    python -m flashtile.bench --mode fwd_bwd --d 128 --n 8K
+
+The records go to the device's results file (``benchmarks/results/<device>.json``, entry
+``speed``; the copy and matmul ceilings to entry ``device``), the table to stdout and the plots to
+``--plots``.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import datetime
 import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import flashtile
+from flashtile.backends.torch import attention as torch_attention
 
 from . import common
 from .common import (DTYPES, IMPLS, MODES, Case, classify_error, common_arguments,
                      default_device, empty_cache, first_line, flatten, is_fatal, load_records,
                      log, make_progress, make_record, make_timer, parse_dtype, parse_names,
                      parse_seqlen, positive_int, record_key, reset_flex_cache, run_case,
-                     runtime_env, case_fields, synchronize, utc_now, write_json, write_results)
-from .render import plot, render_table
+                     merge_result, results_path, runtime_env, case_fields, synchronize, utc_now,
+                     write_result)
+from .report import plot, render_table
+
+KEY = "speed"  # the entry of the results file that holds the speed records
+DEVICE_KEY = "device"  # ... and the one with the device ceilings
 
 # --------------------------------------------------------------------------------------------
 # Configuration
@@ -73,8 +94,8 @@ class Config:
 
     device: str
     preset: Preset
-    out: Path = Path("bench_out")
-    merge_into: Path | None = None
+    out: Path | None = None  # results file; None: the device's, benchmarks/results/<device>.json
+    plots: Path = Path("bench_out")
     batch: int | None = None
     heads: int | None = None
     seed: int = 0
@@ -108,8 +129,9 @@ def speed_parser() -> argparse.ArgumentParser:
         prog="python -m flashtile.bench",
         description="Time flashtile against SDPA (flash, cuDNN, efficient, math) and "
                     "FlexAttention. "
-                    "Subcommands: speed (default), memory, report, decode, variants, train, io "
-                    "('python -m flashtile.bench help' lists them; '<subcommand> -h' for each). "
+                    "Subcommands: speed (default), memory, report, decode, variants, train, io, "
+                    "cp, cpu ('python -m flashtile.bench help' lists them; '<subcommand> -h' for "
+                    "each). "
                     "Unset selections come from the preset for the device (--quick for the "
                     "small one).")
     p.add_argument("--impl", nargs="+", default=None, metavar="NAME",
@@ -141,14 +163,14 @@ def speed_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                    help="start no new shape after this many seconds (what ran is still written)")
     p.add_argument("--no-device-ceilings", dest="ceilings", action="store_false",
-                   help="skip the copy-bandwidth and matmul measurement (device.json)")
+                   help="skip the copy-bandwidth and matmul measurement (entry 'device')")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch.set_num_threads for the CPU path (default: torch's choice; 1 gives "
                         "steadier CPU timings on a busy machine)")
     p.add_argument("--resume", action="store_true",
-                   help="skip the cases that the --merge-into file already holds with status ok, "
-                        "oom or unsupported for this device (to continue a cut-off run)")
-    common_arguments(p, "results.json, device.json and the plots")
+                   help="skip the cases that the --out file already holds with status ok, oom or "
+                        "unsupported for this device (to continue a cut-off run)")
+    common_arguments(p, KEY, "the plots")
     return p
 
 
@@ -164,8 +186,6 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         dtypes = flatten(a.dtype, parse_dtype)
     except argparse.ArgumentTypeError as exc:
         p.error(str(exc))
-    if a.resume and a.merge_into is None:
-        p.error("--resume needs --merge-into FILE")
     device = a.device or default_device()
     preset = dataclasses.replace(
         PRESETS[(device, bool(a.quick))],
@@ -175,7 +195,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
            if v is not None and v != ()})
     return Config(
         device=device, preset=preset,
-        out=a.out, merge_into=a.merge_into, batch=a.batch, heads=a.heads, seed=a.seed,
+        out=a.out, plots=a.plots, batch=a.batch, heads=a.heads, seed=a.seed,
         plot=a.plot, progress=a.progress, time_limit=a.time_limit, raise_errors=a.raise_errors,
         ceilings=a.ceilings, resume=a.resume, threads=a.threads,
     )
@@ -267,11 +287,11 @@ def case_key(case: Case, device_name: str) -> tuple:
             case.batch, case.heads)
 
 
-def _done_records(cfg: Config, device_name: str) -> dict[tuple, dict]:
-    """Records of the --merge-into file that --resume does not run again."""
-    if not cfg.resume or cfg.merge_into is None or not Path(cfg.merge_into).exists():
+def _done_records(cfg: Config, results: Path, device_name: str) -> dict[tuple, dict]:
+    """Records of the results file that --resume does not run again."""
+    if not cfg.resume:
         return {}
-    return {record_key(r): r for r in load_records(cfg.merge_into)
+    return {record_key(r): r for r in load_records(results, KEY)
             if r.get("device") == device_name and r.get("status") in ("ok", "oom", "unsupported")}
 
 
@@ -292,8 +312,9 @@ def warm_up_gpu(device: torch.device, seconds: float = 2.0) -> None:
 
 def run_speed(cfg: Config, timer: Callable[[Callable], float] | None = None,
               stdout=None) -> list[dict]:
-    """Run every case of ``cfg``; writes results.json after each shape, then the table (stdout),
-    device.json and the plots. Returns this run's records.
+    """Run every case of ``cfg``; merges the records into the results file after each shape,
+    then writes the table (stdout), the device ceilings and the plots. Returns this run's
+    records.
 
     Stops early (keeping what ran) when ``cfg.time_limit`` is exceeded between shapes, or after a
     CUDA error that leaves the context unusable."""
@@ -305,12 +326,13 @@ def run_speed(cfg: Config, timer: Callable[[Callable], float] | None = None,
         torch.set_num_threads(cfg.threads)
     timer = timer or make_timer(device, cfg.warmup, cfg.rep)
     env = runtime_env(device)
+    results = results_path(device, cfg.out)
     full_plan = build_plan(cfg)
-    done = _done_records(cfg, env["device"])
+    done = _done_records(cfg, results, env["device"])
     plan = [c for c in full_plan if case_key(c, env["device"]) not in done]
     if done:
         log(f"--resume: {len(full_plan) - len(plan)} of {len(full_plan)} cases already in "
-             f"{cfg.merge_into}")
+             f"{results}")
     records: list[dict] = []
     progress = make_progress(len(plan), cfg.progress)
     start = time.monotonic()
@@ -355,17 +377,17 @@ def run_speed(cfg: Config, timer: Callable[[Callable], float] | None = None,
             reset_flex_cache()
             gc.collect()
             empty_cache(device)
-            write_results(cfg.out, cfg.merge_into, records)
+            merge_result(results, KEY, records)
     finally:
         progress.close()
         reset_flex_cache()
     if stop_reason is not None:
         log(f"{stop_reason}: ran {len(records)} of {len(plan)} cases")
-    write_results(cfg.out, cfg.merge_into, records)
+    merge_result(results, KEY, records)
     if cfg.ceilings and not (stop_reason or "").startswith("unrecoverable"):
         try:
             ceilings = measure_device_ceilings(device, timer)
-            write_json(cfg.out / "device.json", ceilings)
+            write_result(results, DEVICE_KEY, ceilings)
             log(f"device: copy {ceilings['copy_bandwidth_GBps']:.0f} GB/s, "
                  f"{ceilings['matmul_dtype']} matmul {ceilings['matmul_tflops']:.3g} TFLOP/s")
         except Exception as exc:  # noqa: BLE001 - ceilings are informative only
@@ -373,11 +395,9 @@ def run_speed(cfg: Config, timer: Callable[[Callable], float] | None = None,
     shown = [done[k] for k in (case_key(c, env["device"]) for c in full_plan) if k in done]
     shown += records
     print(render_table(shown), file=stdout)
-    written = [cfg.out / "results.json"]
+    written = [f"{results} [{KEY}]"]
     if cfg.plot:
-        written += plot(shown, cfg.out)
-    if cfg.merge_into is not None:
-        written.append(cfg.merge_into)
+        written += plot(shown, cfg.plots)
     log("wrote " + ", ".join(str(p) for p in written))
     return records
 
@@ -392,3 +412,305 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     records = run_speed(cfg)
     return 1 if any(r["status"] == "error" for r in records) else 0
+
+
+# --------------------------------------------------------------------------------------------
+# The CPU engine benchmark (python -m flashtile.bench cpu)
+# --------------------------------------------------------------------------------------------
+
+CPU_DOC = """CPU benchmark: flashtile's torch backend against torch SDPA and naive attention.
+
+One causal forward+backward at B=1, H=8, N=4096, d=64, float32 (by default), each
+implementation in a fresh process, first on the machine as it is ("quiet": run it when nothing
+else is busy) and then with one busy foreign process that this command starts (a spinning
+Python loop, stopped at the end).  Implementations:
+
+* ``flashtile``        ``flashtile.scaled_dot_product_attention(q, k, v, is_causal=True)``
+* ``flashtile_tiled``  the same call with the torch backend's tiled engine forced (what runs
+                       for windows, softcap, ALiBi, dropout, biases, varlen, ...)
+* ``flashtile_window`` ``flashtile.flash_attn_func(..., causal=True, window_size=(W, 0))``
+                       (always the tiled engine; not comparable in FLOPs, shown for scale)
+* ``sdpa``             ``torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)``
+* ``naive``            ``softmax(mask(q k^T * scale)) v``, materialising ``N x N``
+
+Each child process times ``torch.autograd.grad(fn(), (q, k, v), dO)``: one step whose peak
+resident-memory growth is read (VmHWM after resetting it), then ``--reps`` timed steps.  The
+parent also counts the ATen ops of one step of each implementation with a
+``TorchDispatchMode`` (views included) at N and at 1024.  It writes a JSON (device, versions,
+date, conditions, op counts, per-rep times, medians, ratios to SDPA) and a PNG of the medians.
+
+usage:
+    python -m flashtile.bench cpu [--out FILE] [--png OUT.png] [--threads 2] [--reps 5]
+        [--n 4096] [--conditions quiet,busy] [--impls flashtile,flashtile_tiled,sdpa,naive]
+
+The result goes to entry ``cpu_b1h8n<N>`` of ``benchmarks/results/cpu.json`` (``--out``).
+"""
+
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CPU_ENGINE_IMPLS = ("flashtile", "flashtile_tiled", "flashtile_window", "sdpa", "naive")
+CPU_WINDOW = 256
+
+
+def _cpu_fn(impl, q, k, v):
+    """A zero-argument callable running implementation ``impl`` on SDPA-layout q, k, v."""
+    N, D = q.shape[2], q.shape[3]
+    if impl == "flashtile":
+        return lambda: flashtile.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if impl == "flashtile_tiled":  # run inside _cpu_engine(impl), which turns the routing off
+        def tiled():
+            with flashtile.use_backend("torch"):
+                return flashtile.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return tiled
+    if impl == "flashtile_window":
+        def window():
+            with flashtile.use_backend("torch"):
+                out = flashtile.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2),
+                                                v.transpose(1, 2), causal=True,
+                                                window_size=(CPU_WINDOW, 0))
+            return out.transpose(1, 2)
+        return window
+    if impl == "sdpa":
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if impl == "naive":
+        hidden = torch.ones(N, N, dtype=torch.bool).triu_(1)
+
+        def naive():
+            s = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+            return torch.softmax(s.masked_fill(hidden, float("-inf")), -1) @ v
+        return naive
+    raise ValueError(f"unknown implementation {impl!r}; expected one of {', '.join(CPU_ENGINE_IMPLS)}")
+
+
+@contextlib.contextmanager
+def _cpu_engine(impl):
+    """Around whole steps (forward and backward): ``flashtile_tiled`` turns off the torch
+    backend's routing to PyTorch's fused kernel."""
+    old = torch_attention.USE_ATEN
+    torch_attention.USE_ATEN = impl != "flashtile_tiled"
+    try:
+        yield
+    finally:
+        torch_attention.USE_ATEN = old
+
+
+def _cpu_inputs(N, H=8, D=64, B=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(B, H, N, D, generator=g) for _ in range(4))
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(impl, N):
+    """ATen ops (every op the dispatcher sees from Python, views included) of one fwd+bwd."""
+    q, k, v, do = _cpu_inputs(N)
+    fn = _cpu_fn(impl, q, k, v)
+    with _cpu_engine(impl), _OpCounter() as counter:
+        torch.autograd.grad(fn(), (q, k, v), do)
+    return counter.count
+
+
+def _cpu_kib(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key))
+
+
+def cpu_child(impl, N, threads, reps):
+    """Runs in its own process: one measured step for memory, then ``reps`` timed steps."""
+    torch.set_num_threads(threads)
+    q, k, v, do = _cpu_inputs(N)
+    fn = _cpu_fn(impl, q, k, v)
+
+    def step():
+        with _cpu_engine(impl):
+            torch.autograd.grad(fn(), (q, k, v), do)
+
+    with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM to the current VmRSS
+        f.write("5")
+    base = _cpu_kib("VmRSS")
+    t0 = time.perf_counter()
+    step()
+    first = time.perf_counter() - t0
+    extra = (_cpu_kib("VmHWM") - base) / 1024
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return dict(first_s=first, times_s=times, median_s=statistics.median(times),
+                extra_peak_mib=extra)
+
+
+@contextlib.contextmanager
+def _busy_process(active):
+    """One foreign process spinning on a core while the block runs (when ``active``)."""
+    if not active:
+        yield None
+        return
+    # spins until stopped, or until this process is gone (it checks its parent every ~0.1 s)
+    loop = ("import os, sys\nparent = int(sys.argv[1])\nwhile os.getppid() == parent:\n"
+            "    for _ in range(10 ** 6):\n        pass\n")
+    spin = subprocess.Popen([sys.executable, "-c", loop, str(os.getpid())])
+    time.sleep(1.0)
+    try:
+        yield spin.pid
+    finally:
+        spin.kill()
+        spin.wait()
+
+
+def _run_cpu_child(impl, N, threads, reps, timeout):
+    cmd = [sys.executable, "-m", "flashtile.bench", "cpu", "--child", impl, "--n", str(N),
+           "--threads", str(threads), "--reps", str(reps)]
+    # the child imports the flashtile this process runs
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [_PACKAGE_ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                             cwd=_PACKAGE_ROOT, env=env)
+    except subprocess.TimeoutExpired:
+        return dict(error=f"timed out after {timeout} s")
+    if res.returncode != 0:
+        return dict(error=res.stderr.strip().splitlines()[-1] if res.stderr.strip()
+                    else f"exit {res.returncode}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _git_commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=_PACKAGE_ROOT, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def _loadavg():
+    try:
+        with open("/proc/loadavg") as f:
+            return [float(x) for x in f.read().split()[:3]]
+    except OSError:
+        return None
+
+
+def plot_cpu(result, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    conds = list(result["conditions"])
+    impls = result["impls"]
+    fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(impls) * len(conds) / 2, 4.2))
+    width = 0.8 / len(conds)
+    for c_i, cond in enumerate(conds):
+        rows = result["conditions"][cond]["results"]
+        xs, ys = [], []
+        for i_i, impl in enumerate(impls):
+            med = rows.get(impl, {}).get("median_s")
+            if med is not None:
+                xs.append(i_i + (c_i - (len(conds) - 1) / 2) * width)
+                ys.append(med * 1e3)
+        load = result["conditions"][cond].get("loadavg_before")
+        label = cond if not load else f"{cond} (1-min load {load[0]:.1f} before)"
+        bars = ax.bar(xs, ys, width, label=label)
+        for bar, impl in zip(bars, [m for m in impls if rows.get(m, {}).get("median_s")]):
+            ratio = rows[impl].get("ratio_to_sdpa")
+            if ratio is not None:
+                ax.annotate(f"{ratio:.2f}x", (bar.get_x() + bar.get_width() / 2,
+                                              bar.get_height()),
+                            ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(impls)), impls, rotation=15)
+    ax.set_ylabel("median time of one fwd+bwd (ms)")
+    ax.set_yscale("log")
+    s = result["shape"]
+    ax.set_title(f"CPU, B{s['B']} H{s['H']} N{s['N']} d{s['D']} fp32 causal fwd+bwd, "
+                 f"{result['threads']} threads\n(labels: ratio to torch SDPA in the same "
+                 "condition)", fontsize=9)
+    ax.legend(title="machine")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def cpu_main(argv=None):
+    """``python -m flashtile.bench cpu``: the CPU engine benchmark (see :data:`CPU_DOC`)."""
+    p = argparse.ArgumentParser(prog="python -m flashtile.bench cpu",
+                                description=CPU_DOC.split("\n\n")[0],
+                                epilog="Writes entry cpu_b1h8n<N> of the results file.")
+    p.add_argument("--out", type=Path, default=None, metavar="FILE",
+                   help=f"results JSON (default {common.RESULTS_DIR}/cpu.json)")
+    p.add_argument("--png", default=None,
+                   help="plot of the medians (default bench_out/cpu_b1h8n<N>.png)")
+    p.add_argument("--n", type=int, default=4096, help="sequence length (default 4096)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads per process")
+    p.add_argument("--reps", type=int, default=5, help="timed steps per process")
+    p.add_argument("--conditions", default="quiet,busy",
+                   help="comma list of quiet (as is) and busy (one spinning process)")
+    p.add_argument("--impls", default="flashtile,flashtile_tiled,sdpa,naive",
+                   help=f"comma list among {','.join(CPU_ENGINE_IMPLS)}")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per child process")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        print(json.dumps(cpu_child(a.child, a.n, a.threads, a.reps)))
+        return 0
+    impls = [m for m in a.impls.split(",") if m]
+    for m in impls:
+        if m not in CPU_ENGINE_IMPLS:
+            p.error(f"--impls: unknown {m!r}; expected among {', '.join(CPU_ENGINE_IMPLS)}")
+    conds = [c for c in a.conditions.split(",") if c]
+    for c in conds:
+        if c not in ("quiet", "busy"):
+            p.error(f"--conditions: unknown {c!r}; expected quiet and/or busy")
+
+    ops = {}
+    for n in sorted({1024, a.n}):
+        ops[str(n)] = {m: count_ops(m, n) for m in impls if not (m == "naive" and n > 4096)}
+        print(f"ATen ops per fwd+bwd at N={n}: {ops[str(n)]}", flush=True)
+
+    result = dict(
+        benchmark="cpu causal fwd+bwd",
+        date_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        device=dict(cpu=_cpu_name(), logical_cpus=os.cpu_count(), machine=platform.machine()),
+        versions=dict(python=platform.python_version(), torch=torch.__version__,
+                      flashtile_commit=_git_commit()),
+        shape=dict(B=1, H=8, N=a.n, D=64, dtype="float32", causal=True), threads=a.threads,
+        reps=a.reps, impls=impls, window_for_flashtile_window=CPU_WINDOW,
+        aten_ops_fwd_bwd=ops, conditions={})
+    for cond in conds:
+        with _busy_process(cond == "busy") as pid:
+            entry = dict(busy_process_pid=pid, loadavg_before=_loadavg(), results={})
+            for m in impls:
+                entry["results"][m] = r = _run_cpu_child(m, a.n, a.threads, a.reps, a.timeout)
+                print(f"[{cond}] {m}: " + (f"median {r['median_s'] * 1e3:.0f} ms, extra peak "
+                                           f"{r['extra_peak_mib']:.0f} MiB" if "error" not in r
+                                           else r["error"]), flush=True)
+            entry["loadavg_after"] = _loadavg()
+        base = entry["results"].get("sdpa", {}).get("median_s")
+        for m, r in entry["results"].items():
+            if base and "median_s" in r:
+                r["ratio_to_sdpa"] = r["median_s"] / base
+        result["conditions"][cond] = entry
+    out, key = results_path("cpu", a.out), f"cpu_b1h8n{a.n}"
+    write_result(out, key, result)
+    png = a.png or os.path.join("bench_out", f"{key}.png")
+    os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
+    plot_cpu(result, png)
+    print(f"wrote {out} [{key}] and {png}")
+    return 0
