@@ -642,7 +642,7 @@ def _fwd_bwd(records: Iterable[dict], **match) -> dict[str, dict]:
 
 
 def render_markdown(records: list[dict]) -> str:
-    """Tables of every sweep found in ``records``, for docs/io.md."""
+    """Tables of every sweep found in ``records``, for docs/performance.md."""
     parts = []
     env = next((r for r in records if r.get("device")), {})
     parts.append(f"Measured on {env.get('device', '?')} (torch {env.get('torch', '?')}, "

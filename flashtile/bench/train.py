@@ -567,7 +567,7 @@ def report(merged: dict, sources: list[str], images: list[str], doc_path: str) -
     lines += ["### Beside the paper", "", PAPER, "",
               "Differences that come from the set-up, not from the kernels: the paper trains on "
               "8 A100s to convergence on OpenWebText and reports days; here one H100 runs a "
-              "few hundred steps on synthetic tokens and we report tokens/s. The paper's "
+              "few hundred steps on synthetic tokens and reports tokens/s. The paper's "
               "baselines (HF eager, Megatron-LM) predate PyTorch's fused SDPA kernels; today "
               "HF's default `sdpa` (cuDNN / FlashAttention-2 inside PyTorch) is the peer to "
               "beat, and the non-attention parts of the model (HF's GPT-2 MLP, layer norms, "

@@ -620,8 +620,9 @@ def build_plan(cfg: VariantsConfig) -> list[VariantCase]:
 # --------------------------------------------------------------------------------------------
 
 def variant_key(rec: dict[str, Any]) -> tuple:
-    """What makes two records the same measurement (``--merge-into`` replaces on it): the
-    target density / mean length stand for the measured ones."""
+    """What makes two records the same measurement (a new record replaces an old one with the
+    same key in the results file): the target density / mean length stand for the measured
+    ones."""
     detail = rec.get("detail") or {}
     param = detail.get("target", rec.get("param"))
     return (rec.get("device"), rec.get("sweep"), rec.get("impl"), rec.get("mode"),
