@@ -1145,6 +1145,21 @@ def test_decode_subcommand_routes_to_the_decode_benchmark(monkeypatch, tmp_path)
     assert seen["argv"] == ["--quick", "--out", str(tmp_path / "d.json")]
 
 
+def test_decode_records_merge_by_case(tmp_path):
+    """A decode run replaces only the cases it measured in the results file's decode entry."""
+    from flashtile.bench import decode as bench_decode
+    base = dict(device="GPU", impl="flashtile_graph", batch=1, cache_len=4096, mode="graph",
+                dtype="bf16", nheads=32, nheads_k=8, headdim=128, l2_flush="read", ms=0.03)
+    old = [base, dict(base, cache_len=16384, ms=0.05), dict(base, impl="device_copy", batch=None,
+                                                           cache_len=None, mode=None, GBps=3000.0)]
+    path = common.merge_result(tmp_path / "h100.json", bench_decode.KEY, old,
+                               bench_decode.record_key)
+    quick = [dict(base, ms=0.02), dict(base, impl="device_copy", batch=None, cache_len=None,
+                                       mode=None, GBps=3010.0)]
+    common.merge_result(path, bench_decode.KEY, quick, bench_decode.record_key)
+    assert common.load_records(path, "decode") == [quick[0], old[1], quick[1]]
+
+
 # ---------------------------------------------------------------------------------------------
 # Variants subcommand (flashtile.bench.variants)
 # ---------------------------------------------------------------------------------------------

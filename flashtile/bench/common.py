@@ -1,5 +1,5 @@
 """Shared pieces of the benchmark harness: inputs, implementations, modes, timers, records,
-argument parsers, progress and JSON files.
+argument parsers, progress and the results files (one JSON object per device).
 
 Implementations (``IMPLS``) and modes (``MODES``) are registries: adding one is a function plus a
 dict entry.  An implementation's ``prepare`` turns the shared ``(B, N, H, d)`` inputs into a
