@@ -1365,6 +1365,19 @@ def test_variants_ratios_use_the_sweeps_reference():
     assert [x["ratio_vs_dense"] for x in records] == [1.0, 0.25, None, 1.0, 0.25, None, None]
 
 
+def test_report_reads_the_speed_memory_and_variants_entries(tmp_path, capsys):
+    path = common.write_result(tmp_path / "h100.json", "speed", [_record(), _record(impl="sdpa")])
+    common.write_result(path, "memory", [_record(mode="memory", n=4096, peak_bytes=2**30)])
+    common.write_result(path, "decode", [{"impl": "flashtile", "mode": "graph", "ms": 0.03}])
+    common.write_result(path, "device", {"copy_bandwidth_GBps": 3000.0})
+    assert cli.main(["report", str(path)]) == 0
+    out = capsys.readouterr()
+    assert out.err == ""  # the decode and device entries are not read
+    rows = _rows(out.out)
+    assert rows[2][7:] == ["100", "100", "1.00"]  # the speed table: flashtile, sdpa, ft/sdpa
+    assert rows[3] == ["n", "flashtile GiB"] and rows[5] == ["4K", "1.000"]  # the memory table
+
+
 def test_report_skips_records_of_another_format(tmp_path, capsys):
     path = common.write_json(tmp_path / "old.json", [{"kind": "window", "window": 256,
                                                       "fwd_ms": 0.25, "device": "cpu"}])

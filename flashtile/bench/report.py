@@ -7,8 +7,8 @@ benchmark's.  The ``report`` subcommand prints the tables and draws the plots of
     python -m flashtile.bench report [FILE ...] [--plots DIR] [--device TEXT]
 
 ``FILE`` is a results file (``benchmarks/results/<device>.json``, default: every results file
-there) or a plain JSON list of records; speed, memory and variants records are told apart by
-their fields.
+there; its entries ``speed``, ``memory`` and ``variants``) or a plain JSON list of records;
+speed, memory and variants records are told apart by their fields.
 """
 from __future__ import annotations
 
@@ -212,15 +212,17 @@ def report_parser() -> argparse.ArgumentParser:
     return p
 
 
+REPORT_KEYS = ("speed", "memory", "variants")  # the results-file entries report reads
+
+
 def _records_of(path: Path) -> list[dict]:
-    """Every record list of a results file (its entries that hold speed, memory or variants
-    records), or the records of a JSON list."""
+    """The speed, memory and variants records of a results file, or the records of a JSON
+    list."""
     try:
         data = read_results(path)
     except ValueError:  # not an object: a JSON list of records
         return load_records(path)
-    return [r for entry in data.values() if isinstance(entry, list)
-            for r in entry if isinstance(r, dict)]
+    return [r for key in REPORT_KEYS for r in load_records(path, key)] if data else []
 
 
 def run_report(argv: Sequence[str], stdout=None) -> int:
