@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _functorch, backends, paged_kv
+from . import backends, paged_kv
 from . import _validate as V
 from .backends.spec import AttnSpec
 from .rng import draw_seed
@@ -292,6 +292,76 @@ class FlashAttnFunction(torch.autograd.Function):
         return _grads(ctx, dout, _backward_eager)
 
 
+# ----------------------------------------------------------------------------------------------
+# Under torch.func transforms (grad, vjp, vmap, ...)
+#
+# functorch needs an autograd.Function with a separate setup_context (and a vmap rule); the eager
+# FlashAttnFunction binds ctx in forward instead, because setup_context costs tens of
+# microseconds of argument binding on every call.  So attention() uses the two functions below
+# only while a functorch transform is active (functorch_active()), and plain eager calls keep
+# their low host cost.  The backward is itself a function with a vmap rule, so vmap(grad(f))
+# (per-sample gradients) works.  The vmap rule runs the op once per mapped element and stacks
+# the results: correct for every layout (dense, varlen, paged) and for dropout under
+# randomness="different" (each element gets its own seed) or "same".
+
+
+def functorch_active() -> bool:
+    """True while a ``torch.func`` transform (vmap, grad, jvp, ...) is running."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def _vmap_by_element(fn, info, in_dims, inputs):
+    """Run ``fn`` on each mapped element (inputs with a batch dim are indexed along it) and
+    stack every output along dim 0."""
+    results = []
+    for i in range(info.batch_size):
+        args = [x.select(d, i) if d is not None else x for x, d in zip(inputs, in_dims)]
+        results.append(fn(*args))
+    outs = tuple(torch.stack(parts) for parts in zip(*results))
+    return outs, (0,) * len(outs)
+
+
+class FunctorchAttnBackward(torch.autograd.Function):
+    """``_backward_impl`` as a function with a ``vmap`` rule (first-order only)."""
+
+    @staticmethod
+    def forward(*inputs):
+        return _backward_impl(*inputs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mark_non_differentiable(*output)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("flashtile attention does not support double backward (the "
+                           "gradient of a gradient)")
+
+    @staticmethod
+    def vmap(info, in_dims, *inputs):
+        return _vmap_by_element(FunctorchAttnBackward.apply, info, in_dims, inputs)
+
+
+class FunctorchAttnFunction(torch.autograd.Function):
+    """The forward of ``FlashAttnFunction`` with a separate ``setup_context``."""
+
+    @staticmethod
+    def forward(*inputs):
+        return _forward(*inputs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _grads(ctx, dout, FunctorchAttnBackward.apply)
+
+    @staticmethod
+    def vmap(info, in_dims, *inputs):
+        return _vmap_by_element(FunctorchAttnFunction.apply, info, in_dims, inputs)
+
+
 def dropout_seed(spec: AttnSpec, device: torch.device) -> Optional[Tensor]:
     """A fresh seed from the default generator of ``device`` when ``spec`` has dropout."""
     return draw_seed(device) if spec.dropout_p > 0 else None
@@ -328,8 +398,8 @@ def attention(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
             int(block_size[0]), int(block_size[1]), block_table, bool(heads_first))
     if torch.compiler.is_compiling():
         return attn_fwd(*args)
-    if _functorch.active():  # torch.func transforms need setup_context and a vmap rule
-        return _functorch.AttnFunction.apply(*args)
+    if functorch_active():  # torch.func transforms need setup_context and a vmap rule
+        return FunctorchAttnFunction.apply(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (attn_bias is not None and attn_bias.requires_grad)):
         return FlashAttnFunction.apply(*args)

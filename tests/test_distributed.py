@@ -183,7 +183,7 @@ def _run_case(name, c, world, rank):
 
     from flashtile.distributed import (context_parallel_attn, context_parallel_varlen_attn,
                                        shard, unshard)
-    from flashtile.distributed import context_parallel as cp_mod
+    from flashtile import distributed as cp_mod
 
     mode, layout, p = c["mode"], c["layout"], c.get("dropout_p", 0.0)
     H, Hk, D = (4, 2, 16) if world == 2 else (8, 4, 16)
@@ -319,7 +319,7 @@ def test_context_parallel_matches_whole_sequence_call(name):
 
 
 def test_zigzag_shards_hold_chunks_r_and_2R_minus_1_minus_r():
-    from flashtile.distributed.context_parallel import pieces
+    from flashtile.distributed import pieces
 
     R, n = 4, 6
     got = [pieces("zigzag", R, r, n) for r in range(R)]

@@ -1,6 +1,6 @@
 """The explainer: traces of the reference algorithms, and the page in a real headless Chromium.
 
-Trace tests compare ``flashtile.reference.trace`` with the algorithms it instruments, with naive
+Trace tests compare ``flashtile.explain``'s traces with the algorithms they instrument, with naive
 attention and with the paper's IO formulas.  Browser tests load ``docs/explainer/index.html``
 from disk in Debian's Chromium (driven by Selenium through ``/usr/bin/chromedriver``; nothing is
 downloaded), step through traces and compare the numbers the page displays with the reference
@@ -20,14 +20,13 @@ import pytest
 from flashtile import explain
 from flashtile.reference import algorithms as alg
 from flashtile.reference import naive
-from flashtile.reference import trace
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "explainer"
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 
-VIEW_CAUSAL = [(v, c) for v in trace.VIEWS for c in ((False,) if v == "decode" else (False, True))]
+VIEW_CAUSAL = [(v, c) for v in explain.VIEWS for c in ((False,) if v == "decode" else (False, True))]
 
 
 def _ids(vc):
@@ -55,16 +54,16 @@ def _inputs_of(tr):
 
 
 # ----------------------------------------------------------------------------------------------
-# trace.py
+# explain.py
 
 
 @pytest.mark.parametrize("view_causal", VIEW_CAUSAL, ids=_ids)
 def test_trace_final_state_equals_algorithm_and_naive(view_causal):
     view, causal = view_causal
     seed = int(np.random.default_rng().integers(1 << 30))
-    tr = trace.export_trace(view, n=12, d=3, br=4, bc=4, causal=causal, seed=seed, digits=17)
+    tr = explain.export_trace(view, n=12, d=3, br=4, bc=4, causal=causal, seed=seed, digits=17)
     q, k, v = _inputs_of(tr)
-    mask = trace.sparse_layout(12, 12, 4) if view == "sparse" else None
+    mask = explain.sparse_layout(12, 12, 4) if view == "sparse" else None
     want_o, want_lse = _naive_out(q, k, v, causal, mask)
     np.testing.assert_allclose(_fa(tr["final"]["o"]), want_o, rtol=0, atol=1e-12)
     np.testing.assert_allclose(_fa(tr["naive"]["o"]), want_o, rtol=0, atol=1e-15)
@@ -94,7 +93,7 @@ def test_trace_final_state_equals_algorithm_and_naive(view_causal):
 def test_trace_steps_equal_fa1_reference_events():
     """Each fa1 step carries exactly the tile values Algorithm 1 produced, in loop order."""
     seed = int(np.random.default_rng().integers(1 << 30))
-    tr = trace.export_trace("fa1", n=10, d=3, br=4, bc=3, causal=True, seed=seed, digits=17)
+    tr = explain.export_trace("fa1", n=10, d=3, br=4, bc=3, causal=True, seed=seed, digits=17)
     q, k, v = _inputs_of(tr)
     events = []
     alg.flash_attention_forward_v1(q, k, v, block_r=4, block_c=3, causal=True,
@@ -111,13 +110,13 @@ def test_trace_steps_equal_fa1_reference_events():
                                        rtol=1e-15)
 
 
-@pytest.mark.parametrize("view", trace.VIEWS)
+@pytest.mark.parametrize("view", explain.VIEWS)
 def test_trace_bytes_equal_io_formulas(view):
     sq_n, d, br, bc, eb = 24, 4, 8, 4, 2
-    tr = trace.export_trace(view, n=sq_n, d=d, br=br, bc=bc, elem_bytes=eb, sparse_group=8)
+    tr = explain.export_trace(view, n=sq_n, d=d, br=br, bc=bc, elem_bytes=eb, sparse_group=8)
     sq = tr["meta"]["sq"]
     br_eff = tr["meta"]["br"]
-    want = trace.io_formula(view, sq, sq_n, d, br_eff, bc)
+    want = explain.io_formula(view, sq, sq_n, d, br_eff, bc)
     if view == "sparse":  # Algorithm 1's count over the visited tiles only
         tc = -(-sq_n // bc)
         visited = int(np.sum(tr["meta"]["block_mask"]))
@@ -141,13 +140,13 @@ def test_io_formula_orders():
     """The paper's Theta: standard ~ N^2, FlashAttention ~ N^2 d^2 / M with Bc ~ M / 4d."""
     n, d = 4096, 64
     for view in ("fa1", "fa2", "backward"):
-        f = trace.io_formula(view, n, n, d, 128, 128)
+        f = explain.io_formula(view, n, n, d, 128, 128)
         assert f["flash"] < f["standard"] / 2
-        f2 = trace.io_formula(view, 2 * n, 2 * n, d, 128, 128)
+        f2 = explain.io_formula(view, 2 * n, 2 * n, d, 128, 128)
         assert 3.5 < f2["flash"] / f["flash"] < 4.1 and 3.9 < f2["standard"] / f["standard"] < 4.1
     # doubling the tile (the SRAM) halves FlashAttention's dominant term
-    a = trace.io_formula("fa1", n, n, d, 64, 64)["flash"]
-    b = trace.io_formula("fa1", n, n, d, 64, 128)["flash"]
+    a = explain.io_formula("fa1", n, n, d, 64, 64)["flash"]
+    b = explain.io_formula("fa1", n, n, d, 64, 128)["flash"]
     assert 1.8 < a / b < 2.0
 
 
@@ -158,7 +157,7 @@ def test_every_tile_size_gives_the_same_output(view_causal):
     seed = int(np.random.default_rng().integers(1 << 30))
     outs = []
     for br, bc in itertools.product(sizes, sizes):
-        tr = trace.export_trace(view, n=16, d=3, br=br, bc=bc, causal=causal, seed=seed,
+        tr = explain.export_trace(view, n=16, d=3, br=br, bc=bc, causal=causal, seed=seed,
                                 digits=17)
         outs.append(_fa(tr["final"]["o"]))
         naive_o = _fa(tr["naive"]["o"])
@@ -180,25 +179,31 @@ def test_split_kv_decode_merge_equals_naive():
 
 def test_trace_rejects_bad_arguments():
     with pytest.raises(ValueError, match="view"):
-        trace.export_trace("fa3")
+        explain.export_trace("fa3")
     with pytest.raises(ValueError, match="br"):
-        trace.export_trace("fa1", br=0)
+        explain.export_trace("fa1", br=0)
     with pytest.raises(ValueError, match="divide"):
-        trace.export_trace("sparse", n=16, br=3, bc=4)
+        explain.export_trace("sparse", n=16, br=3, bc=4)
     with pytest.raises(ValueError, match="divide"):
-        trace.export_traces(ns=(8,), tiles=(3, 4))
+        explain.export_traces(ns=(8,), tiles=(3, 4))
 
 
 # ----------------------------------------------------------------------------------------------
 # explain.py and the committed copy
 
 
+def _inlined_bundle(html):
+    """The traces bundle a page carries inline (``window.FLASHTILE_TRACES = {...};``)."""
+    start = html.index("window.FLASHTILE_TRACES =") + len("window.FLASHTILE_TRACES =")
+    return json.loads(html[start:html.index(";\n", start)].replace("<\\/", "</"))
+
+
 def test_explain_main_writes_a_page(tmp_path):
     assert explain.main(["--out", str(tmp_path), "--n", "6", "--d", "2", "--tiles", "2", "4"]) == 0
-    for name in explain.ASSETS + ("traces.js",):
-        assert (tmp_path / name).is_file()
-    text = (tmp_path / "traces.js").read_text()
-    bundle = json.loads(text[text.index("=") + 1:].strip().rstrip(";"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["index.html"]  # one self-contained file
+    html = (tmp_path / "index.html").read_text()
+    assert "<script src=" not in html and "<link rel=\"stylesheet\"" not in html
+    bundle = _inlined_bundle(html)
     assert bundle["ns"] == [6] and bundle["d"] == 2 and bundle["tiles"] == [2, 4]
     assert "fa1|6|4|2|1" in bundle["traces"] and "decode|6|1|4|0" in bundle["traces"]
     assert explain.main(["--out", str(tmp_path), "--n", "8", "--tiles", "3", "4"]) == 2
@@ -207,11 +212,12 @@ def test_explain_main_writes_a_page(tmp_path):
 
 
 def test_docs_copy_is_the_exporters_output():
-    """docs/explainer is exactly what `python -m flashtile.explain --out docs/explainer` writes."""
-    for name in explain.ASSETS:
-        assert (DOCS / name).read_bytes() == (explain.asset_dir() / name).read_bytes(), name
-    want = trace.traces_js(trace.export_traces(ns=explain.DEFAULT_NS, tiles=explain.DEFAULT_TILES))
-    assert (DOCS / "traces.js").read_text(encoding="utf-8") == want
+    """docs/explainer/index.html is exactly what `python -m flashtile explain --out docs/explainer`
+    writes: the packaged template with the default traces inlined."""
+    bundle = explain.export_traces(ns=explain.DEFAULT_NS, tiles=explain.DEFAULT_TILES)
+    assert (DOCS / "index.html").read_text(encoding="utf-8") == explain.page_html(bundle)
+    assert _inlined_bundle(explain.page_html(bundle)) == json.loads(
+        json.dumps(bundle, allow_nan=False))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -380,7 +386,7 @@ def test_page_other_views_end_at_the_reference(browser, view):
     if view == "sparse":
         group = browser.execute_script("return window.FLASHTILE_TRACES.traces["
                                        "window.flashtileExplainer.key()].meta.sparse_group")
-        mask = trace.sparse_layout(n, n, group)
+        mask = explain.sparse_layout(n, n, group)
         assert not mask.all()
     want, lse = _naive_out(q, k, v, causal, mask)
     np.testing.assert_allclose(_values(browser, "o", sq, d), want, rtol=RTOL, atol=ATOL)

@@ -1,4 +1,6 @@
-"""The float64 references: paper algorithms vs naive, naive vs torch (SDPA and autograd)."""
+"""The float64 references: paper algorithms vs naive, naive vs torch (SDPA and autograd), and the
+IO model (the bytes of ``flashtile.reference.algorithms``) against hand counts and the paper's
+formulas."""
 from __future__ import annotations
 
 import math
@@ -273,3 +275,121 @@ def test_naive_empty_sequences(sq, sk):
     assert np.all(out == 0) and np.all(np.isneginf(lse))
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert np.all(dq == 0) and np.all(dk == 0) and np.all(dv == 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The IO model (bytes moved)
+# ----------------------------------------------------------------------------------------------
+
+# n=4 queries and keys, d=2, one head, 2-byte elements, 2x2 tiles: one (4, 2) tensor is 16
+# bytes, one float32 row statistic (4,) is 16 bytes, one tile of 4 key rows is 16 bytes.
+SMALL = alg.Problem(n=4, d=2, heads=1, batch=1, dtype_bytes=2)
+
+
+@pytest.mark.parametrize("causal, kv_tile_bytes", [(False, 2 * 2 * 16), (True, 2 * 16 + 2 * 8)],
+                         ids=["dense", "causal"])
+def test_forward_counts_match_hand_count(causal, kv_tile_bytes):
+    # dense: 2 query tiles each load all 4 rows of K and V; causal: query tile 0 loads key
+    # tile 0 (2 rows), query tile 1 both key tiles (4 rows)
+    p = alg.Problem(n=4, d=2, causal=causal)
+    (fwd,) = alg.flashtile_forward(p, 2, 2)
+    assert fwd.tile_read == 16 + kv_tile_bytes  # Q once + K, V per query tile
+    assert fwd.tile_write == 16 + 16  # O, LSE
+    assert (fwd.dram_read, fwd.dram_write) == (48, 32)  # Q, K, V once; O, LSE
+
+
+def test_backward_counts_match_hand_count():
+    dq, dkdv = alg.flashtile_backward(SMALL, dkdv=(2, 2), dq=(2, 2), fused_delta=True)
+    assert dq.kernel == "dq" and dkdv.kernel == "dkdv"
+    # dQ: Q, dO, O, LSE once; K and V (16 bytes each) for each of 2 query tiles
+    assert dq.tile_read == 4 * 16 + 2 * 2 * 16
+    assert dq.tile_write == 16 + 16  # dQ, delta
+    assert dq.dram_read == 4 * 16 + 2 * 16
+    # dK/dV: K, V once; for each of 2 key tiles all of Q, dO, LSE, delta
+    assert dkdv.tile_read == 2 * 16 + 2 * 4 * 16
+    assert dkdv.tile_write == 2 * 16
+    assert dkdv.dram_read == 6 * 16
+
+
+def test_compulsory_matches_hand_count():
+    assert alg.compulsory(SMALL, "fwd") == 3 * 16 + 16 + 16  # read Q K V, write O LSE
+    assert alg.compulsory(SMALL, "bwd") == 5 * 16 + 16 + 3 * 16  # read Q K V O dO LSE, write dQ dK dV
+    assert alg.compulsory(SMALL) == 80 + 144
+
+
+def test_compulsory_of_figure2_shape():
+    p = alg.figure2_problem()
+    t = 64 * 1024 * 16 * 64 * 2  # one bf16 (B, N, H, d) tensor
+    lse = 64 * 16 * 1024 * 4
+    assert alg.compulsory(p) == (4 * t + lse) + (8 * t + lse)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_tile_bytes_fall_as_tiles_grow_and_dram_bytes_do_not(causal):
+    p = alg.Problem(n=1024, d=64, heads=4, batch=2, causal=causal)
+    fwd = [alg.flashtile_forward(p, bm, 64)[0] for bm in (16, 32, 64, 128, 256)]
+    assert all(a.tile > b.tile for a, b in zip(fwd, fwd[1:]))
+    assert len({k.dram for k in fwd}) == 1
+    dkdv = [alg.flashtile_backward(p, (64, bn), (64, 64))[1] for bn in (16, 32, 64, 128, 256)]
+    assert all(a.tile > b.tile for a, b in zip(dkdv, dkdv[1:]))
+    dq = [alg.flashtile_backward(p, (64, 64), (bm, 64))[0] for bm in (16, 32, 64, 128, 256)]
+    assert all(a.tile > b.tile for a, b in zip(dq, dq[1:]))
+
+
+def test_forward_tile_bytes_are_theorem2_term():
+    # dense, tiles dividing n: Q + O + LSE + 2 T_r n d e, T_r = n / B_r
+    p = alg.Problem(n=2048, d=128, heads=3, batch=2)
+    for bm in (32, 64, 128):
+        (fwd,) = alg.flashtile_forward(p, bm, 64)
+        tr = 2048 // bm
+        assert fwd.tile == 2 * p.q_bytes() + p.stat_bytes() + 2 * tr * p.kv_bytes()
+
+
+def test_standard_count_matches_formula():
+    for p in (SMALL, alg.Problem(n=512, d=64, heads=2, batch=3, n_k=256),
+              alg.figure2_problem()):
+        bh, n, nk, d, e = p.batch * p.heads, p.n, p.nk, p.d, p.dtype_bytes
+        for s in (2, 4):
+            assert alg.standard_forward(p, s) == bh * (2 * n * d * e + 2 * nk * d * e + 4 * n * nk * s)
+            # dO three times, O, dQ, Q once (query-sized); V, K, dK, dV once (key-sized);
+            # 7 score matrices; D written and read
+            assert alg.standard_backward(p, s) == bh * (
+                6 * n * d * e + 4 * nk * d * e + 7 * n * nk * s + 2 * n * 4)
+    assert alg.standard(SMALL, "fwd") == 2 * 16 + 2 * 16 + 4 * 32
+
+
+def test_fused_delta_saves_one_read_of_do_and_the_row_statistics():
+    p = alg.figure2_problem()
+    cfg = dict(dkdv=(64, 64), dq=(128, 64))
+    old = alg.total(alg.flashtile_backward(p, fused_delta=False, **cfg))
+    new = alg.total(alg.flashtile_backward(p, fused_delta=True, **cfg))
+    assert old - new == p.q_bytes() + 3 * p.stat_bytes()
+    assert [k.kernel for k in alg.flashtile_backward(p, fused_delta=False, **cfg)] == ["pre", "dkdv", "dq"]
+
+
+def test_two_kernel_backward_floor_is_above_1_25x_at_figure2_shape():
+    # The dQ kernel re-reads Q, dO, K, V, which the dK/dV kernel also reads: 4 extra tensors.
+    p = alg.figure2_problem()
+    k = alg.flashtile_kernels(p, (64, 64), (64, 64), (128, 64))
+    ratio = alg.total(k["fwd"] + k["bwd"]) / alg.compulsory(p)
+    # Q, dO, K, V read twice; delta written and read; LSE read by both kernels
+    extra = 2 * p.q_bytes() + 2 * p.kv_bytes() + 3 * p.stat_bytes()
+    assert alg.total(k["fwd"] + k["bwd"]) == alg.compulsory(p) + extra
+    assert 1.33 < ratio < 1.35
+
+
+def test_cache_model_falls_back_to_tile_bytes_when_reread_set_does_not_fit():
+    p = alg.Problem(n=8192, d=128, heads=8, batch=2)  # K and V of one head: 4 MB
+    ks = alg.flashtile_forward(p, 128, 64)
+    assert alg.dram_bytes(p, ks, cache_bytes=2**20) == ks[0].tile
+    assert alg.dram_bytes(p, ks, cache_bytes=10**12) == ks[0].dram
+
+
+def test_paper_forward_is_theta_n2_d2_over_m():
+    assert alg.sram_tiles(100 * 1024, 64) == (64, 200)  # B_r = min(ceil(M / 4d), d), B_c
+    br, bc = 64, 256
+    p1, p2 = alg.Problem(n=4096, d=64), alg.Problem(n=8192, d=64)
+    # doubling N doubles T_c and the rows per pass: 4x, less the Theta(N d) reads of K and V
+    assert 3.9 < alg.paper_forward(p2, br, bc) / alg.paper_forward(p1, br, bc) < 4.0
+    costs = [alg.paper_forward(p1, br, c) for c in (64, 128, 256, 512)]
+    assert all(a > b for a, b in zip(costs, costs[1:]))

@@ -1,8 +1,10 @@
 """``python -m flashtile.bench [SUBCOMMAND] [FLAGS]``: dispatch to one benchmark module.
 
-``SUBCOMMANDS`` maps each name to the module that implements it; every such module exposes
-``main(argv) -> int``. A module is imported only when its subcommand runs, so adding one is a new
-module plus one entry here. Without a subcommand, ``speed`` runs.
+``SUBCOMMANDS`` maps each name to the module that implements it, which exposes ``main(argv) ->
+int`` (or to ``module:function`` for another entry point of a module). A module is imported only
+when its subcommand runs, so adding one is a new module plus one entry here. Without a
+subcommand, ``speed`` runs.  Every benchmark writes its records into the device's results file,
+``benchmarks/results/<device>.json``, under its own entry.
 """
 from __future__ import annotations
 
@@ -13,12 +15,14 @@ from typing import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "speed": ("flashtile.bench.speed", "TFLOP/s of dense attention against SDPA and Flex"),
     "memory": ("flashtile.bench.memory", "peak CUDA memory of fwd+bwd against N"),
-    "report": ("flashtile.bench.report", "tables and plots of saved JSON records"),
+    "report": ("flashtile.bench.report", "tables and plots of saved results"),
     "decode": ("flashtile.bench.decode", "KV-cache decode step against SDPA and Flex (CUDA)"),
     "variants": ("flashtile.bench.variants", "block-sparse density, sliding window, varlen"),
     "train": ("flashtile.bench.train", "GPT-2 training end to end (tokens/s, memory, loss curves)"),
     "io": ("flashtile.bench.io", "measured DRAM traffic against the IO model (ncu)"),
     "cp": ("flashtile.bench.cp", "context-parallel attention: one-GPU check, multi-GPU scaling"),
+    "cpu": ("flashtile.bench.cpu:main",
+            "the CPU engine against PyTorch's CPU SDPA (one process per implementation)"),
 }
 DEFAULT = "speed"
 
@@ -37,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(usage())
         return 0
     sub = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else DEFAULT
-    module_name = SUBCOMMANDS[sub][0]
+    module_name, _, entry = SUBCOMMANDS[sub][0].partition(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -46,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"python -m flashtile.bench {sub}: {module_name} is not part of this installation",
               file=sys.stderr)
         return 2
-    return module.main(argv)
+    return getattr(module, entry or "main")(argv)
 
 
 if __name__ == "__main__":

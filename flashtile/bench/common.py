@@ -1,5 +1,5 @@
 """Shared pieces of the benchmark harness: inputs, implementations, modes, timers, records,
-argument parsers, progress and JSON files.
+argument parsers, progress and the results files (one JSON object per device).
 
 Implementations (``IMPLS``) and modes (``MODES``) are registries: adding one is a function plus a
 dict entry.  An implementation's ``prepare`` turns the shared ``(B, N, H, d)`` inputs into a
@@ -585,13 +585,15 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def common_arguments(p: argparse.ArgumentParser, outputs: str) -> None:
-    p.add_argument("--out", type=Path, default=Path("bench_out"),
-                   help=f"output directory for {outputs} (default: bench_out)")
-    p.add_argument("--merge-into", type=Path, default=None, metavar="FILE",
-                   help="also merge this run's records into FILE (a JSON list); a record "
-                        "replaces an older one with the same "
-                        "device/impl/mode/causal/dtype/d/n/batch/heads")
+def common_arguments(p: argparse.ArgumentParser, key: str, plots: str) -> None:
+    """The flags every sweep shares: where its records go (``--out``, under ``key``), where its
+    plots go (``plots`` names them), the device, progress and error handling."""
+    p.add_argument("--out", type=Path, default=None, metavar="FILE",
+                   help=f"results JSON of the device; this run's records are merged into its "
+                        f"'{key}' entry, a record replacing an older one of the same case "
+                        f"(default: {RESULTS_DIR}/<device>.json, e.g. h100.json, cpu.json)")
+    p.add_argument("--plots", type=Path, default=Path("bench_out"), metavar="DIR",
+                   help=f"directory for {plots} (default: bench_out)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="default: cuda when available, else cpu")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="skip the PNG plots")
@@ -672,23 +674,111 @@ def log(msg: str) -> None:
 # Output: JSON, table, plots
 # --------------------------------------------------------------------------------------------
 
+# Every benchmark writes into one JSON object per device, ``benchmarks/results/<device>.json``
+# (``h100.json``, ``cpu.json``), one entry per command: ``speed``, ``memory`` and ``device``
+# (speed's device ceilings), ``variants``, ``decode``, ``io``, ``cp_*``, ``train_*``, ...
+RESULTS_DIR = Path("benchmarks") / "results"
+_VENDOR_WORDS = {"nvidia", "amd", "intel", "geforce", "tesla", "instinct", "radeon"}
+
+
+def device_tag(device: torch.device | str = "cuda") -> str:
+    """The short name of a device, which names its results file: ``cpu``, or the GPU's model
+    (``h100`` for "NVIDIA H100 80GB HBM3", ``a100``, ``rtx4090``, ``mi300x``)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device.type
+    words = [w for w in re.findall(r"[A-Za-z0-9]+", torch.cuda.get_device_name(device))
+             if w.lower() not in _VENDOR_WORDS]
+    if not words:
+        return "cuda"
+    tag = words[0]
+    if tag.isalpha() and len(words) > 1:  # "RTX 4090" -> rtx4090
+        tag += words[1]
+    return tag.lower()
+
+
+def results_path(device: torch.device | str, out: Path | str | None = None) -> Path:
+    """``out``, or by default the device's results file ``benchmarks/results/<device>.json``."""
+    return Path(out) if out is not None else RESULTS_DIR / f"{device_tag(device)}.json"
+
+
 def write_json(path: Path | str, data: Any) -> Path:
     """Write ``data`` as JSON atomically (temporary file then rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1, default=str)
+            f.write("\n")
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
     return path
 
 
-def load_records(path: Path | str) -> list[dict[str, Any]]:
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Hold an exclusive lock on ``path``'s directory, so that two runs writing entries of one
+    results file do not lose each other's (a no-op where ``fcntl`` is missing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def read_results(path: Path | str) -> dict[str, Any]:
+    """The entries of a results file (``{}`` when it does not exist)."""
+    path = Path(path)
+    if not path.exists():
+        return {}
     with open(path) as f:
         data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object with one entry per benchmark")
+    return data
+
+
+def read_result(path: Path | str, key: str, default: Any = None) -> Any:
+    """Entry ``key`` of a results file (``default`` when the file or the entry is missing)."""
+    return read_results(path).get(key, default)
+
+
+def update_result(path: Path | str, key: str, update: Callable[[Any], Any]) -> Path:
+    """Set entry ``key`` of the results file ``path`` to ``update(old entry or None)``, keeping
+    every other entry: read, merge and write under a lock, the write atomic."""
+    path = Path(path)
+    with _locked(path):
+        data = read_results(path)
+        data[key] = update(data.get(key))
+        return write_json(path, data)
+
+
+def write_result(path: Path | str, key: str, payload: Any) -> Path:
+    """Store ``payload`` as entry ``key`` of the results file ``path`` (other entries kept)."""
+    return update_result(path, key, lambda old: payload)
+
+
+def load_records(path: Path | str, key: str | None = None) -> list[dict[str, Any]]:
+    """The records of a JSON list, or of entry ``key`` of a results file (``[]`` if missing)."""
+    if key is not None:
+        data = read_result(path, key, [])
+    else:
+        with open(path) as f:
+            data = json.load(f)
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-        raise ValueError(f"{path}: expected a JSON list of records")
+        where = f"{path} [{key}]" if key is not None else str(path)
+        raise ValueError(f"{where}: expected a JSON list of records")
     return data
 
 
@@ -707,19 +797,7 @@ def merge_records(old: list[dict], new: list[dict],
     return list(merged.values())
 
 
-def merge_json(path: Path | str, records: list[dict],
-               key: Callable[[dict], tuple] = record_key) -> Path:
-    path = Path(path)
-    old = load_records(path) if path.exists() else []
-    return write_json(path, merge_records(old, records, key))
-
-RESULTS_FILE = "results.json"
-MEMORY_FILE = "memory.json"
-
-
-def write_results(cfg_out: Path, merge_into: Path | None, records: list[dict],
-                   name: str = RESULTS_FILE, key: Callable[[dict], tuple] = record_key) -> None:
-    write_json(cfg_out / name, records)
-    if merge_into is not None:
-        merge_json(merge_into, records, key)
-
+def merge_result(path: Path | str, key: str, records: list[dict],
+                 record_id: Callable[[dict], tuple] = record_key) -> Path:
+    """Merge ``records`` into the record list at entry ``key`` of the results file ``path``."""
+    return update_result(path, key, lambda old: merge_records(old or [], records, record_id))

@@ -2,7 +2,7 @@
 world-size-1 overhead (``check``), and weak / strong scaling over the ranks of one launch
 (``scale``), with PyTorch's ``context_parallel`` (SDPA) as the peer in the same run.
 
-    python -m flashtile.bench.cp check                       # one GPU
+    python -m flashtile.bench cp check                       # one GPU
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
         torchrun --nproc-per-node 8 -m flashtile.bench.cp scale   # one launch per world size
 
@@ -11,8 +11,8 @@ by default, every mode and layout, weak scaling (``--tokens-per-gpu`` x world) a
 scaling (``--strong-seqlen``).  Efficiency is the attention TFLOP/s each GPU achieves inside the
 distributed step (the whole sequence's FLOPs / world / step time) divided by the TFLOP/s of one
 flashtile call on one GPU for the same total sequence, or for the longest one that fits (measured
-in the same launch).  Results are merged into ``benchmarks/results/cp_<device>.json`` under the
-world size, so launches for 1, 2, 4 and 8 GPUs fill one file.  NVLink multicast stays off in
+in the same launch).  Results go to the device's results file (``benchmarks/results/<device>.json``)
+under ``cp_check`` and ``cp_world<N>``, so launches for 1, 2, 4 and 8 GPUs fill one file.  NVLink multicast stays off in
 every process (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``).
 
 ``--device cpu`` runs the same code on gloo (a dry run at tiny sizes, torch backend).
@@ -37,6 +37,8 @@ os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from .common import results_path, runtime_env, write_result  # noqa: E402
 
 MODES = ("ring", "allgather", "ulysses")
 LAYOUTS = ("zigzag", "contiguous")
@@ -73,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--out", default=None,
-                   help="results JSON (default benchmarks/results/cp_<device>.json)")
+                   help="results JSON; entries cp_check and cp_world<N> "
+                        "(default: benchmarks/results/<device>.json)")
     return p
 
 
@@ -102,12 +105,6 @@ def _init(device: str):
 def _dev(device: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else \
         torch.device("cpu")
-
-
-def device_name(device: str) -> str:
-    if device == "cuda":
-        return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
-    return "cpu"
 
 
 def _sync(device: str):
@@ -318,7 +315,7 @@ def _longest(a, device, rank, world):
 
 
 def _scale(a, rank, world, device):
-    results = dict(device=device_name(device), dtype=a.dtype, heads=a.heads, headdim=a.headdim,
+    results = dict(device=runtime_env(device)["device"], dtype=a.dtype, heads=a.heads, headdim=a.headdim,
                    causal=True, batch=1, torch=torch.__version__, rows=[])
     results["correctness"] = _correctness(a, device, rank, world)
     weak = a.tokens_per_gpu * world
@@ -399,14 +396,7 @@ def _check(a, device):
 
 
 def _write(path, key, value):
-    data = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            data = json.load(f)
-    data[key] = value
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
+    write_result(path, key, value)
     print(f"wrote {path} [{key}]", flush=True)
 
 
@@ -425,16 +415,15 @@ def main(argv: list[str] | None = None) -> int:
     backend = flashtile.use_backend("torch") if a.device == "cpu" else contextlib.nullcontext()
     try:
         with backend:
-            out = a.out or os.path.join("benchmarks", "results",
-                                        f"cp_{device_name(a.device)}.json")
+            out = results_path(a.device, a.out)
             if a.what == "check":
                 if world != 1:
                     raise SystemExit("check runs on one device (no torchrun)")
-                _write(out, "check", _check(a, a.device))
+                _write(out, "cp_check", _check(a, a.device))
             else:
                 result = _scale(a, rank, world, a.device)
                 if rank == 0:
-                    _write(out, f"world{world}", result)
+                    _write(out, f"cp_world{world}", result)
     finally:
         dist.destroy_process_group()
     return 0

@@ -37,11 +37,12 @@ read and out written; ``frac_of_copy_bw`` divides it by the bandwidth of a large
 ``copy_`` measured at start (bytes read + written / time).
 
 Correctness (contiguous, paged and append+rotary steps against the oracle, graph replays against
-eager calls) is checked by ``tests/gpu/test_decode_graphs.py``.  Results go to ``--out`` as a JSON list of records
-``{impl, batch, cache_len, ms, GBps, frac_of_copy_bw, device, torch, triton, date, ...}`` and a
-table is printed.
+eager calls) is checked by ``tests/gpu/test_decode_graphs.py``.  The records
+``{impl, batch, cache_len, ms, GBps, frac_of_copy_bw, device, torch, triton, date, ...}`` go to
+entry ``decode`` of the device's results file (``benchmarks/results/<device>.json``, ``--out``;
+a record replaces an older one of the same case, see :func:`record_key`), and a table is printed.
 
-    python -m flashtile.bench decode --out bench_out/decode_h100.json
+    python -m flashtile.bench decode                       # batch 1/8/64, cache 4K..128K
     python -m flashtile.bench decode --out /tmp/quick.json --quick
 """
 from __future__ import annotations
@@ -51,8 +52,6 @@ import contextlib
 import datetime
 import functools
 import gc
-import json
-import os
 import sys
 import traceback
 
@@ -64,6 +63,17 @@ from triton.testing import do_bench
 
 from flashtile.backends.triton import launch_decode
 from flashtile import flash_attn_with_kvcache
+from flashtile.bench.common import merge_result, results_path
+
+KEY = "decode"  # the entry of the results file that holds the decode records
+
+
+def record_key(rec: dict) -> tuple:
+    """What makes two decode records the same measurement (a new record replaces an old one
+    with the same key in the results file)."""
+    return tuple(rec.get(k) for k in ("device", "impl", "batch", "cache_len", "mode",
+                                      "num_splits", "layers", "page_size", "dtype", "nheads",
+                                      "nheads_k", "headdim", "l2_flush"))
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEVICE = "cuda"
@@ -474,7 +484,10 @@ def print_table(records) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m flashtile.bench decode",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="JSON file for the records")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="results JSON; the records are merged into its 'decode' entry, a record "
+                        "replacing an older one of the same case "
+                        "(default: benchmarks/results/<device>.json)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--cache-lens", type=int, nargs="+", default=[4096, 16384, 65536, 131072])
     p.add_argument("--nheads", type=int, default=32)
@@ -507,6 +520,7 @@ def main(argv=None) -> int:
         log("python -m flashtile.bench decode needs a CUDA GPU")
         return 2
     dtype = DTYPES[args.dtype]
+    out = results_path("cuda", args.out)
     global L2_FLUSH
     L2_FLUSH = args.l2_flush
     meta = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
@@ -526,18 +540,12 @@ def main(argv=None) -> int:
                 records.extend(run_config(args, dtype, batch, cache_len, copy_bw, meta))
                 if args.layers > 0:
                     records.extend(run_layers(args, dtype, batch, cache_len, copy_bw, meta))
-                _write(args.out, records)
+                merge_result(out, KEY, records, record_key)
     finally:
-        _write(args.out, records)
+        merge_result(out, KEY, records, record_key)
     print_table(records)
-    log(f"wrote {len(records)} records to {args.out}")
+    log(f"wrote {len(records)} records to {out} [{KEY}]")
     return 0
-
-
-def _write(path, records) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(records, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

@@ -2,12 +2,11 @@
 
 The paper's claim is about bytes: standard attention moves ``Theta(N d + N^2)`` bytes through
 HBM, FlashAttention ``Theta(N^2 d^2 / M)``.  This benchmark measures them per kernel with
-Nsight Compute and puts them next to the model of ``flashtile.reference.io_model``::
+Nsight Compute and puts them next to the model of ``flashtile.reference.algorithms``::
 
-    python -m flashtile.bench.io --quick                  # ~3 min on an H100
-    python -m flashtile.bench.io                          # all sweeps, ~6-8 min
-    python -m flashtile.bench.io report benchmarks/results/io_h100.json \\
-        --plots benchmarks/results/io_h100_plots --doc docs/io.md
+    python -m flashtile.bench io --quick                  # ~3 min on an H100
+    python -m flashtile.bench io                          # all sweeps, ~6-8 min
+    python -m flashtile.bench io report --doc docs/performance.md   # tables, fig2.png, fig3.png
 
 Sweeps (``--sweeps``):
 
@@ -31,14 +30,17 @@ the kernels Nsight Compute reports between a begin and an end marker belong to t
 order, whatever their names.  Every kernel is profiled, warm-ups included.  ``--nvtx`` limits
 profiling to the NVTX range ``io`` around the measured calls; NVTX ranges belong to the thread
 that opens them, and PyTorch runs a CUDA backward on its autograd thread, so with ``--nvtx``
-the backward's kernels are missed (the H100 run of 2026-11-23 showed it): use it for forward
-sweeps only.
+the backward's kernels are missed: use it for forward sweeps only.
 
-Records (JSON list in ``benchmarks/results/``), one per (case, pass) with the kernels nested:
+Records (entry ``io`` of the device's results file, ``benchmarks/results/<device>.json``; a run
+replaces the records of the sweeps it ran), one per (case, pass) with the kernels nested:
 ``impl, pass, n, d, heads, batch, block_m, block_n, dram_read_bytes, dram_write_bytes,
 l2_bytes, ms, compulsory_bytes`` plus ``sweep, density, kernels, model_dram_bytes,
 model_l2_bytes, device, torch, triton, ncu, date``.  ``l2_bytes`` is ``lts__t_bytes.sum``: every
 byte through the L2 slices (SM <-> L2 traffic plus L2's own fills and evictions).
+``report`` prints the tables, draws ``fig2.png`` (the panels of Figure 2 that were measured:
+left, middle, right) and ``fig3.png`` into ``--plots`` (default ``benchmarks/results``), and with
+``--doc`` replaces the results section of a markdown file.
 """
 from __future__ import annotations
 
@@ -58,7 +60,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from ..reference import io_model
+from ..reference import algorithms
+from .common import RESULTS_DIR, read_results, results_path, update_result
 
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_bytes.sum",
            "gpu__time_duration.sum")
@@ -68,7 +71,7 @@ NVTX_RANGE = "io"
 IMPLS = ("standard", "fa2", "cudnn", "flashtile")
 FIG3_IMPLS = ("standard", "fa2", "cudnn", "flex", "flashtile", "flashtile_sparse")
 SWEEPS = ("fig2", "blocks", "sparse", "fig3")
-DEFAULT_OUT = "benchmarks/results/io_h100.json"
+KEY = "io"  # the entry of the results file that holds the io records
 # The paper's Figure 2 (A100, fwd+bwd at the GPT-2 medium shape).
 PAPER_FIG2 = {"standard": {"gb": 40.3, "ms": 41.7}, "flashtile": {"gb": 4.4, "ms": 7.3}}
 
@@ -258,18 +261,18 @@ _FLASHTILE_KERNELS = {"attn_fwd_kernel": "fwd", "attn_bwd_dq_kernel": "dq",
                       "attn_bwd_dkdv_kernel": "dkdv"}
 
 
-def problem_of(case: Case | dict) -> io_model.Problem:
+def problem_of(case: Case | dict) -> algorithms.Problem:
     c = case if isinstance(case, dict) else dataclasses.asdict(case)
-    return io_model.Problem(n=c["n"], d=c["d"], heads=c["heads"], batch=c["batch"],
+    return algorithms.Problem(n=c["n"], d=c["d"], heads=c["heads"], batch=c["batch"],
                             dtype_bytes=2 if c["dtype"] in ("bfloat16", "float16") else 4,
                             density=c.get("density", 1.0))
 
 
-def model_kernels(case: dict, configs: dict) -> dict[str, io_model.KernelIO]:
+def model_kernels(case: dict, configs: dict) -> dict[str, algorithms.KernelIO]:
     """The model's kernels for a flashtile case with the tile configs the worker used."""
     p = problem_of(case)
-    fwd = io_model.flashtile_forward(p, *configs["fwd"][:2])
-    bwd = io_model.flashtile_backward(p, tuple(configs["dkdv"][:2]), tuple(configs["dq"][:2]))
+    fwd = algorithms.flashtile_forward(p, *configs["fwd"][:2])
+    bwd = algorithms.flashtile_backward(p, tuple(configs["dkdv"][:2]), tuple(configs["dq"][:2]))
     return {k.kernel: k for k in fwd + bwd}
 
 
@@ -517,7 +520,7 @@ def build_records(cases: Sequence[Case], entries: Sequence[dict],
         g += 1
         p = problem_of(base)
         rec = dict(base, **{"pass": pass_}, block_m=None, block_n=None,
-                   compulsory_bytes=io_model.compulsory(p, pass_), kernels=kernels)
+                   compulsory_bytes=algorithms.compulsory(p, pass_), kernels=kernels)
         for field in ("dram_read_bytes", "dram_write_bytes", "l2_bytes", "ms"):
             values = [k[field] for k in kernels if k[field] is not None]
             rec[field] = sum(values) if values else None
@@ -528,7 +531,7 @@ def build_records(cases: Sequence[Case], entries: Sequence[dict],
             rec["configs"] = configs
             model = model_kernels(base, configs)
             names = ["fwd"] if pass_ == "fwd" else ["dq", "dkdv"]
-            rec["model_dram_bytes"] = io_model.dram_bytes(p, [model[n] for n in names])
+            rec["model_dram_bytes"] = algorithms.dram_bytes(p, [model[n] for n in names])
             rec["model_l2_bytes"] = sum(model[n].tile for n in names)
             for k in kernels:
                 m = model.get(_FLASHTILE_KERNELS.get(k["name"], ""))
@@ -639,7 +642,7 @@ def _fwd_bwd(records: Iterable[dict], **match) -> dict[str, dict]:
 
 
 def render_markdown(records: list[dict]) -> str:
-    """Tables of every sweep found in ``records``, for docs/io.md."""
+    """Tables of every sweep found in ``records``, for docs/performance.md."""
     parts = []
     env = next((r for r in records if r.get("device")), {})
     parts.append(f"Measured on {env.get('device', '?')} (torch {env.get('torch', '?')}, "
@@ -647,7 +650,7 @@ def render_markdown(records: list[dict]) -> str:
                  f"{env.get('date', '?')}).\n")
     fig2 = _fwd_bwd(records, sweep="fig2")
     if fig2:
-        p = io_model.figure2_problem()
+        p = algorithms.figure2_problem()
         rows = ["| impl | DRAM GB (fwd+bwd) | x compulsory | L2 GB | kernel ms | model GB | paper A100 GB / ms |",
                 "|---|---|---|---|---|---|---|"]
         for impl in IMPLS:
@@ -655,7 +658,7 @@ def render_markdown(records: list[dict]) -> str:
             if r is None:
                 continue
             paper = PAPER_FIG2.get(impl)
-            model = (io_model.standard(p) if impl == "standard" else r["model"]) or None
+            model = (algorithms.standard(p) if impl == "standard" else r["model"]) or None
             paper_cell = "-" if paper is None else "{gb} / {ms}".format(**paper)
             rows.append(f"| {impl} | {_gb(r['dram'])} | {r['dram'] / r['comp']:.2f} | "
                         f"{_gb(r['l2'])} | {_ms(r['ms'])} | {_gb(model)} | {paper_cell} |")
@@ -737,7 +740,9 @@ def update_doc(doc: Path, markdown: str) -> None:
 
 
 def plot(records: list[dict], out_dir: Path) -> list[Path]:
-    """PNGs of Figure 2 (left, middle, right) and Figure 3; none without matplotlib."""
+    """``fig2.png`` (one panel per part of Figure 2 that was measured: left, the bytes and time
+    of each implementation; middle, flashtile's tile sizes; right, block-sparse density) and
+    ``fig3.png``; none without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -749,69 +754,75 @@ def plot(records: list[dict], out_dir: Path) -> list[Path]:
     written = []
 
     fig2 = _fwd_bwd(records, sweep="fig2")
-    if fig2:
-        impls = [i for i in IMPLS if i in fig2]
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.5))
-        a1.bar(impls, [fig2[i]["dram"] / 1e9 for i in impls], color="tab:blue", label="measured")
-        a1.axhline(fig2[impls[0]]["comp"] / 1e9, color="k", ls="--", lw=1, label="compulsory")
-        a1.set_ylabel("HBM GB (fwd+bwd)")
-        a1.legend(fontsize=8)
-        a2.bar(impls, [fig2[i]["ms"] for i in impls], color="tab:orange")
-        a2.set_ylabel("kernel time ms (ncu)")
-        for a in (a1, a2):
-            a.tick_params(axis="x", labelrotation=20)
-        fig.suptitle("Figure 2 left: N=1024, d=64, 16 heads, batch 64, bf16")
-        fig.tight_layout()
-        written.append(out_dir / "fig2_left.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
-
     blocks = [r for r in records if r.get("sweep") == "blocks" and r.get("pass")
               and not r.get("error")]
-    if blocks:
-        knobs = sorted({r["knob"] for r in blocks})
-        fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-        for knob in knobs:
-            sel = [r for r in blocks if r["knob"] == knob]
-            part = knob.split(".")
-            size = [r["configs"][part[0]][0 if part[1] == "block_m" else 1] for r in sel]
-            dram = [((r.get("dram_read_bytes") or 0) + (r.get("dram_write_bytes") or 0)) / 1e9 for r in sel]
-            line = axes[0].plot(size, dram, "o-", label=knob)[0]
-            axes[0].plot(size, [(r.get("model_dram_bytes") or 0) / 1e9 for r in sel], "x:",
-                         color=line.get_color())
-            axes[1].plot(size, [(r.get("l2_bytes") or 0) / 1e9 for r in sel], "o-", color=line.get_color(), label=knob)
-            axes[1].plot(size, [(r.get("model_l2_bytes") or 0) / 1e9 for r in sel], "x:", color=line.get_color())
-            axes[2].plot(size, [r.get("ms") or 0 for r in sel], "o-", color=line.get_color(), label=knob)
-        for a, label in zip(axes, ("HBM GB (o measured, x model)", "L2 GB (o lts__t_bytes, x model tile bytes)", "kernel ms")):
-            a.set_xscale("log", base=2)
-            a.set_xlabel("tile size varied")
-            a.set_ylabel(label)
-        axes[2].legend(fontsize=7)
-        fig.suptitle("Figure 2 middle: flashtile tile sizes at the Figure 2 shape")
-        fig.tight_layout()
-        written.append(out_dir / "fig2_middle.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
-
     sparse = [r for r in records if r.get("sweep") == "sparse" and r.get("pass")
               and not r.get("error")]
-    if sparse:
-        ds = sorted({r["density"] for r in sparse})
-        total = {d: [r for r in sparse if r["density"] == d] for d in ds}
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.5))
-        a1.plot(ds, [sum((r.get("dram_read_bytes") or 0) + (r.get("dram_write_bytes") or 0) for r in total[d]) / 1e9 for d in ds], "o-", label="HBM measured")
-        a1.plot(ds, [sum(r.get("l2_bytes") or 0 for r in total[d]) / 1e9 for d in ds], "s-", label="L2 measured")
-        a1.plot(ds, [sum(r.get("model_l2_bytes") or 0 for r in total[d]) / 1e9 for d in ds], "x:", label="L2 model")
-        a1.set_ylabel("GB (fwd+bwd)")
-        a1.legend(fontsize=8)
-        a2.plot(ds, [sum(r.get("ms") or 0 for r in total[d]) for d in ds], "o-")
-        a2.set_ylabel("kernel ms (fwd+bwd)")
-        for a in (a1, a2):
-            a.set_xlabel("fraction of nonzero blocks")
-        fig.suptitle("Figure 2 right: block-sparse flashtile")
-        fig.tight_layout()
-        written.append(out_dir / "fig2_right.png")
-        fig.savefig(written[-1], dpi=120)
+    panels = [name for name, have in (("left", fig2), ("middle", blocks), ("right", sparse))
+              if have]
+    if panels:
+        fig = plt.figure(figsize=(13, 3.8 * len(panels)))
+        subfigs = fig.subfigures(len(panels), 1, squeeze=False)[:, 0]
+        for sub, name in zip(subfigs, panels):
+            if name == "left":
+                impls = [i for i in IMPLS if i in fig2]
+                a1, a2 = sub.subplots(1, 2)
+                a1.bar(impls, [fig2[i]["dram"] / 1e9 for i in impls], color="tab:blue",
+                       label="measured")
+                a1.axhline(fig2[impls[0]]["comp"] / 1e9, color="k", ls="--", lw=1,
+                           label="compulsory")
+                a1.set_ylabel("HBM GB (fwd+bwd)")
+                a1.legend(fontsize=8)
+                a2.bar(impls, [fig2[i]["ms"] for i in impls], color="tab:orange")
+                a2.set_ylabel("kernel time ms (ncu)")
+                for a in (a1, a2):
+                    a.tick_params(axis="x", labelrotation=20)
+                sub.suptitle("Figure 2 left: N=1024, d=64, 16 heads, batch 64, bf16")
+            elif name == "middle":
+                axes = sub.subplots(1, 3)
+                for knob in sorted({r["knob"] for r in blocks}):
+                    sel = [r for r in blocks if r["knob"] == knob]
+                    part = knob.split(".")
+                    size = [r["configs"][part[0]][0 if part[1] == "block_m" else 1] for r in sel]
+                    dram = [((r.get("dram_read_bytes") or 0) + (r.get("dram_write_bytes") or 0))
+                            / 1e9 for r in sel]
+                    line = axes[0].plot(size, dram, "o-", label=knob)[0]
+                    color = line.get_color()
+                    axes[0].plot(size, [(r.get("model_dram_bytes") or 0) / 1e9 for r in sel],
+                                 "x:", color=color)
+                    axes[1].plot(size, [(r.get("l2_bytes") or 0) / 1e9 for r in sel], "o-",
+                                 color=color, label=knob)
+                    axes[1].plot(size, [(r.get("model_l2_bytes") or 0) / 1e9 for r in sel],
+                                 "x:", color=color)
+                    axes[2].plot(size, [r.get("ms") or 0 for r in sel], "o-", color=color,
+                                 label=knob)
+                for a, label in zip(axes, ("HBM GB (o measured, x model)",
+                                           "L2 GB (o lts__t_bytes, x model tile bytes)",
+                                           "kernel ms")):
+                    a.set_xscale("log", base=2)
+                    a.set_xlabel("tile size varied")
+                    a.set_ylabel(label)
+                axes[2].legend(fontsize=7)
+                sub.suptitle("Figure 2 middle: flashtile tile sizes at the Figure 2 shape")
+            else:
+                ds = sorted({r["density"] for r in sparse})
+                total = {d: [r for r in sparse if r["density"] == d] for d in ds}
+                a1, a2 = sub.subplots(1, 2)
+                a1.plot(ds, [sum((r.get("dram_read_bytes") or 0) + (r.get("dram_write_bytes") or 0)
+                                 for r in total[d]) / 1e9 for d in ds], "o-", label="HBM measured")
+                a1.plot(ds, [sum(r.get("l2_bytes") or 0 for r in total[d]) / 1e9 for d in ds],
+                        "s-", label="L2 measured")
+                a1.plot(ds, [sum(r.get("model_l2_bytes") or 0 for r in total[d]) / 1e9
+                             for d in ds], "x:", label="L2 model")
+                a1.set_ylabel("GB (fwd+bwd)")
+                a1.legend(fontsize=8)
+                a2.plot(ds, [sum(r.get("ms") or 0 for r in total[d]) for d in ds], "o-")
+                a2.set_ylabel("kernel ms (fwd+bwd)")
+                for a in (a1, a2):
+                    a.set_xlabel("fraction of nonzero blocks")
+                sub.suptitle("Figure 2 right: block-sparse flashtile")
+        written.append(out_dir / "fig2.png")
+        fig.savefig(written[-1], dpi=110, bbox_inches="tight")
         plt.close(fig)
 
     fig3 = [r for r in records if r.get("sweep") == "fig3" and not r.get("error")]
@@ -841,27 +852,32 @@ def plot(records: list[dict], out_dir: Path) -> list[Path]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m flashtile.bench.io",
+        prog="python -m flashtile.bench io",
         description="DRAM / L2 bytes and time of attention kernels under Nsight Compute, "
-                    "against flashtile's IO model (GPU; see docs/io.md).")
+                    "against flashtile's IO model (GPU; see docs/performance.md).")
     sub = p.add_subparsers(dest="command")
     run = sub.add_parser("run", help="run the sweeps (the default command)")
     for q in (p, run):
         q.add_argument("--sweeps", nargs="+", choices=SWEEPS, default=list(SWEEPS))
         q.add_argument("--quick", action="store_true", help="fewer tile sizes, densities, N")
-        q.add_argument("--out", default=DEFAULT_OUT, help="results JSON (default %(default)s)")
-        q.add_argument("--plots", default=None, help="directory for the PNGs (default: next "
-                       "to --out, <out stem>_plots)")
+        q.add_argument("--out", default=None, metavar="FILE",
+                       help=f"results JSON; the records go to its '{KEY}' entry (default: "
+                            f"{RESULTS_DIR}/<device>.json)")
+        q.add_argument("--plots", default=str(RESULTS_DIR),
+                       help="directory for fig2.png and fig3.png (default %(default)s)")
         q.add_argument("--ncu", default=None, help="ncu executable (default: from PATH)")
         q.add_argument("--nvtx", action="store_true", help="profile only the NVTX range around "
                        "the measured calls (misses backward kernels, which run on the autograd "
                        "thread)")
         q.add_argument("--timeout", type=int, default=900, help="seconds per subprocess")
-    rep = sub.add_parser("report", help="tables (and PNGs) from a results JSON")
-    rep.add_argument("json")
-    rep.add_argument("--plots", default=None)
+    rep = sub.add_parser("report", help="tables (and PNGs) from a results file")
+    rep.add_argument("json", nargs="?", default=None,
+                     help=f"results file (default: the first {RESULTS_DIR}/*.json with an "
+                          f"'{KEY}' entry), or a JSON list of io records")
+    rep.add_argument("--plots", default=str(RESULTS_DIR),
+                     help="directory for fig2.png and fig3.png (default %(default)s)")
     rep.add_argument("--doc", default=None, help="markdown file whose results section to "
-                     "replace (between the io-results markers)")
+                     "replace (between the io-results markers), e.g. docs/performance.md")
     w = sub.add_parser("worker", help="internal: the measured calls (run under ncu)")
     w.add_argument("--plan", required=True)
     w.add_argument("--log", required=True)
@@ -883,6 +899,18 @@ def _report(records: list[dict], plots: str | None, doc: str | None) -> str:
     return md
 
 
+def load_io_records(path: str | Path | None) -> tuple[Path, list[dict]]:
+    """The io records of a results file (entry ``io``) or of a JSON list; without ``path``,
+    of the first results file in ``benchmarks/results`` that has them."""
+    candidates = [Path(path)] if path else sorted(RESULTS_DIR.glob("*.json"))
+    for candidate in candidates:
+        data = json.loads(candidate.read_text())
+        records = data if isinstance(data, list) else data.get(KEY)
+        if records is not None or path:
+            return candidate, list(records or [])
+    raise SystemExit(f"no results file in {RESULTS_DIR} has an '{KEY}' entry; pass one")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "worker":
@@ -892,11 +920,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_fig3_worker(args.quick, args.out)
         return 0
     if args.command == "report":
-        records = json.loads(Path(args.json).read_text())
+        _, records = load_io_records(args.json)
         print(_report(records, args.plots, args.doc))
         return 0
-    out = Path(args.out)
-    plots = args.plots or str(out.with_name(out.stem + "_plots"))
+    out = results_path("cuda", args.out)
     records: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="flashtile-io-") as tmp:
         cases = build_cases(args.sweeps, args.quick)
@@ -908,13 +935,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             records += run_ncu_sweeps(cases, ncu, args.nvtx, Path(tmp), args.timeout)
         if "fig3" in args.sweeps:
             records += run_fig3(args.quick, Path(tmp), args.timeout)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.exists():  # keep the records of the sweeps not run now
-        old = json.loads(out.read_text())
-        records = [r for r in old if r.get("sweep") not in args.sweeps] + records
-    out.write_text(json.dumps(records, indent=1) + "\n")
-    print("wrote", out)
-    print(_report(records, plots, None))
+    # keep the records of the sweeps not run now
+    update_result(out, KEY, lambda old: [r for r in (old or []) if r.get("sweep") not in
+                                         args.sweeps] + records)
+    print(f"wrote {out} [{KEY}]")
+    print(_report(read_results(out)[KEY], args.plots, None))
     return 0
 
 

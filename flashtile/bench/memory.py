@@ -3,7 +3,8 @@ forward+backward against sequence length, and the longest N each implementation 
 
 It reads the CUDA caching allocator's own counters (``torch.cuda.max_memory_allocated``), so it
 needs a CUDA device; ``python -m flashtile`` measures CPU memory (one child process per
-implementation).
+implementation).  The records go to the device's results file
+(``benchmarks/results/<device>.json``, entry ``memory``), the plot to ``--plots``.
 """
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ from typing import Sequence
 import torch
 
 from . import common
-from .common import (IMPLS, MAX_SEQLEN_MODE, MEMORY_FILE, MEMORY_MODE, MODES, Inputs,
-                     classify_error, common_arguments, default_device, first_line, is_fatal,
-                     log, make_progress, make_record, parse_dtype, parse_names, parse_seqlen,
-                     positive_int, runtime_env, write_results)
-from .render import (STATUS_CELL, by_device, figure, format_n, have_matplotlib, log2_axis,
+from .common import (IMPLS, MAX_SEQLEN_MODE, MEMORY_MODE, MODES, Inputs, classify_error,
+                     common_arguments, default_device, first_line, is_fatal, log, make_progress,
+                     make_record, merge_result, parse_dtype, parse_names, parse_seqlen,
+                     positive_int, results_path, runtime_env)
+from .report import (STATUS_CELL, by_device, figure, format_n, have_matplotlib, log2_axis,
                      markdown, ordered, sections, slug)
+
+KEY = "memory"  # the entry of the results file that holds the memory records
 
 # --------------------------------------------------------------------------------------------
 # Memory run
@@ -74,8 +77,8 @@ class MemoryConfig:
     d: int = 128
     dtype: str = "bf16"
     causal: bool = False
-    out: Path = Path("bench_out")
-    merge_into: Path | None = None
+    out: Path | None = None  # results file; None: the device's, benchmarks/results/<device>.json
+    plots: Path = Path("bench_out")
     seed: int = 0
     plot: bool = True
     progress: bool = True
@@ -92,12 +95,13 @@ class MemoryConfig:
 def run_memory(cfg: MemoryConfig, mem=None, stdout=None) -> list[dict]:
     """Peak extra memory of fwd+bwd for N = n_min, 2 n_min, ... up to n_max. An impl stops at
     its first failure; a ``max_seqlen`` record per impl gives the longest N that ran (its
-    ``error`` says what stopped the probe, None when it reached n_max). Records go to
-    ``OUT/memory.json`` (and --merge-into), the plot to ``OUT/memory.png``."""
+    ``error`` says what stopped the probe, None when it reached n_max). Records are merged into
+    entry ``memory`` of the results file, the plot goes to ``PLOTS/memory.png``."""
     stdout = stdout or sys.stdout
     device = torch.device(cfg.device)
     mem = mem or CudaMemory()
     env = runtime_env(device)
+    results = results_path(device, cfg.out)
     ns = cfg.seqlens()
     progress = make_progress(len(ns) * len(cfg.impls), cfg.progress)
     records: list[dict] = []
@@ -150,7 +154,7 @@ def run_memory(cfg: MemoryConfig, mem=None, stdout=None) -> list[dict]:
             del inputs
             gc.collect()
             mem.empty_cache()
-            write_results(cfg.out, cfg.merge_into, records, MEMORY_FILE)
+            merge_result(results, KEY, records)
     finally:
         progress.close()
     for impl in cfg.impls:
@@ -160,13 +164,11 @@ def run_memory(cfg: MemoryConfig, mem=None, stdout=None) -> list[dict]:
             status="ok" if best else records_status(records, impl),
             error=stopped.get(impl), peak_bytes=best["peak_bytes"] if best else None,
             **{**base, "mode": MAX_SEQLEN_MODE}))
-    write_results(cfg.out, cfg.merge_into, records, MEMORY_FILE)
+    merge_result(results, KEY, records)
     print(render_memory_table(records), file=stdout)
-    written = [cfg.out / MEMORY_FILE]
+    written = [f"{results} [{KEY}]"]
     if cfg.plot:
-        written += plot_memory(records, cfg.out)
-    if cfg.merge_into is not None:
-        written.append(cfg.merge_into)
+        written += plot_memory(records, cfg.plots)
     log("wrote " + ", ".join(str(p) for p in written))
     return records
 
@@ -192,7 +194,7 @@ def memory_parser() -> argparse.ArgumentParser:
     p.add_argument("--d", type=positive_int, default=128, help="head dim (default 128)")
     p.add_argument("--dtype", type=parse_dtype, default="bf16", help="default bf16")
     p.add_argument("--causal", choices=("0", "1"), default="0", help="default 0")
-    common_arguments(p, "memory.json and memory.png")
+    common_arguments(p, KEY, "memory.png")
     return p
 
 
@@ -208,7 +210,7 @@ def parse_memory_args(argv: Sequence[str] | None = None) -> MemoryConfig:
     return MemoryConfig(
         device=a.device or default_device(), impls=impls or MemoryConfig.impls,
         n_min=a.n_min, n_max=a.n_max, batch=a.batch, heads=a.heads, d=a.d, dtype=a.dtype,
-        causal=a.causal == "1", out=a.out, merge_into=a.merge_into, seed=a.seed, plot=a.plot,
+        causal=a.causal == "1", out=a.out, plots=a.plots, seed=a.seed, plot=a.plot,
         progress=a.progress, raise_errors=a.raise_errors)
 
 def render_memory_table(records: list[dict]) -> str:

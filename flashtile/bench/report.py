@@ -1,39 +1,241 @@
-"""``python -m flashtile.bench report FILES... [--out DIR]``: the tables and plots of saved
-records (speed, memory and variants records, told apart by their fields)."""
+"""Tables and plots of benchmark records, and ``python -m flashtile.bench report``.
+
+The helpers here (markdown tables that say their unit, matplotlib figures, device grouping) serve
+every sweep's own table and plots; :func:`render_table` and :func:`plot` are the speed
+benchmark's.  The ``report`` subcommand prints the tables and draws the plots of saved results:
+
+    python -m flashtile.bench report [FILE ...] [--plots DIR] [--device TEXT]
+
+``FILE`` is a results file (``benchmarks/results/<device>.json``, default: every results file
+there; its entries ``speed``, ``memory`` and ``variants``) or a plain JSON list of records;
+speed, memory and variants records are told apart by their fields.
+"""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
-from . import variants as bench_variants
-from .common import MAX_SEQLEN_MODE, MEMORY_MODE, load_records, log, merge_records
-from .memory import plot_memory, render_memory_table
-from .render import plot, render_table
+from .common import (IMPLS, MAX_SEQLEN_MODE, MEMORY_MODE, MODES, RESULTS_DIR, load_records, log,
+                     merge_records, read_results)
+
+def format_n(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def _fmt_tflops(x: float) -> str:
+    if x >= 100:
+        return f"{x:.0f}"
+    if x >= 10:
+        return f"{x:.1f}"
+    if x >= 1:
+        return f"{x:.2f}"
+    return f"{x:.3g}"
+
+
+SPEED_UNIT = ("TFLOP/s (FlashAttention's FLOP count, higher is better); "
+              "ft/X = flashtile's TFLOP/s over X's")
+STATUS_CELL = {"oom": "oom", "unsupported": "unsup", "error": "error"}
+
+
+def _cell(rec: dict | None) -> str:
+    if rec is None:
+        return "-"
+    if rec.get("status") == "ok" and rec.get("tflops") is not None:
+        return _fmt_tflops(rec["tflops"])
+    return STATUS_CELL.get(rec.get("status"), str(rec.get("status")))
+
+
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(header)]
+    lines = ["| " + " | ".join(h.rjust(w) for h, w in zip(header, widths)) + " |",
+             "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"]
+    lines += ["| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def ordered(values: Iterable, preferred: Sequence) -> list:
+    seen = list(dict.fromkeys(values))
+    return [v for v in preferred if v in seen] + [v for v in seen if v not in preferred]
+
+
+def by_device(records: list[dict]) -> list[tuple[str, list[dict]]]:
+    devices = list(dict.fromkeys(r.get("device") for r in records))
+    return [(dev, [r for r in records if r.get("device") == dev]) for dev in devices]
+
+
+def sections(parts: list[tuple[str, str]]) -> str:
+    if len(parts) == 1:
+        return parts[0][1]
+    return "\n\n".join(f"device: {dev}\n{text}" for dev, text in parts)
+
+
+def render_table(records: list[dict], reference: str = "flashtile") -> str:
+    """TFLOP/s per (mode, causal, dtype, d, n) row and impl column, under a line that says so,
+    plus ``ft/<peer>`` ratio columns (reference TFLOP/s over the peer's; "-" unless both ran).
+    A later record for the same cell wins. Failed cells show "oom", "unsup" or "error"."""
+    speed = [r for r in records if r.get("mode") not in (MEMORY_MODE, MAX_SEQLEN_MODE)]
+    if not speed:
+        return "(no speed records)"
+    parts = []
+    mode_order = {m: i for i, m in enumerate(MODES)}
+    for dev, recs in by_device(speed):
+        impls = ordered((r["impl"] for r in recs), list(IMPLS))
+        peers = [i for i in impls if i != reference] if reference in impls else []
+        cells: dict[tuple, dict] = {}
+        for r in recs:
+            key = (r["mode"], bool(r["causal"]), r["dtype"], r["d"], r["n"], r["batch"], r["heads"])
+            cells[key + (r["impl"],)] = r
+        keys = sorted({k[:-1] for k in cells},
+                      key=lambda k: (mode_order.get(k[0], len(mode_order)), k[0], k[1], k[2],
+                                     k[3], k[4], k[5], k[6]))
+        header = ["mode", "causal", "dtype", "d", "n", "B", "H"] + impls
+        header += [f"ft/{p}" for p in peers]
+        rows = []
+        for key in keys:
+            mode, causal, dtype, d, n, batch, heads = key
+            row = [mode, "1" if causal else "0", dtype, str(d), format_n(n), str(batch), str(heads)]
+            row += [_cell(cells.get(key + (i,))) for i in impls]
+            ref = cells.get(key + (reference,))
+            for p in peers:
+                peer = cells.get(key + (p,))
+                ok = (ref is not None and peer is not None and ref.get("status") == "ok"
+                      and peer.get("status") == "ok" and peer.get("tflops"))
+                row.append(f"{ref['tflops'] / peer['tflops']:.2f}" if ok else "-")
+            rows.append(row)
+        parts.append((dev, SPEED_UNIT + "\n" + markdown(header, rows)))
+    return sections(parts)
+
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", str(text)).strip("_").lower() or "device"
+
+
+def figure():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 4.4))
+    FigureCanvasAgg(fig)
+    return fig, fig.add_subplot()
+
+
+def log2_axis(ax, ns: list[int]) -> None:
+    from matplotlib.ticker import NullLocator
+
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ns)
+    ax.set_xticklabels([format_n(n) for n in ns])
+    ax.xaxis.set_minor_locator(NullLocator())
+
+
+def have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        log("matplotlib is not installed: no plots (pip install matplotlib)")
+        return False
+    return True
+
+
+def _shape_note(recs: list[dict]) -> list[str]:
+    """"B*N=16384" / "H=16" when constant over ``recs``."""
+    tokens = {r["batch"] * r["n"] for r in recs}
+    heads = {r["heads"] for r in recs}
+    notes = [f"B*N={tokens.pop()}"] if len(tokens) == 1 else []
+    return notes + ([f"H={heads.pop()}"] if len(heads) == 1 else [])
+
+
+def plot(records: list[dict], out_dir: Path | str) -> list[Path]:
+    """One PNG per (mode, causal, dtype, d): TFLOP/s against N, one line per impl.
+
+    File names are ``{mode}_{causal|full}_{dtype}_d{d}.png``, prefixed by the device when the
+    records come from several devices."""
+    speed = [r for r in records if r.get("mode") not in (MEMORY_MODE, MAX_SEQLEN_MODE)]
+    if not speed or not have_matplotlib():
+        return []
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    groups = by_device(speed)
+    paths = []
+    for dev, recs in groups:
+        keys = sorted({(r["mode"], bool(r["causal"]), r["dtype"], r["d"]) for r in recs},
+                      key=lambda k: (list(MODES).index(k[0]) if k[0] in MODES else 99, k))
+        for mode, causal, dtype, d in keys:
+            sel = [r for r in recs if (r["mode"], bool(r["causal"]), r["dtype"], r["d"])
+                   == (mode, causal, dtype, d)]
+            fig, ax = figure()
+            for impl in ordered((r["impl"] for r in sel), list(IMPLS)):
+                pts = {r["n"]: r["tflops"] for r in sel
+                       if r["impl"] == impl and r.get("status") == "ok" and r.get("tflops")}
+                if pts:
+                    ns = sorted(pts)
+                    ax.plot(ns, [pts[n] for n in ns], marker="o", label=impl)
+            log2_axis(ax, sorted({r["n"] for r in sel}))
+            ax.set_xlabel("sequence length N")
+            ax.set_ylabel("TFLOP/s")
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize="small")
+            shape = ", ".join(_shape_note(sel))
+            ax.set_title(f"{mode}, {'causal' if causal else 'non-causal'}, {dtype}, d={d}"
+                         f"{', ' + shape if shape else ''}\n{dev}", fontsize="medium")
+            fig.tight_layout()
+            name = f"{mode}_{'causal' if causal else 'full'}_{dtype}_d{d}.png"
+            path = out_dir / (f"{slug(dev)}_{name}" if len(groups) > 1 else name)
+            fig.savefig(path, dpi=120)
+            paths.append(path)
+    return paths
+
 
 # --------------------------------------------------------------------------------------------
-# Report
+# The report subcommand
 # --------------------------------------------------------------------------------------------
 
 def report_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m flashtile.bench report",
-        description="Print the tables and draw the plots of saved results (JSON lists of records).")
-    p.add_argument("files", nargs="+", type=Path)
-    p.add_argument("--out", type=Path, default=None, help="write plots here (default: no plots)")
+        description="Print the tables and draw the plots of saved results: results files "
+                    "(one JSON object per device, an entry per benchmark) or JSON lists of "
+                    "records.")
+    p.add_argument("files", nargs="*", type=Path,
+                   help=f"default: every {RESULTS_DIR}/*.json")
+    p.add_argument("--plots", type=Path, default=None,
+                   help="write plots here (default: no plots)")
     p.add_argument("--device", default=None,
                    help="keep only records whose device name contains this text")
     return p
 
 
+REPORT_KEYS = ("speed", "memory", "variants")  # the results-file entries report reads
+
+
+def _records_of(path: Path) -> list[dict]:
+    """The speed, memory and variants records of a results file, or the records of a JSON
+    list."""
+    try:
+        data = read_results(path)
+    except ValueError:  # not an object: a JSON list of records
+        return load_records(path)
+    return [r for key in REPORT_KEYS for r in load_records(path, key)] if data else []
+
+
 def run_report(argv: Sequence[str], stdout=None) -> int:
+    from . import variants as bench_variants  # these two draw on the helpers above
+    from .memory import plot_memory, render_memory_table
+
     stdout = stdout or sys.stdout
     a = report_parser().parse_args(argv)
+    files = a.files or sorted(RESULTS_DIR.glob("*.json"))
     records: list[dict] = []
     variants: list[dict] = []
-    for path in a.files:
-        loaded = load_records(path)
+    for path in files:
+        loaded = _records_of(path)
         foreign = [r for r in loaded if "impl" not in r or "mode" not in r]
         if foreign:
             log(f"{path}: skipped {len(foreign)} records without impl/mode (another format)")
@@ -53,12 +255,11 @@ def run_report(argv: Sequence[str], stdout=None) -> int:
         print(render_memory_table(memory), file=stdout)
     if variants:
         print(bench_variants.render_table(variants), file=stdout)
-    if a.out is not None:
-        paths = plot(speed, a.out) + plot_memory(memory, a.out)
-        paths += bench_variants.plot(variants, a.out) if variants else []
+    if a.plots is not None:
+        paths = plot(speed, a.plots) + plot_memory(memory, a.plots)
+        paths += bench_variants.plot(variants, a.plots) if variants else []
         log("wrote " + (", ".join(map(str, paths)) or "no plots"))
     return 0
-
 
 
 def main(argv: Sequence[str] | None = None) -> int:

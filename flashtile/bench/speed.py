@@ -3,7 +3,11 @@ PyTorch's attention kernels (SDPA with no backend forced, FlashAttention-2, cuDN
 math) and FlexAttention, all in one process on the same inputs.
 
     python -m flashtile.bench --quick                      # small preset, a minute or two on a GPU
-    python -m flashtile.bench --mode fwd_bwd --d 128 --merge-into benchmarks/results/h100.json
+    python -m flashtile.bench --mode fwd_bwd --d 128 --n 8K
+
+The records go to the device's results file (``benchmarks/results/<device>.json``, entry
+``speed``; the copy and matmul ceilings to entry ``device``), the table to stdout and the plots to
+``--plots``.
 """
 from __future__ import annotations
 
@@ -17,13 +21,18 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+
 from . import common
 from .common import (DTYPES, IMPLS, MODES, Case, classify_error, common_arguments,
                      default_device, empty_cache, first_line, flatten, is_fatal, load_records,
                      log, make_progress, make_record, make_timer, parse_dtype, parse_names,
                      parse_seqlen, positive_int, record_key, reset_flex_cache, run_case,
-                     runtime_env, case_fields, synchronize, utc_now, write_json, write_results)
-from .render import plot, render_table
+                     merge_result, results_path, runtime_env, case_fields, synchronize, utc_now,
+                     write_result)
+from .report import plot, render_table
+
+KEY = "speed"  # the entry of the results file that holds the speed records
+DEVICE_KEY = "device"  # ... and the one with the device ceilings
 
 # --------------------------------------------------------------------------------------------
 # Configuration
@@ -73,8 +82,8 @@ class Config:
 
     device: str
     preset: Preset
-    out: Path = Path("bench_out")
-    merge_into: Path | None = None
+    out: Path | None = None  # results file; None: the device's, benchmarks/results/<device>.json
+    plots: Path = Path("bench_out")
     batch: int | None = None
     heads: int | None = None
     seed: int = 0
@@ -108,8 +117,9 @@ def speed_parser() -> argparse.ArgumentParser:
         prog="python -m flashtile.bench",
         description="Time flashtile against SDPA (flash, cuDNN, efficient, math) and "
                     "FlexAttention. "
-                    "Subcommands: speed (default), memory, report, decode, variants, train, io "
-                    "('python -m flashtile.bench help' lists them; '<subcommand> -h' for each). "
+                    "Subcommands: speed (default), memory, report, decode, variants, train, io, "
+                    "cp, cpu ('python -m flashtile.bench help' lists them; '<subcommand> -h' for "
+                    "each). "
                     "Unset selections come from the preset for the device (--quick for the "
                     "small one).")
     p.add_argument("--impl", nargs="+", default=None, metavar="NAME",
@@ -141,14 +151,14 @@ def speed_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                    help="start no new shape after this many seconds (what ran is still written)")
     p.add_argument("--no-device-ceilings", dest="ceilings", action="store_false",
-                   help="skip the copy-bandwidth and matmul measurement (device.json)")
+                   help="skip the copy-bandwidth and matmul measurement (entry 'device')")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch.set_num_threads for the CPU path (default: torch's choice; 1 gives "
                         "steadier CPU timings on a busy machine)")
     p.add_argument("--resume", action="store_true",
-                   help="skip the cases that the --merge-into file already holds with status ok, "
-                        "oom or unsupported for this device (to continue a cut-off run)")
-    common_arguments(p, "results.json, device.json and the plots")
+                   help="skip the cases that the --out file already holds with status ok, oom or "
+                        "unsupported for this device (to continue a cut-off run)")
+    common_arguments(p, KEY, "the plots")
     return p
 
 
@@ -164,8 +174,6 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         dtypes = flatten(a.dtype, parse_dtype)
     except argparse.ArgumentTypeError as exc:
         p.error(str(exc))
-    if a.resume and a.merge_into is None:
-        p.error("--resume needs --merge-into FILE")
     device = a.device or default_device()
     preset = dataclasses.replace(
         PRESETS[(device, bool(a.quick))],
@@ -175,7 +183,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
            if v is not None and v != ()})
     return Config(
         device=device, preset=preset,
-        out=a.out, merge_into=a.merge_into, batch=a.batch, heads=a.heads, seed=a.seed,
+        out=a.out, plots=a.plots, batch=a.batch, heads=a.heads, seed=a.seed,
         plot=a.plot, progress=a.progress, time_limit=a.time_limit, raise_errors=a.raise_errors,
         ceilings=a.ceilings, resume=a.resume, threads=a.threads,
     )
@@ -267,11 +275,11 @@ def case_key(case: Case, device_name: str) -> tuple:
             case.batch, case.heads)
 
 
-def _done_records(cfg: Config, device_name: str) -> dict[tuple, dict]:
-    """Records of the --merge-into file that --resume does not run again."""
-    if not cfg.resume or cfg.merge_into is None or not Path(cfg.merge_into).exists():
+def _done_records(cfg: Config, results: Path, device_name: str) -> dict[tuple, dict]:
+    """Records of the results file that --resume does not run again."""
+    if not cfg.resume:
         return {}
-    return {record_key(r): r for r in load_records(cfg.merge_into)
+    return {record_key(r): r for r in load_records(results, KEY)
             if r.get("device") == device_name and r.get("status") in ("ok", "oom", "unsupported")}
 
 
@@ -292,8 +300,9 @@ def warm_up_gpu(device: torch.device, seconds: float = 2.0) -> None:
 
 def run_speed(cfg: Config, timer: Callable[[Callable], float] | None = None,
               stdout=None) -> list[dict]:
-    """Run every case of ``cfg``; writes results.json after each shape, then the table (stdout),
-    device.json and the plots. Returns this run's records.
+    """Run every case of ``cfg``; merges the records into the results file after each shape,
+    then writes the table (stdout), the device ceilings and the plots. Returns this run's
+    records.
 
     Stops early (keeping what ran) when ``cfg.time_limit`` is exceeded between shapes, or after a
     CUDA error that leaves the context unusable."""
@@ -305,12 +314,13 @@ def run_speed(cfg: Config, timer: Callable[[Callable], float] | None = None,
         torch.set_num_threads(cfg.threads)
     timer = timer or make_timer(device, cfg.warmup, cfg.rep)
     env = runtime_env(device)
+    results = results_path(device, cfg.out)
     full_plan = build_plan(cfg)
-    done = _done_records(cfg, env["device"])
+    done = _done_records(cfg, results, env["device"])
     plan = [c for c in full_plan if case_key(c, env["device"]) not in done]
     if done:
         log(f"--resume: {len(full_plan) - len(plan)} of {len(full_plan)} cases already in "
-             f"{cfg.merge_into}")
+             f"{results}")
     records: list[dict] = []
     progress = make_progress(len(plan), cfg.progress)
     start = time.monotonic()
@@ -355,17 +365,17 @@ def run_speed(cfg: Config, timer: Callable[[Callable], float] | None = None,
             reset_flex_cache()
             gc.collect()
             empty_cache(device)
-            write_results(cfg.out, cfg.merge_into, records)
+            merge_result(results, KEY, records)
     finally:
         progress.close()
         reset_flex_cache()
     if stop_reason is not None:
         log(f"{stop_reason}: ran {len(records)} of {len(plan)} cases")
-    write_results(cfg.out, cfg.merge_into, records)
+    merge_result(results, KEY, records)
     if cfg.ceilings and not (stop_reason or "").startswith("unrecoverable"):
         try:
             ceilings = measure_device_ceilings(device, timer)
-            write_json(cfg.out / "device.json", ceilings)
+            write_result(results, DEVICE_KEY, ceilings)
             log(f"device: copy {ceilings['copy_bandwidth_GBps']:.0f} GB/s, "
                  f"{ceilings['matmul_dtype']} matmul {ceilings['matmul_tflops']:.3g} TFLOP/s")
         except Exception as exc:  # noqa: BLE001 - ceilings are informative only
@@ -373,11 +383,9 @@ def run_speed(cfg: Config, timer: Callable[[Callable], float] | None = None,
     shown = [done[k] for k in (case_key(c, env["device"]) for c in full_plan) if k in done]
     shown += records
     print(render_table(shown), file=stdout)
-    written = [cfg.out / "results.json"]
+    written = [f"{results} [{KEY}]"]
     if cfg.plot:
-        written += plot(shown, cfg.out)
-    if cfg.merge_into is not None:
-        written.append(cfg.merge_into)
+        written += plot(shown, cfg.plots)
     log("wrote " + ", ".join(str(p) for p in written))
     return records
 

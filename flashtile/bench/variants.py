@@ -57,8 +57,9 @@ pairs:
 * varlen and padded: the sum over the sequences of ``len^2`` (halved when causal); the padded
   call gets no credit for its padding.
 
-The run writes ``OUT/variants.json`` (and merges into ``--merge-into``), prints a table, and draws
-``sparse.png``, ``window.png`` and ``varlen.png`` into ``OUT`` unless ``--no-plot``.
+The run merges its records into the device's results file (``benchmarks/results/<device>.json``,
+entry ``variants``), prints a table, and draws ``sparse.png``, ``window.png`` and ``varlen.png``
+into ``--plots`` unless ``--no-plot``.
 """
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 import torch.nn.functional as F
 
-from . import common, render
+from . import common, report
 from .common import Inputs, Prepared
 
 __all__ = [
@@ -90,7 +91,7 @@ SWEEPS = ("sparse", "window", "varlen")
 # page size of the paged-KV varlen variant (flash-attn's paged KV needs multiples of 256)
 PAGE_SIZE = 256
 IMPLS = ("flashtile", "sdpa", "flex")
-RESULTS_FILE = "variants.json"
+KEY = "variants"  # the entry of the results file that holds the variants records
 DENSITIES = (Fraction(1), Fraction(1, 2), Fraction(1, 4), Fraction(1, 8), Fraction(1, 16))
 # the reference variant of each sweep (the sweep's causal setting picks its dense call)
 _REFERENCE = {"sparse": "dense", "window": "dense", "varlen": "padded"}
@@ -141,8 +142,8 @@ class VariantsConfig:
     varlen_tokens: int | None = None
     warmup: float = 25
     rep: float = 100
-    out: Path = Path("bench_out")
-    merge_into: Path | None = None
+    out: Path | None = None  # results file; None: the device's, benchmarks/results/<device>.json
+    plots: Path = Path("bench_out")
     seed: int = 0
     plot: bool = True
     progress: bool = True
@@ -238,7 +239,7 @@ def variants_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="smaller preset (N=4K on CUDA)")
     p.add_argument("--warmup", type=float, default=None, help="warm-up ms (default 25 on CUDA)")
     p.add_argument("--rep", type=float, default=None, help="measured ms (default 100 on CUDA)")
-    common.common_arguments(p, f"{RESULTS_FILE} and the plots")
+    common.common_arguments(p, KEY, "the plots")
     return p
 
 
@@ -273,7 +274,7 @@ def parse_args(argv: Sequence[str] | None = None) -> VariantsConfig:
             windows=tuple(dict.fromkeys(a.windows)) if a.windows else None,
             varlen_mean=a.varlen_mean, varlen_tokens=a.varlen_tokens,
             warmup=pick(a.warmup, sizes.warmup), rep=pick(a.rep, sizes.rep), out=a.out,
-            merge_into=a.merge_into, seed=a.seed, plot=a.plot, progress=a.progress,
+            plots=a.plots, seed=a.seed, plot=a.plot, progress=a.progress,
             raise_errors=a.raise_errors)
     except ValueError as exc:
         field, _, msg = str(exc).partition(": ")
@@ -557,7 +558,7 @@ def _fmt_param(variant: str, param) -> str:
     if variant == "block_sparse":
         return f"{param:.3g}"
     if variant == "window":
-        return render.format_n(int(param))
+        return report.format_n(int(param))
     return f"{param:.4g}"
 
 
@@ -619,8 +620,9 @@ def build_plan(cfg: VariantsConfig) -> list[VariantCase]:
 # --------------------------------------------------------------------------------------------
 
 def variant_key(rec: dict[str, Any]) -> tuple:
-    """What makes two records the same measurement (``--merge-into`` replaces on it): the
-    target density / mean length stand for the measured ones."""
+    """What makes two records the same measurement (a new record replaces an old one with the
+    same key in the results file): the target density / mean length stand for the measured
+    ones."""
     detail = rec.get("detail") or {}
     param = detail.get("target", rec.get("param"))
     return (rec.get("device"), rec.get("sweep"), rec.get("impl"), rec.get("mode"),
@@ -662,9 +664,9 @@ def _make_data(kind: str, cfg: VariantsConfig, device: torch.device):
 
 def run_variants(cfg: VariantsConfig, timer: Callable[[Callable], float] | None = None,
                  stdout=None) -> list[dict]:
-    """Run the plan of ``cfg``; writes ``OUT/variants.json`` after each case, then prints the
-    table and draws the plots. Returns this run's records. Stops after a CUDA error that leaves
-    the context unusable."""
+    """Run the plan of ``cfg``; merges the records into the results file after each case, then
+    prints the table and draws the plots. Returns this run's records. Stops after a CUDA error
+    that leaves the context unusable."""
     stdout = stdout or sys.stdout
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -673,6 +675,7 @@ def run_variants(cfg: VariantsConfig, timer: Callable[[Callable], float] | None 
         common.log("flex: skipped on CPU (the FlexAttention peer is compiled for CUDA)")
     timer = timer or common.make_timer(device, cfg.warmup, cfg.rep)
     env = common.runtime_env(device)
+    results = common.results_path(device, cfg.out)
     plan = build_plan(cfg)
     records: list[dict] = []
     progress = common.make_progress(len(plan), cfg.progress)
@@ -708,8 +711,7 @@ def run_variants(cfg: VariantsConfig, timer: Callable[[Callable], float] | None 
             if status == "error":
                 progress.write(f"error: {case.label()}: {error}")
             progress.update(1)
-            common.write_results(cfg.out, cfg.merge_into, fill_ratios(records), RESULTS_FILE,
-                                 variant_key)
+            common.merge_result(results, KEY, fill_ratios(records), variant_key)
             if common.is_fatal(error):
                 stop_reason = f"unrecoverable CUDA error in {case.label()}"
                 break
@@ -719,14 +721,11 @@ def run_variants(cfg: VariantsConfig, timer: Callable[[Callable], float] | None 
         reset_flex_cache()
     if stop_reason is not None:
         common.log(f"{stop_reason}: ran {len(records)} of {len(plan)} cases")
-    common.write_results(cfg.out, cfg.merge_into, fill_ratios(records), RESULTS_FILE,
-                         variant_key)
+    common.merge_result(results, KEY, fill_ratios(records), variant_key)
     print(render_table(records), file=stdout)
-    written = [cfg.out / RESULTS_FILE]
+    written = [f"{results} [{KEY}]"]
     if cfg.plot:
-        written += plot(records, cfg.out)
-    if cfg.merge_into is not None:
-        written.append(cfg.merge_into)
+        written += plot(records, cfg.plots)
     common.log("wrote " + ", ".join(str(p) for p in written))
     return records
 
@@ -741,7 +740,7 @@ def _shape(r: dict) -> tuple:
 
 def _shape_text(shape: tuple) -> str:
     dtype, d, n, batch, heads = shape
-    return f"{dtype}, d={d}, N={render.format_n(n)}, B={batch}, H={heads}"
+    return f"{dtype}, d={d}, N={report.format_n(n)}, B={batch}, H={heads}"
 
 
 def render_table(records: list[dict]) -> str:
@@ -754,10 +753,10 @@ def render_table(records: list[dict]) -> str:
     sweep_order = {s: i for i, s in enumerate(SWEEPS)}
     variant_order = {v: i for i, v in enumerate(("dense", "padded", "block_sparse", "window",
                                                  "varlen"))}
-    for dev, dev_recs in render.by_device(recs):
+    for dev, dev_recs in report.by_device(recs):
         for shape in dict.fromkeys(_shape(r) for r in dev_recs):
             sel = [r for r in dev_recs if _shape(r) == shape]
-            impls = render.ordered((r["impl"] for r in sel), IMPLS)
+            impls = report.ordered((r["impl"] for r in sel), IMPLS)
             cells = {}
             for r in sel:
                 cells[(r["sweep"], r["variant"], variant_key(r)[5], bool(r["causal"]),
@@ -778,13 +777,13 @@ def render_table(records: list[dict]) -> str:
                     if r is None:
                         row += ["-", "-"]
                     elif r["status"] != "ok":
-                        row += [render.STATUS_CELL.get(r["status"], str(r["status"])), "-"]
+                        row += [report.STATUS_CELL.get(r["status"], str(r["status"])), "-"]
                     else:
                         ratio = r.get("ratio_vs_dense")
                         row += [f"{r['ms']:.3g}", "-" if ratio is None else f"{ratio:.2f}"]
                 rows.append(row)
             title = f"variants, {_shape_text(shape)} (ms; /ref = ms over the reference's ms)"
-            parts.append((dev, title + "\n" + render.markdown(header, rows)))
+            parts.append((dev, title + "\n" + report.markdown(header, rows)))
     if len(parts) == 1:
         return parts[0][1]
     return "\n\n".join(f"device: {dev}\n{text}" for dev, text in parts)
@@ -794,8 +793,8 @@ def _line_plot(ax, sel: list[dict], variant: str, x_label: str, ref_label: str) 
     from matplotlib.ticker import NullLocator
 
     xs_all = set()
-    for impl in render.ordered((r["impl"] for r in sel), IMPLS):
-        for mode in render.ordered((r["mode"] for r in sel), list(common.MODES)):
+    for impl in report.ordered((r["impl"] for r in sel), IMPLS):
+        for mode in report.ordered((r["mode"] for r in sel), list(common.MODES)):
             pts = {r["param"]: r["ratio_vs_dense"] for r in sel
                    if r["impl"] == impl and r["mode"] == mode and r["variant"] == variant
                    and r["status"] == "ok" and r.get("ratio_vs_dense")}
@@ -811,7 +810,7 @@ def _line_plot(ax, sel: list[dict], variant: str, x_label: str, ref_label: str) 
         ax.set_ylim(bottom=0)
     if variant == "window" and xs_all:
         ax.set_xticks(sorted(xs_all))
-        ax.set_xticklabels([render.format_n(int(x)) for x in sorted(xs_all)])
+        ax.set_xticklabels([report.format_n(int(x)) for x in sorted(xs_all)])
         ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xlabel(x_label)
     ax.set_ylabel(f"time / {ref_label} time")
@@ -823,22 +822,22 @@ def plot(records: list[dict], out_dir: Path | str) -> list[Path]:
     line), ``window.png`` (time / causal time against w) and ``varlen.png`` (ms of packed and
     padded calls), per device and shape (prefixed with them when there are several)."""
     recs = [r for r in records if "variant" in r]
-    if not recs or not render.have_matplotlib():
+    if not recs or not report.have_matplotlib():
         return []
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = [(dev, shape, [r for r in dev_recs if _shape(r) == shape])
-              for dev, dev_recs in render.by_device(recs)
+              for dev, dev_recs in report.by_device(recs)
               for shape in dict.fromkeys(_shape(r) for r in dev_recs)]
     paths = []
     for dev, shape, sel in groups:
         prefix = "" if len(groups) == 1 else (
-            f"{render.slug(dev)}_{shape[0]}_d{shape[1]}_n{shape[2]}_b{shape[3]}_h{shape[4]}_")
-        for sweep in render.ordered((r["sweep"] for r in sel), SWEEPS):
+            f"{report.slug(dev)}_{shape[0]}_d{shape[1]}_n{shape[2]}_b{shape[3]}_h{shape[4]}_")
+        for sweep in report.ordered((r["sweep"] for r in sel), SWEEPS):
             sweep_recs = [r for r in sel if r["sweep"] == sweep]
             if not any(r["status"] == "ok" for r in sweep_recs):
                 continue
-            fig, ax = render.figure()
+            fig, ax = report.figure()
             if sweep == "sparse":
                 _line_plot(ax, sweep_recs, "block_sparse", "block density (measured)",
                            "dense")
@@ -865,7 +864,7 @@ def plot(records: list[dict], out_dir: Path | str) -> list[Path]:
 
 def _varlen_bars(ax, sel: list[dict]) -> None:
     groups = [(c, m) for c in (False, True)
-              for m in render.ordered((r["mode"] for r in sel), list(common.MODES))]
+              for m in report.ordered((r["mode"] for r in sel), list(common.MODES))]
     width = 0.27
     for j, variant in enumerate(("padded", "varlen", "varlen_paged")):
         heights = []

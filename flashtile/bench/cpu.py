@@ -27,9 +27,11 @@ implementation with a ``TorchDispatchMode`` (views included) at N and at 1024.  
 JSON (device, versions, date, conditions, op counts, per-round times, statistics) and a PNG
 of the medians with their IQR.
 
-usage (from the repository root):
-    python benchmarks/bench_cpu.py OUT.json [--png OUT.png] [--threads 2] [--reps 15]
+usage:
+    python -m flashtile.bench cpu [--out FILE] [--png OUT.png] [--threads 2] [--reps 15]
         [--n 4096] [--conditions quiet,busy] [--impls flashtile,flashtile_tiled,sdpa,naive]
+
+The result goes to entry ``cpu_b1h8n<N>`` of ``benchmarks/results/cpu.json`` (``--out``).
 """
 from __future__ import annotations
 
@@ -46,15 +48,18 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from pathlib import Path
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import flashtile  # noqa: E402
-from flashtile.backends.torch import attention as torch_attention  # noqa: E402
+import flashtile
+from flashtile.backends.torch import attention as torch_attention
+
+from .common import results_path, write_result
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 IMPLS = ("flashtile", "flashtile_tiled", "flashtile_window", "sdpa", "naive")
 WINDOW = 256
@@ -183,7 +188,7 @@ class _Worker:
 
     def __init__(self, impl, N, threads):
         self.impl = impl
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", impl, "--n", str(N),
+        cmd = [sys.executable, "-m", "flashtile.bench.cpu", "--worker", impl, "--n", str(N),
                "--threads", str(threads)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, cwd=ROOT)
@@ -354,9 +359,12 @@ def plot(result, path):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("out", nargs="?", help="JSON file to write")
-    p.add_argument("--png", help="plot of the medians (default: OUT with .png)")
+    p = argparse.ArgumentParser(prog="python -m flashtile.bench cpu",
+                                description=__doc__.split("\n\n")[0],
+                                epilog="Writes entry cpu_b1h8n<N> of the results file.")
+    p.add_argument("--out", type=Path, default=None, metavar="FILE",
+                   help="results JSON (default benchmarks/results/cpu.json)")
+    p.add_argument("--png", help="plot of the medians (default bench_out/cpu_b1h8n<N>.png)")
     p.add_argument("--n", type=int, default=4096, help="sequence length (default 4096)")
     p.add_argument("--threads", type=int, default=2, help="torch threads per process")
     p.add_argument("--reps", type=int, default=15,
@@ -374,8 +382,6 @@ def main(argv=None):
         return 0
     if a.reps < 1:
         p.error("--reps must be at least 1")
-    if not a.out:
-        p.error("give the JSON file to write")
     impls = [m for m in a.impls.split(",") if m]
     for m in impls:
         if m not in IMPLS:
@@ -422,11 +428,12 @@ def main(argv=None):
                 line += f"; stopped: {r['error']}"
             print(line, flush=True)
         result["conditions"][cond] = entry
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=1)
-    png = a.png or os.path.splitext(a.out)[0] + ".png"
+    out, key = results_path("cpu", a.out), f"cpu_b1h8n{a.n}"
+    write_result(out, key, result)
+    png = a.png or os.path.join("bench_out", f"{key}.png")
+    os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
     plot(result, png)
-    print(f"wrote {a.out} and {png}")
+    print(f"wrote {out} [{key}] and {png}")
     return 0
 
 

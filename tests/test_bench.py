@@ -15,8 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from flashtile.bench import __main__ as cli
-from flashtile.bench import common, memory, render, speed
+from flashtile.bench import common, memory, report, speed
+from flashtile.bench import io as bench_io
 from flashtile.bench import variants as bench_variants
+from flashtile.reference import algorithms
 
 needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
 
@@ -148,7 +150,7 @@ def test_parse_args_cuda_defaults_are_the_fa_sweep():
     assert cfg.ds == (64, 128, 256)
     assert cfg.ns == (512, 1024, 2048, 4096, 8192, 16384)
     assert (cfg.tokens, cfg.hidden, cfg.warmup, cfg.rep) == (16384, 2048, 25, 100)
-    assert cfg.out == Path("bench_out") and cfg.merge_into is None
+    assert cfg.out is None and cfg.plots == Path("bench_out")  # None: the device's results file
     assert [cfg.batch_for(n) for n in cfg.ns] == [32, 16, 8, 4, 2, 1]
     assert [cfg.heads_for(d) for d in cfg.ds] == [32, 16, 8]
 
@@ -172,8 +174,8 @@ def test_parse_args_overrides(tmp_path):
     cfg = speed.parse_args([
         "--device", "cuda", "--quick", "--impl", "flashtile,sdpa_math", "flex", "--mode", "bwd",
         "--causal", "1", "--d", "64", "128,256", "--n", "1K", "2k", "512", "--dtype", "bfloat16",
-        "fp16", "--warmup", "5", "--rep", "7.5", "--out", str(tmp_path), "--merge-into",
-        str(tmp_path / "all.json"), "--batch", "3", "--hidden", "1024", "--time-limit", "60",
+        "fp16", "--warmup", "5", "--rep", "7.5", "--out", str(tmp_path / "all.json"), "--plots",
+        str(tmp_path), "--batch", "3", "--hidden", "1024", "--time-limit", "60",
         "--no-plot", "--no-progress", "--seed", "4", "--no-device-ceilings"])
     assert cfg.impls == ("flashtile", "sdpa_math", "flex")
     assert cfg.modes == ("bwd",)
@@ -182,7 +184,7 @@ def test_parse_args_overrides(tmp_path):
     assert cfg.ns == (1024, 2048, 512)
     assert cfg.dtypes == ("bf16", "fp16")
     assert (cfg.warmup, cfg.rep) == (5.0, 7.5)
-    assert cfg.out == tmp_path and cfg.merge_into == tmp_path / "all.json"
+    assert cfg.out == tmp_path / "all.json" and cfg.plots == tmp_path
     assert cfg.batch_for(512) == 3 and cfg.heads_for(256) == 4
     assert (cfg.time_limit, cfg.plot, cfg.progress, cfg.seed, cfg.ceilings) == (60, False, False,
                                                                                 4, False)
@@ -347,7 +349,7 @@ def test_a_mode_is_one_function_and_an_entry(monkeypatch, tmp_path):
         build, inputs_fn=last_query, flops_fn=one_query_flops))
     assert common.flops(2, 4, 128, 16, False, "last_query") == 4 * 2 * 4 * 128 * 16
     cfg = speed.parse_args(TINY + ["--impl", "sdpa", "--mode", "last_query", "--causal", "0",
-                                   "--n", "128", "--out", str(tmp_path), "--no-plot",
+                                   "--n", "128", "--out", str(tmp_path / "r.json"), "--no-plot",
                                    "--no-device-ceilings"])
     (rec,) = speed.run_speed(cfg, timer=lambda fn: (fn(), 0.5)[1], stdout=io.StringIO())
     assert rec["status"] == "ok" and rec["mode"] == "last_query"
@@ -643,15 +645,42 @@ def test_write_json_roundtrip(tmp_path):
 
 def test_merge_json_appends_and_replaces(tmp_path):
     path = tmp_path / "h100.json"
+    common.write_result(path, "decode", [{"impl": "flashtile", "ms": 0.1}])
     first = [_record(n=1024, tflops=100.0), _record(n=2048, tflops=110.0)]
-    common.merge_json(path, first)
-    assert common.load_records(path) == first
+    common.merge_result(path, "speed", first)
+    assert common.load_records(path, "speed") == first
     rerun = _record(n=2048, tflops=120.0)
     other_mode = _record(mode="bwd", n=2048, tflops=90.0)
     other_device = _record(n=2048, tflops=50.0, device="NVIDIA A100")
-    common.merge_json(path, [rerun, other_mode, other_device])
-    merged = common.load_records(path)
+    common.merge_result(path, "speed", [rerun, other_mode, other_device])
+    merged = common.load_records(path, "speed")
     assert merged == [first[0], rerun, other_mode, other_device]
+    # the other entries of the file are kept, in their order
+    assert list(common.read_results(path)) == ["decode", "speed"]
+    assert common.read_result(path, "decode") == [{"impl": "flashtile", "ms": 0.1}]
+
+
+def test_write_result_replaces_one_entry_atomically(tmp_path):
+    path = tmp_path / "results" / "cpu.json"
+    assert common.read_results(path) == {} and common.load_records(path, "speed") == []
+    common.write_result(path, "device", {"copy_bandwidth_GBps": 10.0})
+    common.write_result(path, "cpu_b1h8n4096", {"threads": 2})
+    common.write_result(path, "device", {"copy_bandwidth_GBps": 12.0})
+    assert common.read_results(path) == {"device": {"copy_bandwidth_GBps": 12.0},
+                                         "cpu_b1h8n4096": {"threads": 2}}
+    assert sorted(p.name for p in path.parent.iterdir()) == ["cpu.json"]  # no temporary left
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="one entry per benchmark"):
+        common.write_result(path, "device", {})
+
+
+def test_results_path_names_the_device(monkeypatch):
+    assert common.results_path("cpu") == Path("benchmarks/results/cpu.json")
+    assert common.results_path("cpu", "x.json") == Path("x.json")
+    for name, tag in (("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-80GB", "a100"),
+                      ("NVIDIA GeForce RTX 4090", "rtx4090"), ("AMD Instinct MI300X", "mi300x")):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
+        assert common.device_tag("cuda") == tag, name
 
 
 def test_merge_replaces_max_seqlen_whatever_its_n():
@@ -687,7 +716,7 @@ def test_render_table_cells_and_ratios():
         _record("sdpa_flash", n=2048, status="unsupported"),
         _record("flashtile", n=1024, mode="bwd", causal=True, tflops=0.5),
     ]
-    rows = _rows(render.render_table(recs))
+    rows = _rows(report.render_table(recs))
     header, body = rows[0], rows[2:]
     assert header == ["mode", "causal", "dtype", "d", "n", "B", "H", "flashtile", "sdpa_flash",
                       "sdpa_math", "ft/sdpa_flash", "ft/sdpa_math"]
@@ -701,7 +730,7 @@ def test_render_table_cells_and_ratios():
 
 def test_render_table_later_record_wins_and_devices_split():
     recs = [_record(tflops=1.0), _record(tflops=2.0), _record(tflops=3.0, device="cpu")]
-    text = render.render_table(recs)
+    text = report.render_table(recs)
     assert "device: NVIDIA H100 80GB HBM3" in text and "device: cpu" in text
     rows = _rows("\n".join(ln for ln in text.splitlines() if ln.startswith("|")))
     cells = [row[-1] for row in rows if row[0] == "fwd"]
@@ -709,12 +738,12 @@ def test_render_table_later_record_wins_and_devices_split():
 
 
 def test_render_table_without_flashtile_has_no_ratios():
-    rows = _rows(render.render_table([_record("sdpa_flash"), _record("sdpa_math")]))
+    rows = _rows(report.render_table([_record("sdpa_flash"), _record("sdpa_math")]))
     assert not any(h.startswith("ft/") for h in rows[0])
 
 
 def test_render_table_ignores_memory_records():
-    assert render.render_table([_record(mode=common.MEMORY_MODE, peak_bytes=1)]) == \
+    assert report.render_table([_record(mode=common.MEMORY_MODE, peak_bytes=1)]) == \
         "(no speed records)"
 
 
@@ -735,7 +764,7 @@ def test_render_memory_table():
 @pytest.mark.parametrize("n,text", [(512, "512"), (1024, "1K"), (16384, "16K"), (1536, "1536"),
                                     (None, "-")], ids=["512", "1K", "16K", "odd", "none"])
 def test_format_n(n, text):
-    assert render.format_n(n) == text
+    assert report.format_n(n) == text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -751,7 +780,7 @@ def test_plot_one_png_per_mode_causal_dtype_d(tmp_path):
             for impl in ("flashtile", "sdpa_flash") for mode in ("fwd", "bwd")
             for causal in (False, True) for d in (64, 128) for n in (512, 1024, 2048)]
     recs.append(_record("sdpa_math", "fwd", False, "bf16", 64, 2048, status="oom"))
-    paths = render.plot(recs, tmp_path / "plots")
+    paths = report.plot(recs, tmp_path / "plots")
     names = sorted(p.name for p in paths)
     assert names == sorted(f"{m}_{c}_bf16_d{d}.png" for m in ("fwd", "bwd")
                            for c in ("full", "causal") for d in (64, 128))
@@ -761,7 +790,7 @@ def test_plot_one_png_per_mode_causal_dtype_d(tmp_path):
 
 def test_plot_prefixes_device_when_several(tmp_path):
     pytest.importorskip("matplotlib")
-    paths = render.plot([_record(), _record(device="cpu")], tmp_path)
+    paths = report.plot([_record(), _record(device="cpu")], tmp_path)
     assert sorted(p.name for p in paths) == ["cpu_fwd_full_bf16_d64.png",
                                              "nvidia_h100_80gb_hbm3_fwd_full_bf16_d64.png"]
 
@@ -778,7 +807,7 @@ def test_plot_memory(tmp_path):
 
 def test_plot_without_matplotlib(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    assert render.plot([_record()], tmp_path) == []
+    assert report.plot([_record()], tmp_path) == []
     assert memory.plot_memory([_record(mode="memory", peak_bytes=1)], tmp_path) == []
 
 
@@ -841,8 +870,8 @@ def test_run_memory_sweep_and_longest(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(common.IMPLS, "linear", _memory_impl(mem, 10, 1 << 30, peer=False))
     monkeypatch.setitem(common.IMPLS, "quadratic", _memory_impl(mem, 1000, 256))
     cfg = memory.MemoryConfig(device="cpu", impls=("linear", "quadratic"), n_min=64, n_max=1024,
-                             batch=1, heads=2, d=8, dtype="fp32", out=tmp_path,
-                             merge_into=tmp_path / "all.json", progress=False, plot=False)
+                             batch=1, heads=2, d=8, dtype="fp32", out=tmp_path / "all.json",
+                             progress=False, plot=False)
     records = memory.run_memory(cfg, mem=mem)
     sweep = [r for r in records if r["mode"] == "memory"]
     assert [(r["impl"], r["n"], r["status"]) for r in sweep] == [
@@ -856,9 +885,8 @@ def test_run_memory_sweep_and_longest(monkeypatch, tmp_path, capsys):
     assert longest["linear"]["n"] == 1024 and longest["linear"]["error"] is None
     assert longest["quadratic"]["n"] == 256 and longest["quadratic"]["status"] == "ok"
     assert longest["quadratic"]["error"].startswith("oom at n=512")
-    assert json.loads((tmp_path / "memory.json").read_text()) == records
-    assert not (tmp_path / "results.json").exists()
-    assert common.load_records(tmp_path / "all.json") == records
+    assert common.read_results(tmp_path / "all.json") == {"memory": records}  # no speed entry
+    assert common.load_records(tmp_path / "all.json", "memory") == records
     out = capsys.readouterr().out
     assert "longest" in out and "linear GiB" in out
 
@@ -871,8 +899,8 @@ def test_run_memory_stops_after_a_broken_context(monkeypatch, tmp_path):
     monkeypatch.setitem(common.IMPLS, "broken", common.Impl(broken, peer=False))
     monkeypatch.setitem(common.IMPLS, "linear", _memory_impl(mem, 10, 1 << 30))
     cfg = memory.MemoryConfig(device="cpu", impls=("broken", "linear"), n_min=64, n_max=256,
-                             batch=1, heads=2, d=8, dtype="fp32", out=tmp_path, progress=False,
-                             plot=False)
+                             batch=1, heads=2, d=8, dtype="fp32", out=tmp_path / "r.json",
+                             progress=False, plot=False)
     records = memory.run_memory(cfg, mem=mem, stdout=io.StringIO())
     assert [(r["impl"], r["mode"], r["status"]) for r in records] == [
         ("broken", "memory", "error"), ("broken", "max_seqlen", "error"),
@@ -891,7 +919,8 @@ def test_run_memory_input_failure_stops_everyone(monkeypatch, tmp_path):
     monkeypatch.setattr(common, "make_inputs", make_inputs)
     monkeypatch.setitem(common.IMPLS, "linear", _memory_impl(mem, 10, 1 << 30))
     cfg = memory.MemoryConfig(device="cpu", impls=("linear",), n_min=64, n_max=1024, batch=1,
-                             heads=2, d=8, dtype="fp32", out=tmp_path, progress=False, plot=False)
+                             heads=2, d=8, dtype="fp32", out=tmp_path / "r.json", progress=False,
+                             plot=False)
     records = memory.run_memory(cfg, mem=mem, stdout=io.StringIO())
     assert [(r["mode"], r["n"], r["status"]) for r in records] == [
         ("memory", 64, "ok"), ("memory", 128, "ok"), ("memory", 256, "oom"),
@@ -930,34 +959,33 @@ TINY = ["--device", "cpu", "--mode", "fwd", "bwd", "fwd_bwd", "--causal", "both"
 
 def test_main_cpu_end_to_end(stand_in, tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    out = tmp_path / "out"
-    merged = tmp_path / "merged.json"
+    out, plots = tmp_path / "cpu.json", tmp_path / "plots"
     argv = TINY + ["--impl", "flashtile", "sdpa", "sdpa_math", "sdpa_cudnn", "--out", str(out),
-                   "--merge-into", str(merged)]
+                   "--plots", str(plots)]
     assert cli.main(argv) == 0
-    records = json.loads((out / "results.json").read_text())
+    records = common.load_records(out, "speed")
     assert len(records) == 4 * 3 * 2 * 2
     assert all(tuple(r) == common.RECORD_KEYS and r["device"] == "cpu" for r in records)
     assert {r["status"] for r in records if r["impl"] != "sdpa_cudnn"} == {"ok"}
     assert {r["status"] for r in records if r["impl"] == "sdpa_cudnn"} == {"unsupported"}
     assert all(r["tflops"] > 0 and r["ms"] > 0 for r in records if r["status"] == "ok")
     assert all(r["batch"] * r["n"] == 256 and r["heads"] == 2 for r in records)
-    assert common.load_records(merged) == records
-    device = json.loads((out / "device.json").read_text())
+    assert list(common.read_results(out)) == ["speed", "device"]
+    device = common.read_result(out, "device")
     assert device["copy_bandwidth_GBps"] > 0 and device["matmul_tflops"] > 0
-    assert len(list(out.glob("*.png"))) == 3 * 2
+    assert len(list(plots.glob("*.png"))) == 3 * 2
     table = capsys.readouterr().out
     rows = _rows(table)
     assert rows[0][7:] == ["flashtile", "sdpa", "sdpa_cudnn", "sdpa_math", "ft/sdpa",
                            "ft/sdpa_cudnn", "ft/sdpa_math"]
     assert len(rows) == 2 + 3 * 2 * 2
 
-    assert cli.main(argv[:-4] + ["--impl", "sdpa", "--n", "64", "--out", str(tmp_path / "o2"),
-                                   "--merge-into", str(merged), "--no-plot"]) == 0
-    assert len(common.load_records(merged)) == len(records)  # re-run replaced its records
+    assert cli.main(argv[:-4] + ["--impl", "sdpa", "--n", "64", "--out", str(out),
+                                   "--no-plot"]) == 0
+    assert len(common.load_records(out, "speed")) == len(records)  # re-run replaced its records
     capsys.readouterr()
 
-    assert cli.main(["report", str(merged), "--out", str(tmp_path / "rep")]) == 0
+    assert cli.main(["report", str(out), "--plots", str(tmp_path / "rep")]) == 0
     report = capsys.readouterr().out
     assert len(_rows(report)) == len(rows)
     assert len(list((tmp_path / "rep").glob("*.png"))) == 6
@@ -967,10 +995,10 @@ def test_main_returns_1_on_flashtile_error(monkeypatch, tmp_path):
     def broken():
         raise ImportError("flashtile.flash_attn_func is not available")
     monkeypatch.setattr(common, "flashtile_api", broken)
-    argv = TINY + ["--impl", "flashtile", "--mode", "fwd", "--n", "64", "--out", str(tmp_path),
-                   "--no-plot", "--no-device-ceilings"]
+    argv = TINY + ["--impl", "flashtile", "--mode", "fwd", "--n", "64", "--out",
+                   str(tmp_path / "r.json"), "--no-plot", "--no-device-ceilings"]
     assert cli.main(argv) == 1
-    records = common.load_records(tmp_path / "results.json")
+    records = common.load_records(tmp_path / "r.json", "speed")
     assert {r["status"] for r in records} == {"error"}
 
 
@@ -981,11 +1009,11 @@ def test_fatal_error_stops_the_run(stand_in, monkeypatch, tmp_path, capsys):
         calls.append(inp.n)
         raise RuntimeError("CUDA error: device-side assert triggered")
     monkeypatch.setitem(common.IMPLS, "fake", common.Impl(prepare))
-    cfg = speed.parse_args(TINY + ["--impl", "fake", "sdpa", "--out", str(tmp_path), "--no-plot",
-                                   "--no-device-ceilings"])
+    cfg = speed.parse_args(TINY + ["--impl", "fake", "sdpa", "--out", str(tmp_path / "r.json"),
+                                   "--no-plot", "--no-device-ceilings"])
     records = speed.run_speed(cfg)
     assert len(records) == 1 and records[0]["status"] == "error" and calls == [64]
-    assert common.load_records(tmp_path / "results.json") == records
+    assert common.load_records(tmp_path / "r.json", "speed") == records
     assert "unrecoverable CUDA error" in capsys.readouterr().err
 
 
@@ -997,8 +1025,8 @@ def test_input_failure_is_recorded_for_the_shape(stand_in, monkeypatch, tmp_path
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
         return real(batch, n, *args, **kwargs)
     monkeypatch.setattr(common, "make_inputs", make_inputs)
-    cfg = speed.parse_args(TINY + ["--impl", "sdpa", "--mode", "fwd", "--out", str(tmp_path),
-                                   "--no-plot", "--no-device-ceilings"])
+    cfg = speed.parse_args(TINY + ["--impl", "sdpa", "--mode", "fwd", "--out",
+                                   str(tmp_path / "r.json"), "--no-plot", "--no-device-ceilings"])
     records = speed.run_speed(cfg, stdout=io.StringIO())
     assert [(r["n"], r["causal"], r["status"]) for r in records] == [
         (64, False, "ok"), (64, True, "ok"), (128, False, "oom"), (128, True, "oom")]
@@ -1009,27 +1037,29 @@ def test_input_failure_is_recorded_for_the_shape(stand_in, monkeypatch, tmp_path
 def test_resume_skips_finished_cases(stand_in, tmp_path, capsys):
     merged = tmp_path / "merged.json"
     flags = TINY + ["--impl", "sdpa", "sdpa_math", "--mode", "fwd", "--causal", "0", "--no-plot",
-                     "--no-device-ceilings", "--merge-into", str(merged)]
-    first = speed.run_speed(speed.parse_args(flags + ["--n", "64", "--out", str(tmp_path / "a")]))
+                     "--no-device-ceilings", "--out", str(merged)]
+    first = speed.run_speed(speed.parse_args(flags + ["--n", "64"]))
     assert len(first) == 2
     failed = dict(first[1], status="error", tflops=None, ms=None, error="RuntimeError: x")
-    common.write_json(merged, [first[0], failed])
+    common.write_result(merged, "speed", [first[0], failed])
     capsys.readouterr()
-    cfg = speed.parse_args(flags + ["--out", str(tmp_path / "b"), "--resume"])
+    cfg = speed.parse_args(flags + ["--resume"])
     second = speed.run_speed(cfg)
     assert [(r["impl"], r["n"]) for r in second] == [("sdpa_math", 64), ("sdpa", 128),
                                                      ("sdpa_math", 128)]
     out = capsys.readouterr()
     assert "--resume: 1 of 4 cases" in out.err
     assert len(_rows(out.out)) == 2 + 2  # the table shows the resumed case too
-    merged_records = common.load_records(merged)
+    merged_records = common.load_records(merged, "speed")
     assert len(merged_records) == 4 and {r["status"] for r in merged_records} == {"ok"}
 
 
-def test_resume_needs_merge_into(capsys):
-    with pytest.raises(SystemExit):
-        speed.parse_args(["--device", "cpu", "--resume"])
-    assert "--merge-into" in capsys.readouterr().err
+def test_resume_without_results_runs_everything(stand_in, tmp_path, capsys):
+    cfg = speed.parse_args(TINY + ["--impl", "sdpa", "--mode", "fwd", "--causal", "0",
+                                   "--no-plot", "--no-device-ceilings", "--resume",
+                                   "--out", str(tmp_path / "none_yet.json")])
+    assert [(r["impl"], r["n"]) for r in speed.run_speed(cfg)] == [("sdpa", 64), ("sdpa", 128)]
+    assert "--resume" not in capsys.readouterr().err
 
 
 def test_case_key_matches_record_key():
@@ -1040,17 +1070,17 @@ def test_case_key_matches_record_key():
 
 
 def test_time_limit_stops_between_shapes(stand_in, tmp_path, capsys):
-    cfg = speed.parse_args(TINY + ["--impl", "sdpa", "--out", str(tmp_path), "--no-plot",
-                                   "--no-device-ceilings", "--time-limit", "0"])
+    cfg = speed.parse_args(TINY + ["--impl", "sdpa", "--out", str(tmp_path / "r.json"),
+                                   "--no-plot", "--no-device-ceilings", "--time-limit", "0"])
     assert speed.run_speed(cfg) == []
-    assert common.load_records(tmp_path / "results.json") == []
+    assert common.read_results(tmp_path / "r.json") == {"speed": []}
     assert "--time-limit" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not _real_flashtile_available(), reason="flashtile.flash_attn_func missing")
 def test_real_flashtile_cpu_run(tmp_path):
-    cfg = speed.parse_args(TINY + ["--impl", "flashtile", "--out", str(tmp_path), "--no-plot",
-                                   "--no-device-ceilings"])
+    cfg = speed.parse_args(TINY + ["--impl", "flashtile", "--out", str(tmp_path / "r.json"),
+                                   "--no-plot", "--no-device-ceilings"])
     records = speed.run_speed(cfg, stdout=io.StringIO())
     assert len(records) == 3 * 2 * 2
     assert {r["status"] for r in records} == {"ok"}, [r["error"] for r in records]
@@ -1088,6 +1118,24 @@ def test_silent_progress(capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_cpu_engine_benchmark_writes_its_entry(tmp_path, capsys, monkeypatch):
+    """`python -m flashtile.bench cpu`: op counts, one child process per implementation, the
+    result under cpu_b1h8n<N> of the results file, and its plot."""
+    pytest.importorskip("matplotlib")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the CPU engine, as a CPU user runs it
+    out, png = tmp_path / "cpu.json", tmp_path / "cpu.png"
+    assert cli.main(["cpu", "--out", str(out), "--png", str(png), "--n", "64", "--reps", "1",
+                     "--threads", "1", "--conditions", "quiet", "--impls", "flashtile,sdpa"]) == 0
+    result = common.read_result(out, "cpu_b1h8n64")
+    assert list(common.read_results(out)) == ["cpu_b1h8n64"] and png.stat().st_size > 1000
+    assert result["shape"] == dict(B=1, H=8, N=64, D=64, dtype="float32", causal=True)
+    assert set(result["aten_ops_fwd_bwd"]) == {"64", "1024"}
+    runs = result["conditions"]["quiet"]["results"]
+    assert set(runs) == {"flashtile", "sdpa"} and runs["sdpa"]["ratio_to_sdpa"] == 1.0
+    assert all(r["median_s"] > 0 and len(r["times_s"]) == 1 for r in runs.values()), runs
+    assert "wrote" in capsys.readouterr().out
+
+
 def test_decode_subcommand_routes_to_the_decode_benchmark(monkeypatch, tmp_path):
     """`python -m flashtile.bench decode ...` runs flashtile.bench.decode with the remaining flags."""
     from flashtile.bench import decode as bench_decode
@@ -1095,6 +1143,21 @@ def test_decode_subcommand_routes_to_the_decode_benchmark(monkeypatch, tmp_path)
     monkeypatch.setattr(bench_decode, "main", lambda argv: seen.setdefault("argv", argv) and 0)
     assert cli.main(["decode", "--quick", "--out", str(tmp_path / "d.json")]) == 0
     assert seen["argv"] == ["--quick", "--out", str(tmp_path / "d.json")]
+
+
+def test_decode_records_merge_by_case(tmp_path):
+    """A decode run replaces only the cases it measured in the results file's decode entry."""
+    from flashtile.bench import decode as bench_decode
+    base = dict(device="GPU", impl="flashtile_graph", batch=1, cache_len=4096, mode="graph",
+                dtype="bf16", nheads=32, nheads_k=8, headdim=128, l2_flush="read", ms=0.03)
+    old = [base, dict(base, cache_len=16384, ms=0.05), dict(base, impl="device_copy", batch=None,
+                                                           cache_len=None, mode=None, GBps=3000.0)]
+    path = common.merge_result(tmp_path / "h100.json", bench_decode.KEY, old,
+                               bench_decode.record_key)
+    quick = [dict(base, ms=0.02), dict(base, impl="device_copy", batch=None, cache_len=None,
+                                       mode=None, GBps=3010.0)]
+    common.merge_result(path, bench_decode.KEY, quick, bench_decode.record_key)
+    assert common.load_records(path, "decode") == [quick[0], old[1], quick[1]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1115,9 +1178,9 @@ def test_variants_subcommand_routes_to_bench_variants(monkeypatch, tmp_path):
 @pytest.mark.skipif(not _real_flashtile_available(), reason="flashtile.flash_attn_func missing")
 def test_variants_cpu_end_to_end(tmp_path, capsys):
     out, merged = tmp_path / "out", tmp_path / "merged.json"
-    assert cli.main(["variants"] + VARIANTS_TINY + ["--out", str(out), "--merge-into",
-                                                      str(merged)]) == 0
-    records = common.load_records(out / "variants.json")
+    assert cli.main(["variants"] + VARIANTS_TINY + ["--out", str(merged), "--plots",
+                                                      str(out)]) == 0
+    records = common.load_records(merged, "variants")
     assert all(tuple(r) == bench_variants.RECORD_KEYS and r["device"] == "cpu" for r in records)
     assert {r["status"] for r in records} == {"ok"}, [r["error"] for r in records]
     assert all(r["ms"] > 0 and r["tflops"] > 0 and r["ratio_vs_dense"] > 0 for r in records)
@@ -1152,7 +1215,7 @@ def test_variants_cpu_end_to_end(tmp_path, capsys):
     paged = by[("varlen", "flashtile", "varlen_paged")]
     assert {r["causal"] for r in paged} == {False, True} and all(r["status"] == "ok" for r in paged)
     assert all(r["detail"]["page_size"] == bench_variants.PAGE_SIZE for r in paged)
-    assert common.load_records(merged) == records
+    assert list(common.read_results(merged)) == ["variants"]
 
     title, *table = capsys.readouterr().out.splitlines()
     assert title.startswith("variants, fp32, d=16, N=128, B=1, H=2")
@@ -1160,14 +1223,14 @@ def test_variants_cpu_end_to_end(tmp_path, capsys):
     assert rows[0] == ["sweep", "variant", "param", "causal", "mode", "flashtile ms",
                        "flashtile /ref", "sdpa ms", "sdpa /ref"]
     assert len(rows) == 2 + len({bench_variants.variant_key(r)[3:7] for r in records})
-    if render.have_matplotlib():
+    if report.have_matplotlib():
         assert sorted(p.name for p in out.glob("*.png")) == ["sparse.png", "varlen.png",
                                                             "window.png"]
 
     assert cli.main(["variants"] + VARIANTS_TINY + [
         "--sweeps", "window", "--impl", "sdpa", "--windows", "16", "--mode", "fwd", "--no-plot",
-        "--out", str(tmp_path / "o2"), "--merge-into", str(merged)]) == 0
-    assert len(common.load_records(merged)) == len(records)  # the re-run replaced its records
+        "--out", str(merged)]) == 0
+    assert len(common.load_records(merged, "variants")) == len(records)  # re-run replaced its own
     capsys.readouterr()
     assert cli.main(["report", str(merged)]) == 0
     assert "block_sparse" in capsys.readouterr().out
@@ -1193,13 +1256,14 @@ def test_variants_parse_args_overrides(tmp_path):
     cfg = bench_variants.parse_args([
         "--device", "cuda", "--sweeps", "sparse,window", "--flex", "--mode", "fwd", "--n", "2K",
         "--densities", "1", "0.5", "1/8", "--windows", "128", "1K", "--varlen-mean", "256",
-        "--varlen-tokens", "4K", "--block-size", "64", "--out", str(tmp_path), "--no-plot"])
+        "--varlen-tokens", "4K", "--block-size", "64", "--out", str(tmp_path / "r.json"),
+        "--plots", str(tmp_path), "--no-plot"])
     assert cfg.sweeps == ("sparse", "window") and cfg.impls == ("flashtile", "sdpa", "flex")
     assert cfg.modes == ("fwd",) and cfg.n == 2048 and cfg.block_size == 64
     assert cfg.densities == (Fraction(1), Fraction(1, 2), Fraction(1, 8))
     assert cfg.window_sizes() == (128, 1024)
     assert (cfg.mean_length(), cfg.total_tokens()) == (256, 4096)
-    assert cfg.out == tmp_path and not cfg.plot
+    assert cfg.out == tmp_path / "r.json" and cfg.plots == tmp_path and not cfg.plot
 
 
 @pytest.mark.parametrize(
@@ -1301,6 +1365,19 @@ def test_variants_ratios_use_the_sweeps_reference():
     assert [x["ratio_vs_dense"] for x in records] == [1.0, 0.25, None, 1.0, 0.25, None, None]
 
 
+def test_report_reads_the_speed_memory_and_variants_entries(tmp_path, capsys):
+    path = common.write_result(tmp_path / "h100.json", "speed", [_record(), _record(impl="sdpa")])
+    common.write_result(path, "memory", [_record(mode="memory", n=4096, peak_bytes=2**30)])
+    common.write_result(path, "decode", [{"impl": "flashtile", "mode": "graph", "ms": 0.03}])
+    common.write_result(path, "device", {"copy_bandwidth_GBps": 3000.0})
+    assert cli.main(["report", str(path)]) == 0
+    out = capsys.readouterr()
+    assert out.err == ""  # the decode and device entries are not read
+    rows = _rows(out.out)
+    assert rows[2][7:] == ["100", "100", "1.00"]  # the speed table: flashtile, sdpa, ft/sdpa
+    assert rows[3] == ["n", "flashtile GiB"] and rows[5] == ["4K", "1.000"]  # the memory table
+
+
 def test_report_skips_records_of_another_format(tmp_path, capsys):
     path = common.write_json(tmp_path / "old.json", [{"kind": "window", "window": 256,
                                                       "fwd_ms": 0.25, "device": "cpu"}])
@@ -1388,3 +1465,218 @@ def test_cpu_peak_in_child_sees_the_score_matrix():
     from flashtile import __main__ as ft_cli
     mib = ft_cli.cpu_peak_in_child("standard", 1024, 16, 2)
     assert mib is not None and mib >= 8
+
+
+# ----------------------------------------------------------------------------------------------
+# io: the reading of Nsight Compute output, the records and the report (on CPU)
+
+# What `ncu --csv` prints for one forward and one backward between the markers, plus a kernel
+# with a templated name (commas inside a field), with the units ncu chooses per value.
+SAMPLE = """\
+==PROF== Connected to process 4242 (/usr/bin/python3.11)
+==PROF== Profiling "io_begin_marker_kernel" - 0: 0%....50%....100% - 1 pass
+==PROF== Profiling "attn_fwd_kernel" - 1: 0%....50%....100% - 1 pass
+==PROF== Profiling "io_end_marker_kernel" - 2: 0%....50%....100% - 1 pass
+==PROF== Profiling "io_begin_marker_kernel" - 3: 0%....50%....100% - 1 pass
+==PROF== Profiling "attn_bwd_dq_kernel" - 4: 0%....50%....100% - 1 pass
+==PROF== Profiling "attn_bwd_dkdv_kernel" - 5: 0%....50%....100% - 1 pass
+==PROF== Profiling "io_end_marker_kernel" - 6: 0%....50%....100% - 1 pass
+==PROF== Profiling "at::native::vectorized_elementwise_kernel" - 7: 0%....50%....100% - 1 pass
+==PROF== Disconnected from process 4242
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","4242","python3.11","127.0.0.1","io_begin_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","0"
+"0","4242","python3.11","127.0.0.1","io_begin_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","0"
+"0","4242","python3.11","127.0.0.1","io_begin_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","lts__t_bytes.sum","byte","1,024"
+"0","4242","python3.11","127.0.0.1","io_begin_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","2,304"
+"1","4242","python3.11","127.0.0.1","attn_fwd_kernel","1","7","(128, 1, 1)","(16, 1024, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","402,915,328"
+"1","4242","python3.11","127.0.0.1","attn_fwd_kernel","1","7","(128, 1, 1)","(16, 1024, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","138,461,184"
+"1","4242","python3.11","127.0.0.1","attn_fwd_kernel","1","7","(128, 1, 1)","(16, 1024, 1)","0","9.0","Command line profiler metrics","lts__t_bytes.sum","byte","4,730,112,000"
+"1","4242","python3.11","127.0.0.1","attn_fwd_kernel","1","7","(128, 1, 1)","(16, 1024, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","612,544"
+"2","4242","python3.11","127.0.0.1","io_end_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","0"
+"2","4242","python3.11","127.0.0.1","io_end_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","32"
+"2","4242","python3.11","127.0.0.1","io_end_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","lts__t_bytes.sum","byte","1,024"
+"2","4242","python3.11","127.0.0.1","io_end_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","2,272"
+"3","4242","python3.11","127.0.0.1","io_begin_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","0"
+"3","4242","python3.11","127.0.0.1","io_begin_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","0"
+"3","4242","python3.11","127.0.0.1","io_begin_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","lts__t_bytes.sum","byte","1,024"
+"3","4242","python3.11","127.0.0.1","io_begin_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","2,240"
+"4","4242","python3.11","127.0.0.1","attn_bwd_dq_kernel","1","7","(256, 1, 1)","(8, 1024, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","Mbyte","675.41"
+"4","4242","python3.11","127.0.0.1","attn_bwd_dq_kernel","1","7","(256, 1, 1)","(8, 1024, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","Mbyte","138.52"
+"4","4242","python3.11","127.0.0.1","attn_bwd_dq_kernel","1","7","(256, 1, 1)","(8, 1024, 1)","0","9.0","Command line profiler metrics","lts__t_bytes.sum","Gbyte","2.81"
+"4","4242","python3.11","127.0.0.1","attn_bwd_dq_kernel","1","7","(256, 1, 1)","(8, 1024, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","usecond","702.18"
+"5","4242","python3.11","127.0.0.1","attn_bwd_dkdv_kernel","1","7","(128, 1, 1)","(16, 1024, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","545,390,592"
+"5","4242","python3.11","127.0.0.1","attn_bwd_dkdv_kernel","1","7","(128, 1, 1)","(16, 1024, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","268,500,992"
+"5","4242","python3.11","127.0.0.1","attn_bwd_dkdv_kernel","1","7","(128, 1, 1)","(16, 1024, 1)","0","9.0","Command line profiler metrics","lts__t_bytes.sum","byte","5,310,001,152"
+"5","4242","python3.11","127.0.0.1","attn_bwd_dkdv_kernel","1","7","(128, 1, 1)","(16, 1024, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","1,104,864"
+"6","4242","python3.11","127.0.0.1","io_end_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","0"
+"6","4242","python3.11","127.0.0.1","io_end_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","32"
+"6","4242","python3.11","127.0.0.1","io_end_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","lts__t_bytes.sum","byte","1,024"
+"6","4242","python3.11","127.0.0.1","io_end_marker_kernel","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","2,208"
+"7","4242","python3.11","127.0.0.1","void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char *, 1ul>>(int, at::native::FillFunctor<float>, std::array<char *, 1ul>)","1","7","(128, 1, 1)","(4096, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","0"
+"7","4242","python3.11","127.0.0.1","void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char *, 1ul>>(int, at::native::FillFunctor<float>, std::array<char *, 1ul>)","1","7","(128, 1, 1)","(4096, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","4,194,304"
+"7","4242","python3.11","127.0.0.1","void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char *, 1ul>>(int, at::native::FillFunctor<float>, std::array<char *, 1ul>)","1","7","(128, 1, 1)","(4096, 1, 1)","0","9.0","Command line profiler metrics","lts__t_bytes.sum","byte","4,210,688"
+"7","4242","python3.11","127.0.0.1","void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char *, 1ul>>(int, at::native::FillFunctor<float>, std::array<char *, 1ul>)","1","7","(128, 1, 1)","(4096, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","3,968"
+"""
+
+
+def test_ncu_csv_parses_every_kernel_in_launch_order_with_units_converted():
+    kernels = bench_io.parse_ncu_csv(SAMPLE)
+    assert [k.id for k in kernels] == list(range(8))
+    assert [bench_io.short_name(k.name) for k in kernels[:7]] == [
+        "io_begin_marker_kernel", "attn_fwd_kernel", "io_end_marker_kernel",
+        "io_begin_marker_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel",
+        "io_end_marker_kernel"]
+    # a templated name with commas inside stays one field
+    assert kernels[7].name.startswith("void at::native::vectorized_elementwise_kernel<4, ")
+    assert bench_io.short_name(kernels[7].name) == "vectorized_elementwise_kernel"
+    fwd, dq = kernels[1].metrics, kernels[4].metrics
+    assert fwd["dram__bytes_read.sum"] == 402_915_328  # thousands separators dropped
+    assert fwd["gpu__time_duration.sum"] == pytest.approx(0.612544)  # ns -> ms
+    assert dq["dram__bytes_read.sum"] == pytest.approx(675.41e6)  # Mbyte -> bytes
+    assert dq["lts__t_bytes.sum"] == pytest.approx(2.81e9)  # Gbyte -> bytes
+    assert dq["gpu__time_duration.sum"] == pytest.approx(0.70218)  # us -> ms
+
+
+def test_ncu_raw_page_parses_like_the_details_page():
+    raw = ('==PROF== Disconnected from process 1\n'
+           '"ID","Kernel Name","dram__bytes_read.sum","gpu__time_duration.sum"\n'
+           '"","","Mbyte","usecond"\n'
+           '"0","attn_fwd_kernel","1.5","250"\n')
+    (k,) = bench_io.parse_ncu_csv(raw)
+    assert k.metrics == {"dram__bytes_read.sum": 1.5e6, "gpu__time_duration.sum": 0.25}
+
+
+def test_markers_split_kernels_into_passes_and_drop_the_rest():
+    groups = bench_io.split_by_markers(bench_io.parse_ncu_csv(SAMPLE))
+    assert [[bench_io.short_name(k.name) for k in g] for g in groups] == [
+        ["attn_fwd_kernel"], ["attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"]]
+
+
+def _sample_records():
+    case = bench_io.Case("fig2", "flashtile")
+    configs = {"fwd": [64, 64, 4, 3], "dkdv": [64, 64, 4, 3], "dq": [128, 64, 8, 5]}
+    entries = [dict(index=0, pass_="fwd", configs=configs),
+               dict(index=0, pass_="bwd", configs=configs),
+               dict(index=1, error="RuntimeError: no kernel")]
+    groups = bench_io.split_by_markers(bench_io.parse_ncu_csv(SAMPLE))
+    cases = [case, bench_io.Case("fig2", "cudnn")]
+    return bench_io.build_records(cases, entries, groups, {"device": "test"})
+
+
+def test_records_carry_the_measured_sums_the_model_and_the_compulsory_bytes():
+    fwd, bwd, failed = _sample_records()
+    p = algorithms.figure2_problem()
+    assert (fwd["impl"], fwd["pass"], fwd["n"], fwd["d"], fwd["heads"], fwd["batch"]) == (
+        "flashtile", "fwd", 1024, 64, 16, 64)
+    assert (fwd["block_m"], fwd["block_n"]) == (64, 64)
+    assert fwd["dram_read_bytes"] == 402_915_328 and fwd["dram_write_bytes"] == 138_461_184
+    assert fwd["compulsory_bytes"] == algorithms.compulsory(p, "fwd")
+    assert fwd["model_dram_bytes"] == algorithms.flashtile_forward(p, 64, 64)[0].dram
+    assert bwd["dram_read_bytes"] == pytest.approx(675.41e6 + 545_390_592)
+    assert bwd["ms"] == pytest.approx(0.70218 + 1.104864)
+    assert [k["name"] for k in bwd["kernels"]] == ["attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"]
+    assert bwd["kernels"][1]["model_l2_bytes"] == algorithms.flashtile_backward(p, (64, 64), (128, 64))[1].tile
+    assert failed["impl"] == "cudnn" and failed["error"].startswith("RuntimeError")
+    for field in ("impl", "pass", "n", "d", "heads", "batch", "block_m", "block_n",
+                  "dram_read_bytes", "dram_write_bytes", "l2_bytes", "ms", "compulsory_bytes"):
+        assert field in fwd
+
+
+def test_report_tables_plots_and_doc_section(tmp_path):
+    records = _sample_records()
+    records.append(dict(sweep="fig3", impl="flashtile", n=1024, batch=16, heads=16, d=64,
+                        ms=1.5, peak_extra_bytes=2e8, **{"pass": "fwd_bwd"}))
+    md = bench_io.render_markdown(records)
+    assert "| flashtile | 2.17 | 1.34 |" in md  # fwd+bwd DRAM GB of the sample, x compulsory
+    assert "| flashtile | 1.50 |" in md  # Figure 3 time
+    pngs = bench_io.plot(records, tmp_path)
+    assert {p.name for p in pngs} == {"fig2.png", "fig3.png"}
+    assert all(p.stat().st_size > 1000 for p in pngs)
+    doc = tmp_path / "io.md"
+    doc.write_text(f"intro\n{bench_io.DOC_BEGIN}\nold\n{bench_io.DOC_END}\nend\n")
+    bench_io.update_doc(doc, md)
+    text = doc.read_text()
+    assert "old" not in text and md in text and text.startswith("intro") and text.endswith("end\n")
+
+
+def test_io_records_come_from_the_results_entry(tmp_path):
+    records = _sample_records()
+    results = common.write_result(tmp_path / "h100.json", "io", records)
+    common.write_result(results, "speed", [_record()])
+    assert bench_io.load_io_records(results) == (results, records)
+    plain = common.write_json(tmp_path / "io_records.json", records)
+    assert bench_io.load_io_records(plain) == (plain, records)
+
+
+def test_sweeps_pin_the_tile_they_vary():
+    cases = bench_io.build_cases(["blocks"], quick=True)
+    for c in cases:
+        kernel, tile = c.knob.split(".")
+        pinned = getattr(c, kernel)
+        assert pinned is not None and len(pinned) == 4
+    sizes = [c.fwd[0] for c in cases if c.knob == "fwd.block_m"]
+    assert sizes == sorted(sizes) and len(sizes) >= 3
+    assert {c.impl for c in bench_io.build_cases(["fig2"], quick=True)} == set(bench_io.IMPLS)
+
+
+def test_worker_runs_each_pass_between_markers_and_logs_configs(tmp_path, monkeypatch):
+    # the worker's flow on CPU (kernels under the interpreter): which passes it logs, in
+    # marker order, with the tile configs flashtile used; a failing case is logged, not fatal
+    import json
+
+    markers = []
+    real = bench_io._markers
+
+    def counting(device):
+        begin, end = real(device)
+        return (lambda: (markers.append("begin"), begin())), (lambda: (markers.append("end"), end()))
+
+    monkeypatch.setattr(bench_io, "_markers", counting)
+    tiny = dict(n=16, d=16, heads=1, batch=1, dtype="float32")
+    cases = [bench_io.Case("fig2", "flashtile", **tiny),
+             bench_io.Case("fig2", "standard", **tiny),
+             bench_io.Case("fig2", "cudnn", **tiny),  # SDPA's cudnn backend: no CPU kernel
+             bench_io.Case("blocks", "flashtile", passes=("bwd",), knob="dkdv.block_n",
+                           dkdv=(16, 16, 1, 1), dq=(16, 16, 1, 1), **tiny),
+             bench_io.Case("sparse", "flashtile_sparse", density=0.5, sparse_block=16,
+                           **dict(tiny, n=32))]
+    plan, log = tmp_path / "plan.json", tmp_path / "log.jsonl"
+    plan.write_text(json.dumps([c.to_json() for c in cases]))
+    bench_io.run_worker(str(plan), str(log), device="cpu")
+    entries = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(e["index"], e.get("pass_")) for e in entries] == [
+        (0, "fwd"), (0, "bwd"), (1, "fwd"), (1, "bwd"), (2, None), (3, "bwd"), (4, "fwd"),
+        (4, "bwd")], entries
+    assert "error" in entries[4] and not entries[4].get("marked")
+    assert entries[5]["configs"]["dkdv"] == [16, 16, 1, 1]
+    assert entries[0]["configs"]["fwd"][:2] == [16, 16]  # the interpreter's tiles
+    assert entries[2]["configs"] == {}
+    assert markers == ["begin", "end"] * 7
+
+
+FAKE_NCU = '''#!{python}
+"""Stands in for ncu: runs the profiled command (on the CPU) and prints the CSV sample."""
+import os, subprocess, sys
+args = sys.argv[1:]
+assert args[:3] == ["--clock-control", "none", "--metrics"], args
+cmd = args[args.index({python!r}):]
+subprocess.run(cmd + ["--device", "cpu"], check=True, env=dict(os.environ, TRITON_INTERPRET="1"))
+sys.stdout.write(open({sample!r}).read())
+'''
+
+
+def test_ncu_run_end_to_end_with_a_stand_in_profiler(tmp_path):
+    # the plumbing of run_ncu_sweeps: the ncu command line, the worker subprocess, its log,
+    # the CSV on stdout, and the records (the stand-in prints the committed sample)
+    import sys
+
+    fake = tmp_path / "ncu"
+    sample = tmp_path / "ncu_sample.csv"
+    sample.write_text(SAMPLE)
+    fake.write_text(FAKE_NCU.format(python=sys.executable, sample=str(sample)))
+    fake.chmod(0o755)
+    case = bench_io.Case("fig2", "flashtile", n=16, d=16, heads=1, batch=1, dtype="float32")
+    records = bench_io.run_ncu_sweeps([case], str(fake), True, tmp_path, timeout=600)
+    assert [(r["impl"], r["pass"]) for r in records] == [("flashtile", "fwd"), ("flashtile", "bwd")]
+    assert records[1]["dram_write_bytes"] == pytest.approx(138.52e6 + 268_500_992)
+    assert records[0]["block_m"] == 16  # the interpreter's tiles, logged by the worker
