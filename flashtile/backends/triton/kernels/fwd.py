@@ -35,8 +35,8 @@ Optional features (constexpr flags, derived from which optional pointers are Non
 import triton
 import triton.language as tl
 
-from .masking import (FEATURE_FLAGS, LOG2E, apply_bias, dropout_keep, dropout_row_base,
-                      key_range, sequence, tanh, tile_start, visible)
+from .common import (FEATURE_FLAGS, LN2, LOG2E, dropout_keep, dropout_row_base, key_range,
+                     load_rows, query_block, rows_ptr, score_tile, tile_start, visible)
 
 # The forward kernel's flags: the shared ones plus paged keys/values, which only the forward
 # reads in place (the backward runs on keys/values gathered from the pages).
@@ -44,28 +44,6 @@ FWD_FEATURE_FLAGS = {
     **FEATURE_FLAGS,
     "PAGED": lambda a: a["BLOCK_TABLE"] is not None,
 }
-
-
-@triton.jit
-def score_tile(b_q, b_k, o_m, o_n, sq, sk, qk_scale, softcap_scale, slope,
-               p_bias, stride_bm, stride_bn,
-               DOT_PREC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-               HAS_BIAS: tl.constexpr, BIAS_BOOL: tl.constexpr):
-    """Base-2 scores of one tile before the visibility mask, ``# [BLOCK_M, BLOCK_N]``.
-
-    Without softcap ``qk_scale = scale * log2(e)``; with it ``qk_scale = softcap * log2(e)``
-    and ``softcap_scale = scale / softcap``.  ``slope`` is already multiplied by log2(e).
-    """
-    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
-    if HAS_SOFTCAP:
-        b_s = tanh(b_s * softcap_scale)
-    b_s = b_s * qk_scale
-    if HAS_ALIBI:
-        b_dist = (o_m[:, None] + (sk - sq)) - o_n[None, :]  # [BLOCK_M, BLOCK_N]
-        b_s = b_s - slope * tl.abs(b_dist).to(tl.float32)
-    if HAS_BIAS:
-        b_s = apply_bias(b_s, p_bias, stride_bm, stride_bn, o_m, o_n, sq, sk, BIAS_BOOL)
-    return b_s
 
 
 @triton.jit
@@ -120,28 +98,25 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn,
     """
     m_d = o_d < HEAD_DIM
     for it in range(n_start, n_end, I_STEP):
-        n0 = tile_start(it, p_list, tiles_per_block, bs_n, BLOCK_N, SPARSE)
+        n0 = tile_start(it, p_list, tiles_per_block, bs_n, BLOCK=BLOCK_N, SPARSE=SPARSE)
         o_n = n0 + tl.arange(0, BLOCK_N)
         if PAGED:
             o_krow, o_vrow = _kv_rows(p_bt, n0, o_n, sk, stride_kpage, stride_kn, stride_vpage,
-                                      stride_vn, MASKED, PAGE_SIZE, BLOCK_N)  # [BLOCK_N] each
+                                      stride_vn, MASKED=MASKED, PAGE_SIZE=PAGE_SIZE,
+                                      BLOCK_N=BLOCK_N)  # [BLOCK_N] each
             p_k = p_k_base + o_krow[:, None] + o_d[None, :]  # [BLOCK_N, BLOCK_D]
             p_v = p_v_base + o_vrow[:, None] + o_d[None, :]  # [BLOCK_N, BLOCK_D]
         else:
             p_k = p_k_base + o_n[:, None] * stride_kn + o_d[None, :]  # [BLOCK_N, BLOCK_D]
             p_v = p_v_base + o_n[:, None] * stride_vn + o_d[None, :]  # [BLOCK_N, BLOCK_D]
-        if MASKED:
-            m_kv = (o_n[:, None] < sk) & m_d[None, :]
-            b_k = tl.load(p_k, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
-        elif EVEN_D:
-            b_k = tl.load(p_k)
-        else:
-            b_k = tl.load(p_k, mask=m_d[None, :], other=0.0)
+        b_k = load_rows(p_k, o_n, sk, m_d, MASKED=MASKED, EVEN_D=EVEN_D)  # [BLOCK_N, BLOCK_D]
         b_s = score_tile(b_q, b_k, o_m, o_n, sq, sk, qk_scale, softcap_scale, slope,
-                         p_bias, stride_bm, stride_bn, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI,
-                         HAS_BIAS, BIAS_BOOL)  # [BLOCK_M, BLOCK_N]
+                         p_bias, stride_bm, stride_bn, DOT_PREC=DOT_PREC,
+                         HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_BIAS=HAS_BIAS,
+                         BIAS_BOOL=BIAS_BOOL)  # [BLOCK_M, BLOCK_N]
         if MASKED:
-            m_vis = visible(o_m, o_n, sk, shift, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+            m_vis = visible(o_m, o_n, sk, shift, window_left, window_right,
+                            HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT)  # [BLOCK_M, BLOCK_N]
             b_s = tl.where(m_vis, b_s, float("-inf"))
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1))  # [BLOCK_M]
         if MASKED or HAS_BIAS:
@@ -156,12 +131,7 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn,
         if HAS_DROPOUT:
             # after l: dropout acts on the normalised probabilities, not on the normaliser
             b_p = tl.where(dropout_keep(seed, row_base, o_n, dropout_p), b_p, 0.0)
-        if MASKED:
-            b_v = tl.load(p_v, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
-        elif EVEN_D:
-            b_v = tl.load(p_v)
-        else:
-            b_v = tl.load(p_v, mask=m_d[None, :], other=0.0)
+        b_v = load_rows(p_v, o_n, sk, m_d, MASKED=MASKED, EVEN_D=EVEN_D)  # [BLOCK_N, BLOCK_D]
         b_acc = b_acc * b_alpha[:, None]
         b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc, input_precision=DOT_PREC)
         b_m = b_m_new
@@ -189,25 +159,17 @@ def attn_fwd_kernel(
     HAS_BIAS: tl.constexpr, BIAS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SPARSE: tl.constexpr, PAGED: tl.constexpr,
 ):
-    # Heaviest causal tiles (the last query rows) are scheduled first so the tail of the grid
-    # is made of cheap programs.
-    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    i_hk = i_h // GROUP
-    q_start, sq, k_start, sk, shift = sequence(CU_Q, CU_K, i_b, seqlen_q, seqlen_k, IS_VARLEN,
-                                               BOTTOM_RIGHT)
-    m_first = i_m * BLOCK_M
+    i_b, i_h, i_hk, q_start, sq, k_start, sk, shift, m_first, m_last = query_block(
+        CU_Q, CU_K, seqlen_q, seqlen_k, H, GROUP, BLOCK_M=BLOCK_M, IS_VARLEN=IS_VARLEN,
+        BOTTOM_RIGHT=BOTTOM_RIGHT)
     if m_first >= sq:
         return
-    m_last = tl.minimum(m_first + BLOCK_M, sq) - 1
 
     o_m = m_first + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
     m_q = (o_m[:, None] < sq) & (o_d[None, :] < HEAD_DIM)  # [BLOCK_M, BLOCK_D]
-    p_q = (Q + i_b.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qm + i_h * stride_qh
-           + o_m[:, None] * stride_qm + o_d[None, :])
+    p_q = (rows_ptr(Q, i_b, q_start, i_h, stride_qb, stride_qm, stride_qh)
+           + o_m[:, None] * stride_qm + o_d[None, :])  # [BLOCK_M, BLOCK_D]
     b_q = tl.load(p_q, mask=m_q, other=0.0)  # [BLOCK_M, BLOCK_D]
     if PAGED:
         # K/V are page pools (stride_kb / stride_vb are the page strides): rows are found
@@ -216,10 +178,8 @@ def attn_fwd_kernel(
         p_v_base = V + i_hk * stride_vh
         p_bt = BLOCK_TABLE + i_b.to(tl.int64) * stride_btb
     else:
-        p_k_base = (K + i_b.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_kn
-                    + i_hk * stride_kh)
-        p_v_base = (V + i_b.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vn
-                    + i_hk * stride_vh)
+        p_k_base = rows_ptr(K, i_b, k_start, i_hk, stride_kb, stride_kn, stride_kh)
+        p_v_base = rows_ptr(V, i_b, k_start, i_hk, stride_vb, stride_vn, stride_vh)
         p_bt = BLOCK_TABLE
 
     slope = 0.0
@@ -239,53 +199,72 @@ def attn_fwd_kernel(
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, full_lo, full_hi, hi = key_range(m_first, m_last, sk, shift, window_left, window_right,
-                                         BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                                         BLOCK_N=BLOCK_N, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT)
     if SPARSE:
         # Only the nonzero mask blocks of this query block: first those every (query, key) pair
         # of which is visible (no predicate), then those cut by a bound (masked); the list is
-        # ``[n_full, n_part, full blocks..., partial blocks...]`` (``block_lists``).
-        p_bs = BS_IDX + i_b * stride_bsb + i_h * stride_bsh + (m_first // bs_m) * stride_bsr
+        # ``[n_full, n_part, full blocks..., partial blocks...]`` (``block_lists``).  Stages
+        # count tiles of the list, one at a time.
+        p_list = BS_IDX + i_b * stride_bsb + i_h * stride_bsh + (m_first // bs_m) * stride_bsr
         tpb = bs_n // BLOCK_N
-        t_full = tl.load(p_bs) * tpb
-        t_all = t_full + tl.load(p_bs + 1) * tpb
-        b_acc, b_l, b_m = _fwd_inner(
-            b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, 0,
-            t_full, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
-            p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
-            stride_vb, p_bs + 2, tpb, bs_n, HEAD_DIM, BLOCK_N, False, EVEN_D, DOT_PREC,
-            HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED,
-            PAGE_SIZE, True, 1)
-        b_acc, b_l, b_m = _fwd_inner(
-            b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, t_full,
-            t_all, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
-            p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
-            stride_vb, p_bs + 2, tpb, bs_n, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC,
-            HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED,
-            PAGE_SIZE, True, 1)
+        t_full = tl.load(p_list) * tpb
+        t_all = t_full + tl.load(p_list + 1) * tpb
+        p_list = p_list + 2
+        a0 = 0
+        a1 = 0
+        a2 = t_full
+        a3 = t_all
+        bs_list = bs_n
+        I_STEP = 1
     else:
         # Stage 1: tiles cut by the left window edge.  Stage 2: interior tiles, no predicate.
         # Stage 3: tiles cut by the right edge (the causal diagonal) or the end of the sequence.
-        b_acc, b_l, b_m = _fwd_inner(
-            b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, lo,
-            full_lo, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
-            p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
-            stride_vb, BS_IDX, 1, 1, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC, HAS_SOFTCAP,
-            HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED, PAGE_SIZE,
-            False, BLOCK_N)
-        b_acc, b_l, b_m = _fwd_inner(
-            b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, full_lo,
-            full_hi, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
-            p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
-            stride_vb, BS_IDX, 1, 1, HEAD_DIM, BLOCK_N, False, EVEN_D, DOT_PREC, HAS_SOFTCAP,
-            HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED, PAGE_SIZE,
-            False, BLOCK_N)
-        b_acc, b_l, b_m = _fwd_inner(
-            b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, full_hi,
-            hi, sq, sk, shift, window_left, window_right, qk_scale, softcap_scale, slope,
-            p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
-            stride_vb, BS_IDX, 1, 1, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC, HAS_SOFTCAP,
-            HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED, PAGE_SIZE,
-            False, BLOCK_N)
+        # Stages count keys, a tile at a time.
+        p_list = BS_IDX
+        a0 = lo
+        a1 = full_lo
+        a2 = full_hi
+        a3 = hi
+        tpb = 1
+        bs_list = 1
+        I_STEP = BLOCK_N
+    # masked [a0, a1), full [a1, a2), masked [a2, a3)
+    b_acc, b_l, b_m = _fwd_inner(
+        b_acc=b_acc, b_l=b_l, b_m=b_m, b_q=b_q, p_k_base=p_k_base, p_v_base=p_v_base,
+        stride_kn=stride_kn, stride_vn=stride_vn, o_m=o_m, o_d=o_d, n_start=a0, n_end=a1,
+        sq=sq, sk=sk, shift=shift, window_left=window_left, window_right=window_right,
+        qk_scale=qk_scale, softcap_scale=softcap_scale, slope=slope, p_bias=p_bias,
+        stride_bm=stride_biasm, stride_bn=stride_biasn, seed=seed, row_base=row_base,
+        dropout_p=dropout_p, p_bt=p_bt, stride_kpage=stride_kb, stride_vpage=stride_vb,
+        p_list=p_list, tiles_per_block=tpb, bs_n=bs_list,
+        HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, MASKED=True, EVEN_D=EVEN_D, DOT_PREC=DOT_PREC,
+        HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT,
+        HAS_BIAS=HAS_BIAS, BIAS_BOOL=BIAS_BOOL, HAS_DROPOUT=HAS_DROPOUT, PAGED=PAGED,
+        PAGE_SIZE=PAGE_SIZE, SPARSE=SPARSE, I_STEP=I_STEP)
+    b_acc, b_l, b_m = _fwd_inner(
+        b_acc=b_acc, b_l=b_l, b_m=b_m, b_q=b_q, p_k_base=p_k_base, p_v_base=p_v_base,
+        stride_kn=stride_kn, stride_vn=stride_vn, o_m=o_m, o_d=o_d, n_start=a1, n_end=a2,
+        sq=sq, sk=sk, shift=shift, window_left=window_left, window_right=window_right,
+        qk_scale=qk_scale, softcap_scale=softcap_scale, slope=slope, p_bias=p_bias,
+        stride_bm=stride_biasm, stride_bn=stride_biasn, seed=seed, row_base=row_base,
+        dropout_p=dropout_p, p_bt=p_bt, stride_kpage=stride_kb, stride_vpage=stride_vb,
+        p_list=p_list, tiles_per_block=tpb, bs_n=bs_list,
+        HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, MASKED=False, EVEN_D=EVEN_D, DOT_PREC=DOT_PREC,
+        HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT,
+        HAS_BIAS=HAS_BIAS, BIAS_BOOL=BIAS_BOOL, HAS_DROPOUT=HAS_DROPOUT, PAGED=PAGED,
+        PAGE_SIZE=PAGE_SIZE, SPARSE=SPARSE, I_STEP=I_STEP)
+    b_acc, b_l, b_m = _fwd_inner(
+        b_acc=b_acc, b_l=b_l, b_m=b_m, b_q=b_q, p_k_base=p_k_base, p_v_base=p_v_base,
+        stride_kn=stride_kn, stride_vn=stride_vn, o_m=o_m, o_d=o_d, n_start=a2, n_end=a3,
+        sq=sq, sk=sk, shift=shift, window_left=window_left, window_right=window_right,
+        qk_scale=qk_scale, softcap_scale=softcap_scale, slope=slope, p_bias=p_bias,
+        stride_bm=stride_biasm, stride_bn=stride_biasn, seed=seed, row_base=row_base,
+        dropout_p=dropout_p, p_bt=p_bt, stride_kpage=stride_kb, stride_vpage=stride_vb,
+        p_list=p_list, tiles_per_block=tpb, bs_n=bs_list,
+        HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, MASKED=True, EVEN_D=EVEN_D, DOT_PREC=DOT_PREC,
+        HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT,
+        HAS_BIAS=HAS_BIAS, BIAS_BOOL=BIAS_BOOL, HAS_DROPOUT=HAS_DROPOUT, PAGED=PAGED,
+        PAGE_SIZE=PAGE_SIZE, SPARSE=SPARSE, I_STEP=I_STEP)
 
     # Rows that saw no key keep l == 0: they output 0 and report lse = -inf.
     m_empty = b_l == 0.0
@@ -294,9 +273,9 @@ def attn_fwd_kernel(
         b_out = b_acc * (dropout_scale / b_l_safe)[:, None]  # [BLOCK_M, BLOCK_D]
     else:
         b_out = b_acc / b_l_safe[:, None]  # [BLOCK_M, BLOCK_D]
-    b_lse = tl.where(m_empty, float("-inf"), (b_m + tl.math.log2(b_l_safe)) * 0.6931471805599453)
-    p_o = (O + i_b.to(tl.int64) * stride_ob + q_start.to(tl.int64) * stride_om + i_h * stride_oh
-           + o_m[:, None] * stride_om + o_d[None, :])
+    b_lse = tl.where(m_empty, float("-inf"), (b_m + tl.math.log2(b_l_safe)) * LN2)
+    p_o = (rows_ptr(O, i_b, q_start, i_h, stride_ob, stride_om, stride_oh)
+           + o_m[:, None] * stride_om + o_d[None, :])  # [BLOCK_M, BLOCK_D]
     tl.store(p_o, b_out.to(O.dtype.element_ty), mask=m_q)
     p_lse = LSE + i_b * stride_lb + i_h * stride_lh + q_start + o_m
     tl.store(p_lse, b_lse, mask=o_m < sq)

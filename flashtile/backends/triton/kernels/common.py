@@ -1,4 +1,5 @@
-"""Visibility ranges and score modifications shared by the forward and backward kernels.
+"""Jit helpers shared by the forward and backward kernels: where a program works, visibility
+ranges, score modifications, and the tile loads of the inner loops.
 
 A key ``j`` is visible to query ``i`` (both local to one sequence of ``sq`` queries and ``sk``
 keys) when ``j < sk`` and, with ``shift = sk - sq`` (bottom-right) or ``0`` (top-left),
@@ -18,11 +19,22 @@ Optional element-wise features, each behind a constexpr flag of the kernels:
   counter ``((b * H + h) * seqlen_q + i) * seqlen_k + j`` (:func:`dropout_keep`; the same rule
   as ``flashtile.rng``);
 * block sparsity: the kernels walk host-built lists of the nonzero mask blocks, those visible
-  throughout first (no predicate), then those cut by a bound (``launch_common.block_lists``),
+  throughout first (no predicate), then those cut by a bound (``sparse_index.block_lists``),
   so zero blocks are never loaded.
+
+Every inner loop runs as three stages over ``[a0, a1)`` masked, ``[a1, a2)`` full (no
+predicate, no bound checks) and ``[a2, a3)`` masked: ``(lo, full_lo, full_hi, hi)`` of
+:func:`key_range` / :func:`query_range` for a dense range of tiles, ``(0, 0, t_full, t_all)``
+tile numbers of the block list for a sparse one (its full blocks come first, then those cut by
+a bound; nothing is cut by the left bound alone before them).
 """
 import triton
 import triton.language as tl
+
+# Constexprs so kernels may read them as globals: scores run in base 2 (``exp2``/``log2``), the
+# interface speaks natural logs.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 # Optional features of the attention kernels, each derived from whether its argument is None
 # (or, for EVEN_D, whether the head dim is a power of two): one kernel source, a constexpr flag
@@ -60,8 +72,49 @@ def sequence(CU_Q, CU_K, i_b, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr,
     return q_start, sq, k_start, sk, shift
 
 
-# A constexpr so kernels may read it as a global.
-LOG2E = tl.constexpr(1.4426950408889634)
+@triton.jit
+def query_block(CU_Q, CU_K, seqlen_q, seqlen_k, H, GROUP, BLOCK_M: tl.constexpr,
+                IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr):
+    """Where a program of a query-tile grid ``(cdiv(seqlen_q, BLOCK_M), B * H)`` works:
+    ``(i_b, i_h, i_hk, q_start, sq, k_start, sk, shift, m_first, m_last)``, its batch entry,
+    query head and key/value head, the entry's :func:`sequence`, and its rows
+    ``[m_first, m_last]``.  The caller returns at once when ``m_first >= sq`` (a tile past the
+    end of a shorter varlen sequence).
+
+    The heaviest causal tiles (the last query rows) are scheduled first, so the tail of the
+    grid is made of cheap programs.
+    """
+    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    i_hk = i_h // GROUP
+    q_start, sq, k_start, sk, shift = sequence(CU_Q, CU_K, i_b, seqlen_q, seqlen_k,
+                                               IS_VARLEN=IS_VARLEN, BOTTOM_RIGHT=BOTTOM_RIGHT)
+    m_first = i_m * BLOCK_M
+    m_last = tl.minimum(m_first + BLOCK_M, sq) - 1
+    return i_b, i_h, i_hk, q_start, sq, k_start, sk, shift, m_first, m_last
+
+
+@triton.jit
+def rows_ptr(X, i_b, start, i_h, stride_b, stride_row, stride_h):
+    """Row 0 of head ``i_h`` of batch entry ``i_b`` (a varlen sequence starts at row ``start``
+    of the packed tensor, whose batch stride is 0); the batch and row offsets in int64."""
+    return X + i_b.to(tl.int64) * stride_b + start.to(tl.int64) * stride_row + i_h * stride_h
+
+
+@triton.jit
+def load_rows(p, o_rows, n, m_d, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """The ``[BLOCK, BLOCK_D]`` tile at ``p`` of the rows ``o_rows``: in a masked stage rows
+    ``>= n`` and the head-dim padding (``~m_d``) read 0; in a full stage every row exists, so
+    only a padded head dim (not EVEN_D) needs a mask."""
+    if MASKED:
+        b_x = tl.load(p, mask=(o_rows[:, None] < n) & m_d[None, :], other=0.0)
+    elif EVEN_D:
+        b_x = tl.load(p)
+    else:
+        b_x = tl.load(p, mask=m_d[None, :], other=0.0)
+    return b_x
 
 
 @triton.jit
@@ -157,7 +210,7 @@ def visible(o_m, o_n, sk, shift, window_left, window_right,
 def tanh(x):
     # tanh(x) = 1 - 2 / (exp(2x) + 1): exp2 overflows to inf for large x and gives exactly 1,
     # underflows to 0 for very negative x and gives exactly -1, so no clamping is needed.
-    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
 
 
 @triton.jit
@@ -172,6 +225,29 @@ def apply_bias(b_s, p_bias, stride_bm, stride_bn, o_m, o_n, sq, sk, BIAS_BOOL: t
     else:
         b_b = tl.load(p_b, mask=m_in, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_N]
         b_s = b_s + b_b * LOG2E
+    return b_s
+
+
+@triton.jit
+def score_tile(b_q, b_k, o_m, o_n, sq, sk, qk_scale, softcap_scale, slope,
+               p_bias, stride_bm, stride_bn,
+               DOT_PREC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+               HAS_BIAS: tl.constexpr, BIAS_BOOL: tl.constexpr):
+    """Base-2 scores of one tile before the visibility mask, ``# [BLOCK_M, BLOCK_N]``.
+
+    Without softcap ``qk_scale = scale * log2(e)``; with it ``qk_scale = softcap * log2(e)``
+    and ``softcap_scale = scale / softcap``.  ``slope`` is already multiplied by log2(e).
+    """
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
+    if HAS_SOFTCAP:
+        b_s = tanh(b_s * softcap_scale)
+    b_s = b_s * qk_scale
+    if HAS_ALIBI:
+        b_dist = (o_m[:, None] + (sk - sq)) - o_n[None, :]  # [BLOCK_M, BLOCK_N]
+        b_s = b_s - slope * tl.abs(b_dist).to(tl.float32)
+    if HAS_BIAS:
+        b_s = apply_bias(b_s, p_bias, stride_bm, stride_bn, o_m, o_n, sq, sk,
+                         BIAS_BOOL=BIAS_BOOL)
     return b_s
 
 
