@@ -4,7 +4,7 @@
 
 1. Wall-clock microseconds per call on a tiny input, where the GPU work is negligible, so this
    is the Python + launch cost: SDPA flash, flashtile's public forward and forward+backward, and
-   the Triton forward launcher alone; each with ``launch_common._DIRECT`` on and off; then
+   the Triton forward launcher alone; each with direct launches on and off (``fastlaunch.direct_launches``); then
    forward+backward with the backward's launch plans (``launch_bwd.PLANS``) off and on,
    alternating over three rounds.
 2. Forward milliseconds at N=512 and 1K (16K tokens, hidden 2048, d=64 and 128, bf16, causal and
@@ -25,7 +25,8 @@ from triton.testing import do_bench
 
 import flashtile
 from flashtile.backends.spec import AttnSpec
-from flashtile.backends.triton import forward, launch_bwd, launch_common
+from flashtile.backends.triton import forward, launch_bwd
+from flashtile.backends.triton.fastlaunch import direct_launches
 
 
 def per_call_us(fn, n=2000):
@@ -53,12 +54,13 @@ def host_costs() -> dict:
             lambda: torch.nn.functional.scaled_dot_product_attention(qtg, qtg, qtg, is_causal=True)
             .sum().backward(), n=500)
     for direct in (False, True):
-        launch_common._DIRECT = direct
         tag = "direct" if direct else "triton_run"
-        rec[f"flashtile_fwd_us_{tag}"] = per_call_us(lambda: flashtile.flash_attn_func(q, q, q, causal=True))
-        rec[f"flashtile_fwd_bwd_us_{tag}"] = per_call_us(
-            lambda: flashtile.flash_attn_func(qg, qg, qg, causal=True).sum().backward(), n=500)
-        rec[f"launcher_fwd_us_{tag}"] = per_call_us(lambda: forward(q, q, q, spec))
+        with direct_launches(direct):
+            rec[f"flashtile_fwd_us_{tag}"] = per_call_us(
+                lambda: flashtile.flash_attn_func(q, q, q, causal=True))
+            rec[f"flashtile_fwd_bwd_us_{tag}"] = per_call_us(
+                lambda: flashtile.flash_attn_func(qg, qg, qg, causal=True).sum().backward(), n=500)
+            rec[f"launcher_fwd_us_{tag}"] = per_call_us(lambda: forward(q, q, q, spec))
     # backward launch plans off and on, alternating, direct launches on; a contiguous output
     # gradient as in training (the gradient of .sum() is an expanded tensor, which the plans
     # leave to the full path)
@@ -89,10 +91,10 @@ def short_n() -> list:
                         lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal),
                         warmup=25, rep=100, return_mode="median")
                 for direct in (False, True):
-                    launch_common._DIRECT = direct
-                    row[f"flashtile_ms_{'direct' if direct else 'triton_run'}"] = do_bench(
-                        lambda: flashtile.flash_attn_func(q, k, v, causal=causal), warmup=25, rep=100,
-                        return_mode="median")
+                    with direct_launches(direct):
+                        row[f"flashtile_ms_{'direct' if direct else 'triton_run'}"] = do_bench(
+                            lambda: flashtile.flash_attn_func(q, k, v, causal=causal), warmup=25,
+                            rep=100, return_mode="median")
                 row["ratio_vs_fa2_direct"] = row["sdpa_flash_ms"] / row["flashtile_ms_direct"]
                 row["tflops_direct"] = flops / row["flashtile_ms_direct"] / 1e9
                 rows.append(row)
@@ -102,18 +104,18 @@ def short_n() -> list:
 
 def profile_call(n=1000, top=30) -> str:
     q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    launch_common._DIRECT = True
 
     def step():
         flashtile.flash_attn_func(q, q, q, causal=True).sum().backward()
 
-    for _ in range(50):
-        step()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(n):
-        step()
-    prof.disable()
+    with direct_launches(True):
+        for _ in range(50):
+            step()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(n):
+            step()
+        prof.disable()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
     return buf.getvalue()

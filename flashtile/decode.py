@@ -117,8 +117,8 @@ def _eager_plan_key(tensors: tuple, scalars: tuple):
     q, seqlens = tensors[0], tensors[7]
     if not (EAGER_PLANS and isinstance(q, torch.Tensor) and q.is_cuda and isinstance(seqlens, torch.Tensor)):
         return None
-    lc = _triton_launcher().launch_common
-    if (not lc._DIRECT or lc._poison or select_decode_backend(q.device) != "triton"
+    fl = _triton_launcher().fastlaunch
+    if (not fl.direct_enabled() or fl.poisoning() or select_decode_backend(q.device) != "triton"
             or os.environ.get("FLASHTILE_CHECK_INDICES", "0") not in ("", "0")):
         return None
     parts = []

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import flashtile
 from flashtile.backends.spec import AttnSpec
 from flashtile.backends.triton import launch_bwd, launch_fwd
-from flashtile.backends.triton.launch_common import poison_outputs
+from flashtile.backends.triton.fastlaunch import poison_outputs
 from flashtile.check import reference
 
 from helpers import check_flash_rule

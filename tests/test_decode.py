@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from flashtile import paged_kv
-from flashtile.backends.triton.launch_common import poison_outputs
+from flashtile.backends.triton.fastlaunch import poison_outputs
 from flashtile.decode import (build_tree_mask, flash_attn_with_kvcache, merge_attention_states,
                               select_decode_backend)
 
@@ -684,7 +684,7 @@ def test_eager_plan_replays_the_recorded_launches_with_new_tensors(monkeypatch):
     """``launch_decode.record_plan`` / ``Plan`` with the launches stubbed (the direct path runs on
     a GPU only): replaying a plan for new tensors of the same signature passes each kernel exactly
     the arguments a fresh call on those tensors passes, with fresh buffers in the buffer slots."""
-    from flashtile.backends.triton import launch_common, launch_decode
+    from flashtile.backends.triton import fastlaunch, launch_decode
 
     handles, seen, ran = {}, [], []
 
@@ -696,8 +696,8 @@ def test_eager_plan_replays_the_recorded_launches_with_new_tensors(monkeypatch):
     monkeypatch.setattr(launch_decode, "_launch", fake_launch)
     monkeypatch.setattr(launch_decode, "_on_gpu", lambda x: True)  # GPU block shapes and splits
     monkeypatch.setattr(launch_decode, "num_sms", lambda device: 132)
-    monkeypatch.setattr(launch_common, "_no_launch_hooks", lambda: True)
-    monkeypatch.setattr(launch_common, "run_direct",
+    monkeypatch.setattr(fastlaunch, "launch_hooks_set", lambda: False)
+    monkeypatch.setattr(fastlaunch, "run_direct",
                         lambda compiled, grid, values, device: ran.append((compiled, grid, values)) or True)
     launch_decode._plan.cache_clear()
 

@@ -16,7 +16,7 @@ from flashtile import backends
 from flashtile.backends.torch import attention as torch_tiled
 from flashtile.backends import triton as triton_backend
 from flashtile.backends.spec import AttnSpec
-from flashtile.backends.triton.launch_common import poison_outputs
+from flashtile.backends.triton.fastlaunch import poison_outputs
 from flashtile.reference.torch_ref import reference
 from flashtile.masks import attention_probs
 from flashtile.rng import keep_mask, philox_uniform

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import flashtile
 from flashtile.backends.spec import AttnSpec
-from flashtile.backends.triton.launch_common import poison_outputs
+from flashtile.backends.triton.fastlaunch import poison_outputs
 from flashtile.reference.torch_ref import reference
 
 from helpers import assert_flash_rule

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashtile.backends.triton import launch_common
+from flashtile.backends.triton import fastlaunch
 
 
 class FakeKernel:
@@ -17,12 +17,12 @@ class FakeKernel:
 @pytest.fixture
 def key(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(launch_common, "_layouts", {})
+    monkeypatch.setattr(fastlaunch, "_layouts", {})
 
     def make(meta=None, **overrides):
         named = {**dict(X=torch.zeros(64), Y=None, n=48, scale=0.5, FLAG=True), **overrides}
-        return launch_common._direct_key(FakeKernel, named,
-                                         {"num_warps": 4, "num_stages": 3, **(meta or {})})
+        return fastlaunch._direct_key(FakeKernel, {**named, "num_warps": 4, "num_stages": 3,
+                                                   **(meta or {})})
     return make
 
 
@@ -50,13 +50,15 @@ def test_a_different_specialisation_gets_another_key(key, change):
 
 def test_missing_parameter_falls_back_to_the_plain_launch(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(launch_common, "_layouts", {})
-    assert launch_common._direct_key(FakeKernel, dict(X=torch.zeros(4)), {}) is None
+    monkeypatch.setattr(fastlaunch, "_layouts", {})
+    assert fastlaunch._direct_key(FakeKernel, dict(X=torch.zeros(4))) is None
 
 
 def test_interpreter_never_launches_directly():
     # tests run the kernels under TRITON_INTERPRET=1 (conftest): the direct path is off there
-    assert launch_common._DIRECT is False
+    assert fastlaunch.direct_enabled() is False
+    with fastlaunch.direct_launches(True):
+        assert fastlaunch.direct_enabled() is False
 
 
 class FakeCompiled:
@@ -72,9 +74,9 @@ class FakeCompiled:
 @pytest.mark.parametrize("grid, dims", [((3,), (3, 1, 1)), ((3, 4), (3, 4, 1)),
                                         ((3, 4, 5), (3, 4, 5))], ids=["1d", "2d", "3d"])
 def test_run_direct_passes_the_grid_stream_and_every_argument(monkeypatch, grid, dims):
-    monkeypatch.setattr(launch_common, "_raw_stream", lambda device: 1000 + device)
+    monkeypatch.setattr(fastlaunch, "_raw_stream", lambda device: 1000 + device)
     compiled = FakeCompiled()
-    assert launch_common.run_direct(compiled, grid, ["a", 2, None], 7)
+    assert fastlaunch.run_direct(compiled, grid, ["a", 2, None], 7)
     assert compiled.calls == [dims + (1007, "fn", "meta", None, None, None, "a", 2, None)]
 
 
@@ -84,17 +86,17 @@ def test_run_direct_declines_while_a_profiler_hook_is_set(monkeypatch):
     knobs.runtime.launch_enter_hook.add(hook)
     try:
         compiled = FakeCompiled()
-        assert not launch_common.run_direct(compiled, (1, 1), [], 0)
+        assert not fastlaunch.run_direct(compiled, (1, 1), [], 0)
         assert compiled.calls == []
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
-    assert launch_common._no_launch_hooks()
+    assert not fastlaunch.launch_hooks_set()
 
 
 def test_named_values_follow_the_signature(key):
     named = dict(FLAG=True, scale=0.5, n=48, Y=None, X=torch.zeros(4))
     assert key() is not None  # fills the kernel's layout
-    assert launch_common.named_values(FakeKernel, named)[1:] == [None, 48, 0.5, True]
+    assert fastlaunch.named_values(FakeKernel, named)[1:] == [None, 48, 0.5, True]
 
 
 def _backward_tensors(share_qk=False):

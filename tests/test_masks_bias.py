@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import flashtile
 from flashtile import backends
 from flashtile.backends.spec import AttnSpec
-from flashtile.backends.triton.launch_common import poison_outputs
+from flashtile.backends.triton.fastlaunch import poison_outputs
 from flashtile.reference.torch_ref import reference
 from flashtile.interface import _mask_4d
 from flashtile.rng import keep_mask

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import flashtile
-from flashtile.backends.triton.launch_common import poison_outputs
+from flashtile.backends.triton.fastlaunch import poison_outputs
 
 from helpers import assert_close, randn
 

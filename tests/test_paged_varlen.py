@@ -20,7 +20,7 @@ import torch
 import flashtile
 from flashtile.backends.spec import AttnSpec
 from flashtile.backends.triton.configs import KernelConfig, override
-from flashtile.backends.triton.launch_common import poison_outputs
+from flashtile.backends.triton.fastlaunch import poison_outputs
 from flashtile.reference.torch_ref import reference
 
 from helpers import check_flash_rule, randn

@@ -45,20 +45,20 @@ def _run(fn, buf, offset, bias):
 @pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "misaligned"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_direct_launch_equals_kernel_grid_bitwise(variant, offset, monkeypatch):
-    from flashtile.backends.triton import launch_common
+    from flashtile.backends.triton.fastlaunch import direct_launches
 
     gen = torch.Generator(device="cuda").manual_seed(7)
     buf = torch.randn(3 * torch.Size(SHAPE).numel() + 8, generator=gen, device="cuda",
                       dtype=torch.float16)
     bias = torch.randn(2, 4, 200, 200, generator=gen, device="cuda", dtype=torch.float16)
     fn = VARIANTS[variant]
-    monkeypatch.setattr(launch_common, "_DIRECT", False)
-    generic = _run(fn, buf, offset, bias)
-    monkeypatch.setattr(launch_common, "_DIRECT", True)
+    with direct_launches(False):
+        generic = _run(fn, buf, offset, bias)
     # the first direct call fills the cache, the second reuses it; an aligned call after a
     # misaligned one (and the reverse) must pick its own specialisation
     for other in (offset, 1 - offset, offset):
-        direct = _run(fn, buf, other, bias)
+        with direct_launches(True):
+            direct = _run(fn, buf, other, bias)
         if other == offset:
             for name, a, b in zip(("out", "dq", "dk", "dv"), generic, direct):
                 assert torch.equal(a, b), f"{variant}@{offset}: {name} differs from kernel[grid]"

@@ -4,7 +4,7 @@ Nothing here reads a tensor's values on the host: every size comes from static s
 whole decode step (append + split-KV + combine) can be captured in a CUDA graph.  The host
 work of an eager call is kept small: the block shapes and split count are memoised per shape
 (:func:`_plan`), each kernel's ``triton.heuristics`` constexprs are evaluated once per launch
-from a single argument mapping (:func:`launch_common.launch`), and a call can be recorded as a
+from a single argument mapping (:func:`fastlaunch.launch`), and a call can be recorded as a
 :class:`Plan` that later calls of the same signature replay (:func:`record_plan`).  Arguments
 arrive validated and normalised by :mod:`flashtile.decode` (int32 ``cache_seqlens`` tensor,
 bool tree mask, last dimension contiguous).
@@ -17,9 +17,9 @@ import threading
 
 import torch
 from .kernels.decode import _combine_kernel, _rotary_append_kernel, _split_kv_kernel
-from . import launch_common
-from .launch_common import empty as _empty
-from .launch_common import launch as _launch
+from . import fastlaunch
+from .fastlaunch import empty as _empty
+from .fastlaunch import launch_args as _launch
 
 __all__ = ["decode_forward", "merge_states", "choose_num_splits", "default_num_splits", "num_sms",
            "attn_config", "MAX_SPLITS"]
@@ -207,7 +207,7 @@ class Plan:
     def run(self, inputs: tuple):
         """``(out, lse)`` for ``inputs`` (same signature as the recorded call), or None when a
         profiler hook asks for Triton's own launch path (nothing is launched then)."""
-        if not launch_common._no_launch_hooks():
+        if fastlaunch.launch_hooks_set():
             return None
         bufs = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.allocs]
         pools = (inputs, bufs)
@@ -215,7 +215,7 @@ class Plan:
             values = template.copy()
             for pos, kind, i in slots:
                 values[pos] = pools[kind][i]
-            launch_common.run_direct(compiled, grid, values, self.stream_device)
+            fastlaunch.run_direct(compiled, grid, values, self.stream_device)
         return bufs[self.out], bufs[self.lse]
 
 
@@ -375,7 +375,7 @@ def decode_forward(
                        per_token=rotary_q_per_token, to_cache=False, capacity=capacity)
         q = q_rot
 
-    # NaN-filled under launch_common.poison_outputs, so tests see any element left unwritten
+    # NaN-filled under fastlaunch.poison_outputs, so tests see any element left unwritten
     out = _alloc((b, sq, h, d), q.dtype, device)
     lse = _alloc((b, h, sq), torch.float32, device)
     if b * sq * h == 0:
