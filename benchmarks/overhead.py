@@ -4,7 +4,8 @@
 
 1. Wall-clock microseconds per call on a tiny input, where the GPU work is negligible, so this
    is the Python + launch cost: SDPA flash, flashtile's public forward and forward+backward, and
-   the Triton forward launcher alone; each with direct launches on and off (``fastlaunch.direct_launches``); then
+   the Triton forward launcher alone; each with direct launches on and off
+   (``fastlaunch.direct_launches``); then
    forward+backward with the backward's launch plans (``launch_bwd.PLANS``) off and on,
    alternating over three rounds.
 2. Forward milliseconds at N=512 and 1K (16K tokens, hidden 2048, d=64 and 128, bf16, causal and

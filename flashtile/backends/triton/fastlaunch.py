@@ -214,12 +214,14 @@ def _direct_key(kernel, named: dict):
                          for a in get_ptr(named)])
     except (KeyError, AttributeError):
         return None
-    options = tuple([(k, v) for k, v in named.items() if k not in params])
+    # the launch options: the names that are not parameters (a set difference at C speed)
+    options = tuple([(k, named[k]) for k in sorted(named.keys() - params)])
     return kernel, torch.cuda.current_device(), scalars, tuple(map(type, scalars)), tensors, options
 
 
 def _tuple_getter(names: tuple):
-    """``d -> tuple(d[n] for n in names)`` at C speed (``itemgetter`` of one name is not a tuple)."""
+    """``d -> tuple(d[n] for n in names)`` at C speed (``itemgetter`` of one name is not a
+    tuple)."""
     if len(names) >= 2:
         return operator.itemgetter(*names)
     return (lambda d: (d[names[0]],)) if names else (lambda d: ())
