@@ -176,6 +176,9 @@ def launch(kernel, grid, **kwargs) -> tuple | None:
 
 def launch_args(kernel, grid, args: tuple, meta: dict) -> tuple | None:
     """:func:`launch` for a caller holding the leading arguments in signature order."""
+    if not INTERNALS_OK:
+        kernel[grid](*args, **meta)
+        return None
     return launch(kernel, grid, **dict(zip(kernel.arg_names, args)), **meta)
 
 
@@ -306,7 +309,10 @@ def record_plan(launched: list, roles: list, tensors: dict):
 
 def plan_roles(kernel, roles: dict) -> tuple:
     """``(parameter positions, call tensor names)`` of ``roles`` (``{parameter: tensor name}``)
-    in the signature of ``kernel`` (a jitted kernel or its ``triton.heuristics`` wrapper)."""
+    in the signature of ``kernel`` (a jitted kernel or its ``triton.heuristics`` wrapper).
+    Empty where plans are never recorded (a Triton version whose internals are not known)."""
+    if not INTERNALS_OK:
+        return (), ()
     names = list(kernel.arg_names)
     return tuple(names.index(p) for p in roles), tuple(roles.values())
 
