@@ -33,9 +33,9 @@ kernel) exactly as the forward.
 import triton
 import triton.language as tl
 
-from .common import (FEATURE_FLAGS, LOG2E, dropout_keep, dropout_row_base, key_range,
-                     load_rows, query_block, query_range, rows_ptr, score_tile, sequence, tanh,
-                     tile_start, visible)
+from .common import (FEATURE_FLAGS, LOG2E, alibi_slope, block_list, dropout_keep,
+                     dropout_row_base, key_range, load_rows, query_block, query_range, rows_ptr,
+                     score_tile, sequence, tanh, tile_start, visible)
 
 
 @triton.jit
@@ -165,9 +165,7 @@ def attn_bwd_dkdv_kernel(
                                            HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT)
     for i_g in range(GROUP):
         i_h = i_hk * GROUP + i_g
-        slope = 0.0
-        if HAS_ALIBI:
-            slope = tl.load(ALIBI + i_b * stride_ab + i_h).to(tl.float32) * LOG2E
+        slope = alibi_slope(ALIBI, i_b, i_h, stride_ab, HAS_ALIBI=HAS_ALIBI)
         p_bias = BIAS
         if HAS_BIAS:
             p_bias = BIAS + i_b.to(tl.int64) * stride_biasb + i_h.to(tl.int64) * stride_biash
@@ -178,11 +176,9 @@ def attn_bwd_dkdv_kernel(
         p_delta = DELTA + i_b * stride_lb + i_h * stride_lh + q_start
         if SPARSE:
             # full blocks (no predicate) first, then the ones cut by a bound: see the forward
-            p_list = BS_IDX + i_b * stride_bsb + i_h * stride_bsh + (n_first // bs_n) * stride_bsr
             tpb = bs_m // BLOCK_M
-            t_full = tl.load(p_list) * tpb
-            t_all = t_full + tl.load(p_list + 1) * tpb
-            p_list = p_list + 2
+            p_list, t_full, t_all = block_list(BS_IDX, i_b, i_h, n_first // bs_n, stride_bsb,
+                                               stride_bsh, stride_bsr, tpb)
             a0 = 0
             a1 = 0
             a2 = t_full
@@ -343,9 +339,7 @@ def attn_bwd_dq_kernel(
     o_l = i_b * stride_lb + i_h * stride_lh + q_start + o_m
     tl.store(DELTA + o_l, b_delta, mask=o_m < sq)
     b_lse2 = _lse2(tl.load(LSE + o_l, mask=o_m < sq, other=float("inf")))  # [BLOCK_M]
-    slope = 0.0
-    if HAS_ALIBI:
-        slope = tl.load(ALIBI + i_b * stride_ab + i_h).to(tl.float32) * LOG2E
+    slope = alibi_slope(ALIBI, i_b, i_h, stride_ab, HAS_ALIBI=HAS_ALIBI)
     p_bias = BIAS
     if HAS_BIAS:
         p_bias = BIAS + i_b.to(tl.int64) * stride_biasb + i_h.to(tl.int64) * stride_biash
@@ -365,11 +359,9 @@ def attn_bwd_dq_kernel(
                                          BLOCK_N=BLOCK_N, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT)
     if SPARSE:
         # full blocks (no predicate) first, then the ones cut by a bound: see the forward
-        p_list = BS_IDX + i_b * stride_bsb + i_h * stride_bsh + (m_first // bs_m) * stride_bsr
         tpb = bs_n // BLOCK_N
-        t_full = tl.load(p_list) * tpb
-        t_all = t_full + tl.load(p_list + 1) * tpb
-        p_list = p_list + 2
+        p_list, t_full, t_all = block_list(BS_IDX, i_b, i_h, m_first // bs_m, stride_bsb,
+                                           stride_bsh, stride_bsr, tpb)
         a0 = 0
         a1 = 0
         a2 = t_full

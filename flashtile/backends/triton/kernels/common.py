@@ -104,6 +104,27 @@ def rows_ptr(X, i_b, start, i_h, stride_b, stride_row, stride_h):
 
 
 @triton.jit
+def alibi_slope(ALIBI, i_b, i_h, stride_ab, HAS_ALIBI: tl.constexpr):
+    """ALiBi slope of head ``i_h`` of batch entry ``i_b`` in base-2 units (0 without ALiBi)."""
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + i_b * stride_ab + i_h).to(tl.float32) * LOG2E
+    return slope
+
+
+@triton.jit
+def block_list(BS_IDX, i_b, i_h, i_row, stride_bsb, stride_bsh, stride_bsr, tiles_per_block):
+    """Block list of row ``i_row`` of the block mask of head ``i_h`` of batch entry ``i_b``
+    (``[n_full, n_part, full blocks..., partial blocks...]``, ``sparse_index.block_lists``):
+    ``(p_list, t_full, t_all)``, its first block index and the tile counts of its full blocks
+    and of all its blocks."""
+    p_row = BS_IDX + i_b * stride_bsb + i_h * stride_bsh + i_row * stride_bsr
+    t_full = tl.load(p_row) * tiles_per_block
+    t_all = t_full + tl.load(p_row + 1) * tiles_per_block
+    return p_row + 2, t_full, t_all
+
+
+@triton.jit
 def load_rows(p, o_rows, n, m_d, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
     """The ``[BLOCK, BLOCK_D]`` tile at ``p`` of the rows ``o_rows``: in a masked stage rows
     ``>= n`` and the head-dim padding (``~m_d``) read 0; in a full stage every row exists, so

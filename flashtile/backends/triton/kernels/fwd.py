@@ -35,8 +35,9 @@ Optional features (constexpr flags, derived from which optional pointers are Non
 import triton
 import triton.language as tl
 
-from .common import (FEATURE_FLAGS, LN2, LOG2E, dropout_keep, dropout_row_base, key_range,
-                     load_rows, query_block, rows_ptr, score_tile, tile_start, visible)
+from .common import (FEATURE_FLAGS, LN2, alibi_slope, block_list, dropout_keep,
+                     dropout_row_base, key_range, load_rows, query_block, rows_ptr, score_tile,
+                     tile_start, visible)
 
 # The forward kernel's flags: the shared ones plus paged keys/values, which only the forward
 # reads in place (the backward runs on keys/values gathered from the pages).
@@ -182,9 +183,7 @@ def attn_fwd_kernel(
         p_v_base = rows_ptr(V, i_b, k_start, i_hk, stride_vb, stride_vn, stride_vh)
         p_bt = BLOCK_TABLE
 
-    slope = 0.0
-    if HAS_ALIBI:
-        slope = tl.load(ALIBI + i_b * stride_ab + i_h).to(tl.float32) * LOG2E
+    slope = alibi_slope(ALIBI, i_b, i_h, stride_ab, HAS_ALIBI=HAS_ALIBI)
     p_bias = BIAS
     if HAS_BIAS:
         p_bias = BIAS + i_b.to(tl.int64) * stride_biasb + i_h.to(tl.int64) * stride_biash
@@ -205,11 +204,9 @@ def attn_fwd_kernel(
         # of which is visible (no predicate), then those cut by a bound (masked); the list is
         # ``[n_full, n_part, full blocks..., partial blocks...]`` (``block_lists``).  Stages
         # count tiles of the list, one at a time.
-        p_list = BS_IDX + i_b * stride_bsb + i_h * stride_bsh + (m_first // bs_m) * stride_bsr
         tpb = bs_n // BLOCK_N
-        t_full = tl.load(p_list) * tpb
-        t_all = t_full + tl.load(p_list + 1) * tpb
-        p_list = p_list + 2
+        p_list, t_full, t_all = block_list(BS_IDX, i_b, i_h, m_first // bs_m, stride_bsb,
+                                           stride_bsh, stride_bsr, tpb)
         a0 = 0
         a1 = 0
         a2 = t_full
