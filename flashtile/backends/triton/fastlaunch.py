@@ -129,10 +129,27 @@ def launch(kernel, grid, **kwargs) -> tuple | None:
     if not INTERNALS_OK:
         kernel[grid](**kwargs)
         return None
-    named = kwargs
+    return _launch(kernel, grid, (), kwargs, kwargs)
+
+
+def launch_args(kernel, grid, args: tuple, meta: dict) -> tuple | None:
+    """:func:`launch` for a caller holding the leading arguments in signature order and the
+    rest by name: the jitted function gets them as ``kernel[grid](*args, **meta)`` passes
+    them."""
+    if not INTERNALS_OK:
+        kernel[grid](*args, **meta)
+        return None
+    named = dict(zip(kernel.arg_names, args))
+    named.update(meta)
+    return _launch(kernel, grid, args, meta, named)
+
+
+def _launch(kernel, grid, args: tuple, meta: dict, named: dict) -> tuple | None:
+    """:func:`launch` of ``kernel[grid](*args, **meta)``; ``named`` maps every argument and
+    launch option to its value (``meta`` itself when ``args`` is empty)."""
     if isinstance(kernel, _Heuristics):
         for name, rule in kernel.values.items():
-            named[name] = rule(named)
+            named[name] = meta[name] = rule(named)
         kernel = kernel.fn
     direct = _DIRECT and grid[0] and kernel.__class__ is _JITFunction
     key = None
@@ -148,22 +165,22 @@ def launch(kernel, grid, **kwargs) -> tuple | None:
                 return compiled, values
     # Per variant (its constexprs and options), the pipeline depth that fits in shared memory.
     params = _params(kernel)
-    fit_key = (kernel, tuple(sorted((k, v) for k, v in named.items()
+    fit_key = (kernel, tuple(sorted((k, v) for k, v in meta.items()
                                     if k != "num_stages" and (k not in params or params[k])
                                     and isinstance(v, (int, float, str, bool, type(None))))))
     stages = _fitted_stages.get(fit_key)
     if stages is not None:
-        named["num_stages"] = stages
+        meta["num_stages"] = stages
     while True:
         try:
-            compiled = kernel[grid](**named)
+            compiled = kernel[grid](*args, **meta)
             break
         except OutOfResources:
             # Optional features (bias tiles, dropout state) add shared memory to a config tuned
             # without them: fewer pipeline stages always fit in less.  Remembered per variant.
-            if named.get("num_stages", 1) <= 1:
+            if meta.get("num_stages", 1) <= 1:
                 raise
-            named["num_stages"] = _fitted_stages[fit_key] = named["num_stages"] - 1
+            meta["num_stages"] = _fitted_stages[fit_key] = meta["num_stages"] - 1
     if direct and key is not None and compiled is not None:
         if len(_compiled) >= _MAX_COMPILED:
             _compiled.clear()
@@ -172,14 +189,6 @@ def launch(kernel, grid, **kwargs) -> tuple | None:
         _compiled[key] = compiled
         return compiled, named_values(kernel, named)
     return None
-
-
-def launch_args(kernel, grid, args: tuple, meta: dict) -> tuple | None:
-    """:func:`launch` for a caller holding the leading arguments in signature order."""
-    if not INTERNALS_OK:
-        kernel[grid](*args, **meta)
-        return None
-    return launch(kernel, grid, **dict(zip(kernel.arg_names, args)), **meta)
 
 
 _param_kinds: dict = {}
