@@ -56,9 +56,9 @@ def make_fn(impl, q, k, v):
     N, D = q.shape[2], q.shape[3]
     if impl == "flashtile":
         return lambda: flashtile.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if impl == "flashtile_tiled":
+    if impl == "flashtile_tiled":  # run inside engine(impl), which turns the routing off
         def tiled():
-            with flashtile.use_backend("torch"), _forced_tiled():
+            with flashtile.use_backend("torch"):
                 return flashtile.scaled_dot_product_attention(q, k, v, is_causal=True)
         return tiled
     if impl == "flashtile_window":
@@ -82,9 +82,11 @@ def make_fn(impl, q, k, v):
 
 
 @contextlib.contextmanager
-def _forced_tiled():
+def engine(impl):
+    """Around whole steps (forward and backward): ``flashtile_tiled`` turns off the torch
+    backend's routing to PyTorch's fused kernel."""
     old = torch_attention.USE_ATEN
-    torch_attention.USE_ATEN = False
+    torch_attention.USE_ATEN = impl != "flashtile_tiled"
     try:
         yield
     finally:
@@ -111,7 +113,7 @@ def count_ops(impl, N):
     """ATen ops (every op the dispatcher sees from Python, views included) of one fwd+bwd."""
     q, k, v, do = inputs(N)
     fn = make_fn(impl, q, k, v)
-    with _OpCounter() as counter:
+    with engine(impl), _OpCounter() as counter:
         torch.autograd.grad(fn(), (q, k, v), do)
     return counter.count
 
@@ -128,7 +130,8 @@ def child(impl, N, threads, reps):
     fn = make_fn(impl, q, k, v)
 
     def step():
-        torch.autograd.grad(fn(), (q, k, v), do)
+        with engine(impl):
+            torch.autograd.grad(fn(), (q, k, v), do)
 
     with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM to the current VmRSS
         f.write("5")
@@ -152,7 +155,10 @@ def busy_process(active):
     if not active:
         yield None
         return
-    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    # spins until stopped, or until this process is gone (it checks its parent every ~0.1 s)
+    loop = ("import os, sys\nparent = int(sys.argv[1])\nwhile os.getppid() == parent:\n"
+            "    for _ in range(10 ** 6):\n        pass\n")
+    spin = subprocess.Popen([sys.executable, "-c", loop, str(os.getpid())])
     time.sleep(1.0)
     try:
         yield spin.pid
@@ -216,7 +222,9 @@ def plot(result, path):
             if med is not None:
                 xs.append(i_i + (c_i - (len(conds) - 1) / 2) * width)
                 ys.append(med * 1e3)
-        bars = ax.bar(xs, ys, width, label=cond)
+        load = result["conditions"][cond].get("loadavg_before")
+        label = cond if not load else f"{cond} (1-min load {load[0]:.1f} before)"
+        bars = ax.bar(xs, ys, width, label=label)
         for bar, impl in zip(bars, [m for m in impls if rows.get(m, {}).get("median_s")]):
             ratio = rows[impl].get("ratio_to_sdpa")
             if ratio is not None:

@@ -21,12 +21,14 @@ backward on them and adds dK/dV back into the paged layout (``flashtile.paged_kv
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from . import _functorch, backends, paged_kv
+from . import _validate as V
 from .backends.spec import AttnSpec
 from .rng import draw_seed
 
@@ -59,14 +61,34 @@ def _kwargs(alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     return kw
 
 
+def _no_autocast(device: torch.device):
+    """The backends compute in their inputs' dtype: inside the op, autocast (which would turn
+    the engines' float32 tile matmuls into half-precision ones) is off.  The cast to the
+    autocast dtype happens once, in :func:`attention`."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def _forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
              softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p,
              attn_bias, rng_seed, block_mask, block_m, block_n, block_table=None):
+    if cu_seqlens_q is not None:
+        # the value checks run here, inside the op, so they hold eager and compiled alike
+        if V.value_checks_enabled(q.device):
+            V.varlen_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k, max_seqlen_q,
+                            max_seqlen_k, block_table)
+        else:  # CUDA-graph capture: no host read; clamped indices keep the kernels in bounds
+            cu_seqlens_q, cu_seqlens_k, block_table = V.varlen_guard(
+                cu_seqlens_q, cu_seqlens_k, q.shape[0], k, max_seqlen_q, max_seqlen_k,
+                block_table)
     spec = _spec(softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p)
     impl = backends.get(backends.select(q.device))
-    return impl.forward(q, k, v, spec, **_kwargs(alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                                                 max_seqlen_q, max_seqlen_k, attn_bias, rng_seed,
-                                                 block_mask, block_m, block_n, block_table))
+    with _no_autocast(q.device):
+        return impl.forward(q, k, v, spec, **_kwargs(alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                                                     max_seqlen_q, max_seqlen_k, attn_bias,
+                                                     rng_seed, block_mask, block_m, block_n,
+                                                     block_table))
 
 
 def _backward_impl(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -78,6 +100,21 @@ def _backward_impl(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens
     Paged ``k``/``v`` (``block_table``): the backward runs on the packed keys/values the call
     read, and dK/dV come back in the paged layout (zero in slots no key maps to, summed where
     sequences share a page)."""
+    with _no_autocast(q.device):
+        return _backward_body(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                              max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+                              window_right, bottom_right, softcap, dropout_p, attn_bias,
+                              rng_seed, block_mask, block_m, block_n, bias_grad, block_table)
+
+
+def _backward_body(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                   max_seqlen_k, softmax_scale, window_left, window_right, bottom_right, softcap,
+                   dropout_p, attn_bias, rng_seed, block_mask, block_m, block_n, bias_grad,
+                   block_table):
+    if cu_seqlens_q is not None and not V.value_checks_enabled(q.device):
+        # the forward's guard (CUDA-graph capture): the same clamped indices
+        cu_seqlens_q, cu_seqlens_k, block_table = V.varlen_guard(
+            cu_seqlens_q, cu_seqlens_k, q.shape[0], k, max_seqlen_q, max_seqlen_k, block_table)
     spec = _spec(softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p)
     impl = backends.get(backends.select(q.device))
     kw = _kwargs(alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -218,6 +255,14 @@ def attention(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
     """
     if spec.dropout_p > 0 and rng_seed is None:
         rng_seed = draw_seed(q.device)
+    if torch.is_autocast_enabled(q.device.type):
+        # as torch's SDPA under autocast: compute in the autocast dtype and return it
+        dtype = torch.get_autocast_dtype(q.device.type)
+        if q.dtype != dtype and dtype in V.SUPPORTED_DTYPES:
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+            if attn_bias is not None and attn_bias.is_floating_point() \
+                    and attn_bias.dtype != torch.float32:
+                attn_bias = attn_bias.to(dtype)
     args = (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
             int(max_seqlen_k), spec.softmax_scale, spec.window_left, spec.window_right,
             spec.bottom_right, spec.softcap, spec.dropout_p, attn_bias, rng_seed, block_mask,

@@ -29,7 +29,6 @@ import torch
 
 from . import _validate as V
 from .autograd import attention, dropout_seed
-from .interface import _check_qkv, _spec
 
 __all__ = [
     "block_sparse_attn_func",
@@ -59,15 +58,15 @@ def block_sparse_attn_func(q, k, v, block_mask, block_size=(128, 128), dropout_p
 
     Returns ``out (batch, seqlen_q, nheads, headdim)``, differentiable w.r.t. q, k, v.
     """
-    _check_qkv(q, k, v, "(batch, seqlen, nheads, headdim)",
+    V.check_qkv(q, k, v, "(batch, seqlen, nheads, headdim)",
                "(batch, seqlen_k, nheads_k, headdim)", 4)
     if k.shape[0] != q.shape[0]:
-        raise ValueError(f"batch of q ({q.shape[0]}) and k/v ({k.shape[0]}) must match")
+        raise V.FlashtileInputError(f"batch of q ({q.shape[0]}) and k/v ({k.shape[0]}) must match")
     bm, bn = V.block_size(block_size)
     batch, sq, nheads, _ = q.shape
     sk = k.shape[1]
     V.block_mask(block_mask, batch, nheads, math.ceil(sq / bm), math.ceil(sk / bn), q.device)
-    spec = _spec(q, softmax_scale, causal, (-1, -1), 0.0, dropout_p)
+    spec = V.spec(q, softmax_scale, causal, (-1, -1), 0.0, dropout_p)
     out, _ = attention(q, k, v, spec, block_mask=block_mask, block_size=(bm, bn),
                        rng_seed=dropout_seed(spec, q.device))
     return out
@@ -115,7 +114,7 @@ def strided_block_mask(seqlen_q, seqlen_k, block_size=(128, 128), stride=2, caus
             0 1 0 1
     """
     if stride < 1:
-        raise ValueError(f"stride must be >= 1, got {stride}")
+        raise V.FlashtileInputError(f"stride must be >= 1, got {stride}")
     r, c = _grid(seqlen_q, seqlen_k, block_size, device)
     m = (r - c).remainder(stride) == 0
     if causal:

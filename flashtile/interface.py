@@ -10,8 +10,8 @@ import torch
 from . import _validate as V
 from . import paged_kv
 from .autograd import attention, dropout_seed
-from .backends.spec import AttnSpec
-from .decode import flash_attn_with_kvcache  # noqa: F401  (documented there; exported here)
+from ._validate import check_qkv as _check_qkv
+from ._validate import spec as _spec
 from .masks import attention_probs, attention_probs_varlen, sign_dropped
 
 
@@ -30,40 +30,6 @@ def _maybe_contiguous(x):
 def _no_probs(q: torch.Tensor) -> torch.Tensor:
     """``S_dmask`` of a call without dropout: an empty tensor of q's dtype, as flash-attn."""
     return q.new_empty((0,))
-
-
-def _check_qkv(q, k, v, layout_q: str, layout_kv: str, ndim: int, names=("q", "k", "v"),
-               ndim_kv: int | None = None):
-    nq, nk, nv = names
-    ndim_kv = ndim if ndim_kv is None else ndim_kv
-    V.tensor(nq, q, ndim, layout_q)
-    V.tensor(nk, k, ndim_kv, layout_kv)
-    V.tensor(nv, v, ndim_kv, layout_kv)
-    named = dict(zip(names, (q, k, v)))
-    for name, x in named.items():
-        V.float_dtype(name, x)
-    V.same_dtype_device(named)
-    for name, x in named.items():
-        V.last_dim_contiguous(name, x)
-    if k.shape != v.shape:
-        raise ValueError(f"{nk} and {nv} must have the same shape {layout_kv}, got {nk} "
-                         f"{tuple(k.shape)} and {nv} {tuple(v.shape)}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"headdim of {nq} ({q.shape[-1]}) and {nk}/{nv} ({k.shape[-1]}) "
-                         "must match")
-    V.head_dim(q.shape[-1], nq)
-    V.heads(q.shape[-2], k.shape[-2])
-
-
-def _spec(q, softmax_scale, causal, window_size, softcap, dropout_p, bottom_right=True,
-          scale_name="softmax_scale"):
-    """``q``: the query tensor, or its head dim as an int."""
-    head_dim = q if isinstance(q, int) else q.shape[-1]
-    left, right = V.window(window_size)
-    if causal:
-        right = 0
-    return AttnSpec(V.softmax_scale(softmax_scale, head_dim, scale_name), left, right,
-                    bottom_right, V.softcap(softcap), V.dropout(dropout_p))
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -128,7 +94,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     q, k, v = _maybe_contiguous(q), _maybe_contiguous(k), _maybe_contiguous(v)
     _check_qkv(q, k, v, "(batch, seqlen, nheads, headdim)", "(batch, seqlen_k, nheads_k, headdim)", 4)
     if k.shape[0] != q.shape[0]:
-        raise ValueError(f"batch of q ({q.shape[0]}) and k/v ({k.shape[0]}) must match")
+        raise V.FlashtileInputError(f"batch of q ({q.shape[0]}) and k/v ({k.shape[0]}) must match")
     spec = _spec(q, softmax_scale, causal, window_size, softcap, dropout_p)
     slopes = V.alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
     seed = dropout_seed(spec, q.device)
@@ -204,20 +170,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                    ndim_kv=4)
     else:
         _check_qkv(q, k, v, "(total_q, nheads, headdim)", "(total_k, nheads_k, headdim)", 3)
-    if not _compiling():
-        lens_q = V.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q,
-                              "max_seqlen_q", q.device)
-        # paged k/v: the pool's size says nothing about the number of keys
-        lens_k = V.cu_seqlens("cu_seqlens_k", cu_seqlens_k, None if paged else k.shape[0],
-                              max_seqlen_k, "max_seqlen_k", q.device)
-        batch = len(lens_q)
-        if batch != len(lens_k):
-            raise ValueError(f"cu_seqlens_q describes {batch} sequences but cu_seqlens_k "
-                             f"describes {len(lens_k)}")
-        if paged:
-            V.block_table(block_table, lens_k, k, q.device)
-    else:
-        batch = cu_seqlens_q.shape[0] - 1
+    # static checks here; the values (cu_seqlens, max_seqlen, block_table entries) are checked
+    # where the op runs, so they hold under torch.compile too (_validate.varlen_values)
+    batch = V.cu_seqlens("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, "max_seqlen_q", q.device)
+    V.cu_seqlens("cu_seqlens_k", cu_seqlens_k, max_seqlen_k, "max_seqlen_k", q.device)
+    if paged:
+        V.block_table(block_table, batch, k, q.device)
     spec = _spec(q, softmax_scale, causal, window_size, softcap, dropout_p)
     slopes = V.alibi(alibi_slopes, batch, q.shape[1], q.device)
     seed = dropout_seed(spec, q.device)
@@ -244,7 +202,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     """``flash_attn_func`` on ``qkv`` of shape ``(batch, seqlen, 3, nheads, headdim)``."""
     V.tensor("qkv", qkv, 5, "(batch, seqlen, 3, nheads, headdim)")
     if qkv.shape[2] != 3:
-        raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got "
+        raise V.FlashtileInputError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got "
                          f"{tuple(qkv.shape)}")
     q, k, v = qkv.unbind(dim=2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
@@ -257,7 +215,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     """``flash_attn_func`` with ``kv`` of shape ``(batch, seqlen_k, 2, nheads_k, headdim)``."""
     V.tensor("kv", kv, 5, "(batch, seqlen_k, 2, nheads_k, headdim)")
     if kv.shape[2] != 2:
-        raise ValueError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got "
+        raise V.FlashtileInputError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got "
                          f"{tuple(kv.shape)}")
     k, v = kv.unbind(dim=2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
@@ -273,7 +231,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     ``max_seqlen`` an int), as flash-attn 2.x.  ``dqkv`` comes back in ``qkv``'s layout."""
     V.tensor("qkv", qkv, 4, "(total, 3, nheads, headdim)")
     if qkv.shape[1] != 3:
-        raise ValueError(f"qkv must have shape (total, 3, nheads, headdim), got "
+        raise V.FlashtileInputError(f"qkv must have shape (total, 3, nheads, headdim), got "
                          f"{tuple(qkv.shape)}")
     q, k, v = qkv.unbind(dim=1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
@@ -290,7 +248,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     ``(total_k, 2, nheads_k, headdim)``, as flash-attn 2.x (GQA/MQA allowed)."""
     V.tensor("kv", kv, 4, "(total_k, 2, nheads_k, headdim)")
     if kv.shape[1] != 2:
-        raise ValueError(f"kv must have shape (total_k, 2, nheads_k, headdim), got "
+        raise V.FlashtileInputError(f"kv must have shape (total_k, 2, nheads_k, headdim), got "
                          f"{tuple(kv.shape)}")
     k, v = kv.unbind(dim=1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -350,7 +308,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() < 2:
-            raise ValueError(f"{name} must have shape (..., L|S, E) with at least 2 "
+            raise V.FlashtileInputError(f"{name} must have shape (..., L|S, E) with at least 2 "
                              f"dimensions, got {tuple(x.shape)}")
     if type(is_causal) is not bool:  # noqa: E721  (PyTorch accepts exactly a bool)
         raise TypeError(f"is_causal must be bool, not {type(is_causal).__name__}")
@@ -361,21 +319,27 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ndim = max(query.dim(), key.dim(), value.dim())
     L, E, S, Ev = query.shape[-2], query.shape[-1], key.shape[-2], value.shape[-1]
     if key.shape[-1] != E or Ev != E:
-        raise ValueError(f"query, key and value must share the head dim, got "
+        raise V.FlashtileInputError(f"query, key and value must share the head dim, got "
                          f"{E}, {key.shape[-1]}, {Ev}")
     if value.shape[-2] != S:
-        raise ValueError(f"key and value must have the same number of keys S, got "
+        raise V.FlashtileInputError(f"key and value must have the same number of keys S, got "
                          f"{tuple(key.shape)} and {tuple(value.shape)}")
-    # Lift to (..., H, L|S, E) with one rank: missing leading dims broadcast as size 1.
-    q4, k4, v4 = (x.reshape((1,) * (max(ndim, 3) - x.dim()) + tuple(x.shape))
-                  for x in (query, key, value))
-    try:
-        lead = torch.broadcast_shapes(q4.shape[:-3], k4.shape[:-3], v4.shape[:-3])
-        nheads_kv = torch.broadcast_shapes(k4.shape[-3:-2], v4.shape[-3:-2])[0]
-    except RuntimeError:
-        raise ValueError(f"the batch dimensions of query {tuple(query.shape)}, key "
-                         f"{tuple(key.shape)} and value {tuple(value.shape)} (all but the "
-                         "last two) are not broadcastable") from None
+    q4, k4, v4 = query, key, value
+    kshape = key.shape
+    if ndim == query.dim() == key.dim() == value.dim() >= 3 and kshape[:-2] == value.shape[:-2] \
+            and query.shape[:-3] == kshape[:-3]:  # the common case: nothing broadcasts
+        lead, nheads_kv, expand = kshape[:-3], kshape[-3], False
+    else:  # lift to (..., H, L|S, E) with one rank; missing leading dims broadcast as 1
+        q4, k4, v4 = (x if x.dim() == max(ndim, 3) else
+                      x.reshape((1,) * (max(ndim, 3) - x.dim()) + tuple(x.shape))
+                      for x in (query, key, value))
+        lead = _broadcast(q4.shape[:-3], k4.shape[:-3], v4.shape[:-3])
+        heads_kv = _broadcast(k4.shape[-3:-2], v4.shape[-3:-2])
+        if lead is None or heads_kv is None:
+            raise V.FlashtileInputError(f"the batch dimensions of query {tuple(query.shape)}, key "
+                             f"{tuple(key.shape)} and value {tuple(value.shape)} (all but "
+                             "the last two) are not broadcastable")
+        nheads_kv, expand = heads_kv[0], True
     nheads_q = q4.shape[-3]
     if enable_gqa and nheads_kv != 0 and nheads_q % nheads_kv == 0:
         nheads = nheads_q
@@ -384,7 +348,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     else:
         hint = ("; pass enable_gqa=True for grouped-query attention"
                 if not enable_gqa and nheads_kv and nheads_q % nheads_kv == 0 else "")
-        raise ValueError(f"query has {nheads_q} heads but key/value have {nheads_kv}: the "
+        raise V.FlashtileInputError(f"query has {nheads_q} heads but key/value have {nheads_kv}: the "
                          f"number of query heads must be a multiple of the key/value heads "
                          f"with enable_gqa=True, or one of them must be 1{hint}")
     out_shape = (*lead, nheads, L, E) if ndim >= 3 else (L, E)
@@ -392,11 +356,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if attn_mask is not None:
         V.attn_mask(attn_mask, query, target)
         if is_causal:
-            raise ValueError("attn_mask cannot be combined with is_causal=True (PyTorch's "
+            raise V.FlashtileInputError("attn_mask cannot be combined with is_causal=True (PyTorch's "
                              "semantics); fold the causal mask into attn_mask")
-    for name, x in zip(names, (query, key, value)):
-        V.float_dtype(name, x)
-    V.same_dtype_device(dict(zip(names, (query, key, value))))
     spec = _spec(max(E, 1), scale, is_causal, (-1, -1), 0.0, dropout_p,
                  bottom_right=False, scale_name="scale")
     if min(L, S, E, nheads, *lead) == 0:
@@ -407,10 +368,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             is_causal=is_causal, scale=None if scale is None else spec.softmax_scale,
             enable_gqa=enable_gqa)
     # key/value heads: one per query head, a group per key/value head (GQA), or one (MQA)
-    hk = nheads_kv
-    q4 = q4.expand(*lead, nheads, L, E)
-    k4 = k4.expand(*lead, hk, S, E)
-    v4 = v4.expand(*lead, hk, S, E)
+    if expand or nheads_q != nheads:
+        q4, k4, v4 = (x if x.shape[:-2] == want else x.expand(*want, *x.shape[-2:])
+                      for x, want in ((q4, (*lead, nheads)), (k4, (*lead, nheads_kv)),
+                                      (v4, (*lead, nheads_kv))))
     bias = _mask_4d(attn_mask, target) if attn_mask is not None else None
 
     def to_flash(x):  # (..., H, L, E) -> (B, L, H, E) view; copies only a strided last dim
@@ -421,6 +382,21 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                names=names)
     out, _ = attention(q, k, v, spec, attn_bias=bias, rng_seed=dropout_seed(spec, q.device))
     return out.transpose(1, 2).reshape(out_shape)
+
+
+def _broadcast(*shapes):
+    """PyTorch's broadcast of equal-length shapes (tuples), or None when they do not
+    broadcast (a plain loop: ``torch.broadcast_shapes`` costs ~100 us a call)."""
+    first = tuple(shapes[0])
+    if all(tuple(s) == first for s in shapes[1:]):
+        return first
+    out = []
+    for sizes in zip(*shapes):
+        big = {n for n in sizes if n != 1}
+        if len(big) > 1:
+            return None
+        out.append(big.pop() if big else 1)
+    return tuple(out)
 
 
 def _mask_4d(mask: torch.Tensor, target: tuple[int, ...]) -> torch.Tensor:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ._validate import FlashtileInputError
 from .backends.spec import AttnSpec
 from .rng import keep_mask
 
@@ -94,3 +95,58 @@ def sign_dropped(probs: torch.Tensor, rng_seed, dropout_p: float) -> torch.Tenso
     keep = keep_mask(int(rng_seed.reshape(-1)[0]), dropout_p, batch, nheads, sq, sk,
                      device=probs.device)
     return torch.where(keep, probs, -probs)
+
+
+# ------------------------------------------------------------------------------------------
+# tree masks (speculative decoding, ``flash_attn_with_kvcache(tree_mask=...)``)
+# ------------------------------------------------------------------------------------------
+MAX_PACKED_TREE = 64
+
+
+def build_tree_mask(parents, *, packed: bool = False, device=None) -> torch.Tensor:
+    """Attention mask of a draft-token tree: each node sees itself and its ancestors.
+
+    ``parents``: sequence or integer tensor ``(n,)`` or ``(B, n)``; ``parents[i]`` is the index of
+    node ``i``'s parent among the new tokens, ``-1`` for a root, and must be ``< i`` (nodes in
+    topological order, as drafts are laid out).  Returns bool ``(n, n)`` / ``(B, n, n)`` with
+    ``mask[i, j]`` True when node ``i`` may attend to node ``j``; with ``packed=True`` an int64
+    ``(n,)`` / ``(B, n)`` bitmask instead (bit ``j`` of entry ``i``), which needs ``n <= 64``.
+
+    Example (parents ``[-1, 0, 1, 1, 2, 2, 3, 3, 4]``): row 3 (``D``) is
+    ``[1, 1, 0, 1, 0, 0, 0, 0, 0]``: D sees A, B and itself, not its sibling C.
+    """
+    p = torch.as_tensor(parents, device="cpu")
+    if p.dtype.is_floating_point or p.dtype == torch.bool or p.dtype.is_complex:
+        raise TypeError(f"build_tree_mask: parents must be integers, got {p.dtype}")
+    if p.dim() not in (1, 2):
+        raise FlashtileInputError(f"build_tree_mask: parents must have shape (n,) or (B, n), got {tuple(p.shape)}")
+    batched = p.dim() == 2
+    p = p.reshape(-1, p.shape[-1]).to(torch.int64)
+    n = p.shape[1]
+    idx = torch.arange(n)
+    if ((p >= idx) | (p < -1)).any():
+        raise FlashtileInputError("build_tree_mask: every parents[i] must be -1 (root) or an earlier node index < i")
+    if packed and n > MAX_PACKED_TREE:
+        raise FlashtileInputError(f"build_tree_mask: a packed mask holds at most {MAX_PACKED_TREE} nodes, got {n}")
+    mask = torch.zeros(p.shape[0], n, n, dtype=torch.bool)
+    for i in range(n):
+        mask[:, i, i] = True
+        par = p[:, i]
+        has = par >= 0
+        if has.any():
+            rows = torch.nonzero(has).flatten()
+            mask[rows, i] |= mask[rows, par[rows]]
+    if packed:
+        weights = torch.ones(n, dtype=torch.int64) << idx  # bit j; 1 << 63 wraps to the sign bit
+        out = (mask.to(torch.int64) * weights).sum(-1)
+    else:
+        out = mask
+    if not batched:
+        out = out[0]
+    return out.to(device) if device is not None else out
+
+
+def unpack_tree_mask(packed: torch.Tensor, seqlen_q: int) -> torch.Tensor:
+    """int64 ``(B|1, Sq)`` bitmask -> bool ``(B|1, Sq, Sq)`` (device ops only, capturable)."""
+    bits = torch.arange(seqlen_q, device=packed.device, dtype=torch.int64)
+    return ((packed.unsqueeze(-1) >> bits) & 1).bool()

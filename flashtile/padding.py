@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ._validate import FlashtileInputError
+
 __all__ = ["index_first_axis", "index_first_axis_residual", "index_put_first_axis",
            "pad_input", "unpad_input", "unpad_input_for_concatenated_sequences"]
 
@@ -32,7 +34,7 @@ def _check_indices(indices, n_rows: int | None, total: int | None, name: str = "
                         f"(batch * seqlen), got {str(indices.dtype).replace('torch.', '')}")
     if indices.dim() != 1 or (total is not None and indices.shape[0] != total):
         want = "(total,)" if total is None else f"(total,) = ({total},)"
-        raise ValueError(f"{name} must have shape {want}, got {tuple(indices.shape)}")
+        raise FlashtileInputError(f"{name} must have shape {want}, got {tuple(indices.shape)}")
     if n_rows is None or indices.numel() == 0 or torch.compiler.is_compiling():
         return
     if indices.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -40,7 +42,7 @@ def _check_indices(indices, n_rows: int | None, total: int | None, name: str = "
     lo, hi = (int(x) for x in torch.aminmax(indices))
     if lo < 0 or hi >= n_rows:
         bad = lo if lo < 0 else hi
-        raise ValueError(f"{name} must be in [0, {n_rows}) (positions in the flattened "
+        raise FlashtileInputError(f"{name} must be in [0, {n_rows}) (positions in the flattened "
                          f"(batch * seqlen) = {n_rows} rows), got {bad}")
 
 
@@ -101,14 +103,14 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor,
         sequence.
     """
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 2:
-        raise ValueError("hidden_states must be a tensor of shape (batch, seqlen, ...), got "
+        raise FlashtileInputError("hidden_states must be a tensor of shape (batch, seqlen, ...), got "
                          f"{tuple(getattr(hidden_states, 'shape', ()))}")
     batch_seqlen = tuple(hidden_states.shape[:2])
     for name, m in (("attention_mask", attention_mask), ("unused_mask", unused_mask)):
         if m is None and name == "unused_mask":
             continue
         if not isinstance(m, torch.Tensor) or tuple(m.shape) != batch_seqlen:
-            raise ValueError(f"{name} must be a tensor of shape (batch, seqlen) = "
+            raise FlashtileInputError(f"{name} must be a tensor of shape (batch, seqlen) = "
                              f"{batch_seqlen}, got {tuple(getattr(m, 'shape', ()))}")
     valid = attention_mask.bool()
     selected = valid if unused_mask is None else valid | unused_mask.bool()
@@ -133,11 +135,12 @@ def unpad_input_for_concatenated_sequences(hidden_states: torch.Tensor,
     sequence (so no attention crosses sequences within a row), as flash-attn's function.
     """
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 2:
-        raise ValueError("hidden_states must be a tensor of shape (batch, seqlen, ...), got "
+        raise FlashtileInputError("hidden_states must be a tensor of shape (batch, seqlen, ...), got "
                          f"{tuple(getattr(hidden_states, 'shape', ()))}")
     lengths = attention_mask_in_length
-    if not isinstance(lengths, torch.Tensor) or tuple(lengths.shape) != tuple(hidden_states.shape[:2]):
-        raise ValueError("attention_mask_in_length must be a tensor of shape (batch, seqlen) = "
+    if (not isinstance(lengths, torch.Tensor)
+            or tuple(lengths.shape) != tuple(hidden_states.shape[:2])):
+        raise FlashtileInputError("attention_mask_in_length must be a tensor of shape (batch, seqlen) = "
                          f"{tuple(hidden_states.shape[:2])}, got "
                          f"{tuple(getattr(lengths, 'shape', ()))}")
     seqlen = lengths.shape[1]
@@ -159,7 +162,7 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int,
     ``[0, batch * seqlen)``; this is checked (one host read of their min and max, in eager
     mode) and a bad one raises a ``ValueError`` naming ``indices``."""
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 1:
-        raise ValueError("hidden_states must be a tensor of shape (total, ...), got "
+        raise FlashtileInputError("hidden_states must be a tensor of shape (total, ...), got "
                          f"{tuple(getattr(hidden_states, 'shape', ()))}")
     out = index_put_first_axis(hidden_states, indices, int(batch) * int(seqlen))
     return out.view(int(batch), int(seqlen), *hidden_states.shape[1:])

@@ -15,7 +15,7 @@ A row's capacity is ``max_blocks * page_size``.  Page sizes must be a multiple o
 at an unaligned offset.
 
 Everything here is plain PyTorch (any device).  The gathers are what the torch backend of
-:func:`flashtile.decode.flash_attn_with_kvcache` reads the cache with; the Triton kernels do
+:func:`flashtile.kvcache.flash_attn_with_kvcache` reads the cache with; the Triton kernels do
 the same mapping per key inside the kernel.
 
 Varlen calls with ``block_table`` (:func:`flashtile.flash_attn_varlen_func`) number the keys of
@@ -45,10 +45,12 @@ PAGE_SIZE_MULTIPLE = 16
 
 
 def check_page_size(page_size: int, name: str = "paged k_cache/v_cache") -> None:
-    """Raise ``ValueError`` unless ``page_size`` is a positive multiple of 16; ``name`` says
-    which arguments hold the pages."""
+    """Raise :class:`flashtile.FlashtileInputError` (a ``ValueError``) unless ``page_size`` is
+    a positive multiple of 16; ``name`` says which arguments hold the pages."""
     if page_size <= 0 or page_size % PAGE_SIZE_MULTIPLE != 0:
-        raise ValueError(
+        from ._validate import FlashtileInputError  # _validate imports this module
+
+        raise FlashtileInputError(
             f"{name}: page_size (dim 1 of the cache) must be a positive multiple of "
             f"{PAGE_SIZE_MULTIPLE}, got {page_size}"
         )

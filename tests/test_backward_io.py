@@ -115,3 +115,23 @@ def test_sdpa_gradients_come_in_the_inputs_layout(op_log):
     check_flash_rule("sdpa", out.detach().transpose(1, 2),
                      [x.grad.transpose(1, 2) for x in (query, key, value)], flash,
                      do.transpose(1, 2), _ref(), torch.float32)
+
+
+def test_backward_with_a_strided_lse_equals_the_contiguous_call():
+    """A non-contiguous ``lse`` (a slice of a larger buffer) gives the same gradients as its
+    contiguous copy: the kernels' delta buffer is indexed with lse's strides."""
+    from flashtile.backends import triton as triton_backend
+    from flashtile.backends.spec import AttnSpec
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v, do = (torch.randn(1, 20, 2, 16, generator=g) for _ in range(4))
+    spec = AttnSpec(softmax_scale=0.25, window_right=0)
+    out, lse = triton_backend.forward(q, k, v, spec)
+    wide = torch.full((1, 2, 40), float("nan"))
+    wide[..., ::2] = lse
+    strided = wide[..., ::2]
+    assert not strided.is_contiguous()
+    want = triton_backend.backward(do, q, k, v, out, lse, spec)
+    got = triton_backend.backward(do, q, k, v, out, strided, spec)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), name

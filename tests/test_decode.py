@@ -23,7 +23,7 @@ import torch
 
 from flashtile import paged_kv
 from flashtile.backends.triton.fastlaunch import poison_outputs
-from flashtile.decode import (build_tree_mask, flash_attn_with_kvcache, merge_attention_states,
+from flashtile.kvcache import (build_tree_mask, flash_attn_with_kvcache, merge_attention_states,
                               select_decode_backend)
 
 INTERP = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -35,7 +35,7 @@ BACKENDS = [
     pytest.param("triton", id="triton", marks=pytest.mark.skipif(
         not INTERP, reason=f"runs in the TRITON_INTERPRET=1 child process ({SUBPROCESS_TEST})")),
 ]
-SEED_PARENTS = [-1, 0, 1, 1, 2, 2, 3, 3, 4]
+TREE_PARENTS = [-1, 0, 1, 1, 2, 2, 3, 3, 4]
 # the Triton 3.6 interpreter itself trips numpy's scalar-conversion deprecation
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 NAN = float("nan")
@@ -254,12 +254,12 @@ def _make(c: Case, gen: torch.Generator) -> Inputs:
     tree_bool = tree_arg = None
     if c.tree is not None:
         if c.tree == "batch":
-            parents = torch.tensor([SEED_PARENTS[: c.sq], [-1] + list(range(c.sq - 1))])  # seed tree, chain
+            parents = torch.tensor([TREE_PARENTS[: c.sq], [-1] + list(range(c.sq - 1))])  # a branching tree, a chain
             tree_bool = build_tree_mask(parents)
             tree_arg = tree_bool
         else:
-            tree_bool = build_tree_mask(SEED_PARENTS[: c.sq]).unsqueeze(0)
-            tree_arg = tree_bool if c.tree == "bool" else build_tree_mask(SEED_PARENTS[: c.sq], packed=True).unsqueeze(0)
+            tree_bool = build_tree_mask(TREE_PARENTS[: c.sq]).unsqueeze(0)
+            tree_arg = tree_bool if c.tree == "bool" else build_tree_mask(TREE_PARENTS[: c.sq], packed=True).unsqueeze(0)
     block_table = spare = None
     if c.page:
         per = c.cap // c.page
@@ -415,7 +415,7 @@ def test_num_splits_do_not_change_result(backend, layout):
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("form", ["bool", "packed", "batch"])
 def test_tree_mask_speculative_verification(backend, form):
-    # the 9 drafted tokens of the seed tree are appended and verified in one call
+    # the 9 drafted tokens of a branching tree are appended and verified in one call
     c = Case(sq=9, s_new=9, cap=64, h=4, hk=2, lens=(10, 41), tree=form)
     inp = _make(c, _seed("tree", form))
     out, lse = _call(inp)
@@ -456,7 +456,7 @@ def test_strided_index_tensors(backend):
     _check(inp, out, lse)
 
 
-def test_build_tree_mask_seed_example():
+def test_build_tree_mask_example():
     expected = torch.tensor([
         [1, 0, 0, 0, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0, 0, 0, 0],
@@ -468,12 +468,12 @@ def test_build_tree_mask_seed_example():
         [1, 1, 0, 1, 0, 0, 0, 1, 0],
         [1, 1, 1, 0, 1, 0, 0, 0, 1],
     ], dtype=torch.bool)
-    mask = build_tree_mask(SEED_PARENTS)
+    mask = build_tree_mask(TREE_PARENTS)
     assert mask.dtype == torch.bool and torch.equal(mask, expected)
-    packed = build_tree_mask(SEED_PARENTS, packed=True)
+    packed = build_tree_mask(TREE_PARENTS, packed=True)
     assert packed.dtype == torch.int64
     assert packed.tolist() == [sum(1 << j for j in range(9) if expected[i, j]) for i in range(9)]
-    batched = build_tree_mask(torch.tensor([SEED_PARENTS, [-1, 0, 1, 2, 3, 4, 5, 6, 7]]))
+    batched = build_tree_mask(torch.tensor([TREE_PARENTS, [-1, 0, 1, 2, 3, 4, 5, 6, 7]]))
     assert torch.equal(batched[0], expected) and torch.equal(batched[1], torch.ones(9, 9).tril().bool())
 
 
@@ -699,6 +699,8 @@ def test_eager_plan_replays_the_recorded_launches_with_new_tensors(monkeypatch):
     monkeypatch.setattr(fastlaunch, "launch_hooks_set", lambda: False)
     monkeypatch.setattr(fastlaunch, "run_direct",
                         lambda compiled, grid, values, device: ran.append((compiled, grid, values)) or True)
+    # the stubbed check kernel writes no error record: nothing to read back
+    monkeypatch.setattr(launch_decode, "value_checks_enabled", lambda device: False)
     launch_decode._plan.cache_clear()
 
     def make(seed):
@@ -721,7 +723,8 @@ def test_eager_plan_replays_the_recorded_launches_with_new_tensors(monkeypatch):
         first = make("a")
         _, plan = launch_decode.record_plan(first, call(first))
         kernels = [s[0] for s in seen]
-        assert plan is not None and len(plan.launches) == 4  # append, rotate q, split-KV, combine
+        # check, append, rotate q, split-KV, combine
+        assert plan is not None and len(plan.launches) == 5
         second = make("b")
         seen.clear()
         (want_out, _), _ = launch_decode.record_plan(second, call(second))
@@ -755,7 +758,7 @@ def test_eager_plan_replays_the_recorded_launches_with_new_tensors(monkeypatch):
 
 
 def test_eager_plans_only_for_cuda_triton_calls():
-    from flashtile.decode import _eager_plan_key
+    from flashtile.kvcache import _eager_plan_key
 
     t = torch.zeros(1, 1, 2, 16)
     args = (t, t, t, None, None, None, None, torch.zeros(1, dtype=torch.int32), None, None, None, None)

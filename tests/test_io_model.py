@@ -244,9 +244,36 @@ def test_worker_runs_each_pass_between_markers_and_logs_configs(tmp_path, monkey
     entries = [json.loads(line) for line in log.read_text().splitlines()]
     assert [(e["index"], e.get("pass_")) for e in entries] == [
         (0, "fwd"), (0, "bwd"), (1, "fwd"), (1, "bwd"), (2, None), (3, "bwd"), (4, "fwd"),
-        (4, "bwd")]
+        (4, "bwd")], entries
     assert "error" in entries[4] and not entries[4].get("marked")
     assert entries[5]["configs"]["dkdv"] == [16, 16, 1, 1]
     assert entries[0]["configs"]["fwd"][:2] == [16, 16]  # the interpreter's tiles
     assert entries[2]["configs"] == {}
     assert markers == ["begin", "end"] * 7
+
+
+FAKE_NCU = '''#!{python}
+"""Stands in for ncu: runs the profiled command (on the CPU) and prints the CSV sample."""
+import os, subprocess, sys
+args = sys.argv[1:]
+assert args[:3] == ["--clock-control", "none", "--metrics"], args
+cmd = args[args.index({python!r}):]
+subprocess.run(cmd + ["--device", "cpu"], check=True, env=dict(os.environ, TRITON_INTERPRET="1"))
+sys.stdout.write(open({sample!r}).read())
+'''
+
+
+def test_ncu_run_end_to_end_with_a_stand_in_profiler(tmp_path):
+    # the plumbing of run_ncu_sweeps: the ncu command line, the worker subprocess, its log,
+    # the CSV on stdout, and the records (the stand-in prints the committed sample)
+    import sys
+
+    fake = tmp_path / "ncu"
+    fake.write_text(FAKE_NCU.format(python=sys.executable,
+                                    sample=str(Path(__file__).parent / "data" / "ncu_sample.csv")))
+    fake.chmod(0o755)
+    case = bench_io.Case("fig2", "flashtile", n=16, d=16, heads=1, batch=1, dtype="float32")
+    records = bench_io.run_ncu_sweeps([case], str(fake), True, tmp_path, timeout=600)
+    assert [(r["impl"], r["pass"]) for r in records] == [("flashtile", "fwd"), ("flashtile", "bwd")]
+    assert records[1]["dram_write_bytes"] == pytest.approx(138.52e6 + 268_500_992)
+    assert records[0]["block_m"] == 16  # the interpreter's tiles, logged by the worker

@@ -314,6 +314,18 @@ class _OpLog(TorchDispatchMode):
 
 _FUSED = "_scaled_dot_product_flash_attention_for_cpu"
 
+
+def _bool_mask(B, H, sq, sk, empty_rows=True):
+    """A random bool mask (True = visible); with ``empty_rows``, row 3 hides every key and
+    row 2 sees only keys after itself (empty under top-left causal masking)."""
+    g = make_gen(B * 100 + H * 10 + sq + sk)
+    m = torch.rand(B, H, sq, sk, generator=g) > 0.3
+    if empty_rows:
+        m[..., 3, :] = False
+        m[..., 2, :] = False
+        m[..., 2, 5:] = True
+    return m
+
 # (id, Sq, Sk, H, Hk, spec fields, extra forward kwargs, expected is_causal or None)
 ROUTES = [
     ("full", 33, 47, 4, 4, {}, {}, False),
@@ -330,8 +342,13 @@ ROUTES = [
     ("dropout", 40, 40, 2, 2, dict(dropout_p=0.1), {}, None),
     ("alibi", 40, 40, 2, 2, {}, dict(alibi_slopes=torch.ones(2)), None),
     ("float-bias", 40, 40, 2, 2, {}, dict(attn_bias=torch.zeros(1, 1, 40, 40)), None),
-    ("bool-mask", 40, 40, 2, 2, {}, dict(attn_bias=torch.ones(1, 1, 40, 40, dtype=torch.bool)),
-     None),
+    ("bool-mask-empty-rows", 40, 33, 4, 2, {}, dict(attn_bias=_bool_mask(2, 4, 40, 33)), False),
+    ("bool-mask-keys-only", 40, 33, 4, 4, {},
+     dict(attn_bias=_bool_mask(2, 1, 1, 33, empty_rows=False)), False),
+    ("bool-mask-causal-top-left", 40, 33, 4, 2, dict(window_right=0, bottom_right=False),
+     dict(attn_bias=_bool_mask(1, 4, 40, 33)), True),
+    ("bool-mask-window", 40, 40, 2, 2, dict(window_left=5, window_right=0),
+     dict(attn_bias=_bool_mask(1, 2, 40, 40)), None),
     ("empty-keys", 40, 0, 2, 2, {}, {}, None),
 ]
 
@@ -364,19 +381,29 @@ ROUTED = [c for c in ROUTES if c[-1] is not None]
 def test_routed_equals_tiled_equals_reference(case, dtype, monkeypatch, small_tiles):
     """A routed call runs the fused kernel once per pass and no tiled op, and agrees with the
     tiled engine and with float64 (flash-attn's rule in fp16/bf16)."""
-    name, sq, sk, H, Hk, fields, _, _ = case
-    q, k, v, do, _ = _inputs(len(name) + sq, 2, sq, sk, H, Hk, 16, dtype=dtype)
+    name, sq, sk, H, Hk, fields, kw, _ = case
+    B = kw["attn_bias"].shape[0] if "attn_bias" in kw else 2
+    q, k, v, do, _ = _inputs(len(name) + sq, B, sq, sk, H, Hk, 16, dtype=dtype)
     spec = AttnSpec(softmax_scale=0.25, **fields)
     with _OpLog() as log:
-        out, lse, grads = _run(q, k, v, do, spec, None)
+        out, lse, grads = _run(q, k, v, do, spec, None, **kw)
     assert log.names.count(_FUSED) == 1 and log.names.count(_FUSED + "_backward") == 1
     assert not {"bmm", "baddbmm", "exp2"} & set(log.names), "the tiled engine ran"
-    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (2, H, sq)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (B, H, sq)
     assert out.is_contiguous() and lse.is_contiguous()
     assert all(g.dtype == dtype and g.is_contiguous() for g in grads)
     monkeypatch.setattr(torch_tiled, "USE_ATEN", False)
-    t_out, t_lse, t_grads = _run(q, k, v, do, spec, None)
-    want_out, want_lse, want_grads = _reference(q, k, v, do, spec, None)
+    t_out, t_lse, t_grads = _run(q, k, v, do, spec, None, **kw)
+    # the references take additive biases: a bool mask becomes 0 / -inf
+    add_kw = {n: torch.zeros(m.shape).masked_fill(~m, float("-inf")) for n, m in kw.items()}
+    want_out, want_lse, want_grads = _reference(q, k, v, do, spec, None, **add_kw)
+    want_grads = tuple(want_grads[:3])
+    empty = torch.from_numpy(np.isneginf(want_lse))  # (B, H, Sq): rows that see no key
+    assert torch.equal(torch.isneginf(lse), empty), "lse must be -inf exactly on empty rows"
+    if "empty-rows" in name or "causal" in name and "attn_bias" in kw:
+        assert empty.any(), "the case should have rows that see no key"
+    rows = out.permute(0, 2, 1, 3)[empty]
+    assert_close("out of empty rows", rows, torch.zeros(rows.shape), 0, 0)
     names = ("out", "dq", "dk", "dv")
     if dtype == torch.float32:
         for n, got, tiled, want in zip(names, (out,) + grads, (t_out,) + t_grads,
@@ -385,13 +412,13 @@ def test_routed_equals_tiled_equals_reference(case, dtype, monkeypatch, small_ti
             assert_close(f"routed {n} vs tiled", got, tiled, **_fp32_tol(want))
     else:
         qa, ka, va = (x.clone().requires_grad_() for x in (q, k, v))
-        base_out, _ = math_attention(qa, ka, va, **naive_kwargs(spec))
+        base_out, _ = math_attention(qa, ka, va, **naive_kwargs(spec, **add_kw))
         base_out.backward(do)
         for n, got, tiled, want, base, f in zip(
                 names, (out,) + grads, (t_out,) + t_grads, (want_out,) + want_grads,
                 (base_out, qa.grad, ka.grad, va.grad), (2.0, 3.0, 3.0, 3.0)):
-            low_precision_bound(f"routed {n}", got, want, base, f)
-            low_precision_bound(f"tiled {n}", tiled, want, base, f)
+            assert_flash_rule(f"routed {n}", got, want, base, f)
+            assert_flash_rule(f"tiled {n}", tiled, want, base, f)
     assert_close("routed lse vs float64", lse, want_lse, atol=1e-4, rtol=1e-5)
     assert_close("routed lse vs tiled", lse, t_lse, atol=1e-4, rtol=1e-5)
 

@@ -1,5 +1,7 @@
 """Backend registry: ``"triton"`` (GPU kernels, or the Triton interpreter) and ``"torch"`` (a
-tiled PyTorch engine for any device).
+tiled PyTorch engine for any device).  Every backend implements the same four functions
+(:func:`get`): attention forward/backward, decode against a KV cache and the merge of two
+partial results.
 
 Selection, first match wins: ``use_backend(name)`` context, ``FLASHTILE_BACKEND`` environment
 variable, then by device: CUDA tensors -> triton; CPU tensors -> triton only when
@@ -91,7 +93,10 @@ def select(device: torch.device) -> str:
 
 
 def get(name: str):
-    """The module implementing ``forward``/``backward`` for backend ``name``."""
+    """The module implementing backend ``name``: ``forward`` / ``backward`` (dense, varlen and
+    paged attention, see ``spec.py``), ``decode(spec: KVCacheSpec, k_cache, v_cache, rotary_cos,
+    rotary_sin, alibi_slopes, rotary_interleaved) -> (out, lse)`` (``flash_attn_with_kvcache``)
+    and ``merge_states(out_a, lse_a, out_b, lse_b) -> (out, lse)``."""
     if name == "triton":
         return importlib.import_module(".triton", __name__)
     return importlib.import_module(".torch", __name__)

@@ -44,10 +44,24 @@ Causal attention is ``window_right = 0``.
 Score of a visible pair: ``s = scale * q.k``; with softcap ``c > 0``: ``s = c * tanh(s / c)``;
 with ALiBi slopes: ``s -= slope[b, h] * |i + sk - sq - j|`` (always bottom-right distance, as
 flash-attn).
+
+Partial calls (dense only): a block of queries and a block of keys cut from a longer sequence of
+``seqlen_q_total`` queries and ``seqlen_k_total`` keys, local query ``i`` being global query
+``q_offset + i`` and local key ``j`` global key ``k_offset + j``, batch entry ``b`` being global
+entry ``batch_offset + b``.  Visibility, ALiBi distances and the dropout counter are those of the
+global positions: ``shift = (Sk_total - Sq_total if bottom_right else 0) + q_offset - k_offset``
+in the rule above, the ALiBi distance is ``|i + Sk_total - Sq_total + q_offset - k_offset - j|``
+and the dropout counter ``(((batch_offset + b)*H_total + head_offset + h)*Sq_total + q_offset
++ i)*Sk_total + k_offset + j``.  ``head_offset`` / ``nheads_total`` (a slice of the heads) are
+allowed with varlen too; the other fields are dense only.  The defaults (offsets 0, totals 0 meaning "the local lengths") are the plain
+call.  ``flashtile.distributed.partial`` exposes them.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple, Optional
+
+import torch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +72,16 @@ class AttnSpec:
     bottom_right: bool = True
     softcap: float = 0.0
     dropout_p: float = 0.0
+    # partial calls (see the module docstring); the defaults are the plain call
+    q_offset: int = 0
+    k_offset: int = 0
+    seqlen_q_total: int = 0
+    seqlen_k_total: int = 0
+    batch_offset: int = 0
+    # dropout counters of a slice of the heads (any layout): local head h is global head
+    # head_offset + h of nheads_total (0: the local count)
+    head_offset: int = 0
+    nheads_total: int = 0
 
     @property
     def causal(self) -> bool:
@@ -66,3 +90,54 @@ class AttnSpec:
     @property
     def has_window(self) -> bool:
         return self.window_left >= 0 or self.window_right >= 0
+
+    @property
+    def is_partial(self) -> bool:
+        """Offsets / global lengths of the positions or batch (dense calls only)."""
+        return bool(self.q_offset or self.k_offset or self.seqlen_q_total or self.seqlen_k_total
+                    or self.batch_offset)
+
+    def totals(self, sq: int, sk: int) -> tuple[int, int]:
+        """The (Sq, Sk) of the global sequence for local lengths ``sq``, ``sk``."""
+        return self.seqlen_q_total or sq, self.seqlen_k_total or sk
+
+    def shift(self, sq: int, sk: int) -> int:
+        """The diagonal's shift for local lengths ``sq``, ``sk``: key ``j`` is on query ``i``'s
+        diagonal when ``j = i + shift``."""
+        gq, gk = self.totals(sq, sk)
+        return (gk - gq if self.bottom_right else 0) + self.q_offset - self.k_offset
+
+    def alibi_shift(self, sq: int, sk: int) -> int:
+        """ALiBi distance of local ``(i, j)`` is ``|i + alibi_shift - j|`` (bottom-right)."""
+        gq, gk = self.totals(sq, sk)
+        return gk - gq + self.q_offset - self.k_offset
+
+
+class KVCacheSpec(NamedTuple):
+    """A validated ``flash_attn_with_kvcache`` call, as the decode backends receive it.
+
+    Layouts (flash-attn's): ``q (B, Sq, H, D)``; the cache ``(B_cache, S_cache, Hk, D)`` or,
+    with ``block_table (B, max_blocks)``, pages ``(num_blocks, page_size, Hk, D)``; new
+    ``k``/``v`` ``(B, S_new, Hk, D)``; out ``(B, Sq, H, D)``, lse float32 ``(B, H, Sq)``.
+    Keys of row ``b`` are cache positions ``[leftpad[b], cache_seqlens[b] + seqlen_new)``;
+    visibility follows the window rule above with ``bottom_right`` alignment per row, and
+    with a tree mask the ``Sq`` queries (the row's last ``Sq`` keys) see each other only where
+    ``tree_mask[b, t, u]`` is set.
+    """
+
+    q: torch.Tensor
+    k: Optional[torch.Tensor]
+    v: Optional[torch.Tensor]
+    cache_seqlens: torch.Tensor  # int32 (B,)
+    cache_batch_idx: Optional[torch.Tensor]
+    cache_leftpad: Optional[torch.Tensor]
+    block_table: Optional[torch.Tensor]
+    tree_mask: Optional[torch.Tensor]  # bool (B|1, Sq, Sq)
+    softmax_scale: float
+    window_left: int
+    window_right: int
+    softcap: float
+    rotary_q_per_token: bool
+    num_splits: int
+    seqlen_new: int
+    capacity: int

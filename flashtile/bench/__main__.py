@@ -16,8 +16,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "report": ("flashtile.bench.report", "tables and plots of saved JSON records"),
     "decode": ("flashtile.bench.decode", "KV-cache decode step against SDPA and Flex (CUDA)"),
     "variants": ("flashtile.bench.variants", "block-sparse density, sliding window, varlen"),
-    "train": ("flashtile.bench.train", "end-to-end training step of a transformers model"),
+    "train": ("flashtile.bench.train", "GPT-2 training end to end (tokens/s, memory, loss curves)"),
     "io": ("flashtile.bench.io", "measured DRAM traffic against the IO model (ncu)"),
+    "cp": ("flashtile.bench.cp", "context-parallel attention: one-GPU check, multi-GPU scaling"),
 }
 DEFAULT = "speed"
 

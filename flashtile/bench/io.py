@@ -24,12 +24,15 @@ Sweeps (``--sweeps``):
 
 How: the ``ncu`` sweeps run a worker process (``python -m flashtile.bench.io worker``) under
 ``ncu --clock-control none --metrics dram__bytes_read.sum,dram__bytes_write.sum,
-lts__t_bytes.sum,gpu__time_duration.sum --csv --print-units base --nvtx --nvtx-include io/``.
-The worker warms each case up outside the NVTX range ``io``, then inside it runs exactly the
-measured calls (one forward, one backward), each between two tiny marker kernels
-(:data:`BEGIN_MARKER`, :data:`END_MARKER`): the kernels Nsight Compute reports between a begin
-and an end marker belong to that pass, in order, whatever their names.  ``--no-nvtx``
-profiles every kernel (warm-ups included, slower) and still attributes them by the markers.
+lts__t_bytes.sum,gpu__time_duration.sum --csv --print-units base``.
+The worker warms each case up, then runs exactly the measured calls (one forward, one
+backward), each between two tiny marker kernels (:data:`BEGIN_MARKER`, :data:`END_MARKER`):
+the kernels Nsight Compute reports between a begin and an end marker belong to that pass, in
+order, whatever their names.  Every kernel is profiled, warm-ups included.  ``--nvtx`` limits
+profiling to the NVTX range ``io`` around the measured calls; NVTX ranges belong to the thread
+that opens them, and PyTorch runs a CUDA backward on its autograd thread, so with ``--nvtx``
+the backward's kernels are missed (the H100 run of 2026-11-23 showed it): use it for forward
+sweeps only.
 
 Records (JSON list in ``benchmarks/results/``), one per (case, pass) with the kernels nested:
 ``impl, pass, n, d, heads, batch, block_m, block_n, dram_read_bytes, dram_write_bytes,
@@ -71,7 +74,8 @@ PAPER_FIG2 = {"standard": {"gb": 40.3, "ms": 41.7}, "flashtile": {"gb": 4.4, "ms
 
 _UNITS = {"byte": 1, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "tbyte": 1e12,
           "kibyte": 2**10, "mibyte": 2**20, "gibyte": 2**30,
-          "nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3}
+          "nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3,
+          "ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}
 _METRIC_FIELDS = {"dram__bytes_read.sum": "dram_read_bytes",
                   "dram__bytes_write.sum": "dram_write_bytes",
                   "lts__t_bytes.sum": "l2_bytes", "gpu__time_duration.sum": "ms"}
@@ -162,7 +166,7 @@ class KernelRecord:
         return self.metrics.get(metric)
 
 
-def _number(value: str, unit: str) -> float | None:
+def _number(value: str, unit: str, metric: str = "") -> float | None:
     text = value.strip().replace(",", "")
     if text in ("", "n/a", "N/A"):
         return None
@@ -170,7 +174,11 @@ def _number(value: str, unit: str) -> float | None:
         x = float(text)
     except ValueError:
         return None
-    return x * _UNITS.get(unit.strip().lower(), 1.0)
+    unit = unit.strip().lower()
+    if unit not in _UNITS and metric.startswith("gpu__time_duration"):
+        # ``--print-units base`` gives durations in nanoseconds, whatever the unit cell says
+        return x * 1e-6
+    return x * _UNITS.get(unit, 1.0)
 
 
 def _csv_lines(text: str) -> list[str]:
@@ -201,7 +209,7 @@ def parse_ncu_csv(text: str) -> list[KernelRecord]:
                 continue
             kid = int(row[i_id])
             rec = kernels.setdefault(kid, KernelRecord(kid, row[i_name], {}))
-            value = _number(row[i_value], row[i_unit])
+            value = _number(row[i_value], row[i_unit], row[i_metric])
             if value is not None:
                 rec.metrics[row[i_metric]] = value
     else:
@@ -214,7 +222,7 @@ def parse_ncu_csv(text: str) -> list[KernelRecord]:
             rec = kernels.setdefault(kid, KernelRecord(kid, row[i_name], {}))
             for j, col in enumerate(header):
                 if col in METRICS:
-                    value = _number(row[j], units[j] if units else "")
+                    value = _number(row[j], units[j] if units else "", col)
                     if value is not None:
                         rec.metrics[col] = value
     return [kernels[k] for k in sorted(kernels)]
@@ -582,7 +590,7 @@ def run_ncu_sweeps(cases: list[Case], ncu: str, nvtx: bool, workdir: Path,
     print(f"{len(kernels)} kernels profiled, {len(groups)} marked groups, {len(measured)} "
           f"measured passes, {len(entries) - len(measured)} failed cases", flush=True)
     if len(groups) != len(measured):
-        print("warning: groups and passes differ (no kernels at all: try --no-nvtx)", flush=True)
+        print("warning: groups and passes differ (no kernels at all: run without --nvtx)", flush=True)
     return build_records(cases, entries, groups, environment(ncu))
 
 
@@ -845,8 +853,9 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--plots", default=None, help="directory for the PNGs (default: next "
                        "to --out, <out stem>_plots)")
         q.add_argument("--ncu", default=None, help="ncu executable (default: from PATH)")
-        q.add_argument("--no-nvtx", action="store_true", help="profile every kernel (warm-ups "
-                       "too) and rely on the marker kernels alone")
+        q.add_argument("--nvtx", action="store_true", help="profile only the NVTX range around "
+                       "the measured calls (misses backward kernels, which run on the autograd "
+                       "thread)")
         q.add_argument("--timeout", type=int, default=900, help="seconds per subprocess")
     rep = sub.add_parser("report", help="tables (and PNGs) from a results JSON")
     rep.add_argument("json")
@@ -896,7 +905,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if ncu is None:
                 print("ncu (Nsight Compute) not found: pass --ncu PATH", file=sys.stderr)
                 return 2
-            records += run_ncu_sweeps(cases, ncu, not args.no_nvtx, Path(tmp), args.timeout)
+            records += run_ncu_sweeps(cases, ncu, args.nvtx, Path(tmp), args.timeout)
         if "fig3" in args.sweeps:
             records += run_fig3(args.quick, Path(tmp), args.timeout)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -208,7 +208,7 @@ def variants_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m flashtile.bench variants",
         description="Block-sparse density, sliding-window and varlen sweeps, each against its "
-                    "dense call (see flashtile/bench_variants.py). Unset sizes come from the "
+                    "dense call (see flashtile/bench/variants.py). Unset sizes come from the "
                     "device's preset: B=2, N=8K, H=16, d=128, bf16 on CUDA; B=2, N=512, H=2, "
                     "d=32, fp32 on CPU (--quick: smaller).")
     p.add_argument("--sweeps", nargs="+", default=None, metavar="SWEEP",

@@ -9,7 +9,7 @@ statistics).  Three levels:
                 dK, dV::
 
                     fwd = e (2 n d H + 2 n_k d Hk) + 4 n H          (per batch element)
-                    bwd = e (4 n d H + 2 n_k d Hk) + 4 n H + e (n d H + 2 n_k d Hk)
+                    bwd = e (3 n d H + 2 n_k d Hk) + 4 n H + e (n d H + 2 n_k d Hk)
 
 ``tile``        what the kernels' tile loads and stores move between global memory and the
                 SMs (through L2): Theorem 2's count, every tile load counted.  flashtile's

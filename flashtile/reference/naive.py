@@ -54,11 +54,13 @@ def _int_array(x):
 
 
 def visibility_mask(sq: int, sk: int, window_left: int = -1, window_right: int = -1,
-                    bottom_right: bool = True) -> np.ndarray:
-    """Boolean ``(sq, sk)``: True where key ``j`` is visible to query ``i``."""
+                    bottom_right: bool = True, shift: int | None = None) -> np.ndarray:
+    """Boolean ``(sq, sk)``: True where key ``j`` is visible to query ``i``; ``shift`` overrides
+    the diagonal's (partial calls: ``AttnSpec.shift``)."""
     i = np.arange(sq)[:, None]
     j = np.arange(sk)[None, :]
-    shift = sk - sq if bottom_right else 0
+    if shift is None:
+        shift = sk - sq if bottom_right else 0
     visible = np.ones((sq, sk), dtype=bool)
     if window_left >= 0:
         visible &= j >= i + shift - window_left
@@ -83,7 +85,7 @@ class _Forward:
     """Every intermediate of the dense forward, kept for the analytic backward."""
 
     def __init__(self, q, k, v, scale, window_left, window_right, bottom_right, softcap,
-                 slopes, bias, keep, dropout_p):
+                 slopes, bias, keep, dropout_p, frame=None):
         H = q.shape[2]
         Sq, Sk, Hk = q.shape[1], k.shape[1], k.shape[2]
         if H % Hk:
@@ -102,14 +104,16 @@ class _Forward:
         if softcap > 0:
             self.tanh = np.tanh(s / softcap)
             s = softcap * self.tanh
+        shift, alibi_shift = frame if frame is not None else (None, Sk - Sq)
         if slopes is not None:
             i = np.arange(Sq)[:, None]
             j = np.arange(Sk)[None, :]
-            dist = np.abs(i + Sk - Sq - j).astype(np.float64)
+            dist = np.abs(i + alibi_shift - j).astype(np.float64)
             s = s - slopes[:, :, None, None] * dist
         if bias is not None:
             s = s + bias
-        visible = visibility_mask(Sq, Sk, window_left, window_right, bottom_right)[None, None]
+        visible = visibility_mask(Sq, Sk, window_left, window_right, bottom_right,
+                                  shift)[None, None]
         # an additive bias of -inf hides a key just like the window does
         visible = visible & (s > -np.inf)
         s = np.where(visible, s, -np.inf)
@@ -163,9 +167,19 @@ def _slopes(alibi_slopes, B, H):
     return np.broadcast_to(slopes, (B, H))
 
 
-def _run_dense(q, k, v, scale, kw, slopes, bias, keep):
+def _run_dense(q, k, v, scale, kw, slopes, bias, keep, frame=None):
     return _Forward(q, k, v, scale, kw["window_left"], kw["window_right"], kw["bottom_right"],
-                    kw["softcap"], slopes, bias, keep, kw["dropout_p"])
+                    kw["softcap"], slopes, bias, keep, kw["dropout_p"], frame)
+
+
+def _frame(sq, sk, bottom_right, partial):
+    """``(shift, alibi_shift)`` of a partial call (``flashtile.backends.spec``), or None."""
+    q_offset, k_offset, total_q, total_k = partial
+    if not (q_offset or k_offset or total_q or total_k):
+        return None
+    total_q, total_k = total_q or sq, total_k or sk
+    alibi_shift = total_k - total_q + q_offset - k_offset
+    return (alibi_shift if bottom_right else q_offset - k_offset), alibi_shift
 
 
 def _prepare(q, k, v, softmax_scale, dropout_mask, dropout_p):
@@ -201,7 +215,8 @@ def _per_sequence(x, b, sq, sk):
 
 
 def _forwards(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
-              alibi_slopes, attn_bias, dropout_mask, dropout_p, cu_seqlens_q, cu_seqlens_k):
+              alibi_slopes, attn_bias, dropout_mask, dropout_p, cu_seqlens_q, cu_seqlens_k,
+              partial=(0, 0, 0, 0)):
     q, k, v, scale, keep = _prepare(q, k, v, softmax_scale, dropout_mask, dropout_p)
     bias = _f64(attn_bias)
     kw = dict(window_left=int(window_left), window_right=int(window_right),
@@ -209,7 +224,10 @@ def _forwards(q, k, v, softmax_scale, window_left, window_right, bottom_right, s
               dropout_p=float(dropout_p))
     if cu_seqlens_q is None:
         slopes = _slopes(alibi_slopes, q.shape[0], q.shape[2])
-        return [(None, _run_dense(q, k, v, scale, kw, slopes, bias, keep))], q, bias
+        frame = _frame(q.shape[1], k.shape[1], kw["bottom_right"], partial)
+        return [(None, _run_dense(q, k, v, scale, kw, slopes, bias, keep, frame))], q, bias
+    if any(partial):
+        raise ValueError("partial calls (q_offset, k_offset, seqlen_*_total) are dense only")
     if q.ndim != 3:
         raise ValueError("varlen q must be (total_q, H, D)")
     seqs = _varlen_slices(cu_seqlens_q, cu_seqlens_k)
@@ -225,7 +243,9 @@ def _forwards(q, k, v, softmax_scale, window_left, window_right, bottom_right, s
 
 def attention(q, k, v, *, softmax_scale=None, window_left=-1, window_right=-1,
               bottom_right=True, softcap=0.0, alibi_slopes=None, attn_bias=None,
-              dropout_mask=None, dropout_p=0.0, cu_seqlens_q=None, cu_seqlens_k=None):
+              dropout_mask=None, dropout_p=0.0, cu_seqlens_q=None, cu_seqlens_k=None,
+              q_offset=0, k_offset=0, seqlen_q_total=0, seqlen_k_total=0, batch_offset=0,
+              head_offset=0, nheads_total=0):
     """Exact attention in float64.  Returns ``(out, lse)``.
 
     Dense: q ``(B, Sq, H, D)``, k/v ``(B, Sk, Hk, D)`` -> out ``(B, Sq, H, D)``, lse ``(B, H, Sq)``.
@@ -235,10 +255,16 @@ def attention(q, k, v, *, softmax_scale=None, window_left=-1, window_right=-1,
     ``attn_bias`` is added to the scores after softcap and ALiBi; ``dropout_mask`` is a
     boolean keep mask broadcastable to ``(B, H, Sq, Sk)`` and the kept probabilities are
     divided by ``1 - dropout_p``.  ``lse`` ignores dropout.
+
+    Partial calls (dense, ``flashtile.backends.spec``): ``q_offset``/``k_offset`` and
+    ``seqlen_*_total`` place the blocks in a longer sequence (masks and ALiBi distances of the
+    global positions).  ``batch_offset``/``head_offset``/``nheads_total`` only move dropout
+    counters, and the reference takes dropout as an explicit mask, so they change nothing here.
     """
     runs, q64, _ = _forwards(q, k, v, softmax_scale, window_left, window_right, bottom_right,
                              softcap, alibi_slopes, attn_bias, dropout_mask, dropout_p,
-                             cu_seqlens_q, cu_seqlens_k)
+                             cu_seqlens_q, cu_seqlens_k,
+                             (q_offset, k_offset, seqlen_q_total, seqlen_k_total))
     if cu_seqlens_q is None:
         fw = runs[0][1]
         return fw.out, fw.lse
@@ -252,7 +278,9 @@ def attention(q, k, v, *, softmax_scale=None, window_left=-1, window_right=-1,
 
 def attention_backward(do, q, k, v, *, softmax_scale=None, window_left=-1, window_right=-1,
                        bottom_right=True, softcap=0.0, alibi_slopes=None, attn_bias=None,
-                       dropout_mask=None, dropout_p=0.0, cu_seqlens_q=None, cu_seqlens_k=None):
+                       dropout_mask=None, dropout_p=0.0, cu_seqlens_q=None, cu_seqlens_k=None,
+                       q_offset=0, k_offset=0, seqlen_q_total=0, seqlen_k_total=0,
+                       batch_offset=0, head_offset=0, nheads_total=0):
     """Analytic gradients of :func:`attention` in float64.
 
     Returns ``(dq, dk, dv)``, or ``(dq, dk, dv, dbias)`` when ``attn_bias`` is given, with
@@ -260,7 +288,8 @@ def attention_backward(do, q, k, v, *, softmax_scale=None, window_left=-1, windo
     """
     runs, q64, bias = _forwards(q, k, v, softmax_scale, window_left, window_right,
                                 bottom_right, softcap, alibi_slopes, attn_bias, dropout_mask,
-                                dropout_p, cu_seqlens_q, cu_seqlens_k)
+                                dropout_p, cu_seqlens_q, cu_seqlens_k,
+                                (q_offset, k_offset, seqlen_q_total, seqlen_k_total))
     do = _f64(do)
     want_dbias = bias is not None
     if cu_seqlens_q is None:

@@ -1,6 +1,21 @@
-"""Tiled exact attention on the CPU with PyTorch: FlashAttention-2's schedule in ``torch`` ops.
+"""Exact attention for the torch backend: PyTorch's fused CPU kernel, or a tiled engine in ops.
 
-Forward, for a block of ``BLOCK_M`` queries and every key tile ``j`` it can see::
+Two paths, chosen per call (``forward``/``backward`` follow the interface in ``spec.py``):
+
+* **PyTorch's fused CPU kernel** (``aten_route``): a call that needs only what
+  ``F.scaled_dot_product_attention``'s CPU flash kernel computes - dense CPU tensors in
+  float32/float16/bfloat16, no window or plain causal with the kernel's top-left diagonal
+  (``bottom_right=False``, or ``Sq == Sk``), a softmax scale, grouped-query heads, and nothing
+  else - runs that kernel and its backward: one ATen op a pass, one parallel region, so it
+  keeps its speed when other processes compete for the cores.
+* **The tiled engine** below, for everything else: sliding windows, bottom-right causal with
+  ``Sq != Sk``, softcap, ALiBi, dropout (flashtile's Philox stream), biases and bool masks
+  (with their gradient), block-sparse masks, varlen and paged calls, and empty inputs.
+
+Both return the same natural-log ``lse``, so a forward of one path and a backward of the
+other agree.
+
+Forward of the tiled engine, for a block of ``BLOCK_M`` queries and every key tile ``j`` it can see::
 
     S     = tau Q_i K_j^T                       (softcap: c tanh(S / c); ALiBi; window mask)
     m_new = max(m, rowmax(S))
@@ -23,7 +38,10 @@ every masked score, while ``exp2`` only slows down for results in the denormal r
 
 Nothing ``Sq x Sk`` is ever allocated: the live temporaries are a few
 ``[B*Hk, BLOCK_M*G, BLOCK_N]`` tiles, so the extra memory is ``O(N * tile)`` on top of
-fp32 copies of the inputs and outputs.
+fp32 copies of the inputs and outputs.  The tiles are as large as a fixed memory budget
+allows (``TILE_ELEMS``, ``_tile_shape``): each step is one ATen op over a whole tile, and a
+few large ops instead of thousands of small ones is what keeps the engine fast when a core is
+shared (every op is a parallel region that waits for its slowest thread).
 
 All heads of all batch entries go through one ``bmm`` per tile.  Grouped-query attention
 needs no copy of K/V: for key/value head ``hk`` the ``G = H // Hk`` query heads that read it
@@ -104,6 +122,8 @@ def _check(q, k, v, spec: AttnSpec, varlen: bool):
         raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({Hk})")
     if not varlen and k.shape[0] != q.shape[0]:
         raise ValueError("q and k must have the same batch size")
+    if varlen and spec.is_partial:
+        raise ValueError("partial calls (global offsets) take the dense layout, not varlen")
 
 
 def _slopes(alibi_slopes, B, H):
@@ -169,7 +189,7 @@ class _Band:
 
     def __init__(self, spec: AttnSpec, sq: int, sk: int):
         self.sk = sk
-        self.shift = sk - sq if spec.bottom_right else 0
+        self.shift = spec.shift(sq, sk)  # global positions for partial calls
         self.wl = spec.window_left
         self.wr = spec.window_right
         self._rel = None  # int32 [BM, 1, BN] offsets j - i, built on first use
@@ -226,7 +246,8 @@ class _Extras:
     """
 
     def __init__(self, B, H, Hk, attn_bias=None, block_mask=None, block_size=None,
-                 seed=None, dropout_p=0.0, batch_offset=0, seqlen_q=0, seqlen_k=0):
+                 seed=None, dropout_p=0.0, batch_offset=0, seqlen_q=0, seqlen_k=0,
+                 q_offset=0, k_offset=0, head_offset=0, nheads_total=0):
         self.B, self.H, self.Hk, self.G = B, H, Hk, H // Hk
         self.bias = attn_bias
         self.bias_bool = attn_bias is not None and attn_bias.dtype == torch.bool
@@ -235,6 +256,8 @@ class _Extras:
         self.seed = seed
         self.dropout_p = float(dropout_p)
         self.b0, self.cq, self.ck = batch_offset, seqlen_q, seqlen_k
+        self.q0, self.k0 = q_offset, k_offset  # global position of local query / key 0
+        self.h0, self.HT = head_offset, nheads_total or H  # global head of local head 0, count
 
     @property
     def active(self) -> bool:
@@ -277,10 +300,10 @@ class _Extras:
     def keep(self, i0, i1, j0, j1, device):
         """Dropout keep mask of the tile, float32 ``[B*Hk, BM*G, BN]`` of 0 / ``1 / (1 - p)``."""
         b = torch.arange(self.b0, self.b0 + self.B, device=device).view(-1, 1, 1, 1, 1)
-        h = torch.arange(self.H, device=device).view(1, self.Hk, 1, self.G, 1)
-        i = torch.arange(i0, i1, device=device).view(1, 1, -1, 1, 1)
-        j = torch.arange(j0, j1, device=device).view(1, 1, 1, 1, -1)
-        u = philox_uniform(self.seed, dropout_counters(b, h, i, j, self.H, self.cq, self.ck))
+        h = torch.arange(self.h0, self.h0 + self.H, device=device).view(1, self.Hk, 1, self.G, 1)
+        i = torch.arange(self.q0 + i0, self.q0 + i1, device=device).view(1, 1, -1, 1, 1)
+        j = torch.arange(self.k0 + j0, self.k0 + j1, device=device).view(1, 1, 1, 1, -1)
+        u = philox_uniform(self.seed, dropout_counters(b, h, i, j, self.HT, self.cq, self.ck))
         p32 = torch.tensor(self.dropout_p, dtype=torch.float32, device=device)
         z = (u >= p32).to(torch.float32) * (1.0 / (1.0 - self.dropout_p))
         return z.view(self.B * self.Hk, (i1 - i0) * self.G, j1 - j0)
@@ -307,6 +330,7 @@ class _Scores:
         self.band = band
         self.G = G
         self.sq, self.sk = sq, sk
+        self.alibi_shift = float(spec.alibi_shift(sq, sk))
         # [B*Hk, 1, G, 1]: one slope per (batch, kv head, group member), in base 2
         self.slopes = None if slopes is None else (slopes * _LOG2E).reshape(B * Hk, 1, G, 1)
         # what Q is pre-multiplied by, on top of tau, so that Q K^T comes out ready to use:
@@ -330,7 +354,7 @@ class _Scores:
             i = torch.arange(i0, i1, dtype=torch.float32, device=b_s.device)
             j = torch.arange(j0, j1, dtype=torch.float32, device=b_s.device)
             # ALiBi distance is always measured from the bottom-right diagonal
-            dist = (i.view(-1, 1) + float(self.sk - self.sq) - j.view(1, -1)).abs_()
+            dist = (i.view(-1, 1) + self.alibi_shift - j.view(1, -1)).abs_()
             b_s4.addcmul_(self.slopes, dist.view(1, i1 - i0, 1, BN), value=-1.0)
         if self.extras is not None:
             self.extras.apply(b_s4.view(self.extras.B, self.extras.Hk, i1 - i0, self.G, BN),
@@ -362,15 +386,26 @@ def aten_route(q, k, v, spec: AttnSpec, *, varlen=False, alibi_slopes=None, attn
     one parallel region for the whole call, with the natural-log ``lse`` ``(B, H, Sq)`` float32
     that this backend returns, and grouped-query attention by head index ``h // (H // Hk)``.
     It is used when the call needs nothing else: dense (not varlen or paged) CPU tensors of
-    one dtype among float32 / float16 / bfloat16, no dropout, softcap, ALiBi, bias, mask or
+    one dtype among float32 / float16 / bfloat16, no dropout, softcap, ALiBi, float bias or
     block mask, and either no window or plain causal masking where its top-left diagonal is
-    the one asked for (``bottom_right=False``, or ``Sq == Sk``).  Every query then sees at
-    least key 0, so no row is empty (the kernel would give such a row ``lse = 0``, not
-    ``-inf``).  Empty inputs stay on the tiled engine (the kernel does not accept them).
+    the one asked for (``bottom_right=False``, or ``Sq == Sk``).  A bool ``attn_bias``
+    (True = visible) is passed as the additive 0 / ``-inf`` mask the kernel takes (same
+    shape, the input dtype: memory in proportion to the caller's mask); a row it hides
+    completely gets output 0 from the kernel but ``lse = 0``, which ``_aten_forward`` sets to
+    ``-inf`` as everywhere in flashtile (and ``_aten_backward`` hands back as 0, where the
+    kernel's ``exp(-inf - 0)`` gives the row no gradient).  Float biases stay on the tiled
+    engine: their gradient needs ``dS``, and a row of huge finite negatives (``finfo.min``)
+    overflows to ``-inf`` in the engine's base-2 scores but not in the kernel.  Empty inputs
+    stay on the tiled engine too (the kernel does not accept them).
     """
     if not USE_ATEN or varlen or block_table is not None:
         return None
-    if alibi_slopes is not None or attn_bias is not None or block_mask is not None:
+    if spec.is_partial or spec.head_offset or spec.nheads_total:
+        return None  # global offsets / lengths of a partial call: the kernel has no such frame
+    if alibi_slopes is not None or block_mask is not None:
+        return None
+    if attn_bias is not None and (attn_bias.dtype != torch.bool or attn_bias.dim() != 4
+                                  or attn_bias.device != q.device):
         return None
     if spec.dropout_p > 0 or spec.softcap > 0 or spec.window_left >= 0:
         return None
@@ -398,21 +433,43 @@ def _heads_view(x):
     return x.transpose(1, 2)
 
 
-def _aten_forward(q, k, v, spec: AttnSpec, causal: bool):
+def _aten_mask(attn_bias, dtype, causal: bool, sq: int):
+    """A bool ``attn_bias`` -> the kernel's additive mask, and the rows it leaves without a
+    visible key (bool, broadcastable to lse's ``(B, H, Sq)``; None when there are none)."""
+    if attn_bias is None:
+        return None, None
+    mask = torch.zeros(attn_bias.shape, dtype=dtype, device=attn_bias.device)
+    mask.masked_fill_(attn_bias.logical_not(), _NEG_INF)
+    seen = attn_bias.any(dim=-1)  # [B|1, H|1, Sq|1]
+    if causal:  # top-left: query i sees keys j <= i, so its first visible key must be <= i
+        first = attn_bias.to(torch.uint8).argmax(dim=-1)  # [B|1, H|1, Sq|1]
+        rows = torch.arange(sq, device=attn_bias.device)
+        seen = seen & (first <= rows)
+    empty = seen.logical_not_()
+    return mask, (empty if bool(empty.any()) else None)
+
+
+def _aten_forward(q, k, v, spec: AttnSpec, causal: bool, attn_bias=None):
     fwd, _ = _aten_ops()
+    mask, empty = _aten_mask(attn_bias, q.dtype, causal, q.shape[1])
     out, lse = fwd(_heads_view(q), _heads_view(k), _heads_view(v), 0.0, causal,
-                   scale=spec.softmax_scale)
+                   attn_mask=mask, scale=spec.softmax_scale)
     # the kernel writes out as (B, S, H, D) memory already and lse as (B, S, H) memory
-    return out.transpose(1, 2).contiguous(), lse.contiguous()
+    out, lse = out.transpose(1, 2).contiguous(), lse.contiguous()
+    if empty is not None:  # the kernel gives them lse = 0 (and output 0)
+        lse.masked_fill_(empty, _NEG_INF)
+    return out, lse
 
 
-def _aten_backward(do, q, k, v, out, lse, spec: AttnSpec, causal: bool):
+def _aten_backward(do, q, k, v, out, lse, spec: AttnSpec, causal: bool, attn_bias=None):
     _, bwd = _aten_ops()
-    do = do.to(q.dtype)
-    out = out.to(q.dtype)
-    dq, dk, dv = bwd(_heads_view(do), _heads_view(q), _heads_view(k), _heads_view(v),
-                     _heads_view(out), lse.to(torch.float32), 0.0, causal,
-                     scale=spec.softmax_scale)
+    mask, _ = _aten_mask(attn_bias, q.dtype, causal, q.shape[1])
+    lse = lse.to(torch.float32)
+    if mask is not None:  # rows that see no key: lse 0 as the kernel's forward leaves it
+        lse = lse.masked_fill(lse == _NEG_INF, 0.0)
+    dq, dk, dv = bwd(_heads_view(do.to(q.dtype)), _heads_view(q), _heads_view(k),
+                     _heads_view(v), _heads_view(out.to(q.dtype)), lse, 0.0, causal,
+                     attn_mask=mask, scale=spec.softmax_scale)
     return (dq.transpose(1, 2).contiguous(), dk.transpose(1, 2).contiguous(),
             dv.transpose(1, 2).contiguous())
 
@@ -493,8 +550,10 @@ def _extras(q, k, spec: AttnSpec, varlen, attn_bias, rng_seed, block_mask, block
     if varlen:
         B, cq, ck = 1, int(max_seqlen_q or 0), int(max_seqlen_k or 0)
     else:
-        B, cq, ck = q.shape[0], q.shape[1], k.shape[1]
-    return _Extras(B, H, Hk, attn_bias, block_mask, block_size, seed, spec.dropout_p, 0, cq, ck)
+        B, (cq, ck) = q.shape[0], spec.totals(q.shape[1], k.shape[1])
+    return _Extras(B, H, Hk, attn_bias, block_mask, block_size, seed, spec.dropout_p,
+                   spec.batch_offset, cq, ck, spec.q_offset, spec.k_offset, spec.head_offset,
+                   spec.nheads_total)
 
 
 def _for_sequence(extras, b):
@@ -504,13 +563,14 @@ def _for_sequence(extras, b):
     pick = lambda t: None if t is None else t[b:b + 1] if t.shape[0] > 1 else t  # noqa: E731
     return _Extras(1, extras.H, extras.Hk, pick(extras.bias), pick(extras.block_mask),
                    (extras.bm, extras.bn), extras.seed, extras.dropout_p, b, extras.cq,
-                   extras.ck)
+                   extras.ck, head_offset=extras.h0, nheads_total=extras.HT)
 
 
 def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
             cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, attn_bias=None,
-            rng_seed=None, block_mask=None, block_size=None, block_table=None):
-    """Exact attention, tiled.  Returns ``(out, lse)``; layouts as in ``spec.py``.
+            rng_seed=None, block_mask=None, block_size=None, block_table=None, out_dtype=None):
+    """Exact attention, tiled.  Returns ``(out, lse)``; layouts as in ``spec.py``; ``out`` in
+    ``out_dtype`` (default q's dtype; partial calls ask for float32).
 
     ``max_seqlen_*`` only matter with dropout (they are the varlen counter strides).  With
     ``block_table`` (varlen), ``k``/``v`` are page pools ``(num_blocks, page_size, Hk, D)``.
@@ -525,21 +585,23 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
         k, v = paged_kv.gather_varlen(k, slots), paged_kv.gather_varlen(v, slots)
     _check(q, k, v, spec, varlen)
     H = q.shape[-2]
-    causal = aten_route(q, k, v, spec, varlen=varlen, alibi_slopes=alibi_slopes,
-                        attn_bias=attn_bias, block_mask=block_mask, block_table=block_table)
+    causal = None
+    if out_dtype in (None, q.dtype):
+        causal = aten_route(q, k, v, spec, varlen=varlen, alibi_slopes=alibi_slopes,
+                            attn_bias=attn_bias, block_mask=block_mask, block_table=block_table)
     with torch.no_grad():
         if causal is not None:
-            return _aten_forward(q, k, v, spec, causal)
+            return _aten_forward(q, k, v, spec, causal, attn_bias)
         extras = _extras(q, k, spec, varlen, attn_bias, rng_seed, block_mask, block_size,
                          max_seqlen_q, max_seqlen_k)
         if not varlen:
-            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+            out = torch.empty_like(q, dtype=out_dtype, memory_format=torch.contiguous_format)
             lse = torch.empty((q.shape[0], H, q.shape[1]), dtype=torch.float32,
                               device=q.device)
             _forward_dense(q, k, v, spec, _slopes(alibi_slopes, q.shape[0], H), out, lse,
                            extras)
             return out, lse
-        out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+        out = torch.zeros_like(q, dtype=out_dtype, memory_format=torch.contiguous_format)
         lse = torch.full((H, q.shape[0]), _NEG_INF, dtype=torch.float32, device=q.device)
         seqs = _sequences(cu_seqlens_q, cu_seqlens_k)
         slopes = _slopes(alibi_slopes, len(seqs), H)
@@ -630,8 +692,9 @@ def _backward_dense(do, q, k, v, out, lse, spec: AttnSpec, slopes, dq, dk, dv, e
 
 def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
              cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, attn_bias=None,
-             rng_seed=None, block_mask=None, block_size=None, dbias=None):
-    """Gradients ``(dq, dk, dv)`` of :func:`forward`, in the dtypes of ``q``, ``k``, ``v``.
+             rng_seed=None, block_mask=None, block_size=None, dbias=None, grad_dtype=None):
+    """Gradients ``(dq, dk, dv)`` of :func:`forward`, in the dtypes of ``q``, ``k``, ``v`` (or
+    ``grad_dtype``).
 
     With ``dbias`` (a tensor shaped like ``attn_bias``) the bias gradient is written into it.
     """
@@ -640,19 +703,21 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
         raise ValueError("give both cu_seqlens_q and cu_seqlens_k, or neither")
     _check(q, k, v, spec, varlen)
     H = q.shape[-2]
-    causal = aten_route(q, k, v, spec, varlen=varlen, alibi_slopes=alibi_slopes,
-                        attn_bias=attn_bias, block_mask=block_mask)
+    causal = None
+    if grad_dtype in (None, q.dtype):
+        causal = aten_route(q, k, v, spec, varlen=varlen, alibi_slopes=alibi_slopes,
+                            attn_bias=attn_bias, block_mask=block_mask)
     with torch.no_grad():
         if causal is not None:
-            return _aten_backward(do, q, k, v, out, lse, spec, causal)
+            return _aten_backward(do, q, k, v, out, lse, spec, causal, attn_bias)
         extras = _extras(q, k, spec, varlen, attn_bias, rng_seed, block_mask, block_size,
                          max_seqlen_q, max_seqlen_k)
         db_acc = None
         if dbias is not None:
             db_acc = torch.zeros(dbias.shape, dtype=torch.float32, device=dbias.device)
-        dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
-        dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
-        dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
+        dq = torch.zeros_like(q, dtype=grad_dtype, memory_format=torch.contiguous_format)
+        dk = torch.zeros_like(k, dtype=grad_dtype, memory_format=torch.contiguous_format)
+        dv = torch.zeros_like(v, dtype=grad_dtype, memory_format=torch.contiguous_format)
         if not varlen:
             _backward_dense(do, q, k, v, out, lse, spec, _slopes(alibi_slopes, q.shape[0], H),
                             dq, dk, dv, extras, db_acc)

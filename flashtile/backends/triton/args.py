@@ -24,8 +24,12 @@ def lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int]:
     return lse.stride(0), lse.stride(1)
 
 
-def scalar_args(spec: AttnSpec) -> dict:
-    """Scores in base 2: ``log2(e)`` is folded into the scale (or into the softcap)."""
+def scalar_args(spec: AttnSpec, seqlen_q: int = 0, seqlen_k: int = 0, nheads: int = 0) -> dict:
+    """Scores in base 2: ``log2(e)`` is folded into the scale (or into the softcap).  The
+    partial-call frame (``spec.py``) goes in as runtime scalars: global offsets and the global
+    lengths (``seqlen_*``, the call's own or ``max_seqlen_*``, by default), so every offset
+    runs the same compiled kernel."""
+    total_q, total_k = spec.totals(int(seqlen_q), int(seqlen_k))
     if spec.softcap > 0:
         qk_scale = spec.softcap * LOG2E
         softcap_scale = spec.softmax_scale / spec.softcap
@@ -37,6 +41,9 @@ def scalar_args(spec: AttnSpec) -> dict:
         window_left=max(spec.window_left, 0), window_right=max(spec.window_right, 0),
         BOTTOM_RIGHT=spec.bottom_right, HAS_LEFT=spec.window_left >= 0,
         HAS_RIGHT=spec.window_right >= 0, HAS_SOFTCAP=spec.softcap > 0,
+        q_offset=spec.q_offset, k_offset=spec.k_offset, seqlen_q_total=total_q,
+        seqlen_k_total=total_k, batch_offset=spec.batch_offset, head_offset=spec.head_offset,
+        nheads_total=spec.nheads_total or nheads,
     )
 
 

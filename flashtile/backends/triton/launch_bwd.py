@@ -51,11 +51,12 @@ def _replay(plan, do, q, k, v, out, lse):
     return tensors["dq"], tensors["dk"], tensors["dv"]
 
 
-def _grad_like(x: torch.Tensor) -> torch.Tensor:
+def _grad_like(x: torch.Tensor, dtype=None) -> torch.Tensor:
     """An output for the gradient of ``x`` with ``x``'s strides when ``x`` is dense (what
     autograd's accumulation wants: a gradient of another layout is copied into ``x``'s, one
-    read and one write of the whole tensor); NaN-filled under ``poison_outputs``."""
-    g = torch.empty_like(x)
+    read and one write of the whole tensor), in ``dtype`` (default x's); NaN-filled under
+    ``poison_outputs``."""
+    g = torch.empty_like(x, dtype=dtype)
     return g.fill_(float("nan")) if poisoning() else g
 
 
@@ -71,11 +72,15 @@ def _dbias_target(dbias, full_shape):
 
 def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
              cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, attn_bias=None,
-             rng_seed=None, block_mask=None, block_size=None, dbias=None):
-    """Returns ``(dq, dk, dv)``; with ``dbias`` (shaped like ``attn_bias``) also writes the
-    gradient of the additive bias into it."""
+             rng_seed=None, block_mask=None, block_size=None, dbias=None, grad_dtype=None):
+    """Returns ``(dq, dk, dv)`` (in ``grad_dtype``, default the inputs' dtypes); with ``dbias``
+    (shaped like ``attn_bias``) also writes the gradient of the additive bias into it."""
+    if not lse.is_contiguous():
+        # the kernels index the contiguous ``delta`` buffer with lse's strides
+        lse = lse.contiguous()
     plain = (alibi_slopes is None and cu_seqlens_q is None and attn_bias is None
-             and rng_seed is None and block_mask is None and dbias is None and do.stride(-1) == 1
+             and rng_seed is None and block_mask is None and dbias is None and grad_dtype is None
+             and do.stride(-1) == 1
              and PLANS and plans_enabled())
     if plain:
         key = (signature(do, q, k, v, out, lse), q.dtype, q.device, spec)
@@ -85,7 +90,7 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
             return _replay(plan, do, q, k, v, out, lse)
     varlen, batch, sq, sk, nheads, nheads_k, head_dim = layout(q, k, cu_seqlens_q, max_seqlen_q,
                                                                max_seqlen_k)
-    dq, dk, dv = _grad_like(q), _grad_like(k), _grad_like(v)
+    dq, dk, dv = (_grad_like(x, grad_dtype) for x in (q, k, v))
     if batch == 0 or sq == 0 or sk == 0 or q.numel() == 0 or k.numel() == 0:
         if dbias is not None:
             dbias.zero_()
@@ -96,7 +101,7 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
     group = nheads // nheads_k
     bd = block_d(head_dim)
     prec = dot_precision(q.dtype)
-    scalars = scalar_args(spec)
+    scalars = scalar_args(spec, sq, sk, nheads)
     alibi, stride_ab = alibi_args(alibi_slopes, batch)
     lse_b, lse_h = lse_strides(lse, varlen)
     bias, bias_strides = bias_args(attn_bias)

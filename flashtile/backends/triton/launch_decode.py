@@ -6,8 +6,15 @@ work of an eager call is kept small: the block shapes and split count are memois
 (:func:`_plan`), each kernel's ``triton.heuristics`` constexprs are evaluated once per launch
 from a single argument mapping (:func:`fastlaunch.launch`), and a call can be recorded as a
 :class:`Plan` that later calls of the same signature replay (:func:`record_plan`).  Arguments
-arrive validated and normalised by :mod:`flashtile.decode` (int32 ``cache_seqlens`` tensor,
-bool tree mask, last dimension contiguous).
+arrive validated and normalised by :func:`flashtile._validate.kvcache` (int32
+``cache_seqlens`` tensor, bool tree mask, last dimension contiguous).
+
+The values of the index tensors are checked on the device: :func:`_check_kernel` runs first
+and writes an error record (the other kernels clamp or mask every index, and the append writes
+nothing when the record is set).  Outside CUDA-graph capture the record is copied to pinned
+host memory right after that kernel, and the call waits for that copy (an event, not a device
+synchronisation: by the time the later launches are issued the small check has finished) and
+raises :class:`flashtile.FlashtileInputError` naming the argument.
 """
 from __future__ import annotations
 
@@ -16,15 +23,16 @@ import os
 import threading
 
 import torch
-from .kernels.decode import _combine_kernel, _rotary_append_kernel, _split_kv_kernel
+from ..._validate import MAX_SPLITS, FlashtileInputError, kvcache_error_message, value_checks_enabled
+from .kernels.decode import (_check_kernel, _combine_kernel, _rotary_append_kernel,
+                             _split_kv_kernel)
 from . import fastlaunch
 from .fastlaunch import empty as _empty
 from .fastlaunch import launch_args as _launch
 
-__all__ = ["decode_forward", "merge_states", "choose_num_splits", "default_num_splits", "num_sms",
+__all__ = ["decode", "decode_forward", "record_decode", "merge_states", "combine", "choose_num_splits", "default_num_splits", "num_sms",
            "attn_config", "MAX_SPLITS"]
 
-MAX_SPLITS = 128
 # a split should stream at least this many key tiles, or its fixed cost (q load, partial
 # store, combine read) outweighs the parallelism it buys
 MIN_TILES_PER_SPLIT = 4
@@ -166,7 +174,7 @@ def _plan(on_gpu: bool, head_dim: int, seqlen_q: int, group: int, dtype: torch.d
 # arguments per launch rebuilt from the same shapes.  While a call runs with a recorder, every
 # allocation and every direct launch (compiled kernel, grid, arguments) is noted;
 # :func:`record_plan` turns that into a :class:`Plan` that replays the call for new tensors of
-# the same signature (see ``flashtile.decode``): allocate the same buffers, put the caller's
+# the same signature (see ``flashtile.kvcache``): allocate the same buffers, put the caller's
 # tensors and the buffers in their argument slots, launch the same compiled kernels.
 _tls = threading.local()  # the recorder of the call running on this thread, if any
 
@@ -175,10 +183,59 @@ class _Recorder:
     def __init__(self):
         self.allocs: list = []
         self.launches: list = []
+        self.err = None  # the error record of the call
+        self.info = None
+
+
+_pinned = threading.local()  # per thread: device index -> (pinned (3,) int32 buffer, event)
+
+
+def checks_on() -> bool:
+    """The device-side index check runs unless ``FLASHTILE_CHECK_INDICES=0``."""
+    return os.environ.get("FLASHTILE_CHECK_INDICES", "") != "0"
+
+
+class _Readback:
+    """Copies a call's error record to the host as soon as the check kernel has written it;
+    :meth:`finish` waits for that copy only and raises on an error.  Nothing is read while a
+    CUDA graph is being captured or with ``FLASHTILE_CHECK_INDICES=0`` (the guards in the
+    kernels still keep every access in bounds)."""
+
+    __slots__ = ("host", "event")
+
+    def __init__(self, err: torch.Tensor | None):
+        self.host = self.event = None
+        if err is None or not value_checks_enabled(err.device):
+            return
+        if err.device.type != "cuda":
+            self.host = err
+            return
+        # one pinned buffer and one event per thread and device: each call waits for its copy
+        # before returning, so the next call may reuse them
+        bufs = getattr(_pinned, "bufs", None)
+        if bufs is None:
+            bufs = _pinned.bufs = {}
+        index = err.device.index
+        if index not in bufs:
+            bufs[index] = (torch.empty(3, dtype=torch.int32, pin_memory=True), torch.cuda.Event())
+        self.host, self.event = bufs[index]
+        self.host.copy_(err, non_blocking=True)
+        self.event.record()
+
+    def finish(self, info: tuple) -> None:
+        if self.host is None:
+            return
+        if self.event is not None:
+            self.event.synchronize()
+        code, index, value = self.host.tolist()
+        if code != 0:
+            raise FlashtileInputError(kvcache_error_message(code, index, value, *info))
 
 
 def _alloc(shape, dtype, device) -> torch.Tensor:
-    t = _empty(shape, dtype, device)
+    # poisoned (NaN) float outputs under poison_outputs; the int32 error record is always
+    # written whole by the check kernel
+    t = _empty(shape, dtype, device) if dtype.is_floating_point else torch.empty(shape, dtype=dtype, device=device)
     rec = getattr(_tls, "recorder", None)
     if rec is not None:
         rec.allocs.append(t)
@@ -196,10 +253,11 @@ class Plan:
     """A recorded eager call: buffers to allocate, then launches whose tensor arguments are the
     call's inputs (by position) or those buffers."""
 
-    __slots__ = ("allocs", "launches", "out", "lse", "device", "stream_device")
+    __slots__ = ("allocs", "launches", "out", "lse", "device", "stream_device", "err", "info")
 
-    def __init__(self, allocs, launches, out, lse, device):
+    def __init__(self, allocs, launches, out, lse, device, err, info):
         self.allocs, self.launches, self.out, self.lse, self.device = allocs, launches, out, lse, device
+        self.err, self.info = err, info  # the error record's buffer index and message facts
         # launches go to the current device's stream, as the direct launches they replay did
         # (the plan key holds the current device)
         self.stream_device = torch.cuda.current_device() if device.type == "cuda" else None
@@ -211,11 +269,15 @@ class Plan:
             return None
         bufs = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.allocs]
         pools = (inputs, bufs)
-        for compiled, grid, template, slots in self.launches:
+        readback = _Readback(None)
+        for i, (compiled, grid, template, slots) in enumerate(self.launches):
             values = template.copy()
-            for pos, kind, i in slots:
-                values[pos] = pools[kind][i]
+            for pos, kind, j in slots:
+                values[pos] = pools[kind][j]
             fastlaunch.run_direct(compiled, grid, values, self.stream_device)
+            if i == 0 and self.err is not None:  # the check kernel
+                readback = _Readback(bufs[self.err])
+        readback.finish(self.info)
         return bufs[self.out], bufs[self.lse]
 
 
@@ -249,8 +311,12 @@ def record_plan(inputs: tuple, call):
         launches.append((compiled, grid, template, tuple(where)))
     if not launches or slots.get(id(out), (0,))[0] != 1 or slots.get(id(lse), (0,))[0] != 1:
         return (out, lse), None
+    err = rec.err
+    if err is not None and slots.get(id(err), (0,))[0] != 1:
+        return (out, lse), None
     allocs = [(tuple(t.shape), t.dtype) for t in rec.allocs]
-    return (out, lse), Plan(allocs, launches, slots[id(out)][1], slots[id(lse)][1], out.device)
+    return (out, lse), Plan(allocs, launches, slots[id(out)][1], slots[id(lse)][1], out.device,
+                            slots[id(err)][1] if err is not None else None, rec.info)
 
 
 def _check_runnable(x: torch.Tensor) -> None:
@@ -260,8 +326,20 @@ def _check_runnable(x: torch.Tensor) -> None:
             "(before triton kernels are imported) to emulate them, or use FLASHTILE_BACKEND=torch")
 
 
-def _rotary_append(x, y, xo, yo, cos, sin, seqlens, batch_idx, block_table, *, rotary_dim,
-                   interleaved, per_token, to_cache, capacity):
+def _check(err, seqlens, leftpad, batch_idx, block_table, *, batch, n_cols, seqlen_new, capacity,
+           cache_rows, rotary_need, page_size):
+    """The error record of a call (see ``_check_kernel``): one program."""
+    block_b = min(64, _next_pow2(max(batch, 1)))
+    block_c = max(16, min(_next_pow2(max(n_cols, 1)), 4096 // block_b))
+    args = (err, seqlens, leftpad, batch_idx, block_table,
+            batch, block_table.stride(0) if block_table is not None else 0, n_cols, seqlen_new,
+            capacity, cache_rows, cache_rows, rotary_need)
+    meta = dict(PAGE_SIZE=page_size, BLOCK_B=block_b, BLOCK_C=block_c, num_warps=4 if _on_gpu(err) else 1)
+    _go(_check_kernel, (1,), args, meta)
+
+
+def _rotary_append(x, y, xo, yo, cos, sin, seqlens, batch_idx, block_table, err, *, rotary_dim,
+                   interleaved, per_token, to_cache, capacity, cache_rows):
     b, t, h, d = x.shape
     block_d = max(16, _next_pow2(d))
     block_h = min(_next_pow2(h), max(1, 4096 // block_d))
@@ -272,14 +350,14 @@ def _rotary_append(x, y, xo, yo, cos, sin, seqlens, batch_idx, block_table, *, r
     syo = yo.stride() if yo is not None else (0, 0, 0, 0)
     grid = (t, b, _cdiv(h, block_h))
     args = (
-        x, y, xo, yo, cos, sin, seqlens, batch_idx, block_table,
+        x, y, xo, yo, cos, sin, seqlens, batch_idx, block_table, err,
         sx[0], sx[1], sx[2],
         sy[0], sy[1], sy[2],
         sxo[0], sxo[1], sxo[2],
         syo[0], syo[1], syo[2],
         cos.stride(0) if cos is not None else 0, sin.stride(0) if sin is not None else 0,
         block_table.stride(0) if block_table is not None else 0,
-        h, d, int(cos.shape[0]) if cos is not None else 0, capacity,
+        h, d, int(cos.shape[0]) if cos is not None else 0, capacity, cache_rows, cache_rows,
     )
     meta = dict(ROTARY_DIM=rotary_dim, INTERLEAVED=bool(interleaved), PER_TOKEN=bool(per_token),
                 TO_CACHE=bool(to_cache), PAGE_SIZE=page_size, BLOCK_H=block_h, BLOCK_D=block_d,
@@ -287,7 +365,44 @@ def _rotary_append(x, y, xo, yo, cos, sin, seqlens, batch_idx, block_table, *, r
     _go(_rotary_append_kernel, grid, args, meta)
 
 
-def merge_states(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+def merge_states(out_a, lse_a, out_b, lse_b):
+    """``flashtile.merge_attention_states`` on validated inputs (the backend protocol's
+    ``merge_states``): the combine kernel over the two stacked partial results."""
+    b, s, h, d = out_a.shape
+    o_part = torch.stack([out_a, out_b]).contiguous()
+    l_part = torch.stack([lse_a.float(), lse_b.float()]).contiguous()
+    out = torch.empty((b, s, h, d), dtype=out_a.dtype, device=out_a.device)
+    lse = torch.empty((b, h, s), dtype=torch.float32, device=out_a.device)
+    combine(o_part, l_part, out, lse)
+    return out, lse
+
+
+def _decode_call(a, k_cache, v_cache, rotary_cos, rotary_sin, alibi_slopes, rotary_interleaved):
+    return decode_forward(
+        a.q, k_cache, v_cache, a.k, a.v, rotary_cos, rotary_sin, a.cache_seqlens,
+        a.cache_batch_idx, a.cache_leftpad, a.block_table, softmax_scale=a.softmax_scale,
+        window_left=a.window_left, window_right=a.window_right, softcap=a.softcap,
+        rotary_interleaved=rotary_interleaved, rotary_q_per_token=a.rotary_q_per_token,
+        alibi_slopes=alibi_slopes, num_splits=a.num_splits, tree_mask=a.tree_mask)
+
+
+def decode(a, k_cache, v_cache, rotary_cos, rotary_sin, alibi_slopes, rotary_interleaved: bool):
+    """``flash_attn_with_kvcache`` on a validated call (``flashtile.backends.spec.KVCacheSpec``):
+    the backend protocol's ``decode``.  Returns ``(out, lse)``; raises
+    ``FlashtileInputError`` when the device-side check finds a bad index value."""
+    return _decode_call(a, k_cache, v_cache, rotary_cos, rotary_sin, alibi_slopes,
+                        rotary_interleaved)
+
+
+def record_decode(inputs: tuple, a, k_cache, v_cache, rotary_cos, rotary_sin, alibi_slopes,
+                  rotary_interleaved: bool):
+    """:func:`decode`, recorded: ``((out, lse), Plan or None)`` (see :func:`record_plan`;
+    ``inputs`` are the caller's tensors, in the order a later :meth:`Plan.run` gets them)."""
+    return record_plan(inputs, lambda: _decode_call(a, k_cache, v_cache, rotary_cos, rotary_sin,
+                                                    alibi_slopes, rotary_interleaved))
+
+
+def combine(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
     """LSE-combine ``n`` partial results into ``out``/``lse`` (written in place).
 
     ``o_part``: ``(n, B, Sq, H, D)`` (any float dtype, last dim contiguous); ``lse_part``:
@@ -296,12 +411,12 @@ def merge_states(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor
     """
     _check_runnable(out)
     if lse_part.stride(-1) != 1 or lse.stride(-1) != 1 or o_part.stride(-1) != 1 or out.stride(-1) != 1:
-        raise ValueError("merge_states: the last dimension of every tensor must be contiguous")
+        raise ValueError("combine: the last dimension of every tensor must be contiguous")
     _merge(o_part, lse_part, out, lse)
 
 
 def _merge(o_part, lse_part, out, lse) -> None:
-    """The combine launch of :func:`merge_states`, for arguments already known to be valid."""
+    """The combine launch of :func:`combine`, for arguments already known to be valid."""
     n, b, sq, h, d = o_part.shape
     if b * sq * h == 0:
         return
@@ -362,23 +477,44 @@ def decode_forward(
     capacity = int(block_table.shape[1]) * int(k_cache.shape[1]) if paged else int(k_cache.shape[1])
     seqlen_new = 0 if k is None else int(k.shape[1])
     device = q.device
+    cache_rows = int(k_cache.shape[0])  # cache rows, or pages of a paged cache
+    n_cols = int(block_table.shape[1]) if paged else 0
+    seqlen_ro = int(rotary_cos.shape[0]) if rotary_cos is not None else 0
+    span = max(seqlen_new, sq if rotary_q_per_token else 1)
+
+    # the check runs first: its record gates the append's writes (FLASHTILE_CHECK_INDICES=0:
+    # no check kernel and no read-back; the kernels' guards still keep every access in bounds)
+    err = None
+    info = (paged, seqlen_new, capacity, n_cols, page_size, cache_rows, seqlen_ro, span)
+    if checks_on():
+        err = _alloc((3,), torch.int32, device)
+        _check(err, cache_seqlens, cache_leftpad, cache_batch_idx, block_table, batch=b,
+               n_cols=n_cols, seqlen_new=seqlen_new, capacity=capacity, cache_rows=cache_rows,
+               rotary_need=seqlen_ro - span if rotary_cos is not None else 1 << 30,
+               page_size=page_size)
+    rec = getattr(_tls, "recorder", None)
+    if rec is not None:
+        rec.err, rec.info = err, info
+    readback = _Readback(err)
 
     if seqlen_new > 0:
         rot_dim = int(rotary_cos.shape[1]) * 2 if rotary_cos is not None else 0
         _rotary_append(k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                       block_table, rotary_dim=rot_dim, interleaved=rotary_interleaved, per_token=True,
-                       to_cache=True, capacity=capacity)
+                       block_table, err, rotary_dim=rot_dim, interleaved=rotary_interleaved,
+                       per_token=True, to_cache=True, capacity=capacity, cache_rows=cache_rows)
     if rotary_cos is not None:
         q_rot = _alloc(q.shape, q.dtype, device)
         _rotary_append(q, None, q_rot, None, rotary_cos, rotary_sin, cache_seqlens, None, None,
-                       rotary_dim=int(rotary_cos.shape[1]) * 2, interleaved=rotary_interleaved,
-                       per_token=rotary_q_per_token, to_cache=False, capacity=capacity)
+                       err, rotary_dim=int(rotary_cos.shape[1]) * 2, interleaved=rotary_interleaved,
+                       per_token=rotary_q_per_token, to_cache=False, capacity=capacity,
+                       cache_rows=cache_rows)
         q = q_rot
 
     # NaN-filled under fastlaunch.poison_outputs, so tests see any element left unwritten
     out = _alloc((b, sq, h, d), q.dtype, device)
     lse = _alloc((b, h, sq), torch.float32, device)
     if b * sq * h == 0:
+        readback.finish(info)
         return out, lse
 
     block_m, block_n, block_d, warps, stages, m_blocks, num_splits = _plan(
@@ -418,7 +554,7 @@ def decode_forward(
         so[0], so[1], so[2], so[3],
         sl[0], sl[1], sl[2],
         block_table.stride(0) if paged else 0, stride_ab, stb, stq,
-        sq, seqlen_new, hk, capacity, d,
+        sq, seqlen_new, hk, capacity, d, cache_rows, cache_rows,
         float(softmax_scale), float(softcap), int(window_left), int(window_right), num_splits,
     )
     meta = dict(GROUP=group, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
@@ -427,4 +563,5 @@ def decode_forward(
     _go(_split_kv_kernel, (b * hk, num_splits, m_blocks), args, meta)
     if num_splits > 1:
         _merge(o_part, lse_part, out, lse)
+    readback.finish(info)
     return out, lse

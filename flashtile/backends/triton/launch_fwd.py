@@ -27,11 +27,13 @@ _ROLES = plan_roles(attn_fwd_kernel, dict(Q="q", K="k", V="v", O="out", LSE="lse
 
 def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
             max_seqlen_q=None, max_seqlen_k=None, attn_bias=None, rng_seed=None,
-            block_mask=None, block_size=None, block_table=None):
+            block_mask=None, block_size=None, block_table=None, out_dtype=None):
     """``(out, lse)``.  With ``block_table`` (varlen only) ``k``/``v`` are page pools
-    ``(num_blocks, page_size, Hk, D)`` read through the table inside the kernel."""
+    ``(num_blocks, page_size, Hk, D)`` read through the table inside the kernel.  ``out`` is in
+    ``out_dtype`` (default q's; partial calls ask for float32)."""
     no_feature = (alibi_slopes is None and cu_seqlens_q is None and attn_bias is None
-                  and rng_seed is None and block_mask is None and block_table is None)
+                  and rng_seed is None and block_mask is None and block_table is None
+                  and out_dtype is None)
     if no_feature and launch_sm90.eligible(q, k, v, spec):
         return launch_sm90.forward(q, k, v, spec)
     plain = no_feature and plans_enabled()
@@ -57,7 +59,7 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu
     else:
         page_size, stride_bt = 1, 0
         k_strides, v_strides = seq_strides(k, varlen), seq_strides(v, varlen)
-    out = empty(q.shape, q.dtype, q.device)
+    out = empty(q.shape, out_dtype or q.dtype, q.device)
     lse_shape = (nheads, q.shape[0]) if varlen else (batch, nheads, sq)
     lse = empty(lse_shape, torch.float32, q.device)
     if out.numel() == 0 or batch == 0 or sq == 0:
@@ -89,7 +91,8 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu
         stride_bsb=bs_strides[0], stride_bsh=bs_strides[1], stride_bsr=bs_strides[2],
         bs_m=bs_m, bs_n=bs_n, stride_btb=stride_bt,
         seqlen_q=sq, seqlen_k=sk, H=nheads, GROUP=nheads // nheads_k,
-        dropout_p=dropout_p, dropout_scale=dropout_scale, **scalar_args(spec),
+        dropout_p=dropout_p, dropout_scale=dropout_scale,
+        **scalar_args(spec, sq, sk, nheads),
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
         PAGE_SIZE=page_size, DOT_PREC=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -54,6 +54,8 @@ def eligible(q, k, v, spec: AttnSpec) -> bool:
         return False
     if spec.softcap or spec.dropout_p or not spec.bottom_right:
         return False
+    if spec.is_partial or spec.head_offset or spec.nheads_total:
+        return False
     if spec.window_left >= 0 or spec.window_right > 0:
         return False
     return not spec.causal or sk >= sq

@@ -101,7 +101,7 @@ def _plain(calls) -> bool:
                for _, values, args, kw in calls)
 
 
-@pytest.hookimpl(wrapper=True)
+@pytest.hookimpl(hookwrapper=True)
 def pytest_generate_tests(metafunc):
     """Sample the combinations of the ``parametrize`` decorators before pytest builds them:
     the file has ~500,000 of them, and building them all takes minutes.  The decorators'
@@ -111,19 +111,20 @@ def pytest_generate_tests(metafunc):
     metafunc.parametrize = lambda argnames, argvalues, *args, **kw: recorded.append(
         (argnames, list(argvalues), args, kw))
     try:
-        result = yield
+        outcome = yield
     finally:
         del metafunc.parametrize
+    outcome.get_result()  # re-raises a failure of the parametrisation itself
     name = metafunc.function.__name__
     info = _function_info(name)
     if not recorded:
         info["collected"] = 1
-        return result
+        return
     if not _plain(recorded):  # replay unchanged; no sampling for such a function
         for argnames, values, args, kw in recorded:
             metafunc.parametrize(argnames, values, *args, **kw)
         info["collected"] = len(metafunc._calls)
-        return result
+        return
     names, axes = [], []  # one axis per decorator: (argnames, [(values_tuple, id)])
     for argnames, values, _, _ in recorded:
         group = [n.strip() for n in argnames.split(",")] if isinstance(argnames, str) \
@@ -160,7 +161,6 @@ def pytest_generate_tests(metafunc):
         combos.append(vals)
         ids.append("-".join(parts))
     metafunc.parametrize(names, combos, ids=ids)
-    return result
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -219,6 +219,12 @@ def pytest_runtest_logreport(report):
             results[report.nodeid] = (name, "passed", "")
     elif report.when == "teardown" and report.failed and report.nodeid in results:
         results[report.nodeid] = (name, "failed", "teardown: " + _first_error_line(report))
+
+
+def pytest_collectreport(report):
+    if report.failed:
+        _state["notes"].append(f"collection error in {report.nodeid}: "
+                               f"{_first_error_line(report)}")
 
 
 def _environment() -> dict:

@@ -6,16 +6,17 @@
 repository.  The folder ``alias/`` holds a package named ``flash_attn`` whose modules
 (``flash_attn``, ``flash_attn.flash_attn_interface``, ``flash_attn.bert_padding``,
 ``flash_attn.layers.rotary``) re-export flashtile; it goes first on ``PYTHONPATH``, so the
-test file's imports get flashtile.  The test file needs ``einops``: if it is not installed,
-pass ``--pydeps DIR`` with a folder that holds it (``pip install --target DIR einops``; a
-``pydeps`` folder next to the test file is used by default).
+test file's imports get flashtile.  The test file needs ``einops`` (and pytest): if they are not
+installed, pass ``--pydeps DIR`` with a folder that holds them (``pip install --target DIR
+einops pytest``; a ``pydeps`` folder next to the test file is used by default).  That folder
+goes last on ``sys.path``, so installed packages take precedence.
 
 pytest runs with ``fa_conformance_plugin.py``, which keeps ``K`` parametrisations of each
 test function (a seeded random subset: the same seed and file give the same items), leaves
 out the test functions that call flash-attn's compiled extension directly, skips what would
-start after ``--budget-s`` seconds, and writes ``DIR/summary.md`` and ``DIR/summary.json`` (counts per
-test function, each failure with its first error line) plus the full pytest log
-``DIR/pytest.log``.
+start after ``--budget-s`` seconds, and writes ``DIR/summary.md`` and ``DIR/summary.json``
+(counts per test function, each failure with its first error line) plus the full pytest
+log ``DIR/pytest.log``.
 
 ``S_dmask`` (``return_attn_probs=True`` with dropout): flash-attn's kernels store it as
 block-wise unnormalised values and the test file rescales them with its helper
@@ -49,8 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sample", type=int, default=16,
                    help="parametrisations kept per test function, 0 = all (default 16)")
     p.add_argument("--seed", default="0", help="seed of the sampled subset (default 0)")
-    p.add_argument("--budget-s", type=float, default=420.0,
-                   help="skip tests that would start after this many seconds (default 420; "
+    p.add_argument("--budget-s", type=float, default=390.0,
+                   help="skip tests that would start after this many seconds (default 390; "
                    "0 = no limit)")
     p.add_argument("--s-dmask", choices=("normalized", "skip", "as-is"), default="normalized",
                    help="how to treat the test file's S_dmask rescaling (see the module doc)")
@@ -62,6 +63,11 @@ def _parser() -> argparse.ArgumentParser:
                    "capability queries get stand-ins)")
     p.add_argument("-k", dest="keyword", default=None, help="pytest -k expression")
     return p
+
+
+# pytest's entry point with the --pydeps folder appended to sys.path
+_BOOT = ("import os, sys; d = os.environ.get('FA_CONFORMANCE_PYDEPS'); "
+         "d and sys.path.append(d); import pytest; sys.exit(pytest.main(sys.argv[1:]))")
 
 
 def _commit() -> str:
@@ -82,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(out, exist_ok=True)
     pydeps = args.pydeps or os.path.join(os.path.dirname(test_file), "pydeps")
     paths = [os.path.join(HERE, "alias"), HERE, REPO]
-    if os.path.isdir(pydeps):
-        paths.append(os.path.abspath(pydeps))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
+    # pydeps goes last on sys.path (after site-packages): it only fills in what is missing
+    env["FA_CONFORMANCE_PYDEPS"] = os.path.abspath(pydeps) if os.path.isdir(pydeps) else ""
     with open(test_file, "rb") as f:
         sha = hashlib.sha256(f.read()).hexdigest()
     fake_gpu = args.collect_only and not _cuda_available()
@@ -103,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ini = os.path.join(out, "pytest.ini")  # an empty config: no addopts/conftest of the repo
     with open(ini, "w") as f:
         f.write("[pytest]\n")
-    cmd = [sys.executable, "-m", "pytest", test_file, "-c", ini,
+    cmd = [sys.executable, "-c", _BOOT, test_file, "-c", ini,
            "--rootdir", os.path.dirname(test_file), "-p", "fa_conformance_plugin",
            "-p", "no:cacheprovider", "-q", "-rfE", "--tb=short",
            "-W", "ignore::DeprecationWarning"]

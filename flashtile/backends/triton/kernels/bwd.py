@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 
 from .common import (FEATURE_FLAGS, LOG2E, alibi_slope, block_list, dropout_keep,
-                     dropout_row_base, key_range, load_rows, query_block, query_range, rows_ptr,
-                     score_tile, sequence, tanh, tile_start, visible)
+                     dropout_row0, dropout_row_base, key_range, load_rows, query_block,
+                     query_range, rows_ptr, score_tile, sequence, tanh, tile_start, visible)
 
 
 @triton.jit
@@ -58,9 +58,9 @@ def _softcap_ds(b_ds, b_q, b_k, softcap_scale, DOT_PREC: tl.constexpr,
 
 @triton.jit
 def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse, p_delta,
-                stride_qm, stride_dm, o_n, o_d, m_start, m_end, sq, sk, shift,
+                stride_qm, stride_dm, o_n, o_d, m_start, m_end, sq, sk, shift, alibi_shift,
                 window_left, window_right, qk_scale, softcap_scale, slope,
-                p_bias, stride_bm, stride_bn, seed, bh, seqlen_q, seqlen_k, dropout_p,
+                p_bias, stride_bm, stride_bn, seed, row0, seqlen_k_total, k_offset, dropout_p,
                 dropout_scale, p_list, tiles_per_block, bs_m,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                 EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -85,7 +85,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse, p_delta,
         else:
             b_lse2 = _lse2(tl.load(p_lse + o_m))  # [BLOCK_M]
             b_delta = tl.load(p_delta + o_m)  # [BLOCK_M]
-        b_s = score_tile(b_q, b_k, o_m, o_n, sq, sk, qk_scale, softcap_scale, slope,
+        b_s = score_tile(b_q, b_k, o_m, o_n, sq, sk, alibi_shift, qk_scale, softcap_scale, slope,
                          p_bias, stride_bm, stride_bn, DOT_PREC=DOT_PREC,
                          HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_BIAS=HAS_BIAS,
                          BIAS_BOOL=BIAS_BOOL)  # [BLOCK_M, BLOCK_N]
@@ -95,8 +95,8 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse, p_delta,
             b_s = tl.where(m_vis, b_s, float("-inf"))
         b_p = tl.math.exp2(b_s - b_lse2[:, None])  # [BLOCK_M, BLOCK_N]
         if HAS_DROPOUT:
-            m_keep = dropout_keep(seed, dropout_row_base(bh, seqlen_q, seqlen_k, o_m), o_n,
-                                  dropout_p)  # [BLOCK_M, BLOCK_N]
+            m_keep = dropout_keep(seed, dropout_row_base(row0, seqlen_k_total, k_offset, o_m),
+                                  o_n, dropout_p)  # [BLOCK_M, BLOCK_N]
             b_pd = tl.where(m_keep, b_p * dropout_scale, 0.0)
         else:
             b_pd = b_p
@@ -126,6 +126,7 @@ def attn_bwd_dkdv_kernel(
     stride_bsb, stride_bsh, stride_bsr, bs_m, bs_n,
     seqlen_q, seqlen_k, HK, GROUP,
     scale, qk_scale, softcap_scale, window_left, window_right, dropout_p, dropout_scale,
+    q_offset, k_offset, seqlen_q_total, seqlen_k_total, batch_offset, head_offset, nheads_total,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -140,8 +141,9 @@ def attn_bwd_dkdv_kernel(
     i_bh = tl.program_id(1)
     i_b = i_bh // HK
     i_hk = i_bh % HK
-    q_start, sq, k_start, sk, shift = sequence(CU_Q, CU_K, i_b, seqlen_q, seqlen_k,
-                                               IS_VARLEN=IS_VARLEN, BOTTOM_RIGHT=BOTTOM_RIGHT)
+    q_start, sq, k_start, sk, shift, alibi_shift = sequence(
+        CU_Q, CU_K, i_b, seqlen_q, seqlen_k, q_offset, k_offset, seqlen_q_total, seqlen_k_total,
+        IS_VARLEN=IS_VARLEN, BOTTOM_RIGHT=BOTTOM_RIGHT)
     n_first = i_n * BLOCK_N
     if n_first >= sk:
         return
@@ -169,7 +171,8 @@ def attn_bwd_dkdv_kernel(
         p_bias = BIAS
         if HAS_BIAS:
             p_bias = BIAS + i_b.to(tl.int64) * stride_biasb + i_h.to(tl.int64) * stride_biash
-        bh = (i_b * (HK * GROUP) + i_h).to(tl.int64)
+        row0 = dropout_row0(i_b, batch_offset, nheads_total, i_h, head_offset,
+                            seqlen_q_total, q_offset)
         p_q_base = rows_ptr(Q, i_b, q_start, i_h, stride_qb, stride_qm, stride_qh)
         p_do_base = rows_ptr(DO, i_b, q_start, i_h, stride_dob, stride_dom, stride_doh)
         p_lse = LSE + i_b * stride_lb + i_h * stride_lh + q_start
@@ -198,10 +201,11 @@ def attn_bwd_dkdv_kernel(
         b_dk, b_dv = _dkdv_inner(
             b_dk=b_dk, b_dv=b_dv, b_k=b_k, b_v=b_v, p_q_base=p_q_base, p_do_base=p_do_base,
             p_lse=p_lse, p_delta=p_delta, stride_qm=stride_qm, stride_dm=stride_dom, o_n=o_n,
-            o_d=o_d, m_start=a0, m_end=a1, sq=sq, sk=sk, shift=shift,
+            o_d=o_d, m_start=a0, m_end=a1, sq=sq, sk=sk, shift=shift, alibi_shift=alibi_shift,
             window_left=window_left, window_right=window_right, qk_scale=qk_scale,
             softcap_scale=softcap_scale, slope=slope, p_bias=p_bias, stride_bm=stride_biasm,
-            stride_bn=stride_biasn, seed=seed, bh=bh, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+            stride_bn=stride_biasn, seed=seed, row0=row0, seqlen_k_total=seqlen_k_total,
+            k_offset=k_offset,
             dropout_p=dropout_p, dropout_scale=dropout_scale, p_list=p_list,
             tiles_per_block=tpb, bs_m=bs_list,
             HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, MASKED=True, EVEN_D=EVEN_D,
@@ -211,10 +215,11 @@ def attn_bwd_dkdv_kernel(
         b_dk, b_dv = _dkdv_inner(
             b_dk=b_dk, b_dv=b_dv, b_k=b_k, b_v=b_v, p_q_base=p_q_base, p_do_base=p_do_base,
             p_lse=p_lse, p_delta=p_delta, stride_qm=stride_qm, stride_dm=stride_dom, o_n=o_n,
-            o_d=o_d, m_start=a1, m_end=a2, sq=sq, sk=sk, shift=shift,
+            o_d=o_d, m_start=a1, m_end=a2, sq=sq, sk=sk, shift=shift, alibi_shift=alibi_shift,
             window_left=window_left, window_right=window_right, qk_scale=qk_scale,
             softcap_scale=softcap_scale, slope=slope, p_bias=p_bias, stride_bm=stride_biasm,
-            stride_bn=stride_biasn, seed=seed, bh=bh, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+            stride_bn=stride_biasn, seed=seed, row0=row0, seqlen_k_total=seqlen_k_total,
+            k_offset=k_offset,
             dropout_p=dropout_p, dropout_scale=dropout_scale, p_list=p_list,
             tiles_per_block=tpb, bs_m=bs_list,
             HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, MASKED=False, EVEN_D=EVEN_D,
@@ -224,10 +229,11 @@ def attn_bwd_dkdv_kernel(
         b_dk, b_dv = _dkdv_inner(
             b_dk=b_dk, b_dv=b_dv, b_k=b_k, b_v=b_v, p_q_base=p_q_base, p_do_base=p_do_base,
             p_lse=p_lse, p_delta=p_delta, stride_qm=stride_qm, stride_dm=stride_dom, o_n=o_n,
-            o_d=o_d, m_start=a2, m_end=a3, sq=sq, sk=sk, shift=shift,
+            o_d=o_d, m_start=a2, m_end=a3, sq=sq, sk=sk, shift=shift, alibi_shift=alibi_shift,
             window_left=window_left, window_right=window_right, qk_scale=qk_scale,
             softcap_scale=softcap_scale, slope=slope, p_bias=p_bias, stride_bm=stride_biasm,
-            stride_bn=stride_biasn, seed=seed, bh=bh, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+            stride_bn=stride_biasn, seed=seed, row0=row0, seqlen_k_total=seqlen_k_total,
+            k_offset=k_offset,
             dropout_p=dropout_p, dropout_scale=dropout_scale, p_list=p_list,
             tiles_per_block=tpb, bs_m=bs_list,
             HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, MASKED=True, EVEN_D=EVEN_D,
@@ -244,7 +250,7 @@ def attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn,
-              o_m, o_d, n_start, n_end, sq, sk, shift, window_left, window_right,
+              o_m, o_d, n_start, n_end, sq, sk, shift, alibi_shift, window_left, window_right,
               qk_scale, softcap_scale, slope, p_bias, stride_bm, stride_bn, seed, row_base,
               dropout_p, dropout_scale, p_dbias, stride_dbm, stride_dbn,
               p_list, tiles_per_block, bs_n,
@@ -264,7 +270,7 @@ def _dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, s
         p_v = p_v_base + o_n[:, None] * stride_vn + o_d[None, :]  # [BLOCK_N, BLOCK_D]
         b_k = load_rows(p_k, o_n, sk, m_d, MASKED=MASKED, EVEN_D=EVEN_D)  # [BLOCK_N, BLOCK_D]
         b_v = load_rows(p_v, o_n, sk, m_d, MASKED=MASKED, EVEN_D=EVEN_D)  # [BLOCK_N, BLOCK_D]
-        b_s = score_tile(b_q, b_k, o_m, o_n, sq, sk, qk_scale, softcap_scale, slope,
+        b_s = score_tile(b_q, b_k, o_m, o_n, sq, sk, alibi_shift, qk_scale, softcap_scale, slope,
                          p_bias, stride_bm, stride_bn, DOT_PREC=DOT_PREC,
                          HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_BIAS=HAS_BIAS,
                          BIAS_BOOL=BIAS_BOOL)  # [BLOCK_M, BLOCK_N]
@@ -307,6 +313,7 @@ def attn_bwd_dq_kernel(
     stride_bsb, stride_bsh, stride_bsr, bs_m, bs_n,
     seqlen_q, seqlen_k, H, GROUP,
     scale, qk_scale, softcap_scale, window_left, window_right, dropout_p, dropout_scale,
+    q_offset, k_offset, seqlen_q_total, seqlen_k_total, batch_offset, head_offset, nheads_total,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -318,9 +325,9 @@ def attn_bwd_dq_kernel(
     Its prologue computes ``delta = rowsum(dO * O)`` of its rows and stores it to ``DELTA``
     for the dK/dV kernel that runs next (every row of every sequence belongs to exactly one
     program, which stores it before any other work, whatever the mask)."""
-    i_b, i_h, i_hk, q_start, sq, k_start, sk, shift, m_first, m_last = query_block(
-        CU_Q, CU_K, seqlen_q, seqlen_k, H, GROUP, BLOCK_M=BLOCK_M, IS_VARLEN=IS_VARLEN,
-        BOTTOM_RIGHT=BOTTOM_RIGHT)
+    i_b, i_h, i_hk, q_start, sq, k_start, sk, shift, alibi_shift, m_first, m_last = query_block(
+        CU_Q, CU_K, seqlen_q, seqlen_k, H, GROUP, q_offset, k_offset, seqlen_q_total,
+        seqlen_k_total, BLOCK_M=BLOCK_M, IS_VARLEN=IS_VARLEN, BOTTOM_RIGHT=BOTTOM_RIGHT)
     if m_first >= sq:
         return
     o_m = m_first + tl.arange(0, BLOCK_M)
@@ -350,7 +357,9 @@ def attn_bwd_dq_kernel(
     row_base = o_m
     if HAS_DROPOUT:
         seed = tl.load(RNG)
-        row_base = dropout_row_base((i_b * H + i_h).to(tl.int64), seqlen_q, seqlen_k, o_m)
+        row_base = dropout_row_base(
+            dropout_row0(i_b, batch_offset, nheads_total, i_h, head_offset, seqlen_q_total,
+                         q_offset), seqlen_k_total, k_offset, o_m)
     p_k_base = rows_ptr(K, i_b, k_start, i_hk, stride_kb, stride_kn, stride_kh)
     p_v_base = rows_ptr(V, i_b, k_start, i_hk, stride_vb, stride_vn, stride_vh)
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -381,7 +390,8 @@ def attn_bwd_dq_kernel(
     b_dq = _dq_inner(
         b_dq=b_dq, b_q=b_q, b_do=b_do, b_lse2=b_lse2, b_delta=b_delta, p_k_base=p_k_base,
         p_v_base=p_v_base, stride_kn=stride_kn, stride_vn=stride_vn, o_m=o_m, o_d=o_d,
-        n_start=a0, n_end=a1, sq=sq, sk=sk, shift=shift, window_left=window_left,
+        n_start=a0, n_end=a1, sq=sq, sk=sk, shift=shift, alibi_shift=alibi_shift,
+        window_left=window_left,
         window_right=window_right, qk_scale=qk_scale, softcap_scale=softcap_scale,
         slope=slope, p_bias=p_bias, stride_bm=stride_biasm, stride_bn=stride_biasn,
         seed=seed, row_base=row_base, dropout_p=dropout_p, dropout_scale=dropout_scale,
@@ -394,7 +404,8 @@ def attn_bwd_dq_kernel(
     b_dq = _dq_inner(
         b_dq=b_dq, b_q=b_q, b_do=b_do, b_lse2=b_lse2, b_delta=b_delta, p_k_base=p_k_base,
         p_v_base=p_v_base, stride_kn=stride_kn, stride_vn=stride_vn, o_m=o_m, o_d=o_d,
-        n_start=a1, n_end=a2, sq=sq, sk=sk, shift=shift, window_left=window_left,
+        n_start=a1, n_end=a2, sq=sq, sk=sk, shift=shift, alibi_shift=alibi_shift,
+        window_left=window_left,
         window_right=window_right, qk_scale=qk_scale, softcap_scale=softcap_scale,
         slope=slope, p_bias=p_bias, stride_bm=stride_biasm, stride_bn=stride_biasn,
         seed=seed, row_base=row_base, dropout_p=dropout_p, dropout_scale=dropout_scale,
@@ -407,7 +418,8 @@ def attn_bwd_dq_kernel(
     b_dq = _dq_inner(
         b_dq=b_dq, b_q=b_q, b_do=b_do, b_lse2=b_lse2, b_delta=b_delta, p_k_base=p_k_base,
         p_v_base=p_v_base, stride_kn=stride_kn, stride_vn=stride_vn, o_m=o_m, o_d=o_d,
-        n_start=a2, n_end=a3, sq=sq, sk=sk, shift=shift, window_left=window_left,
+        n_start=a2, n_end=a3, sq=sq, sk=sk, shift=shift, alibi_shift=alibi_shift,
+        window_left=window_left,
         window_right=window_right, qk_scale=qk_scale, softcap_scale=softcap_scale,
         slope=slope, p_bias=p_bias, stride_bm=stride_biasm, stride_bn=stride_biasn,
         seed=seed, row_base=row_base, dropout_p=dropout_p, dropout_scale=dropout_scale,

@@ -2,7 +2,8 @@
 ranges, score modifications, and the tile loads of the inner loops.
 
 A key ``j`` is visible to query ``i`` (both local to one sequence of ``sq`` queries and ``sk``
-keys) when ``j < sk`` and, with ``shift = sk - sq`` (bottom-right) or ``0`` (top-left),
+keys) when ``j < sk`` and, with ``shift = sk - sq`` (bottom-right) or ``0`` (top-left) in a
+plain call (a partial call's is in :func:`frame`),
 
     i + shift - window_left <= j <= i + shift + window_right
 
@@ -18,6 +19,9 @@ Optional element-wise features, each behind a constexpr flag of the kernels:
 * dropout: element ``(b, h, i, j)`` is kept iff ``tl.rand(seed, counter) >= p`` with the int64
   counter ``((b * H + h) * seqlen_q + i) * seqlen_k + j`` (:func:`dropout_keep`; the same rule
   as ``flashtile.rng``);
+* partial calls (dense): runtime offsets and global lengths (:func:`frame`,
+  :func:`dropout_row0`) make the masks, ALiBi distances and dropout counters those of the
+  global positions, so blocks of one long sequence computed apart agree with the whole call;
 * block sparsity: the kernels walk host-built lists of the nonzero mask blocks, those visible
   throughout first (no predicate), then those cut by a bound (``sparse_index.block_lists``),
   so zero blocks are never loaded.
@@ -51,10 +55,32 @@ FEATURE_FLAGS = {
 
 
 @triton.jit
-def sequence(CU_Q, CU_K, i_b, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr,
-             BOTTOM_RIGHT: tl.constexpr):
-    """``(q_start, sq, k_start, sk, shift)`` of batch entry ``i_b``: where its rows start in a
-    packed varlen tensor (0 when dense), its lengths, and the diagonal's shift."""
+def frame(sq, sk, q_offset, k_offset, seqlen_q_total, seqlen_k_total, IS_VARLEN: tl.constexpr,
+          BOTTOM_RIGHT: tl.constexpr):
+    """``(shift, alibi_shift)`` of a call whose local query ``i`` / key ``j`` are the global
+    ``q_offset + i`` / ``k_offset + j`` of a sequence of ``seqlen_*_total`` queries / keys (a
+    partial call; a plain call has offsets 0 and totals equal to its lengths): key ``j`` is on
+    the diagonal of query ``i`` when ``j = i + shift``, and ALiBi's distance is
+    ``|i + alibi_shift - j|`` (always bottom-right).  Varlen calls are never partial: their
+    diagonal is each sequence's ``sk - sq``."""
+    if IS_VARLEN:
+        d = sk - sq
+    else:
+        d = seqlen_k_total - seqlen_q_total
+    alibi_shift = d + (q_offset - k_offset) + sk * 0
+    if BOTTOM_RIGHT:
+        shift = alibi_shift
+    else:
+        shift = (q_offset - k_offset) + sk * 0
+    return shift, alibi_shift
+
+
+@triton.jit
+def sequence(CU_Q, CU_K, i_b, seqlen_q, seqlen_k, q_offset, k_offset, seqlen_q_total,
+             seqlen_k_total, IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr):
+    """``(q_start, sq, k_start, sk, shift, alibi_shift)`` of batch entry ``i_b``: where its rows
+    start in a packed varlen tensor (0 when dense), its lengths, the diagonal's shift and
+    ALiBi's (:func:`frame`)."""
     if IS_VARLEN:
         q_start = tl.load(CU_Q + i_b)
         sq = tl.load(CU_Q + i_b + 1) - q_start
@@ -65,19 +91,18 @@ def sequence(CU_Q, CU_K, i_b, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr,
         sq = seqlen_q
         k_start = seqlen_k * 0
         sk = seqlen_k
-    if BOTTOM_RIGHT:
-        shift = sk - sq
-    else:
-        shift = sk * 0
-    return q_start, sq, k_start, sk, shift
+    shift, alibi_shift = frame(sq, sk, q_offset, k_offset, seqlen_q_total, seqlen_k_total,
+                               IS_VARLEN=IS_VARLEN, BOTTOM_RIGHT=BOTTOM_RIGHT)
+    return q_start, sq, k_start, sk, shift, alibi_shift
 
 
 @triton.jit
-def query_block(CU_Q, CU_K, seqlen_q, seqlen_k, H, GROUP, BLOCK_M: tl.constexpr,
-                IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr):
+def query_block(CU_Q, CU_K, seqlen_q, seqlen_k, H, GROUP, q_offset, k_offset, seqlen_q_total,
+                seqlen_k_total, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
+                BOTTOM_RIGHT: tl.constexpr):
     """Where a program of a query-tile grid ``(cdiv(seqlen_q, BLOCK_M), B * H)`` works:
-    ``(i_b, i_h, i_hk, q_start, sq, k_start, sk, shift, m_first, m_last)``, its batch entry,
-    query head and key/value head, the entry's :func:`sequence`, and its rows
+    ``(i_b, i_h, i_hk, q_start, sq, k_start, sk, shift, alibi_shift, m_first, m_last)``, its
+    batch entry, query head and key/value head, the entry's :func:`sequence`, and its rows
     ``[m_first, m_last]``.  The caller returns at once when ``m_first >= sq`` (a tile past the
     end of a shorter varlen sequence).
 
@@ -89,11 +114,12 @@ def query_block(CU_Q, CU_K, seqlen_q, seqlen_k, H, GROUP, BLOCK_M: tl.constexpr,
     i_b = i_bh // H
     i_h = i_bh % H
     i_hk = i_h // GROUP
-    q_start, sq, k_start, sk, shift = sequence(CU_Q, CU_K, i_b, seqlen_q, seqlen_k,
-                                               IS_VARLEN=IS_VARLEN, BOTTOM_RIGHT=BOTTOM_RIGHT)
+    q_start, sq, k_start, sk, shift, alibi_shift = sequence(
+        CU_Q, CU_K, i_b, seqlen_q, seqlen_k, q_offset, k_offset, seqlen_q_total, seqlen_k_total,
+        IS_VARLEN=IS_VARLEN, BOTTOM_RIGHT=BOTTOM_RIGHT)
     m_first = i_m * BLOCK_M
     m_last = tl.minimum(m_first + BLOCK_M, sq) - 1
-    return i_b, i_h, i_hk, q_start, sq, k_start, sk, shift, m_first, m_last
+    return i_b, i_h, i_hk, q_start, sq, k_start, sk, shift, alibi_shift, m_first, m_last
 
 
 @triton.jit
@@ -250,21 +276,22 @@ def apply_bias(b_s, p_bias, stride_bm, stride_bn, o_m, o_n, sq, sk, BIAS_BOOL: t
 
 
 @triton.jit
-def score_tile(b_q, b_k, o_m, o_n, sq, sk, qk_scale, softcap_scale, slope,
+def score_tile(b_q, b_k, o_m, o_n, sq, sk, alibi_shift, qk_scale, softcap_scale, slope,
                p_bias, stride_bm, stride_bn,
                DOT_PREC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                HAS_BIAS: tl.constexpr, BIAS_BOOL: tl.constexpr):
     """Base-2 scores of one tile before the visibility mask, ``# [BLOCK_M, BLOCK_N]``.
 
     Without softcap ``qk_scale = scale * log2(e)``; with it ``qk_scale = softcap * log2(e)``
-    and ``softcap_scale = scale / softcap``.  ``slope`` is already multiplied by log2(e).
+    and ``softcap_scale = scale / softcap``.  ``slope`` is already multiplied by log2(e);
+    ALiBi's distance is ``|i + alibi_shift - j|`` (:func:`frame`).
     """
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
     if HAS_SOFTCAP:
         b_s = tanh(b_s * softcap_scale)
     b_s = b_s * qk_scale
     if HAS_ALIBI:
-        b_dist = (o_m[:, None] + (sk - sq)) - o_n[None, :]  # [BLOCK_M, BLOCK_N]
+        b_dist = (o_m[:, None] + alibi_shift) - o_n[None, :]  # [BLOCK_M, BLOCK_N]
         b_s = b_s - slope * tl.abs(b_dist).to(tl.float32)
     if HAS_BIAS:
         b_s = apply_bias(b_s, p_bias, stride_bm, stride_bn, o_m, o_n, sq, sk,
@@ -280,7 +307,15 @@ def dropout_keep(seed, row_base, o_n, dropout_p):
 
 
 @triton.jit
-def dropout_row_base(bh, seqlen_q, seqlen_k, o_m):
-    """int64 ``(bh * seqlen_q + i) * seqlen_k`` for the rows ``o_m``, with ``bh = b * H + h``
-    already int64, ``# [BLOCK]``."""
-    return (bh * seqlen_q + o_m.to(tl.int64)) * seqlen_k
+def dropout_row_base(row0, seqlen_k_total, k_offset, o_m):
+    """int64 counter of local key 0 for the rows ``o_m``, ``# [BLOCK]``:
+    ``(row0 + i) * seqlen_k_total + k_offset`` with the int64
+    ``row0 = ((batch_offset + b) * H + h) * seqlen_q_total + q_offset`` (:func:`dropout_row0`)."""
+    return (row0 + o_m.to(tl.int64)) * seqlen_k_total + k_offset
+
+
+@triton.jit
+def dropout_row0(i_b, batch_offset, nheads_total, i_h, head_offset, seqlen_q_total, q_offset):
+    """int64 dropout counter row of local query 0 of batch entry ``i_b``, head ``i_h``."""
+    return (((i_b + batch_offset) * nheads_total + head_offset + i_h).to(tl.int64)
+            * seqlen_q_total + q_offset)

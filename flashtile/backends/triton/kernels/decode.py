@@ -1,8 +1,12 @@
 """Triton kernels for attention against a KV cache (decode / speculative verification).
 
-Three passes, one kernel source each; optional features are ``tl.constexpr`` flags that
+Four passes, one kernel source each; optional features are ``tl.constexpr`` flags that
 ``triton.heuristics`` derives from whether an argument is ``None`` (or from a scalar's value):
 
+* :func:`_check_kernel` checks the index tensors' values (lengths against the capacity, leftpad,
+  cache rows, pages of the pool) and writes an error record; the other kernels never turn a bad
+  index into an address (they clamp or mask it), and the append writes nothing when the record
+  holds an error, so bad input neither reads nor writes out of bounds, even inside a CUDA graph.
 * :func:`_rotary_append_kernel` rotates q or the new k (RoPE at absolute positions) and writes
   the new k/v into the cache in place (contiguous or paged).
 * :func:`_split_kv_kernel` (FlashDecoding): program ``(b, kv_head, split, m_block)`` streams
@@ -22,24 +26,105 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
 
 
+@triton.jit
+def _first_bad(m_bad, o_idx, b_val, err, idx, val, CODE: tl.constexpr):
+    """Keep the first error: when nothing is recorded yet (``err == 0``) and ``m_bad`` has a
+    set entry, return ``(CODE, its smallest index, its value)``, else ``(err, idx, val)``."""
+    o_first = tl.min(tl.where(m_bad, o_idx, 2147483647))
+    b_hit = o_first != 2147483647
+    b_val_first = tl.sum(tl.where(m_bad & (o_idx == o_first), b_val, 0))
+    take = b_hit & (err == 0)
+    return tl.where(take, CODE, err), tl.where(take, o_first, idx), tl.where(take, b_val_first, val)
+
+
+@triton.heuristics(
+    {
+        "HAS_LEFTPAD": lambda a: a["leftpad_ptr"] is not None,
+        "HAS_BATCH_IDX": lambda a: a["batch_idx_ptr"] is not None,
+        "PAGED": lambda a: a["block_table_ptr"] is not None,
+    }
+)
+@triton.jit
+def _check_kernel(
+    err_ptr, seqlens_ptr, leftpad_ptr, batch_idx_ptr, block_table_ptr,
+    batch, stride_btb, n_cols, seqlen_new, capacity, cache_rows, num_blocks, rotary_need,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    HAS_LEFTPAD: tl.constexpr,
+    HAS_BATCH_IDX: tl.constexpr,
+    PAGED: tl.constexpr,
+):
+    """One program: the error record ``err = (code, index, value)`` (int32) of a decode call.
+
+    Codes, the first that applies to the lowest row (rows are scanned in order):
+    1 ``seqlens[b] < 0``; 2 ``seqlens[b] + seqlen_new > capacity``; 3 ``leftpad[b]`` outside
+    ``[0, seqlens[b]]``; 4 ``batch_idx[b]`` outside ``[0, cache_rows)``; 5 a ``block_table``
+    entry the call reads or writes (pages ``leftpad[b] // PAGE_SIZE`` up to
+    ``ceil((seqlens[b] + seqlen_new) / PAGE_SIZE)``) outside ``[0, num_blocks)``, index
+    ``b * n_cols + column``; 6 ``seqlens[b] + rotary_need > seqlen_ro`` is reported as
+    ``seqlens[b] > rotary_need`` (the launcher passes ``rotary_need = seqlen_ro - span``, the
+    longest cache that the rotary tables cover, or ``2**30`` without rotary).  ``0``: all good.
+    Every program of the append kernel reads ``code`` and writes nothing when it is set.
+    """
+    err = tl.full([], 0, tl.int32)
+    idx = tl.full([], 0, tl.int32)
+    val = tl.full([], 0, tl.int32)
+    for b0 in range(0, batch, BLOCK_B):
+        o_b = b0 + tl.arange(0, BLOCK_B)  # [BLOCK_B]
+        m_b = o_b < batch
+        b_len = tl.load(seqlens_ptr + o_b, mask=m_b, other=0)  # [BLOCK_B]
+        err, idx, val = _first_bad(m_b & (b_len < 0), o_b, b_len, err, idx, val, 1)
+        err, idx, val = _first_bad(m_b & (b_len > capacity - seqlen_new), o_b, b_len, err, idx,
+                                   val, 2)
+        if HAS_LEFTPAD:
+            b_pad = tl.load(leftpad_ptr + o_b, mask=m_b, other=0)  # [BLOCK_B]
+            err, idx, val = _first_bad(m_b & ((b_pad < 0) | (b_pad > b_len)), o_b, b_pad, err,
+                                       idx, val, 3)
+        else:
+            b_pad = tl.zeros([BLOCK_B], dtype=tl.int32)
+        if HAS_BATCH_IDX:
+            b_row = tl.load(batch_idx_ptr + o_b, mask=m_b, other=0)  # [BLOCK_B]
+            err, idx, val = _first_bad(m_b & ((b_row < 0) | (b_row >= cache_rows)), o_b, b_row,
+                                       err, idx, val, 4)
+        err, idx, val = _first_bad(m_b & (b_len > rotary_need), o_b, b_len, err, idx, val, 6)
+        if PAGED:
+            b_first = tl.maximum(b_pad, 0) // PAGE_SIZE  # [BLOCK_B]
+            b_last = (tl.minimum(tl.maximum(b_len, 0) + seqlen_new, capacity) + PAGE_SIZE - 1) \
+                // PAGE_SIZE  # [BLOCK_B]
+            for c0 in range(0, n_cols, BLOCK_C):
+                o_c = c0 + tl.arange(0, BLOCK_C)  # [BLOCK_C]
+                m_used = (m_b[:, None] & (o_c[None, :] >= b_first[:, None])
+                          & (o_c[None, :] < b_last[:, None]) & (o_c[None, :] < n_cols))
+                p_bt = block_table_ptr + o_b[:, None].to(tl.int64) * stride_btb + o_c[None, :]
+                b_page = tl.load(p_bt, mask=m_used, other=0)  # [BLOCK_B, BLOCK_C]
+                o_flat = o_b[:, None] * n_cols + o_c[None, :]  # [BLOCK_B, BLOCK_C]
+                err, idx, val = _first_bad(m_used & ((b_page < 0) | (b_page >= num_blocks)),
+                                           o_flat, b_page, err, idx, val, 5)
+    tl.store(err_ptr, err)
+    tl.store(err_ptr + 1, idx)
+    tl.store(err_ptr + 2, val)
+
+
 @triton.heuristics(
     {
         "HAS_ROTARY": lambda a: a["cos_ptr"] is not None,
         "HAS_Y": lambda a: a["y_ptr"] is not None,
         "HAS_BATCH_IDX": lambda a: a["batch_idx_ptr"] is not None,
         "PAGED": lambda a: a["block_table_ptr"] is not None,
+        "HAS_ERR": lambda a: a["err_ptr"] is not None,
     }
 )
 @triton.jit
 def _rotary_append_kernel(
     x_ptr, y_ptr, xo_ptr, yo_ptr,
-    cos_ptr, sin_ptr, seqlens_ptr, batch_idx_ptr, block_table_ptr,
+    cos_ptr, sin_ptr, seqlens_ptr, batch_idx_ptr, block_table_ptr, err_ptr,
     stride_xb, stride_xs, stride_xh,
     stride_yb, stride_ys, stride_yh,
     stride_xob, stride_xos, stride_xoh,
     stride_yob, stride_yos, stride_yoh,
     stride_cos, stride_sin, stride_btb,
-    nheads, head_dim, seqlen_ro, capacity,
+    nheads, head_dim, seqlen_ro, capacity, cache_rows, num_blocks,
     ROTARY_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     PER_TOKEN: tl.constexpr,
@@ -51,6 +136,7 @@ def _rotary_append_kernel(
     HAS_Y: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr,
     PAGED: tl.constexpr,
+    HAS_ERR: tl.constexpr,
 ):
     """Rotate ``x[b, t]`` (all heads) and store it; copy ``y[b, t]`` alongside.
 
@@ -66,8 +152,11 @@ def _rotary_append_kernel(
     channels ``>= rotary_dim`` are copied.  ``TO_CACHE``: the destination slot is cache
     position ``seqlens[b] + t`` of cache row ``batch_idx[b]`` (or ``b``), through the block
     table when ``PAGED``; otherwise the destination is ``xo[b, t]`` with its own strides.
-    Positions ``>= capacity`` are not written (bad lengths must never scribble past the cache)
-    and positions ``>= seqlen_ro`` are not rotated (validation reports both on the host).
+    Nothing is written outside the cache, whatever the index tensors hold: positions outside
+    ``[0, capacity)``, cache rows outside ``[0, cache_rows)`` and pages outside
+    ``[0, num_blocks)`` are not written, positions outside ``[0, seqlen_ro)`` are not rotated,
+    and with ``TO_CACHE`` nothing at all is written when the error record ``err_ptr[0]``
+    (:func:`_check_kernel`, launched first; ``err_ptr`` is None when the checks are off) is set.
     """
     i_t = tl.program_id(0)
     i_b = tl.program_id(1)
@@ -98,7 +187,7 @@ def _rotary_append_kernel(
             o_pair = tl.where(first, o_d + ROTARY_DIM // 2, o_d - ROTARY_DIM // 2)  # [BLOCK_D]
             o_freq = tl.where(first, o_d, o_d - ROTARY_DIM // 2)  # [BLOCK_D]
             b_sign = tl.where(first, -1.0, 1.0)  # [BLOCK_D]
-        m_cs = m_rot & (pos < seqlen_ro)
+        m_cs = m_rot & (pos >= 0) & (pos < seqlen_ro)
         # cos = 1, sin = 0 outside the rotary channels leaves those channels unchanged
         b_cos = tl.load(cos_ptr + pos * stride_cos + o_freq, mask=m_cs, other=1.0).to(tl.float32)  # [BLOCK_D]
         b_sin = tl.load(sin_ptr + pos * stride_sin + o_freq, mask=m_cs, other=0.0).to(tl.float32)  # [BLOCK_D]
@@ -107,19 +196,24 @@ def _rotary_append_kernel(
 
     if TO_CACHE:
         pos_w = cache_len + i_t
-        m_w = m_hd & (pos_w < capacity)
+        m_pos = (pos_w >= 0) & (pos_w < capacity)
+        if HAS_ERR:
+            m_pos = m_pos & (tl.load(err_ptr) == 0)
         if PAGED:
             page = tl.load(block_table_ptr + i_b.to(tl.int64) * stride_btb + pos_w // PAGE_SIZE,
-                           mask=pos_w < capacity, other=0).to(tl.int64)
+                           mask=m_pos, other=0).to(tl.int64)
+            m_pos = m_pos & (page >= 0) & (page < num_blocks)
             o_xo = page * stride_xob + (pos_w % PAGE_SIZE) * stride_xos
             o_yo = page * stride_yob + (pos_w % PAGE_SIZE) * stride_yos
         else:
             if HAS_BATCH_IDX:
                 row = tl.load(batch_idx_ptr + i_b).to(tl.int64)
+                m_pos = m_pos & (row >= 0) & (row < cache_rows)
             else:
                 row = i_b.to(tl.int64)
             o_xo = row * stride_xob + pos_w.to(tl.int64) * stride_xos
             o_yo = row * stride_yob + pos_w.to(tl.int64) * stride_yos
+        m_w = m_hd & m_pos
     else:
         m_w = m_hd
         o_xo = i_b.to(tl.int64) * stride_xob + i_t * stride_xos
@@ -155,7 +249,7 @@ def _split_kv_kernel(
     stride_osplit, stride_ob, stride_os, stride_oh,
     stride_lsplit, stride_lb, stride_lh,
     stride_btb, stride_ab, stride_tb, stride_tq,
-    seqlen_q, seqlen_new, nheads_k, capacity, head_dim,
+    seqlen_q, seqlen_new, nheads_k, capacity, head_dim, cache_rows, num_blocks,
     softmax_scale, softcap, window_left, window_right, n_splits,
     GROUP: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -199,13 +293,15 @@ def _split_kv_kernel(
     i_hk = i_bh % nheads_k
     i_b64 = i_b.to(tl.int64)
 
-    cache_len = tl.load(seqlens_ptr + i_b)
+    # Guards: whatever the index tensors hold, no key outside the cache is read (lengths and
+    # leftpad are clamped to [0, capacity], cache rows and pages to the pool); bad values are
+    # reported by _check_kernel's record, these only keep the reads in bounds.
+    cache_len = tl.maximum(tl.load(seqlens_ptr + i_b), 0)
+    end = tl.minimum(cache_len + seqlen_new, capacity)
     if HAS_LEFTPAD:
-        start = tl.load(leftpad_ptr + i_b)
+        start = tl.minimum(tl.maximum(tl.load(leftpad_ptr + i_b), 0), end)
     else:
         start = 0
-    # capacity clamp keeps unvalidated lengths from reading past the cache
-    end = tl.minimum(cache_len + seqlen_new, capacity)
     n_keys = end - start
     shift = n_keys - seqlen_q
 
@@ -241,7 +337,8 @@ def _split_kv_kernel(
         p_bt = block_table_ptr + i_b64 * stride_btb  # pages are looked up in the loop
     else:
         if HAS_BATCH_IDX:
-            cache_row = tl.load(batch_idx_ptr + i_b).to(tl.int64)
+            cache_row = tl.minimum(tl.maximum(tl.load(batch_idx_ptr + i_b).to(tl.int64), 0),
+                                   cache_rows - 1)
         else:
             cache_row = i_b64
         o_k_row = cache_row * stride_kb
@@ -262,11 +359,13 @@ def _split_kv_kernel(
                 # contiguous cache's, so the pipeliner runs the K/V loads ahead as it does there.
                 # The page holds at least one key the row can see, so its entry is a valid one.
                 page = tl.load(p_bt + (i_tile * BLOCK_N) // PAGE_SIZE).to(tl.int64)
+                page = tl.minimum(tl.maximum(page, 0), num_blocks - 1)
                 o_in = (i_tile * BLOCK_N) % PAGE_SIZE + tl.arange(0, BLOCK_N)  # [BLOCK_N]
                 o_k = page * stride_kb + o_in * stride_ks  # [BLOCK_N]
                 o_v = page * stride_vb + o_in * stride_vs  # [BLOCK_N]
             else:
                 b_page = tl.load(p_bt + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)  # [BLOCK_N]
+                b_page = tl.minimum(tl.maximum(b_page, 0), num_blocks - 1)
                 o_k = b_page * stride_kb + (o_n % PAGE_SIZE) * stride_ks  # [BLOCK_N]
                 o_v = b_page * stride_vb + (o_n % PAGE_SIZE) * stride_vs  # [BLOCK_N]
         else:

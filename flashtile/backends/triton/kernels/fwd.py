@@ -11,8 +11,9 @@ For each visible key tile ``j`` (scores in base 2, ``log2(e)`` folded into the s
 
 and once at the end ``out = acc / l`` and ``lse = ln(2) * (m + log2(l))`` (natural log, ``-inf``
 for a row that saw no key, whose output is 0).  ``score`` is ``scale * q.k``, optionally
-soft-capped (``c * tanh(.../c)``) and ALiBi-biased (``- slope * |i + sk - sq - j|``); invisible
-keys score ``-inf`` *before* the row max so they contribute exactly 0.
+soft-capped (``c * tanh(.../c)``) and ALiBi-biased (``- slope * |i + sk - sq - j|`` in a plain
+call, ``common.frame`` for a partial one); invisible keys score ``-inf`` *before* the row max
+so they contribute exactly 0.
 
 Optional features (constexpr flags, derived from which optional pointers are None):
 
@@ -36,8 +37,8 @@ import triton
 import triton.language as tl
 
 from .common import (FEATURE_FLAGS, LN2, alibi_slope, block_list, dropout_keep,
-                     dropout_row_base, key_range, load_rows, query_block, rows_ptr, score_tile,
-                     tile_start, visible)
+                     dropout_row0, dropout_row_base, key_range, load_rows, query_block, rows_ptr,
+                     score_tile, tile_start, visible)
 
 # The forward kernel's flags: the shared ones plus paged keys/values, which only the forward
 # reads in place (the backward runs on keys/values gathered from the pages).
@@ -80,7 +81,7 @@ def _kv_rows(p_bt, n0, o_n, sk, stride_kpage, stride_kn, stride_vpage, stride_vn
 
 @triton.jit
 def _fwd_inner(b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn,
-               o_m, o_d, n_start, n_end, sq, sk, shift, window_left, window_right,
+               o_m, o_d, n_start, n_end, sq, sk, shift, alibi_shift, window_left, window_right,
                qk_scale, softcap_scale, slope, p_bias, stride_bm, stride_bn,
                seed, row_base, dropout_p, p_bt, stride_kpage, stride_vpage,
                p_list, tiles_per_block, bs_n,
@@ -111,7 +112,7 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn,
             p_k = p_k_base + o_n[:, None] * stride_kn + o_d[None, :]  # [BLOCK_N, BLOCK_D]
             p_v = p_v_base + o_n[:, None] * stride_vn + o_d[None, :]  # [BLOCK_N, BLOCK_D]
         b_k = load_rows(p_k, o_n, sk, m_d, MASKED=MASKED, EVEN_D=EVEN_D)  # [BLOCK_N, BLOCK_D]
-        b_s = score_tile(b_q, b_k, o_m, o_n, sq, sk, qk_scale, softcap_scale, slope,
+        b_s = score_tile(b_q, b_k, o_m, o_n, sq, sk, alibi_shift, qk_scale, softcap_scale, slope,
                          p_bias, stride_bm, stride_bn, DOT_PREC=DOT_PREC,
                          HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_BIAS=HAS_BIAS,
                          BIAS_BOOL=BIAS_BOOL)  # [BLOCK_M, BLOCK_N]
@@ -152,6 +153,7 @@ def attn_fwd_kernel(
     stride_bsb, stride_bsh, stride_bsr, bs_m, bs_n, stride_btb,
     seqlen_q, seqlen_k, H, GROUP,
     qk_scale, softcap_scale, window_left, window_right, dropout_p, dropout_scale,
+    q_offset, k_offset, seqlen_q_total, seqlen_k_total, batch_offset, head_offset, nheads_total,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -160,9 +162,9 @@ def attn_fwd_kernel(
     HAS_BIAS: tl.constexpr, BIAS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SPARSE: tl.constexpr, PAGED: tl.constexpr,
 ):
-    i_b, i_h, i_hk, q_start, sq, k_start, sk, shift, m_first, m_last = query_block(
-        CU_Q, CU_K, seqlen_q, seqlen_k, H, GROUP, BLOCK_M=BLOCK_M, IS_VARLEN=IS_VARLEN,
-        BOTTOM_RIGHT=BOTTOM_RIGHT)
+    i_b, i_h, i_hk, q_start, sq, k_start, sk, shift, alibi_shift, m_first, m_last = query_block(
+        CU_Q, CU_K, seqlen_q, seqlen_k, H, GROUP, q_offset, k_offset, seqlen_q_total,
+        seqlen_k_total, BLOCK_M=BLOCK_M, IS_VARLEN=IS_VARLEN, BOTTOM_RIGHT=BOTTOM_RIGHT)
     if m_first >= sq:
         return
 
@@ -191,7 +193,9 @@ def attn_fwd_kernel(
     row_base = o_m
     if HAS_DROPOUT:
         seed = tl.load(RNG)
-        row_base = dropout_row_base((i_b * H + i_h).to(tl.int64), seqlen_q, seqlen_k, o_m)
+        row_base = dropout_row_base(
+            dropout_row0(i_b, batch_offset, nheads_total, i_h, head_offset, seqlen_q_total,
+                         q_offset), seqlen_k_total, k_offset, o_m)
 
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -229,7 +233,8 @@ def attn_fwd_kernel(
     b_acc, b_l, b_m = _fwd_inner(
         b_acc=b_acc, b_l=b_l, b_m=b_m, b_q=b_q, p_k_base=p_k_base, p_v_base=p_v_base,
         stride_kn=stride_kn, stride_vn=stride_vn, o_m=o_m, o_d=o_d, n_start=a0, n_end=a1,
-        sq=sq, sk=sk, shift=shift, window_left=window_left, window_right=window_right,
+        sq=sq, sk=sk, shift=shift, alibi_shift=alibi_shift,
+        window_left=window_left, window_right=window_right,
         qk_scale=qk_scale, softcap_scale=softcap_scale, slope=slope, p_bias=p_bias,
         stride_bm=stride_biasm, stride_bn=stride_biasn, seed=seed, row_base=row_base,
         dropout_p=dropout_p, p_bt=p_bt, stride_kpage=stride_kb, stride_vpage=stride_vb,
@@ -241,7 +246,8 @@ def attn_fwd_kernel(
     b_acc, b_l, b_m = _fwd_inner(
         b_acc=b_acc, b_l=b_l, b_m=b_m, b_q=b_q, p_k_base=p_k_base, p_v_base=p_v_base,
         stride_kn=stride_kn, stride_vn=stride_vn, o_m=o_m, o_d=o_d, n_start=a1, n_end=a2,
-        sq=sq, sk=sk, shift=shift, window_left=window_left, window_right=window_right,
+        sq=sq, sk=sk, shift=shift, alibi_shift=alibi_shift,
+        window_left=window_left, window_right=window_right,
         qk_scale=qk_scale, softcap_scale=softcap_scale, slope=slope, p_bias=p_bias,
         stride_bm=stride_biasm, stride_bn=stride_biasn, seed=seed, row_base=row_base,
         dropout_p=dropout_p, p_bt=p_bt, stride_kpage=stride_kb, stride_vpage=stride_vb,
@@ -253,7 +259,8 @@ def attn_fwd_kernel(
     b_acc, b_l, b_m = _fwd_inner(
         b_acc=b_acc, b_l=b_l, b_m=b_m, b_q=b_q, p_k_base=p_k_base, p_v_base=p_v_base,
         stride_kn=stride_kn, stride_vn=stride_vn, o_m=o_m, o_d=o_d, n_start=a2, n_end=a3,
-        sq=sq, sk=sk, shift=shift, window_left=window_left, window_right=window_right,
+        sq=sq, sk=sk, shift=shift, alibi_shift=alibi_shift,
+        window_left=window_left, window_right=window_right,
         qk_scale=qk_scale, softcap_scale=softcap_scale, slope=slope, p_bias=p_bias,
         stride_bm=stride_biasm, stride_bn=stride_biasn, seed=seed, row_base=row_base,
         dropout_p=dropout_p, p_bt=p_bt, stride_kpage=stride_kb, stride_vpage=stride_vb,

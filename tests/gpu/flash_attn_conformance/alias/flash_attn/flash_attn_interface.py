@@ -4,8 +4,6 @@ The private entry points of flash-attn's compiled extension (``flash_attn_gpu``,
 ``_flash_attn_forward``, ``_flash_attn_varlen_forward``, ...) have no counterpart: flashtile
 has no such extension, and the conformance runner leaves out the tests that call them.
 """
-import torch
-
 from flashtile import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                        flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
                        flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
@@ -40,4 +38,3 @@ __all__ = [
     "flash_attn_with_kvcache",
     "maybe_contiguous",
 ]
-del torch
