@@ -1,8 +1,9 @@
 """``python -m flashtile.bench [SUBCOMMAND] [FLAGS]``: dispatch to one benchmark module.
 
-``SUBCOMMANDS`` maps each name to the module that implements it; every such module exposes
-``main(argv) -> int``. A module is imported only when its subcommand runs, so adding one is a new
-module plus one entry here. Without a subcommand, ``speed`` runs.
+``SUBCOMMANDS`` maps each name to what implements it: a module exposing ``main(argv) -> int``,
+or ``module:function`` for another entry point of that signature. A module is imported only when
+its subcommand runs, so adding one is a function or module plus one entry here. Without a
+subcommand, ``speed`` runs.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import Sequence
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "speed": ("flashtile.bench.speed", "TFLOP/s of dense attention against SDPA and Flex"),
+    "overhead": ("flashtile.bench.speed:overhead_main",
+                 "host cost per call, direct launches and launch plans off and on (CUDA)"),
     "memory": ("flashtile.bench.memory", "peak CUDA memory of fwd+bwd against N"),
     "report": ("flashtile.bench.report", "tables and plots of saved JSON records"),
     "decode": ("flashtile.bench.decode", "KV-cache decode step against SDPA and Flex (CUDA)"),
@@ -37,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(usage())
         return 0
     sub = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else DEFAULT
-    module_name = SUBCOMMANDS[sub][0]
+    module_name, _, entry = SUBCOMMANDS[sub][0].partition(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -46,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"python -m flashtile.bench {sub}: {module_name} is not part of this installation",
               file=sys.stderr)
         return 2
-    return module.main(argv)
+    return getattr(module, entry or "main")(argv)
 
 
 if __name__ == "__main__":

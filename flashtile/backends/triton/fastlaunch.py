@@ -1,5 +1,6 @@
 """Launching kernels with little host work: output allocation, direct launches of compiled
-kernels, and launch plans that later calls of the same signature replay.
+kernels, and launch plans that later calls of the same signature replay (the forward, the
+backward and the decode step record and replay through the one mechanism here).
 
 Every use of Triton's internals (the ``Heuristics`` wrapper's rules, ``JITFunction``'s
 parameter names, a compiled kernel's ``run`` / ``packed_metadata``, the launch-hook chain) and of
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import os
+import threading
 
 import torch
 import triton
@@ -43,6 +45,7 @@ else:  # pragma: no cover - another Triton: the plain launch path only
         pass
 
 _poison = False
+_tls = threading.local()  # per thread: the recorder of the call running, if any (recording())
 
 
 @contextlib.contextmanager
@@ -63,8 +66,23 @@ def poisoning() -> bool:
 
 
 def empty(shape, dtype, device) -> torch.Tensor:
-    out = torch.empty(shape, dtype=dtype, device=device)
-    return out.fill_(float("nan")) if _poison else out
+    """A buffer the kernels write: NaN-filled under :func:`poison_outputs` when it holds floats
+    (an integer buffer is always written whole), noted by the call's :func:`recording`."""
+    return _new(torch.empty(shape, dtype=dtype, device=device))
+
+
+def empty_like(x: torch.Tensor, dtype=None) -> torch.Tensor:
+    """:func:`empty` with ``x``'s shape and, when ``x`` is dense, its strides."""
+    return _new(torch.empty_like(x, dtype=dtype))
+
+
+def _new(out: torch.Tensor) -> torch.Tensor:
+    if _poison and out.dtype.is_floating_point:
+        out.fill_(float("nan"))
+    rec = getattr(_tls, "rec", None)
+    if rec is not None:
+        rec.allocs.append(out)
+    return out
 
 
 # Direct launches.  ``JITFunction.run`` binds every argument, derives its specialisation
@@ -119,75 +137,68 @@ def launch(kernel, grid, **kwargs) -> tuple | None:
     For a ``triton.heuristics`` kernel the derived constexprs are computed here, from the one
     name -> value mapping the call already is, and the wrapped jitted function is launched with
     them: the wrapper rebuilds that mapping of every argument once per heuristic, which on an
-    H100 host costs ~18 us a launch (benchmarks/overhead.py --profile).  Same rules, same
-    order, same values.
+    H100 host costs ~18 us a launch (``python -m flashtile.bench overhead --profile``).  Same
+    rules, same order, same values.
 
     After the first launch of a variant its compiled kernel is called directly (see
     :func:`_direct_key`).  Returns ``(compiled kernel, every argument in signature order)``
-    when launches are direct (for :func:`run_direct` and :func:`record_plan`), else None.
+    when the launch was direct, else None; a :func:`recording` notes it either way.
     """
-    if not INTERNALS_OK:
+    if INTERNALS_OK:
+        launched = _launch(kernel, grid, kwargs)
+    else:
         kernel[grid](**kwargs)
-        return None
-    return _launch(kernel, grid, (), kwargs, kwargs)
+        launched = None
+    rec = getattr(_tls, "rec", None)
+    if rec is not None:
+        rec.launches.append((kernel, grid, launched))
+    return launched
 
 
-def launch_args(kernel, grid, args: tuple, meta: dict) -> tuple | None:
-    """:func:`launch` for a caller holding the leading arguments in signature order and the
-    rest by name: the jitted function gets them as ``kernel[grid](*args, **meta)`` passes
-    them."""
-    if not INTERNALS_OK:
-        kernel[grid](*args, **meta)
-        return None
-    named = dict(zip(kernel.arg_names, args))
-    named.update(meta)
-    return _launch(kernel, grid, args, meta, named)
-
-
-def _launch(kernel, grid, args: tuple, meta: dict, named: dict) -> tuple | None:
-    """:func:`launch` of ``kernel[grid](*args, **meta)``; ``named`` maps every argument and
-    launch option to its value (``meta`` itself when ``args`` is empty)."""
+def _launch(kernel, grid, kwargs: dict) -> tuple | None:
+    """:func:`launch` with Triton's internals known; ``kwargs`` maps every argument and launch
+    option to its value (the heuristics add theirs)."""
     if isinstance(kernel, _Heuristics):
         for name, rule in kernel.values.items():
-            named[name] = meta[name] = rule(named)
+            kwargs[name] = rule(kwargs)
         kernel = kernel.fn
     direct = _DIRECT and grid[0] and kernel.__class__ is _JITFunction
     key = None
     if direct:
-        key = _direct_key(kernel, named)
+        key = _direct_key(kernel, kwargs)
         try:
             compiled = _compiled.get(key) if key is not None else None
         except TypeError:  # an unhashable scalar argument
             compiled = key = None
         if compiled is not None:
-            values = named_values(kernel, named)
+            values = named_values(kernel, kwargs)
             if run_direct(compiled, grid, values, key[1]):
                 return compiled, values
     # Per variant (its constexprs and options), the pipeline depth that fits in shared memory.
     params = _params(kernel)
-    fit_key = (kernel, tuple(sorted((k, v) for k, v in meta.items()
+    fit_key = (kernel, tuple(sorted((k, v) for k, v in kwargs.items()
                                     if k != "num_stages" and (k not in params or params[k])
                                     and isinstance(v, (int, float, str, bool, type(None))))))
     stages = _fitted_stages.get(fit_key)
     if stages is not None:
-        meta["num_stages"] = stages
+        kwargs["num_stages"] = stages
     while True:
         try:
-            compiled = kernel[grid](*args, **meta)
+            compiled = kernel[grid](**kwargs)
             break
         except OutOfResources:
             # Optional features (bias tiles, dropout state) add shared memory to a config tuned
             # without them: fewer pipeline stages always fit in less.  Remembered per variant.
-            if meta.get("num_stages", 1) <= 1:
+            if kwargs.get("num_stages", 1) <= 1:
                 raise
-            meta["num_stages"] = _fitted_stages[fit_key] = meta["num_stages"] - 1
+            kwargs["num_stages"] = _fitted_stages[fit_key] = kwargs["num_stages"] - 1
     if direct and key is not None and compiled is not None:
         if len(_compiled) >= _MAX_COMPILED:
             _compiled.clear()
         # under the key of the requested options: a retry that lowered num_stages is remembered
         # by the next lookup too
         _compiled[key] = compiled
-        return compiled, named_values(kernel, named)
+        return compiled, named_values(kernel, kwargs)
     return None
 
 
@@ -253,17 +264,48 @@ def run_direct(compiled, grid: tuple, values: list, device: int) -> bool:
     stream; False (nothing launched) when a profiler hook asks for the full path."""
     if launch_hooks_set():
         return False
-    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                 _raw_stream(device), compiled.function, compiled.packed_metadata, None, None,
-                 None, *values)
+    _run(compiled, grid, values, device)
     return True
 
 
-# Launch plans of plain calls (launch_fwd, launch_bwd): per call signature, the grids, compiled
-# kernels and arguments of a first call, which later calls of that signature replay with their
-# own tensors instead of rebuilding ~60 kernel arguments per launch.
+def _run(compiled, grid: tuple, values: list, device: int) -> None:
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                 _raw_stream(device), compiled.function, compiled.packed_metadata, None, None,
+                 None, *values)
+
+
+# Launch plans.  A short-sequence forward, a backward or an eager decode step costs as much
+# host time as GPU time, and most of that host time rebuilds the same ~50-60 kernel arguments
+# per launch from the same shapes.  While a call runs inside :func:`recording`, every buffer it
+# allocates (:func:`empty`, :func:`empty_like`) and every launch is noted; :func:`record_plan`
+# turns that into a :class:`Plan` that replays the call for new tensors of the same signature:
+# allocate the same buffers, put the call's tensors and the buffers in their argument places,
+# launch the same compiled kernels.  Callers keep their plans in a :class:`PlanCache` under a
+# key of everything the launches depend on (:func:`signature` of the tensors, dtype, device,
+# the call's other arguments).
+_PLANS = True
+
+
+@contextlib.contextmanager
+def launch_plans(enabled: bool):
+    """Turn launch plans on or off inside the block (benchmarks compare the two paths)."""
+    global _PLANS
+    old, _PLANS = _PLANS, bool(enabled)
+    try:
+        yield
+    finally:
+        _PLANS = old
+
+
+def plans_enabled() -> bool:
+    """Plans replay direct launches, and are not used while outputs are poisoned (every buffer
+    must come from :func:`empty`), configs are pinned (``configs.override``) or
+    :func:`launch_plans` turned them off."""
+    return _DIRECT and _PLANS and not _poison and not pinned_configs()
+
+
 class PlanCache:
-    """Plans by signature; emptied when it reaches ``limit`` entries."""
+    """Plans by key; emptied when it reaches ``limit`` entries."""
 
     def __init__(self, limit: int = 1024):
         self._plans: dict = {}
@@ -278,57 +320,143 @@ class PlanCache:
         self._plans[key] = plan
 
 
-def plans_enabled() -> bool:
-    """Plans replay direct launches, and are not used while outputs are poisoned (every buffer
-    must come from :func:`empty`) or configs are pinned (``configs.override``)."""
-    return _DIRECT and not _poison and not pinned_configs()
-
-
 def signature(*tensors: torch.Tensor) -> tuple:
     """Shape, strides and 16-byte alignment of each tensor: with the dtype, device and spec,
     everything a plan's launches depend on."""
     return tuple([(t.shape, t.stride(), t.data_ptr() & 15) for t in tensors])
 
 
-def record_plan(launched: list, roles: list, tensors: dict):
-    """The plan of a call from its direct launches, or None if an argument is not where
-    ``roles`` says (another tensor among the arguments, or a role holding another tensor).
+class Recorder:
+    """What a call did inside :func:`recording`: ``allocs``, the buffers it allocated;
+    ``launches``, ``(kernel, grid, launch's result)`` per launch (:func:`launch`); ``note``,
+    whatever the caller wants to keep with the plan."""
 
-    ``launched``: ``(grid, (compiled, values))`` per launch, as :func:`launch` returned them;
-    ``roles``: per launch, ``(kernel parameter names, call tensor names)`` of the tensors a
-    later call replaces; ``tensors``: the call's tensors by name.  Places are known by role,
-    not found by identity, so ``flash_attn_func(x, x, x)`` records a plan that also serves a
-    later call with three distinct tensors.  A plan is a list of ``(grid, compiled, argument
-    template, [(position, tensor name)])``.
-    """
-    plan = []
-    for (grid, (compiled, values)), (params, names) in zip(launched, roles):
-        slots = list(zip(params, names))
-        if any(values[i] is not tensors[name] for i, name in slots):
+    __slots__ = ("allocs", "launches", "note")
+
+    def __init__(self):
+        self.allocs: list = []
+        self.launches: list = []
+        self.note = None
+
+
+@contextlib.contextmanager
+def recording():
+    """Record the buffers and launches of the call run inside the block (this thread only);
+    yields the :class:`Recorder`."""
+    rec, old = Recorder(), getattr(_tls, "rec", None)
+    _tls.rec = rec
+    try:
+        yield rec
+    finally:
+        _tls.rec = old
+
+
+def recorder() -> Recorder | None:
+    """The :class:`Recorder` of the call running on this thread, or None."""
+    return getattr(_tls, "rec", None)
+
+
+class Plan:
+    """A recorded call: buffers to allocate (shape, strides, dtype), then launches
+    ``(compiled, grid, argument template, [(position, 0, input index) or (position, 1, buffer
+    index)])``; ``outputs`` are buffer indices."""
+
+    __slots__ = ("allocs", "launches", "outputs", "device")
+
+    def __init__(self, allocs: list, launches: list, outputs: tuple, device: torch.device):
+        self.allocs, self.launches, self.outputs, self.device = allocs, launches, outputs, device
+
+    def run(self, inputs: tuple, after_first=None) -> tuple | None:
+        """The outputs of the recorded call replayed for ``inputs`` (same signature as the
+        recorded call); ``after_first(outputs)`` runs once the first kernel is launched.  None,
+        with nothing launched, when a profiler hook asks for Triton's own launch path."""
+        if launch_hooks_set():
             return None
-        taken = {i for i, _ in slots}
-        if any(isinstance(a, torch.Tensor) for i, a in enumerate(values) if i not in taken):
-            return None
-        template = list(values)
-        for i in taken:
-            template[i] = None
-        plan.append((grid, compiled, template, slots))
-    return plan
+        device = self.device
+        bufs = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                for shape, stride, dtype in self.allocs]
+        outs = tuple([bufs[i] for i in self.outputs])
+        pools = (inputs, bufs)
+        index = device.index
+        for compiled, grid, template, slots in self.launches:
+            values = template.copy()
+            for pos, kind, i in slots:
+                values[pos] = pools[kind][i]
+            _run(compiled, grid, values, index)
+            if after_first is not None:
+                after_first(outs)
+                after_first = None
+        return outs
 
 
-def plan_roles(kernel, roles: dict) -> tuple:
-    """``(parameter positions, call tensor names)`` of ``roles`` (``{parameter: tensor name}``)
-    in the signature of ``kernel`` (a jitted kernel or its ``triton.heuristics`` wrapper).
-    Empty where plans are never recorded (a Triton version whose internals are not known)."""
+def _current(device: torch.device) -> bool:
+    """Whether ``device`` is the current CUDA device, whose stream launches go to."""
+    return device.type == "cuda" and device.index == torch.cuda.current_device()
+
+
+def plan_roles(kernel, **params: int) -> dict:
+    """``{position of parameter: input index}`` for ``kernel`` (a jitted kernel or its
+    ``triton.heuristics`` wrapper) from ``{parameter name: input index}``: where
+    :func:`record_plan` puts those inputs.  Empty where plans are never recorded (a Triton
+    version whose internals are not known)."""
     if not INTERNALS_OK:
-        return (), ()
+        return {}
     names = list(kernel.arg_names)
-    return tuple(names.index(p) for p in roles), tuple(roles.values())
+    return {names.index(p): i for p, i in params.items()}
 
 
-def fill(template: list, slots: list, tensors: dict) -> list:
-    """A plan's argument list for a new call: the template with the call's tensors in place."""
-    values = template.copy()
-    for i, name in slots:
-        values[i] = tensors[name]
-    return values
+def record_plan(rec: Recorder, inputs: tuple, outputs: tuple, roles: dict | None = None):
+    """The :class:`Plan` of the call ``rec`` recorded, which took ``inputs`` (tensors or None)
+    and returned ``outputs`` (buffers it allocated); None when it cannot be replayed: a launch
+    was not direct, a kernel got a tensor that is neither one of ``inputs`` nor a buffer of the
+    call (a converted copy), an output is not a buffer of the call, or the call's tensors are
+    not on the current CUDA device (whose stream the launches went to).
+
+    Tensors are placed by identity.  One tensor passed as several inputs
+    (``flash_attn_func(x, x, x)``) is placed by ``roles``, ``{kernel: plan_roles(kernel,
+    ...)}``, so that the plan also serves a later call with distinct tensors; where no role
+    places such a tensor, no plan (a later call of the same signature may pass distinct ones).
+    """
+    if not rec.launches or not outputs:
+        return None
+    device = outputs[0].device
+    if not _current(device):
+        return None
+    where, shared = {}, set()
+    for i, t in enumerate(inputs):
+        if isinstance(t, torch.Tensor):
+            if id(t) in where:
+                shared.add(id(t))
+            else:
+                where[id(t)] = (0, i)
+    for j, t in enumerate(rec.allocs):
+        where[id(t)] = (1, j)  # fresh buffers: never an input
+    launches = []
+    for kernel, grid, launched in rec.launches:
+        if launched is None:
+            return None
+        compiled, values = launched
+        fixed = roles.get(kernel, {}) if roles else {}
+        template, slots = list(values), []
+        for pos, v in enumerate(values):
+            if not isinstance(v, torch.Tensor):
+                continue
+            if pos in fixed:
+                if inputs[fixed[pos]] is not v:
+                    return None
+                slot = (0, fixed[pos])
+            else:
+                slot = where.get(id(v))
+                if slot is None or id(v) in shared:
+                    return None
+            template[pos] = None
+            slots.append((pos, *slot))
+        launches.append((compiled, grid, template, tuple(slots)))
+    out_index = []
+    for t in outputs:
+        slot = where.get(id(t))
+        if slot is None or slot[0] != 1:
+            return None
+        out_index.append(slot[1])
+    allocs = [(tuple(t.shape), t.stride(), t.dtype) for t in rec.allocs]
+    return Plan(allocs, launches, tuple(out_index), device)

@@ -13,51 +13,18 @@ from ..spec import AttnSpec
 from .args import (alibi_args, bias_args, block_d, broadcast_strides, cdiv, dot_precision,
                    dropout_args, layout, lse_strides, scalar_args, seq_strides)
 from .configs import get_config
-from .fastlaunch import (PlanCache, empty, fill, launch, launch_hooks_set, plan_roles,
-                         plans_enabled, poisoning, record_plan, run_direct, signature)
+from .fastlaunch import (PlanCache, empty, empty_like, launch, plan_roles, plans_enabled,
+                         record_plan, recording, signature)
 from .kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 from .sparse_index import fit_block, sparse_args
 
-
-# Launch plans of plain backward calls (no optional feature), as the forward keeps them
-# (fastlaunch.PlanCache): at short sequences the launches' host work (configs, ~60 arguments
-# each, direct-launch keys) costs as much as their GPU time.  A plan keeps each launch's grid,
-# compiled kernel and argument list, with the places where the call's tensors go; later calls
-# allocate the outputs and launch.
+# Launch plans of plain backward calls (no optional feature; fastlaunch.Plan), as the forward
+# keeps them: at short sequences the launches' host work (configs, ~60 arguments each,
+# direct-launch keys) costs as much as their GPU time.  Inputs (do, q, k, v, out, lse), placed
+# in the kernel parameters below even when one tensor is passed as two of them.
 _plans = PlanCache()
-PLANS = True  # False: every call takes the full path (benchmarks/overhead.py compares the two)
-
-
-# Per launch, the kernel parameters a plan fills with a new call's tensors (the other tensor
-# parameters are the optional features a plain call leaves None).
-_ROLES = (plan_roles(attn_bwd_dq_kernel, dict(Q="q", K="k", V="v", DO="do", DQ="dq", O="out",
-                                              LSE="lse", DELTA="delta")),
-          plan_roles(attn_bwd_dkdv_kernel, dict(Q="q", K="k", V="v", DO="do", DK="dk", DV="dv",
-                                                LSE="lse", DELTA="delta")))
-
-
-def _record(launched: list, tensors: dict):
-    """The plan of one call from its direct launches (``fastlaunch.record_plan``)."""
-    return record_plan(launched, _ROLES, tensors)
-
-
-def _replay(plan, do, q, k, v, out, lse):
-    """Run a recorded plan for new tensors; ``(dq, dk, dv)``."""
-    tensors = dict(q=q, k=k, v=v, do=do, out=out, lse=lse,
-                   dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v),
-                   delta=torch.empty(lse.shape, dtype=torch.float32, device=lse.device))
-    for grid, compiled, template, slots in plan:
-        run_direct(compiled, grid, fill(template, slots, tensors), q.device.index)
-    return tensors["dq"], tensors["dk"], tensors["dv"]
-
-
-def _grad_like(x: torch.Tensor, dtype=None) -> torch.Tensor:
-    """An output for the gradient of ``x`` with ``x``'s strides when ``x`` is dense (what
-    autograd's accumulation wants: a gradient of another layout is copied into ``x``'s, one
-    read and one write of the whole tensor), in ``dtype`` (default x's); NaN-filled under
-    ``poison_outputs``."""
-    g = torch.empty_like(x, dtype=dtype)
-    return g.fill_(float("nan")) if poisoning() else g
+_ROLES = {attn_bwd_dq_kernel: plan_roles(attn_bwd_dq_kernel, DO=0, Q=1, K=2, V=3, O=4, LSE=5),
+          attn_bwd_dkdv_kernel: plan_roles(attn_bwd_dkdv_kernel, DO=0, Q=1, K=2, V=3, LSE=5)}
 
 
 def _dbias_target(dbias, full_shape):
@@ -80,17 +47,34 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
         lse = lse.contiguous()
     plain = (alibi_slopes is None and cu_seqlens_q is None and attn_bias is None
              and rng_seed is None and block_mask is None and dbias is None and grad_dtype is None
-             and do.stride(-1) == 1
-             and PLANS and plans_enabled())
-    if plain:
-        key = (signature(do, q, k, v, out, lse), q.dtype, q.device, spec)
-        plan = _plans.get(key)
-        # a profiler hook asks every launch to take the full path (see run_direct)
-        if plan is not None and not launch_hooks_set():
-            return _replay(plan, do, q, k, v, out, lse)
+             and do.stride(-1) == 1 and plans_enabled())
+    if not plain:
+        return _backward(do, q, k, v, out, lse, spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                         max_seqlen_q, max_seqlen_k, attn_bias, rng_seed, block_mask, block_size,
+                         dbias, grad_dtype)
+    inputs = (do, q, k, v, out, lse)
+    key = (signature(*inputs), q.dtype, q.device, spec)
+    plan = _plans.get(key)
+    if plan is not None:
+        res = plan.run(inputs)
+        if res is not None:
+            return res
+    with recording() as rec:
+        grads = _backward(do, q, k, v, out, lse, spec)
+    plan = record_plan(rec, inputs, grads, _ROLES)
+    if plan is not None:
+        _plans.put(key, plan)
+    return grads
+
+
+def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqlens_q=None,
+              cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, attn_bias=None,
+              rng_seed=None, block_mask=None, block_size=None, dbias=None, grad_dtype=None):
     varlen, batch, sq, sk, nheads, nheads_k, head_dim = layout(q, k, cu_seqlens_q, max_seqlen_q,
                                                                max_seqlen_k)
-    dq, dk, dv = (_grad_like(x, grad_dtype) for x in (q, k, v))
+    # the gradients in their inputs' layouts: what autograd's accumulation wants (a gradient
+    # of another layout is copied into the input's, one read and one write of the whole tensor)
+    dq, dk, dv = (empty_like(x, grad_dtype) for x in (q, k, v))
     if batch == 0 or sq == 0 or sk == 0 or q.numel() == 0 or k.numel() == 0:
         if dbias is not None:
             dbias.zero_()
@@ -109,7 +93,6 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
     db_full = _dbias_target(dbias, (batch, nheads, sq, sk))
     db_strides = (0, 0, 0, 0) if db_full is None else broadcast_strides(db_full)
 
-    launched = []
     q_st, k_st, v_st = seq_strides(q, varlen), seq_strides(k, varlen), seq_strides(v, varlen)
     do_st = seq_strides(do, varlen)
     common = dict(
@@ -134,7 +117,7 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
         block_m, block_n = fit_block(block_m, bs_m), fit_block(block_n, bs_n)
     grid = (cdiv(sq, block_m), batch * nheads)
     dq_st, o_st = seq_strides(dq, varlen), seq_strides(out, varlen)
-    launched.append((grid, launch(
+    launch(
         attn_bwd_dq_kernel, grid, **common, DQ=dq, O=out, BS_IDX=bs_idx, DBIAS=db_full,
         stride_dqb=dq_st[0], stride_dqm=dq_st[1], stride_dqh=dq_st[2],
         stride_ob=o_st[0], stride_om=o_st[1], stride_oh=o_st[2],
@@ -142,7 +125,7 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
         stride_dbn=db_strides[3],
         stride_bsb=bs_strides[0], stride_bsh=bs_strides[1], stride_bsr=bs_strides[2],
         bs_m=bs_m, bs_n=bs_n, H=nheads, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     cfg = get_config("dkdv", head_dim, spec.causal, q.dtype, q.device, max(sq, sk))
     block_m, block_n = cfg.block_m, cfg.block_n
     bs_idx, bs_strides, bs_m, bs_n = sparse_args(block_mask, block_size, sq, sk, spec, transpose=True)
@@ -150,19 +133,14 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
         block_m, block_n = fit_block(block_m, bs_m), fit_block(block_n, bs_n)
     grid = (cdiv(sk, block_n), batch * nheads_k)
     dk_st, dv_st = seq_strides(dk, varlen), seq_strides(dv, varlen)
-    launched.append((grid, launch(
+    launch(
         attn_bwd_dkdv_kernel, grid, **common, DK=dk, DV=dv, BS_IDX=bs_idx,
         stride_dkb=dk_st[0], stride_dkn=dk_st[1], stride_dkh=dk_st[2],
         stride_dvb=dv_st[0], stride_dvn=dv_st[1], stride_dvh=dv_st[2],
         stride_bsb=bs_strides[0], stride_bsh=bs_strides[1], stride_bsr=bs_strides[2],
         bs_m=bs_m, bs_n=bs_n, HK=nheads_k, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if db_full is not None and db_full is not dbias:
         dims = [d for d in range(4) if dbias.shape[d] == 1 and db_full.shape[d] != 1]
         dbias.copy_(db_full.sum(dim=dims, keepdim=True) if dims else db_full)
-    if plain and all(lc is not None for _, lc in launched) and q.device.index is not None:
-        plan = _record(launched, dict(q=q, k=k, v=v, do=do, out=out, lse=lse, dq=dq, dk=dk, dv=dv,
-                                      delta=delta))
-        if plan is not None:
-            _plans.put(key, plan)
     return dq, dk, dv

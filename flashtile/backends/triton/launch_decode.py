@@ -27,8 +27,8 @@ from ..._validate import MAX_SPLITS, FlashtileInputError, kvcache_error_message,
 from .kernels.decode import (_check_kernel, _combine_kernel, _rotary_append_kernel,
                              _split_kv_kernel)
 from . import fastlaunch
-from .fastlaunch import empty as _empty
-from .fastlaunch import launch_args as _launch
+from .fastlaunch import empty as _alloc
+from .fastlaunch import launch as _launch
 
 __all__ = ["decode", "decode_forward", "record_decode", "merge_states", "combine", "choose_num_splits", "default_num_splits", "num_sms",
            "attn_config", "MAX_SPLITS"]
@@ -171,20 +171,11 @@ def _plan(on_gpu: bool, head_dim: int, seqlen_q: int, group: int, dtype: torch.d
 # --------------------------------------------------------------------------------------------
 # An eager decode step cost ~100-140 us of host time on the H100 machine against ~30 us of GPU
 # time at batch 1 (docs/dev/tuning-log.md): validation, the heuristics, ~50 kernel
-# arguments per launch rebuilt from the same shapes.  While a call runs with a recorder, every
-# allocation and every direct launch (compiled kernel, grid, arguments) is noted;
-# :func:`record_plan` turns that into a :class:`Plan` that replays the call for new tensors of
-# the same signature (see ``flashtile.kvcache``): allocate the same buffers, put the caller's
-# tensors and the buffers in their argument slots, launch the same compiled kernels.
-_tls = threading.local()  # the recorder of the call running on this thread, if any
-
-
-class _Recorder:
-    def __init__(self):
-        self.allocs: list = []
-        self.launches: list = []
-        self.err = None  # the error record of the call
-        self.info = None
+# arguments per launch rebuilt from the same shapes.  A call runs once while recorded
+# (``fastlaunch.recording``); :func:`record_plan` turns its buffers and direct launches into a
+# :class:`Plan` that replays the call for new tensors of the same signature (see
+# ``flashtile.kvcache``; the mechanism is ``fastlaunch.Plan``, shared with the forward and the
+# backward), and reads back the error record of the replayed check kernel.
 
 
 _pinned = threading.local()  # per thread: device index -> (pinned (3,) int32 buffer, event)
@@ -232,91 +223,41 @@ class _Readback:
             raise FlashtileInputError(kvcache_error_message(code, index, value, *info))
 
 
-def _alloc(shape, dtype, device) -> torch.Tensor:
-    # poisoned (NaN) float outputs under poison_outputs; the int32 error record is always
-    # written whole by the check kernel
-    t = _empty(shape, dtype, device) if dtype.is_floating_point else torch.empty(shape, dtype=dtype, device=device)
-    rec = getattr(_tls, "recorder", None)
-    if rec is not None:
-        rec.allocs.append(t)
-    return t
-
-
-def _go(kernel, grid, args, meta) -> None:
-    launched = _launch(kernel, grid, args, meta)
-    rec = getattr(_tls, "recorder", None)
-    if rec is not None:
-        rec.launches.append((grid, launched))
-
-
 class Plan:
-    """A recorded eager call: buffers to allocate, then launches whose tensor arguments are the
-    call's inputs (by position) or those buffers."""
+    """A recorded eager call: ``fastlaunch.Plan``'s launches, then the read-back of the error
+    record its check kernel wrote (the third output, when the call ran the check)."""
 
-    __slots__ = ("allocs", "launches", "out", "lse", "device", "stream_device", "err", "info")
+    __slots__ = ("plan", "info")
 
-    def __init__(self, allocs, launches, out, lse, device, err, info):
-        self.allocs, self.launches, self.out, self.lse, self.device = allocs, launches, out, lse, device
-        self.err, self.info = err, info  # the error record's buffer index and message facts
-        # launches go to the current device's stream, as the direct launches they replay did
-        # (the plan key holds the current device)
-        self.stream_device = torch.cuda.current_device() if device.type == "cuda" else None
+    def __init__(self, plan: fastlaunch.Plan, info: tuple):
+        self.plan, self.info = plan, info  # info: the facts of the error message
+
+    @property
+    def launches(self) -> list:
+        return self.plan.launches
 
     def run(self, inputs: tuple):
         """``(out, lse)`` for ``inputs`` (same signature as the recorded call), or None when a
         profiler hook asks for Triton's own launch path (nothing is launched then)."""
-        if fastlaunch.launch_hooks_set():
+        readback = []
+        checked = len(self.plan.outputs) == 3
+        outs = self.plan.run(inputs, (lambda o: readback.append(_Readback(o[2]))) if checked
+                             else None)
+        if outs is None:
             return None
-        bufs = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.allocs]
-        pools = (inputs, bufs)
-        readback = _Readback(None)
-        for i, (compiled, grid, template, slots) in enumerate(self.launches):
-            values = template.copy()
-            for pos, kind, j in slots:
-                values[pos] = pools[kind][j]
-            fastlaunch.run_direct(compiled, grid, values, self.stream_device)
-            if i == 0 and self.err is not None:  # the check kernel
-                readback = _Readback(bufs[self.err])
-        readback.finish(self.info)
-        return bufs[self.out], bufs[self.lse]
+        if readback:
+            readback[0].finish(self.info)
+        return outs[0], outs[1]
 
 
 def record_plan(inputs: tuple, call):
     """Run ``call()`` (a :func:`decode_forward` on ``inputs``) while recording; returns
-    ``(its result, a Plan or None)``.  No plan when a launch was not direct, when a kernel got a
-    tensor that is neither one of ``inputs`` nor a buffer of the call (a converted copy), or when
-    one tensor is passed as two inputs (a later call of the same signature may pass two)."""
-    rec = _tls.recorder = _Recorder()
-    try:
+    ``(its result, a Plan or None)`` (``fastlaunch.record_plan`` says when there is none)."""
+    with fastlaunch.recording() as rec:
         out, lse = call()
-    finally:
-        _tls.recorder = None
-    slots = {id(t): (0, i) for i, t in enumerate(inputs) if t is not None}
-    if len(slots) != sum(t is not None for t in inputs):
-        return (out, lse), None
-    slots.update({id(t): (1, j) for j, t in enumerate(rec.allocs)})
-    launches = []
-    for grid, launched in rec.launches:
-        if launched is None:
-            return (out, lse), None
-        compiled, values = launched
-        template, where = list(values), []
-        for pos, v in enumerate(values):
-            if isinstance(v, torch.Tensor):
-                slot = slots.get(id(v))
-                if slot is None:
-                    return (out, lse), None
-                template[pos] = None
-                where.append((pos, *slot))
-        launches.append((compiled, grid, template, tuple(where)))
-    if not launches or slots.get(id(out), (0,))[0] != 1 or slots.get(id(lse), (0,))[0] != 1:
-        return (out, lse), None
-    err = rec.err
-    if err is not None and slots.get(id(err), (0,))[0] != 1:
-        return (out, lse), None
-    allocs = [(tuple(t.shape), t.dtype) for t in rec.allocs]
-    return (out, lse), Plan(allocs, launches, slots[id(out)][1], slots[id(lse)][1], out.device,
-                            slots[id(err)][1] if err is not None else None, rec.info)
+    err, info = rec.note or (None, None)
+    plan = fastlaunch.record_plan(rec, inputs, (out, lse) if err is None else (out, lse, err))
+    return (out, lse), (None if plan is None else Plan(plan, info))
 
 
 def _check_runnable(x: torch.Tensor) -> None:
@@ -331,11 +272,14 @@ def _check(err, seqlens, leftpad, batch_idx, block_table, *, batch, n_cols, seql
     """The error record of a call (see ``_check_kernel``): one program."""
     block_b = min(64, _next_pow2(max(batch, 1)))
     block_c = max(16, min(_next_pow2(max(n_cols, 1)), 4096 // block_b))
-    args = (err, seqlens, leftpad, batch_idx, block_table,
-            batch, block_table.stride(0) if block_table is not None else 0, n_cols, seqlen_new,
-            capacity, cache_rows, cache_rows, rotary_need)
-    meta = dict(PAGE_SIZE=page_size, BLOCK_B=block_b, BLOCK_C=block_c, num_warps=4 if _on_gpu(err) else 1)
-    _go(_check_kernel, (1,), args, meta)
+    _launch(_check_kernel, (1,),
+            err_ptr=err, seqlens_ptr=seqlens, leftpad_ptr=leftpad, batch_idx_ptr=batch_idx,
+            block_table_ptr=block_table, batch=batch,
+            stride_btb=block_table.stride(0) if block_table is not None else 0, n_cols=n_cols,
+            seqlen_new=seqlen_new, capacity=capacity, cache_rows=cache_rows,
+            num_blocks=cache_rows, rotary_need=rotary_need,
+            PAGE_SIZE=page_size, BLOCK_B=block_b, BLOCK_C=block_c,
+            num_warps=4 if _on_gpu(err) else 1)
 
 
 def _rotary_append(x, y, xo, yo, cos, sin, seqlens, batch_idx, block_table, err, *, rotary_dim,
@@ -349,20 +293,22 @@ def _rotary_append(x, y, xo, yo, cos, sin, seqlens, batch_idx, block_table, err,
     sxo = xo.stride()
     syo = yo.stride() if yo is not None else (0, 0, 0, 0)
     grid = (t, b, _cdiv(h, block_h))
-    args = (
-        x, y, xo, yo, cos, sin, seqlens, batch_idx, block_table, err,
-        sx[0], sx[1], sx[2],
-        sy[0], sy[1], sy[2],
-        sxo[0], sxo[1], sxo[2],
-        syo[0], syo[1], syo[2],
-        cos.stride(0) if cos is not None else 0, sin.stride(0) if sin is not None else 0,
-        block_table.stride(0) if block_table is not None else 0,
-        h, d, int(cos.shape[0]) if cos is not None else 0, capacity, cache_rows, cache_rows,
-    )
-    meta = dict(ROTARY_DIM=rotary_dim, INTERLEAVED=bool(interleaved), PER_TOKEN=bool(per_token),
-                TO_CACHE=bool(to_cache), PAGE_SIZE=page_size, BLOCK_H=block_h, BLOCK_D=block_d,
-                num_warps=4 if _on_gpu(x) else 1)
-    _go(_rotary_append_kernel, grid, args, meta)
+    _launch(_rotary_append_kernel, grid,
+            x_ptr=x, y_ptr=y, xo_ptr=xo, yo_ptr=yo, cos_ptr=cos, sin_ptr=sin,
+            seqlens_ptr=seqlens, batch_idx_ptr=batch_idx, block_table_ptr=block_table,
+            err_ptr=err,
+            stride_xb=sx[0], stride_xs=sx[1], stride_xh=sx[2],
+            stride_yb=sy[0], stride_ys=sy[1], stride_yh=sy[2],
+            stride_xob=sxo[0], stride_xos=sxo[1], stride_xoh=sxo[2],
+            stride_yob=syo[0], stride_yos=syo[1], stride_yoh=syo[2],
+            stride_cos=cos.stride(0) if cos is not None else 0,
+            stride_sin=sin.stride(0) if sin is not None else 0,
+            stride_btb=block_table.stride(0) if block_table is not None else 0,
+            nheads=h, head_dim=d, seqlen_ro=int(cos.shape[0]) if cos is not None else 0,
+            capacity=capacity, cache_rows=cache_rows, num_blocks=cache_rows,
+            ROTARY_DIM=rotary_dim, INTERLEAVED=bool(interleaved), PER_TOKEN=bool(per_token),
+            TO_CACHE=bool(to_cache), PAGE_SIZE=page_size, BLOCK_H=block_h, BLOCK_D=block_d,
+            num_warps=4 if _on_gpu(x) else 1)
 
 
 def merge_states(out_a, lse_a, out_b, lse_b):
@@ -424,16 +370,14 @@ def _merge(o_part, lse_part, out, lse) -> None:
     block_d = max(16, _next_pow2(d))
     warps = 4 if block_s * block_d <= 8192 else 8
     sop, slp, sout, slse = o_part.stride(), lse_part.stride(), out.stride(), lse.stride()
-    args = (
-        o_part, lse_part, out, lse,
-        sop[0], sop[1], sop[2], sop[3],
-        slp[0], slp[1], slp[2],
-        sout[0], sout[1], sout[2],
-        slse[0], slse[1],
-        sq, h, n, d,
-    )
-    meta = dict(BLOCK_S=block_s, BLOCK_D=block_d, num_warps=warps if _on_gpu(out) else 1)
-    _go(_combine_kernel, (b * sq * h,), args, meta)
+    _launch(_combine_kernel, (b * sq * h,),
+            op_ptr=o_part, lp_ptr=lse_part, o_ptr=out, lse_ptr=lse,
+            stride_ops=sop[0], stride_opb=sop[1], stride_opm=sop[2], stride_oph=sop[3],
+            stride_lps=slp[0], stride_lpb=slp[1], stride_lph=slp[2],
+            stride_ob=sout[0], stride_om=sout[1], stride_oh=sout[2],
+            stride_lb=slse[0], stride_lh=slse[1],
+            seqlen_q=sq, nheads=h, n_splits=n, head_dim=d,
+            BLOCK_S=block_s, BLOCK_D=block_d, num_warps=warps if _on_gpu(out) else 1)
 
 
 def decode_forward(
@@ -492,9 +436,9 @@ def decode_forward(
                n_cols=n_cols, seqlen_new=seqlen_new, capacity=capacity, cache_rows=cache_rows,
                rotary_need=seqlen_ro - span if rotary_cos is not None else 1 << 30,
                page_size=page_size)
-    rec = getattr(_tls, "recorder", None)
+    rec = fastlaunch.recorder()
     if rec is not None:
-        rec.err, rec.info = err, info
+        rec.note = (err, info)
     readback = _Readback(err)
 
     if seqlen_new > 0:
@@ -545,22 +489,24 @@ def decode_forward(
         stride_ab = alibi_slopes.stride(0)
 
     s_q, s_k, s_v = q.stride(), k_cache.stride(), v_cache.stride()
-    args = (
-        q, k_cache, v_cache, o_part, lse_part,
-        cache_seqlens, cache_leftpad, cache_batch_idx, block_table, alibi_slopes, tree_u8,
-        s_q[0], s_q[1], s_q[2],
-        s_k[0], s_k[1], s_k[2],
-        s_v[0], s_v[1], s_v[2],
-        so[0], so[1], so[2], so[3],
-        sl[0], sl[1], sl[2],
-        block_table.stride(0) if paged else 0, stride_ab, stb, stq,
-        sq, seqlen_new, hk, capacity, d, cache_rows, cache_rows,
-        float(softmax_scale), float(softcap), int(window_left), int(window_right), num_splits,
-    )
-    meta = dict(GROUP=group, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                num_warps=warps, num_stages=stages)
-    _go(_split_kv_kernel, (b * hk, num_splits, m_blocks), args, meta)
+    _launch(_split_kv_kernel, (b * hk, num_splits, m_blocks),
+            q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, o_ptr=o_part, lse_ptr=lse_part,
+            seqlens_ptr=cache_seqlens, leftpad_ptr=cache_leftpad, batch_idx_ptr=cache_batch_idx,
+            block_table_ptr=block_table, alibi_ptr=alibi_slopes, tree_ptr=tree_u8,
+            stride_qb=s_q[0], stride_qs=s_q[1], stride_qh=s_q[2],
+            stride_kb=s_k[0], stride_ks=s_k[1], stride_kh=s_k[2],
+            stride_vb=s_v[0], stride_vs=s_v[1], stride_vh=s_v[2],
+            stride_osplit=so[0], stride_ob=so[1], stride_os=so[2], stride_oh=so[3],
+            stride_lsplit=sl[0], stride_lb=sl[1], stride_lh=sl[2],
+            stride_btb=block_table.stride(0) if paged else 0, stride_ab=stride_ab,
+            stride_tb=stb, stride_tq=stq,
+            seqlen_q=sq, seqlen_new=seqlen_new, nheads_k=hk, capacity=capacity, head_dim=d,
+            cache_rows=cache_rows, num_blocks=cache_rows,
+            softmax_scale=float(softmax_scale), softcap=float(softcap),
+            window_left=int(window_left), window_right=int(window_right), n_splits=num_splits,
+            GROUP=group, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_D=block_d, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=warps, num_stages=stages)
     if num_splits > 1:
         _merge(o_part, lse_part, out, lse)
     readback.finish(info)

@@ -8,21 +8,17 @@ from . import launch_sm90
 from .args import (alibi_args, bias_args, block_d, cdiv, dot_precision, dropout_args, layout,
                    lse_strides, scalar_args, seq_strides)
 from .configs import get_config
-from .fastlaunch import (PlanCache, empty, fill, launch, plan_roles, plans_enabled,
-                         record_plan, run_direct, signature)
+from .fastlaunch import (PlanCache, empty, launch, plan_roles, plans_enabled, record_plan,
+                         recording, signature)
 from .kernels.fwd import attn_fwd_kernel
 from .sparse_index import fit_block, sparse_args
 
-
-# Launch plans of plain calls (no optional feature, see fastlaunch.PlanCache).  A
-# short-sequence forward costs as much host time as GPU time, and most of that host time
-# rebuilds the same ~60 kernel arguments from the same shapes.  A plan keeps the grid, the
-# compiled kernel and the arguments of the first call; later calls only allocate out / lse and
-# put the call's tensors in their parameters' places.
+# Launch plans of plain calls (no optional feature; fastlaunch.Plan): a short-sequence forward
+# costs as much host time as GPU time, most of it rebuilding the same ~60 kernel arguments from
+# the same shapes.  Inputs (q, k, v); q, k and v go to the kernel parameters below even when
+# one tensor is passed as two of them.
 _plans = PlanCache()
-# The kernel parameters a plan fills with a new call's tensors (the other tensor parameters
-# are the optional features a plain call leaves None).
-_ROLES = plan_roles(attn_fwd_kernel, dict(Q="q", K="k", V="v", O="out", LSE="lse"))
+_ROLES = {attn_fwd_kernel: plan_roles(attn_fwd_kernel, Q=0, K=1, V=2)}
 
 
 def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -36,17 +32,27 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu
                   and out_dtype is None)
     if no_feature and launch_sm90.eligible(q, k, v, spec):
         return launch_sm90.forward(q, k, v, spec)
-    plain = no_feature and plans_enabled()
-    if plain:
-        key = (signature(q, k, v), q.dtype, q.device, spec)
-        plan = _plans.get(key)
-        if plan is not None:
-            [(grid, compiled, template, slots)], lse_shape = plan
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-            values = fill(template, slots, dict(q=q, k=k, v=v, out=out, lse=lse))
-            if run_direct(compiled, grid, values, q.device.index):
-                return out, lse
+    if not (no_feature and plans_enabled()):
+        return _forward(q, k, v, spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                        max_seqlen_k, attn_bias, rng_seed, block_mask, block_size, block_table,
+                        out_dtype)
+    key = (signature(q, k, v), q.dtype, q.device, spec)
+    plan = _plans.get(key)
+    if plan is not None:
+        res = plan.run((q, k, v))
+        if res is not None:
+            return res
+    with recording() as rec:
+        out, lse = _forward(q, k, v, spec)
+    plan = record_plan(rec, (q, k, v), (out, lse), _ROLES)
+    if plan is not None:
+        _plans.put(key, plan)
+    return out, lse
+
+
+def _forward(q, k, v, spec: AttnSpec, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
+             max_seqlen_q=None, max_seqlen_k=None, attn_bias=None, rng_seed=None,
+             block_mask=None, block_size=None, block_table=None, out_dtype=None):
     varlen, batch, sq, sk, nheads, nheads_k, head_dim = layout(q, k, cu_seqlens_q, max_seqlen_q,
                                                                max_seqlen_k)
     if block_table is not None:
@@ -77,7 +83,7 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu
     grid = (cdiv(sq, block_m), batch * nheads)
     q_strides, o_strides = seq_strides(q, varlen), seq_strides(out, varlen)
     lse_b, lse_h = lse_strides(lse, varlen)
-    launched = launch(
+    launch(
         attn_fwd_kernel, grid,
         Q=q, K=k, V=v, O=out, LSE=lse, ALIBI=alibi, CU_Q=cu_seqlens_q, CU_K=cu_seqlens_k,
         BIAS=bias, RNG=seed, BS_IDX=bs_idx, BLOCK_TABLE=block_table,
@@ -96,8 +102,4 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
         PAGE_SIZE=page_size, DOT_PREC=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if plain and launched is not None and q.device.index is not None:
-        plan = record_plan([(grid, launched)], [_ROLES], dict(q=q, k=k, v=v, out=out, lse=lse))
-        if plan is not None:
-            _plans.put(key, (plan, lse.shape))
     return out, lse
