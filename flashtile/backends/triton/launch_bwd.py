@@ -128,7 +128,8 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     cfg = get_config("dkdv", head_dim, spec.causal, q.dtype, q.device, max(sq, sk))
     block_m, block_n = cfg.block_m, cfg.block_n
-    bs_idx, bs_strides, bs_m, bs_n = sparse_args(block_mask, block_size, sq, sk, spec, transpose=True)
+    bs_idx, bs_strides, bs_m, bs_n = sparse_args(block_mask, block_size, sq, sk, spec,
+                                                 transpose=True)
     if bs_idx is not None:
         block_m, block_n = fit_block(block_m, bs_m), fit_block(block_n, bs_n)
     grid = (cdiv(sk, block_n), batch * nheads_k)

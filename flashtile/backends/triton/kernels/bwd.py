@@ -33,9 +33,10 @@ kernel) exactly as the forward.
 import triton
 import triton.language as tl
 
-from .common import (FEATURE_FLAGS, LOG2E, alibi_slope, block_list, dropout_keep,
-                     dropout_row0, dropout_row_base, key_range, load_rows, query_block,
-                     query_range, rows_ptr, score_tile, sequence, tanh, tile_start, visible)
+from .common import (FEATURE_FLAGS, LOG2E, alibi_slope, block_row, dropout_keep, dropout_row0,
+                     dropout_row_base, dropout_rows, key_range, load_rows, query_block,
+                     query_range, rows_ptr, score_tile, sequence, stage_range, tanh, tile_ptr,
+                     tile_start, visible, walk)
 
 
 @triton.jit
@@ -150,10 +151,10 @@ def attn_bwd_dkdv_kernel(
     o_n = n_first + tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
     m_kd = (o_n[:, None] < sk) & (o_d[None, :] < HEAD_DIM)  # [BLOCK_N, BLOCK_D]
-    p_k = (rows_ptr(K, i_b, k_start, i_hk, stride_kb, stride_kn, stride_kh)
-           + o_n[:, None] * stride_kn + o_d[None, :])  # [BLOCK_N, BLOCK_D]
-    p_v = (rows_ptr(V, i_b, k_start, i_hk, stride_vb, stride_vn, stride_vh)
-           + o_n[:, None] * stride_vn + o_d[None, :])  # [BLOCK_N, BLOCK_D]
+    p_k = tile_ptr(K, i_b, k_start, i_hk, stride_kb, stride_kn, stride_kh,
+                   o_n, o_d)  # [BLOCK_N, BLOCK_D]
+    p_v = tile_ptr(V, i_b, k_start, i_hk, stride_vb, stride_vn, stride_vh,
+                   o_n, o_d)  # [BLOCK_N, BLOCK_D]
     b_k = tl.load(p_k, mask=m_kd, other=0.0)  # [BLOCK_N, BLOCK_D]
     b_v = tl.load(p_v, mask=m_kd, other=0.0)  # [BLOCK_N, BLOCK_D]
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -177,73 +178,34 @@ def attn_bwd_dkdv_kernel(
         p_do_base = rows_ptr(DO, i_b, q_start, i_h, stride_dob, stride_dom, stride_doh)
         p_lse = LSE + i_b * stride_lb + i_h * stride_lh + q_start
         p_delta = DELTA + i_b * stride_lb + i_h * stride_lh + q_start
+        # the forward's three stages, over query tiles (SPARSE: the transposed block lists)
+        p_list = BS_IDX
         if SPARSE:
-            # full blocks (no predicate) first, then the ones cut by a bound: see the forward
-            tpb = bs_m // BLOCK_M
-            p_list, t_full, t_all = block_list(BS_IDX, i_b, i_h, n_first // bs_n, stride_bsb,
-                                               stride_bsh, stride_bsr, tpb)
-            a0 = 0
-            a1 = 0
-            a2 = t_full
-            a3 = t_all
-            bs_list = bs_m
-            I_STEP = 1
-        else:
-            p_list = BS_IDX
-            a0 = lo
-            a1 = full_lo
-            a2 = full_hi
-            a3 = hi
-            tpb = 1
-            bs_list = 1
-            I_STEP = BLOCK_M
+            p_list = block_row(BS_IDX, i_b, i_h, n_first // bs_n, stride_bsb, stride_bsh,
+                               stride_bsr)
+        a0, a1, a2, a3, tpb = walk(lo, full_lo, full_hi, hi, p_list, bs_m, BLOCK=BLOCK_M,
+                                   SPARSE=SPARSE)
+        I_STEP: tl.constexpr = 1 if SPARSE else BLOCK_M
         # masked [a0, a1), full [a1, a2), masked [a2, a3)
-        b_dk, b_dv = _dkdv_inner(
-            b_dk=b_dk, b_dv=b_dv, b_k=b_k, b_v=b_v, p_q_base=p_q_base, p_do_base=p_do_base,
-            p_lse=p_lse, p_delta=p_delta, stride_qm=stride_qm, stride_dm=stride_dom, o_n=o_n,
-            o_d=o_d, m_start=a0, m_end=a1, sq=sq, sk=sk, shift=shift, alibi_shift=alibi_shift,
-            window_left=window_left, window_right=window_right, qk_scale=qk_scale,
-            softcap_scale=softcap_scale, slope=slope, p_bias=p_bias, stride_bm=stride_biasm,
-            stride_bn=stride_biasn, seed=seed, row0=row0, seqlen_k_total=seqlen_k_total,
-            k_offset=k_offset,
-            dropout_p=dropout_p, dropout_scale=dropout_scale, p_list=p_list,
-            tiles_per_block=tpb, bs_m=bs_list,
-            HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, MASKED=True, EVEN_D=EVEN_D,
-            DOT_PREC=DOT_PREC, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_LEFT=HAS_LEFT,
-            HAS_RIGHT=HAS_RIGHT, HAS_BIAS=HAS_BIAS, BIAS_BOOL=BIAS_BOOL,
-            HAS_DROPOUT=HAS_DROPOUT, SPARSE=SPARSE, I_STEP=I_STEP)
-        b_dk, b_dv = _dkdv_inner(
-            b_dk=b_dk, b_dv=b_dv, b_k=b_k, b_v=b_v, p_q_base=p_q_base, p_do_base=p_do_base,
-            p_lse=p_lse, p_delta=p_delta, stride_qm=stride_qm, stride_dm=stride_dom, o_n=o_n,
-            o_d=o_d, m_start=a1, m_end=a2, sq=sq, sk=sk, shift=shift, alibi_shift=alibi_shift,
-            window_left=window_left, window_right=window_right, qk_scale=qk_scale,
-            softcap_scale=softcap_scale, slope=slope, p_bias=p_bias, stride_bm=stride_biasm,
-            stride_bn=stride_biasn, seed=seed, row0=row0, seqlen_k_total=seqlen_k_total,
-            k_offset=k_offset,
-            dropout_p=dropout_p, dropout_scale=dropout_scale, p_list=p_list,
-            tiles_per_block=tpb, bs_m=bs_list,
-            HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, MASKED=False, EVEN_D=EVEN_D,
-            DOT_PREC=DOT_PREC, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_LEFT=HAS_LEFT,
-            HAS_RIGHT=HAS_RIGHT, HAS_BIAS=HAS_BIAS, BIAS_BOOL=BIAS_BOOL,
-            HAS_DROPOUT=HAS_DROPOUT, SPARSE=SPARSE, I_STEP=I_STEP)
-        b_dk, b_dv = _dkdv_inner(
-            b_dk=b_dk, b_dv=b_dv, b_k=b_k, b_v=b_v, p_q_base=p_q_base, p_do_base=p_do_base,
-            p_lse=p_lse, p_delta=p_delta, stride_qm=stride_qm, stride_dm=stride_dom, o_n=o_n,
-            o_d=o_d, m_start=a2, m_end=a3, sq=sq, sk=sk, shift=shift, alibi_shift=alibi_shift,
-            window_left=window_left, window_right=window_right, qk_scale=qk_scale,
-            softcap_scale=softcap_scale, slope=slope, p_bias=p_bias, stride_bm=stride_biasm,
-            stride_bn=stride_biasn, seed=seed, row0=row0, seqlen_k_total=seqlen_k_total,
-            k_offset=k_offset,
-            dropout_p=dropout_p, dropout_scale=dropout_scale, p_list=p_list,
-            tiles_per_block=tpb, bs_m=bs_list,
-            HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, MASKED=True, EVEN_D=EVEN_D,
-            DOT_PREC=DOT_PREC, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_LEFT=HAS_LEFT,
-            HAS_RIGHT=HAS_RIGHT, HAS_BIAS=HAS_BIAS, BIAS_BOOL=BIAS_BOOL,
-            HAS_DROPOUT=HAS_DROPOUT, SPARSE=SPARSE, I_STEP=I_STEP)
-    p_dk = (rows_ptr(DK, i_b, k_start, i_hk, stride_dkb, stride_dkn, stride_dkh)
-            + o_n[:, None] * stride_dkn + o_d[None, :])  # [BLOCK_N, BLOCK_D]
-    p_dv = (rows_ptr(DV, i_b, k_start, i_hk, stride_dvb, stride_dvn, stride_dvh)
-            + o_n[:, None] * stride_dvn + o_d[None, :])  # [BLOCK_N, BLOCK_D]
+        for stage in tl.static_range(3):
+            start, end = stage_range(stage, a0, a1, a2, a3)
+            b_dk, b_dv = _dkdv_inner(
+                b_dk=b_dk, b_dv=b_dv, b_k=b_k, b_v=b_v, p_q_base=p_q_base, p_do_base=p_do_base,
+                p_lse=p_lse, p_delta=p_delta, stride_qm=stride_qm, stride_dm=stride_dom, o_n=o_n,
+                o_d=o_d, m_start=start, m_end=end, sq=sq, sk=sk, shift=shift,
+                alibi_shift=alibi_shift, window_left=window_left, window_right=window_right,
+                qk_scale=qk_scale, softcap_scale=softcap_scale, slope=slope, p_bias=p_bias,
+                stride_bm=stride_biasm, stride_bn=stride_biasn, seed=seed, row0=row0,
+                seqlen_k_total=seqlen_k_total, k_offset=k_offset, dropout_p=dropout_p,
+                dropout_scale=dropout_scale, p_list=p_list, tiles_per_block=tpb, bs_m=bs_m,
+                HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, MASKED=stage != 1, EVEN_D=EVEN_D,
+                DOT_PREC=DOT_PREC, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_LEFT=HAS_LEFT,
+                HAS_RIGHT=HAS_RIGHT, HAS_BIAS=HAS_BIAS, BIAS_BOOL=BIAS_BOOL,
+                HAS_DROPOUT=HAS_DROPOUT, SPARSE=SPARSE, I_STEP=I_STEP)
+    p_dk = tile_ptr(DK, i_b, k_start, i_hk, stride_dkb, stride_dkn, stride_dkh,
+                    o_n, o_d)  # [BLOCK_N, BLOCK_D]
+    p_dv = tile_ptr(DV, i_b, k_start, i_hk, stride_dvb, stride_dvn, stride_dvh,
+                    o_n, o_d)  # [BLOCK_N, BLOCK_D]
     tl.store(p_dk, (b_dk * scale).to(DK.dtype.element_ty), mask=m_kd)
     tl.store(p_dv, b_dv.to(DV.dtype.element_ty), mask=m_kd)
 
@@ -333,12 +295,12 @@ def attn_bwd_dq_kernel(
     o_m = m_first + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
     m_qd = (o_m[:, None] < sq) & (o_d[None, :] < HEAD_DIM)  # [BLOCK_M, BLOCK_D]
-    p_q = (rows_ptr(Q, i_b, q_start, i_h, stride_qb, stride_qm, stride_qh)
-           + o_m[:, None] * stride_qm + o_d[None, :])  # [BLOCK_M, BLOCK_D]
-    p_do = (rows_ptr(DO, i_b, q_start, i_h, stride_dob, stride_dom, stride_doh)
-            + o_m[:, None] * stride_dom + o_d[None, :])  # [BLOCK_M, BLOCK_D]
-    p_o = (rows_ptr(O, i_b, q_start, i_h, stride_ob, stride_om, stride_oh)
-           + o_m[:, None] * stride_om + o_d[None, :])  # [BLOCK_M, BLOCK_D]
+    p_q = tile_ptr(Q, i_b, q_start, i_h, stride_qb, stride_qm, stride_qh,
+                   o_m, o_d)  # [BLOCK_M, BLOCK_D]
+    p_do = tile_ptr(DO, i_b, q_start, i_h, stride_dob, stride_dom, stride_doh,
+                    o_m, o_d)  # [BLOCK_M, BLOCK_D]
+    p_o = tile_ptr(O, i_b, q_start, i_h, stride_ob, stride_om, stride_oh,
+                   o_m, o_d)  # [BLOCK_M, BLOCK_D]
     b_q = tl.load(p_q, mask=m_qd, other=0.0)  # [BLOCK_M, BLOCK_D]
     b_do = tl.load(p_do, mask=m_qd, other=0.0)  # [BLOCK_M, BLOCK_D]
     b_o = tl.load(p_o, mask=m_qd, other=0.0)  # [BLOCK_M, BLOCK_D], only for delta
@@ -353,82 +315,38 @@ def attn_bwd_dq_kernel(
     p_dbias = DBIAS
     if STORE_DBIAS:
         p_dbias = DBIAS + i_b.to(tl.int64) * stride_dbb + i_h.to(tl.int64) * stride_dbh
-    seed = 0
-    row_base = o_m
-    if HAS_DROPOUT:
-        seed = tl.load(RNG)
-        row_base = dropout_row_base(
-            dropout_row0(i_b, batch_offset, nheads_total, i_h, head_offset, seqlen_q_total,
-                         q_offset), seqlen_k_total, k_offset, o_m)
+    seed, row_base = dropout_rows(RNG, i_b, i_h, o_m, batch_offset, nheads_total, head_offset,
+                                  seqlen_q_total, q_offset, seqlen_k_total, k_offset,
+                                  HAS_DROPOUT=HAS_DROPOUT)
     p_k_base = rows_ptr(K, i_b, k_start, i_hk, stride_kb, stride_kn, stride_kh)
     p_v_base = rows_ptr(V, i_b, k_start, i_hk, stride_vb, stride_vn, stride_vh)
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, full_lo, full_hi, hi = key_range(m_first, m_last, sk, shift, window_left, window_right,
                                          BLOCK_N=BLOCK_N, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT)
+    # the forward's three stages, over key tiles
+    p_list = BS_IDX
     if SPARSE:
-        # full blocks (no predicate) first, then the ones cut by a bound: see the forward
-        tpb = bs_n // BLOCK_N
-        p_list, t_full, t_all = block_list(BS_IDX, i_b, i_h, m_first // bs_m, stride_bsb,
-                                           stride_bsh, stride_bsr, tpb)
-        a0 = 0
-        a1 = 0
-        a2 = t_full
-        a3 = t_all
-        bs_list = bs_n
-        I_STEP = 1
-    else:
-        p_list = BS_IDX
-        a0 = lo
-        a1 = full_lo
-        a2 = full_hi
-        a3 = hi
-        tpb = 1
-        bs_list = 1
-        I_STEP = BLOCK_N
+        p_list = block_row(BS_IDX, i_b, i_h, m_first // bs_m, stride_bsb, stride_bsh, stride_bsr)
+    a0, a1, a2, a3, tpb = walk(lo, full_lo, full_hi, hi, p_list, bs_n, BLOCK=BLOCK_N,
+                               SPARSE=SPARSE)
+    I_STEP: tl.constexpr = 1 if SPARSE else BLOCK_N
     # masked [a0, a1), full [a1, a2), masked [a2, a3)
-    b_dq = _dq_inner(
-        b_dq=b_dq, b_q=b_q, b_do=b_do, b_lse2=b_lse2, b_delta=b_delta, p_k_base=p_k_base,
-        p_v_base=p_v_base, stride_kn=stride_kn, stride_vn=stride_vn, o_m=o_m, o_d=o_d,
-        n_start=a0, n_end=a1, sq=sq, sk=sk, shift=shift, alibi_shift=alibi_shift,
-        window_left=window_left,
-        window_right=window_right, qk_scale=qk_scale, softcap_scale=softcap_scale,
-        slope=slope, p_bias=p_bias, stride_bm=stride_biasm, stride_bn=stride_biasn,
-        seed=seed, row_base=row_base, dropout_p=dropout_p, dropout_scale=dropout_scale,
-        p_dbias=p_dbias, stride_dbm=stride_dbm, stride_dbn=stride_dbn, p_list=p_list,
-        tiles_per_block=tpb, bs_n=bs_list,
-        HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, MASKED=True, EVEN_D=EVEN_D, DOT_PREC=DOT_PREC,
-        HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT,
-        HAS_BIAS=HAS_BIAS, BIAS_BOOL=BIAS_BOOL, HAS_DROPOUT=HAS_DROPOUT,
-        STORE_DBIAS=STORE_DBIAS, SPARSE=SPARSE, I_STEP=I_STEP)
-    b_dq = _dq_inner(
-        b_dq=b_dq, b_q=b_q, b_do=b_do, b_lse2=b_lse2, b_delta=b_delta, p_k_base=p_k_base,
-        p_v_base=p_v_base, stride_kn=stride_kn, stride_vn=stride_vn, o_m=o_m, o_d=o_d,
-        n_start=a1, n_end=a2, sq=sq, sk=sk, shift=shift, alibi_shift=alibi_shift,
-        window_left=window_left,
-        window_right=window_right, qk_scale=qk_scale, softcap_scale=softcap_scale,
-        slope=slope, p_bias=p_bias, stride_bm=stride_biasm, stride_bn=stride_biasn,
-        seed=seed, row_base=row_base, dropout_p=dropout_p, dropout_scale=dropout_scale,
-        p_dbias=p_dbias, stride_dbm=stride_dbm, stride_dbn=stride_dbn, p_list=p_list,
-        tiles_per_block=tpb, bs_n=bs_list,
-        HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, MASKED=False, EVEN_D=EVEN_D, DOT_PREC=DOT_PREC,
-        HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT,
-        HAS_BIAS=HAS_BIAS, BIAS_BOOL=BIAS_BOOL, HAS_DROPOUT=HAS_DROPOUT,
-        STORE_DBIAS=STORE_DBIAS, SPARSE=SPARSE, I_STEP=I_STEP)
-    b_dq = _dq_inner(
-        b_dq=b_dq, b_q=b_q, b_do=b_do, b_lse2=b_lse2, b_delta=b_delta, p_k_base=p_k_base,
-        p_v_base=p_v_base, stride_kn=stride_kn, stride_vn=stride_vn, o_m=o_m, o_d=o_d,
-        n_start=a2, n_end=a3, sq=sq, sk=sk, shift=shift, alibi_shift=alibi_shift,
-        window_left=window_left,
-        window_right=window_right, qk_scale=qk_scale, softcap_scale=softcap_scale,
-        slope=slope, p_bias=p_bias, stride_bm=stride_biasm, stride_bn=stride_biasn,
-        seed=seed, row_base=row_base, dropout_p=dropout_p, dropout_scale=dropout_scale,
-        p_dbias=p_dbias, stride_dbm=stride_dbm, stride_dbn=stride_dbn, p_list=p_list,
-        tiles_per_block=tpb, bs_n=bs_list,
-        HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, MASKED=True, EVEN_D=EVEN_D, DOT_PREC=DOT_PREC,
-        HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT,
-        HAS_BIAS=HAS_BIAS, BIAS_BOOL=BIAS_BOOL, HAS_DROPOUT=HAS_DROPOUT,
-        STORE_DBIAS=STORE_DBIAS, SPARSE=SPARSE, I_STEP=I_STEP)
-    p_dq = (rows_ptr(DQ, i_b, q_start, i_h, stride_dqb, stride_dqm, stride_dqh)
-            + o_m[:, None] * stride_dqm + o_d[None, :])  # [BLOCK_M, BLOCK_D]
+    for stage in tl.static_range(3):
+        start, end = stage_range(stage, a0, a1, a2, a3)
+        b_dq = _dq_inner(
+            b_dq=b_dq, b_q=b_q, b_do=b_do, b_lse2=b_lse2, b_delta=b_delta, p_k_base=p_k_base,
+            p_v_base=p_v_base, stride_kn=stride_kn, stride_vn=stride_vn, o_m=o_m, o_d=o_d,
+            n_start=start, n_end=end, sq=sq, sk=sk, shift=shift, alibi_shift=alibi_shift,
+            window_left=window_left, window_right=window_right, qk_scale=qk_scale,
+            softcap_scale=softcap_scale, slope=slope, p_bias=p_bias, stride_bm=stride_biasm,
+            stride_bn=stride_biasn, seed=seed, row_base=row_base, dropout_p=dropout_p,
+            dropout_scale=dropout_scale, p_dbias=p_dbias, stride_dbm=stride_dbm,
+            stride_dbn=stride_dbn, p_list=p_list, tiles_per_block=tpb, bs_n=bs_n,
+            HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, MASKED=stage != 1, EVEN_D=EVEN_D, DOT_PREC=DOT_PREC,
+            HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT,
+            HAS_BIAS=HAS_BIAS, BIAS_BOOL=BIAS_BOOL, HAS_DROPOUT=HAS_DROPOUT,
+            STORE_DBIAS=STORE_DBIAS, SPARSE=SPARSE, I_STEP=I_STEP)
+    p_dq = tile_ptr(DQ, i_b, q_start, i_h, stride_dqb, stride_dqm, stride_dqh,
+                    o_m, o_d)  # [BLOCK_M, BLOCK_D]
     tl.store(p_dq, (b_dq * scale).to(DQ.dtype.element_ty), mask=m_qd)

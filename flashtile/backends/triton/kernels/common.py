@@ -130,6 +130,30 @@ def rows_ptr(X, i_b, start, i_h, stride_b, stride_row, stride_h):
 
 
 @triton.jit
+def tile_ptr(X, i_b, start, i_h, stride_b, stride_row, stride_h, o_rows, o_d):
+    """Pointers to the rows ``o_rows`` (local to the sequence) of head ``i_h`` of batch entry
+    ``i_b``, ``# [BLOCK, BLOCK_D]`` (:func:`rows_ptr`)."""
+    return (rows_ptr(X, i_b, start, i_h, stride_b, stride_row, stride_h)
+            + o_rows[:, None] * stride_row + o_d[None, :])
+
+
+@triton.jit
+def dropout_rows(RNG, i_b, i_h, o_m, batch_offset, nheads_total, head_offset, seqlen_q_total,
+                 q_offset, seqlen_k_total, k_offset, HAS_DROPOUT: tl.constexpr):
+    """``(seed, row_base)`` of the query rows ``o_m`` of head ``i_h`` of batch entry ``i_b``:
+    the Philox seed and the int64 counters of their local key 0 (:func:`dropout_row_base`),
+    ``# [BLOCK_M]``; ``(0, o_m)`` without dropout."""
+    seed = 0
+    row_base = o_m
+    if HAS_DROPOUT:
+        seed = tl.load(RNG)
+        row_base = dropout_row_base(
+            dropout_row0(i_b, batch_offset, nheads_total, i_h, head_offset, seqlen_q_total,
+                         q_offset), seqlen_k_total, k_offset, o_m)
+    return seed, row_base
+
+
+@triton.jit
 def alibi_slope(ALIBI, i_b, i_h, stride_ab, HAS_ALIBI: tl.constexpr):
     """ALiBi slope of head ``i_h`` of batch entry ``i_b`` in base-2 units (0 without ALiBi)."""
     slope = 0.0
@@ -139,15 +163,10 @@ def alibi_slope(ALIBI, i_b, i_h, stride_ab, HAS_ALIBI: tl.constexpr):
 
 
 @triton.jit
-def block_list(BS_IDX, i_b, i_h, i_row, stride_bsb, stride_bsh, stride_bsr, tiles_per_block):
-    """Block list of row ``i_row`` of the block mask of head ``i_h`` of batch entry ``i_b``
-    (``[n_full, n_part, full blocks..., partial blocks...]``, ``sparse_index.block_lists``):
-    ``(p_list, t_full, t_all)``, its first block index and the tile counts of its full blocks
-    and of all its blocks."""
-    p_row = BS_IDX + i_b * stride_bsb + i_h * stride_bsh + i_row * stride_bsr
-    t_full = tl.load(p_row) * tiles_per_block
-    t_all = t_full + tl.load(p_row + 1) * tiles_per_block
-    return p_row + 2, t_full, t_all
+def block_row(BS_IDX, i_b, i_h, i_row, stride_bsb, stride_bsh, stride_bsr):
+    """Row ``i_row`` of the block lists of head ``i_h`` of batch entry ``i_b``:
+    ``[n_full, n_part, full blocks..., partial blocks...]`` (``sparse_index.block_lists``)."""
+    return BS_IDX + i_b * stride_bsb + i_h * stride_bsh + i_row * stride_bsr
 
 
 @triton.jit
@@ -233,12 +252,56 @@ def query_range(n_first, n_last, sq, sk, shift, window_left, window_right,
 def tile_start(it, p_list, tiles_per_block, bs, BLOCK: tl.constexpr, SPARSE: tl.constexpr):
     """First row of loop step ``it`` of the inner loops: ``it`` itself for a dense range of
     BLOCK-aligned starts, or with SPARSE tile ``it % tiles_per_block`` of the ``it //
-    tiles_per_block``-th block of the list ``p_list`` (blocks of ``bs`` rows)."""
+    tiles_per_block``-th block of the list ``p_list`` (:func:`block_row`; blocks of ``bs``
+    rows)."""
     if SPARSE:
-        start = tl.load(p_list + it // tiles_per_block) * bs + (it % tiles_per_block) * BLOCK
+        start = (tl.load(p_list + 2 + it // tiles_per_block) * bs
+                 + (it % tiles_per_block) * BLOCK)
     else:
         start = it
     return tl.multiple_of(start, BLOCK)
+
+
+@triton.jit
+def walk(lo, full_lo, full_hi, hi, p_list, bs, BLOCK: tl.constexpr, SPARSE: tl.constexpr):
+    """How the three stages of an inner loop walk its tiles of BLOCK rows:
+    ``(a0, a1, a2, a3, tiles_per_block)``, stages masked ``[a0, a1)``, full ``[a1, a2)`` and
+    masked ``[a2, a3)`` (:func:`stage_range`).
+
+    Dense: the range ``(lo, full_lo, full_hi, hi)`` of :func:`key_range` / :func:`query_range`,
+    counted in rows, a tile per step of BLOCK.  SPARSE: tile numbers of the block list
+    ``p_list`` (:func:`block_row`; blocks of ``bs`` rows), a tile per step: its full blocks
+    (no predicate) first, then those cut by a bound; none is cut by the left bound alone before
+    them, so the first masked stage is empty."""
+    if SPARSE:
+        tpb = bs // BLOCK
+        a0 = 0
+        a1 = 0
+        a2 = tl.load(p_list) * tpb
+        a3 = a2 + tl.load(p_list + 1) * tpb
+    else:
+        tpb = 1
+        a0 = lo
+        a1 = full_lo
+        a2 = full_hi
+        a3 = hi
+    return a0, a1, a2, a3, tpb
+
+
+@triton.jit
+def stage_range(STAGE: tl.constexpr, a0, a1, a2, a3):
+    """``[start, end)`` of stage ``STAGE`` of an inner loop: 0 masked ``[a0, a1)``, 1 full
+    ``[a1, a2)``, 2 masked ``[a2, a3)``."""
+    if STAGE == 0:
+        start = a0
+        end = a1
+    elif STAGE == 1:
+        start = a1
+        end = a2
+    else:
+        start = a2
+        end = a3
+    return start, end
 
 
 @triton.jit

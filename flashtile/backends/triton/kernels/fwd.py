@@ -36,9 +36,9 @@ Optional features (constexpr flags, derived from which optional pointers are Non
 import triton
 import triton.language as tl
 
-from .common import (FEATURE_FLAGS, LN2, alibi_slope, block_list, dropout_keep,
-                     dropout_row0, dropout_row_base, key_range, load_rows, query_block, rows_ptr,
-                     score_tile, tile_start, visible)
+from .common import (FEATURE_FLAGS, LN2, alibi_slope, block_row, dropout_keep, dropout_rows,
+                     key_range, load_rows, query_block, rows_ptr, score_tile, stage_range,
+                     tile_ptr, tile_start, visible, walk)
 
 # The forward kernel's flags: the shared ones plus paged keys/values, which only the forward
 # reads in place (the backward runs on keys/values gathered from the pages).
@@ -171,8 +171,8 @@ def attn_fwd_kernel(
     o_m = m_first + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
     m_q = (o_m[:, None] < sq) & (o_d[None, :] < HEAD_DIM)  # [BLOCK_M, BLOCK_D]
-    p_q = (rows_ptr(Q, i_b, q_start, i_h, stride_qb, stride_qm, stride_qh)
-           + o_m[:, None] * stride_qm + o_d[None, :])  # [BLOCK_M, BLOCK_D]
+    p_q = tile_ptr(Q, i_b, q_start, i_h, stride_qb, stride_qm, stride_qh,
+                   o_m, o_d)  # [BLOCK_M, BLOCK_D]
     b_q = tl.load(p_q, mask=m_q, other=0.0)  # [BLOCK_M, BLOCK_D]
     if PAGED:
         # K/V are page pools (stride_kb / stride_vb are the page strides): rows are found
@@ -189,13 +189,9 @@ def attn_fwd_kernel(
     p_bias = BIAS
     if HAS_BIAS:
         p_bias = BIAS + i_b.to(tl.int64) * stride_biasb + i_h.to(tl.int64) * stride_biash
-    seed = 0
-    row_base = o_m
-    if HAS_DROPOUT:
-        seed = tl.load(RNG)
-        row_base = dropout_row_base(
-            dropout_row0(i_b, batch_offset, nheads_total, i_h, head_offset, seqlen_q_total,
-                         q_offset), seqlen_k_total, k_offset, o_m)
+    seed, row_base = dropout_rows(RNG, i_b, i_h, o_m, batch_offset, nheads_total, head_offset,
+                                  seqlen_q_total, q_offset, seqlen_k_total, k_offset,
+                                  HAS_DROPOUT=HAS_DROPOUT)
 
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -203,72 +199,32 @@ def attn_fwd_kernel(
 
     lo, full_lo, full_hi, hi = key_range(m_first, m_last, sk, shift, window_left, window_right,
                                          BLOCK_N=BLOCK_N, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT)
+    # Stage 1: tiles cut by the left window edge.  Stage 2: interior tiles, no predicate.
+    # Stage 3: tiles cut by the right edge (the causal diagonal) or the end of the sequence.
+    # SPARSE: only the nonzero mask blocks of this query block, those visible throughout
+    # first (no predicate), then those cut by a bound.
+    p_list = BS_IDX
     if SPARSE:
-        # Only the nonzero mask blocks of this query block: first those every (query, key) pair
-        # of which is visible (no predicate), then those cut by a bound (masked); the list is
-        # ``[n_full, n_part, full blocks..., partial blocks...]`` (``block_lists``).  Stages
-        # count tiles of the list, one at a time.
-        tpb = bs_n // BLOCK_N
-        p_list, t_full, t_all = block_list(BS_IDX, i_b, i_h, m_first // bs_m, stride_bsb,
-                                           stride_bsh, stride_bsr, tpb)
-        a0 = 0
-        a1 = 0
-        a2 = t_full
-        a3 = t_all
-        bs_list = bs_n
-        I_STEP = 1
-    else:
-        # Stage 1: tiles cut by the left window edge.  Stage 2: interior tiles, no predicate.
-        # Stage 3: tiles cut by the right edge (the causal diagonal) or the end of the sequence.
-        # Stages count keys, a tile at a time.
-        p_list = BS_IDX
-        a0 = lo
-        a1 = full_lo
-        a2 = full_hi
-        a3 = hi
-        tpb = 1
-        bs_list = 1
-        I_STEP = BLOCK_N
+        p_list = block_row(BS_IDX, i_b, i_h, m_first // bs_m, stride_bsb, stride_bsh, stride_bsr)
+    a0, a1, a2, a3, tpb = walk(lo, full_lo, full_hi, hi, p_list, bs_n, BLOCK=BLOCK_N,
+                               SPARSE=SPARSE)
+    I_STEP: tl.constexpr = 1 if SPARSE else BLOCK_N
     # masked [a0, a1), full [a1, a2), masked [a2, a3)
-    b_acc, b_l, b_m = _fwd_inner(
-        b_acc=b_acc, b_l=b_l, b_m=b_m, b_q=b_q, p_k_base=p_k_base, p_v_base=p_v_base,
-        stride_kn=stride_kn, stride_vn=stride_vn, o_m=o_m, o_d=o_d, n_start=a0, n_end=a1,
-        sq=sq, sk=sk, shift=shift, alibi_shift=alibi_shift,
-        window_left=window_left, window_right=window_right,
-        qk_scale=qk_scale, softcap_scale=softcap_scale, slope=slope, p_bias=p_bias,
-        stride_bm=stride_biasm, stride_bn=stride_biasn, seed=seed, row_base=row_base,
-        dropout_p=dropout_p, p_bt=p_bt, stride_kpage=stride_kb, stride_vpage=stride_vb,
-        p_list=p_list, tiles_per_block=tpb, bs_n=bs_list,
-        HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, MASKED=True, EVEN_D=EVEN_D, DOT_PREC=DOT_PREC,
-        HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT,
-        HAS_BIAS=HAS_BIAS, BIAS_BOOL=BIAS_BOOL, HAS_DROPOUT=HAS_DROPOUT, PAGED=PAGED,
-        PAGE_SIZE=PAGE_SIZE, SPARSE=SPARSE, I_STEP=I_STEP)
-    b_acc, b_l, b_m = _fwd_inner(
-        b_acc=b_acc, b_l=b_l, b_m=b_m, b_q=b_q, p_k_base=p_k_base, p_v_base=p_v_base,
-        stride_kn=stride_kn, stride_vn=stride_vn, o_m=o_m, o_d=o_d, n_start=a1, n_end=a2,
-        sq=sq, sk=sk, shift=shift, alibi_shift=alibi_shift,
-        window_left=window_left, window_right=window_right,
-        qk_scale=qk_scale, softcap_scale=softcap_scale, slope=slope, p_bias=p_bias,
-        stride_bm=stride_biasm, stride_bn=stride_biasn, seed=seed, row_base=row_base,
-        dropout_p=dropout_p, p_bt=p_bt, stride_kpage=stride_kb, stride_vpage=stride_vb,
-        p_list=p_list, tiles_per_block=tpb, bs_n=bs_list,
-        HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, MASKED=False, EVEN_D=EVEN_D, DOT_PREC=DOT_PREC,
-        HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT,
-        HAS_BIAS=HAS_BIAS, BIAS_BOOL=BIAS_BOOL, HAS_DROPOUT=HAS_DROPOUT, PAGED=PAGED,
-        PAGE_SIZE=PAGE_SIZE, SPARSE=SPARSE, I_STEP=I_STEP)
-    b_acc, b_l, b_m = _fwd_inner(
-        b_acc=b_acc, b_l=b_l, b_m=b_m, b_q=b_q, p_k_base=p_k_base, p_v_base=p_v_base,
-        stride_kn=stride_kn, stride_vn=stride_vn, o_m=o_m, o_d=o_d, n_start=a2, n_end=a3,
-        sq=sq, sk=sk, shift=shift, alibi_shift=alibi_shift,
-        window_left=window_left, window_right=window_right,
-        qk_scale=qk_scale, softcap_scale=softcap_scale, slope=slope, p_bias=p_bias,
-        stride_bm=stride_biasm, stride_bn=stride_biasn, seed=seed, row_base=row_base,
-        dropout_p=dropout_p, p_bt=p_bt, stride_kpage=stride_kb, stride_vpage=stride_vb,
-        p_list=p_list, tiles_per_block=tpb, bs_n=bs_list,
-        HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, MASKED=True, EVEN_D=EVEN_D, DOT_PREC=DOT_PREC,
-        HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT,
-        HAS_BIAS=HAS_BIAS, BIAS_BOOL=BIAS_BOOL, HAS_DROPOUT=HAS_DROPOUT, PAGED=PAGED,
-        PAGE_SIZE=PAGE_SIZE, SPARSE=SPARSE, I_STEP=I_STEP)
+    for stage in tl.static_range(3):
+        start, end = stage_range(stage, a0, a1, a2, a3)
+        b_acc, b_l, b_m = _fwd_inner(
+            b_acc=b_acc, b_l=b_l, b_m=b_m, b_q=b_q, p_k_base=p_k_base, p_v_base=p_v_base,
+            stride_kn=stride_kn, stride_vn=stride_vn, o_m=o_m, o_d=o_d, n_start=start, n_end=end,
+            sq=sq, sk=sk, shift=shift, alibi_shift=alibi_shift, window_left=window_left,
+            window_right=window_right, qk_scale=qk_scale, softcap_scale=softcap_scale,
+            slope=slope, p_bias=p_bias, stride_bm=stride_biasm, stride_bn=stride_biasn,
+            seed=seed, row_base=row_base, dropout_p=dropout_p, p_bt=p_bt, stride_kpage=stride_kb,
+            stride_vpage=stride_vb, p_list=p_list, tiles_per_block=tpb, bs_n=bs_n,
+            HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, MASKED=stage != 1, EVEN_D=EVEN_D,
+            DOT_PREC=DOT_PREC, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_LEFT=HAS_LEFT,
+            HAS_RIGHT=HAS_RIGHT, HAS_BIAS=HAS_BIAS, BIAS_BOOL=BIAS_BOOL,
+            HAS_DROPOUT=HAS_DROPOUT, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, SPARSE=SPARSE,
+            I_STEP=I_STEP)
 
     # Rows that saw no key keep l == 0: they output 0 and report lse = -inf.
     m_empty = b_l == 0.0
@@ -278,8 +234,8 @@ def attn_fwd_kernel(
     else:
         b_out = b_acc / b_l_safe[:, None]  # [BLOCK_M, BLOCK_D]
     b_lse = tl.where(m_empty, float("-inf"), (b_m + tl.math.log2(b_l_safe)) * LN2)
-    p_o = (rows_ptr(O, i_b, q_start, i_h, stride_ob, stride_om, stride_oh)
-           + o_m[:, None] * stride_om + o_d[None, :])  # [BLOCK_M, BLOCK_D]
+    p_o = tile_ptr(O, i_b, q_start, i_h, stride_ob, stride_om, stride_oh,
+                   o_m, o_d)  # [BLOCK_M, BLOCK_D]
     tl.store(p_o, b_out.to(O.dtype.element_ty), mask=m_q)
     p_lse = LSE + i_b * stride_lb + i_h * stride_lh + q_start + o_m
     tl.store(p_lse, b_lse, mask=o_m < sq)
