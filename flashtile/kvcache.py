@@ -110,7 +110,7 @@ def select_decode_backend(device: torch.device) -> str:
 # alignment, with the same other arguments, replays its launches without validating again (the
 # host checks depend on nothing else on a GPU; the device-side index check is part of the
 # replayed launches, with a new error record per call) or rebuilding kernel arguments.  Only on
-# CUDA outside CUDA-graph capture, with launch plans on (launch_common.plans_enabled), with a
+# CUDA outside CUDA-graph capture, with launch plans on (fastlaunch.plans_enabled), with a
 # cache_seqlens tensor and no tree mask.
 # FLASHTILE_DECODE_PLANS=0 (or EAGER_PLANS = False, for code that patches launch internals)
 # turns them off.
@@ -123,7 +123,7 @@ def _eager_plan_key(tensors: tuple, scalars: tuple):
     q, seqlens = tensors[0], tensors[7]
     if not (EAGER_PLANS and isinstance(q, torch.Tensor) and q.is_cuda and isinstance(seqlens, torch.Tensor)):
         return None
-    from .backends.triton.launch_common import plans_enabled
+    from .backends.triton.fastlaunch import plans_enabled
     from .backends.triton.launch_decode import check_mode
 
     if (not plans_enabled() or torch.cuda.is_current_stream_capturing()

@@ -35,7 +35,8 @@ from flashtile.backends import triton as triton_backend
 from flashtile.backends.spec import AttnSpec
 from flashtile.backends.torch import attention as torch_tiled
 from flashtile.backends.triton.configs import KernelConfig, override
-from flashtile.backends.triton.launch_common import block_lists, poison_outputs
+from flashtile.backends.triton.fastlaunch import poison_outputs
+from flashtile.backends.triton.sparse_index import block_lists
 from flashtile.interface import _mask_4d
 from flashtile.masks import attention_probs
 from flashtile.reference.torch_ref import reference, scores
@@ -940,7 +941,7 @@ def test_block_lists_hold_the_nonzero_blocks_full_ones_first():
 def test_full_blocks_match_the_element_mask(causal):
     """A block is 'full' iff all of its pairs exist and are visible, 'empty' iff none is."""
     from flashtile.backends.spec import AttnSpec
-    from flashtile.backends.triton.launch_common import full_blocks
+    from flashtile.backends.triton.sparse_index import full_blocks
     from flashtile.masks import visible_mask
     sq, sk, bs = 70, 90, 16
     for spec in (AttnSpec(1.0, -1, 0 if causal else -1), AttnSpec(1.0, 20, 5)):

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import flashtile
 from flashtile.backends.spec import AttnSpec
 from flashtile.backends.triton import launch_bwd, launch_fwd
-from flashtile.backends.triton.launch_common import poison_outputs
+from flashtile.backends.triton.fastlaunch import poison_outputs
 from flashtile.check import reference
 
 from helpers import check_flash_rule
@@ -49,11 +49,11 @@ def op_log(monkeypatch):
     log = _OpLog()
     kernels = []
     for module in (launch_fwd, launch_bwd):
-        def wrapped(kernel, grid, args, meta, _orig=module.launch):
+        def wrapped(kernel, grid, _orig=module.launch, **kwargs):
             kernels.append(getattr(kernel, "__name__", None) or kernel.fn.__name__)
             log.in_launch = True  # the interpreter's own host copies are not the backend's
             try:
-                return _orig(kernel, grid, args, meta)
+                return _orig(kernel, grid, **kwargs)
             finally:
                 log.in_launch = False
         monkeypatch.setattr(module, "launch", wrapped)

@@ -1160,6 +1160,19 @@ def test_decode_records_merge_by_case(tmp_path):
     assert common.load_records(path, "decode") == [quick[0], old[1], quick[1]]
 
 
+def test_overhead_subcommand_routes_to_speed_overhead_main(monkeypatch, tmp_path):
+    """`python -m flashtile.bench overhead ...` runs speed.overhead_main with the remaining
+    flags; without CUDA it says so in one line and exits 2."""
+    seen = {}
+    monkeypatch.setattr(speed, "overhead_main", lambda argv: seen.setdefault("argv", argv) and 0)
+    assert cli.main(["overhead", "--out", str(tmp_path / "o.json")]) == 0
+    assert seen["argv"] == ["--out", str(tmp_path / "o.json")]
+    monkeypatch.undo()
+    if not torch.cuda.is_available():
+        assert cli.main(["overhead", "--out", str(tmp_path / "o.json")]) == 2
+        assert not (tmp_path / "o.json").exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # Variants subcommand (flashtile.bench.variants)
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 
 import flashtile
 from flashtile import paged_kv
-from flashtile.backends.triton.launch_common import poison_outputs
+from flashtile.backends.triton.fastlaunch import poison_outputs
 from flashtile.kvcache import (build_tree_mask, flash_attn_with_kvcache, merge_attention_states,
                               select_decode_backend)
 
@@ -704,20 +704,20 @@ def test_eager_plan_replays_the_recorded_launches_with_new_tensors(monkeypatch):
     """``launch_decode.record_plan`` / ``Plan`` with the launches stubbed (the direct path runs on
     a GPU only): replaying a plan for new tensors of the same signature passes each kernel exactly
     the arguments a fresh call on those tensors passes, with fresh buffers in the buffer slots."""
-    from flashtile.backends.triton import launch_common, launch_decode
+    from flashtile.backends.triton import fastlaunch, launch_decode
 
     handles, seen, ran = {}, [], []
 
-    def fake_launch(kernel, grid, args, meta):
-        values = list(args) + [v for _, v in sorted(meta.items())]
+    def fake_launch(kernel, grid, kwargs):
+        values = [v for _, v in sorted(kwargs.items())]
         seen.append((kernel, grid, values))
         return handles.setdefault(kernel, object()), values
 
-    monkeypatch.setattr(launch_decode, "_launch", fake_launch)
+    monkeypatch.setattr(fastlaunch, "_launch", fake_launch)
     monkeypatch.setattr(launch_decode, "_on_gpu", lambda x: True)  # GPU block shapes and splits
     monkeypatch.setattr(launch_decode, "num_sms", lambda device: 132)
-    monkeypatch.setattr(launch_common, "_no_launch_hooks", lambda: True)
-    monkeypatch.setattr(launch_common, "run_direct",
+    monkeypatch.setattr(fastlaunch, "launch_hooks_set", lambda: False)
+    monkeypatch.setattr(fastlaunch, "run_direct",
                         lambda compiled, grid, values, device: ran.append((compiled, grid, values)) or True)
     # the stubbed kernels write no error record: nothing to wait for
     monkeypatch.setattr(launch_decode._Ring, "_wait", lambda self, slot: True)
@@ -780,7 +780,7 @@ def test_eager_plan_replays_the_recorded_launches_with_new_tensors(monkeypatch):
         aliased = second[:2] + (second[1],) + second[3:]
         assert launch_decode.record_plan(aliased, call(aliased))[1] is None
         # a launch that did not go direct: no plan
-        monkeypatch.setattr(launch_decode, "_launch", lambda *a: None)
+        monkeypatch.setattr(fastlaunch, "_launch", lambda *a: None)
         assert launch_decode.record_plan(second, call(second))[1] is None
     finally:
         launch_decode._plan.cache_clear()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flashtile
-from flashtile.backends.triton.launch_common import poison_outputs
+from flashtile.backends.triton.fastlaunch import poison_outputs
 from flashtile.distributed import partial_attention, partial_attention_backward
 from flashtile.rng import keep_mask
 

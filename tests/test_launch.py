@@ -1,13 +1,23 @@
-"""The key under which direct launches reuse a compiled kernel (GPU-only path; the key itself is
-plain Python).  Two calls may share a compiled kernel only if Triton would specialise them the
-same way: same dtypes and 16-byte alignment of every tensor, same value and type of every
-scalar, same launch options."""
+"""The host side of the Triton launches (``fastlaunch``), in plain Python with the GPU-only
+parts stubbed.
+
+* The key under which direct launches reuse a compiled kernel: two calls may share one only if
+  Triton would specialise them the same way (same dtypes and 16-byte alignment of every tensor,
+  same value and type of every scalar, same launch options).
+* The ``triton.heuristics`` constexprs a launch derives itself: those Triton's wrapper derives.
+* Launch plans (forward, backward, decode step): replaying a plan for new tensors of the same
+  signature passes each kernel exactly what a fresh call on those tensors passes.
+"""
 from __future__ import annotations
+
+import math
+import zlib
 
 import pytest
 import torch
 
-from flashtile.backends.triton import launch_common
+from flashtile.backends.spec import AttnSpec
+from flashtile.backends.triton import fastlaunch, launch_bwd, launch_decode, launch_fwd
 
 
 class FakeKernel:
@@ -17,12 +27,12 @@ class FakeKernel:
 @pytest.fixture
 def key(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(launch_common, "_layouts", {})
+    monkeypatch.setattr(fastlaunch, "_layouts", {})
 
     def make(meta=None, **overrides):
         named = {**dict(X=torch.zeros(64), Y=None, n=48, scale=0.5, FLAG=True), **overrides}
-        return launch_common._direct_key(FakeKernel, named,
-                                         {"num_warps": 4, "num_stages": 3, **(meta or {})})
+        return fastlaunch._direct_key(FakeKernel, {**named, "num_warps": 4, "num_stages": 3,
+                                                   **(meta or {})})
     return make
 
 
@@ -50,13 +60,15 @@ def test_a_different_specialisation_gets_another_key(key, change):
 
 def test_missing_parameter_falls_back_to_the_plain_launch(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(launch_common, "_layouts", {})
-    assert launch_common._direct_key(FakeKernel, dict(X=torch.zeros(4)), {}) is None
+    monkeypatch.setattr(fastlaunch, "_layouts", {})
+    assert fastlaunch._direct_key(FakeKernel, dict(X=torch.zeros(4))) is None
 
 
 def test_interpreter_never_launches_directly():
     # tests run the kernels under TRITON_INTERPRET=1 (conftest): the direct path is off there
-    assert launch_common._DIRECT is False
+    assert fastlaunch.direct_enabled() is False
+    with fastlaunch.direct_launches(True):
+        assert fastlaunch.direct_enabled() is False
 
 
 class FakeCompiled:
@@ -72,9 +84,9 @@ class FakeCompiled:
 @pytest.mark.parametrize("grid, dims", [((3,), (3, 1, 1)), ((3, 4), (3, 4, 1)),
                                         ((3, 4, 5), (3, 4, 5))], ids=["1d", "2d", "3d"])
 def test_run_direct_passes_the_grid_stream_and_every_argument(monkeypatch, grid, dims):
-    monkeypatch.setattr(launch_common, "_raw_stream", lambda device: 1000 + device)
+    monkeypatch.setattr(fastlaunch, "_raw_stream", lambda device: 1000 + device)
     compiled = FakeCompiled()
-    assert launch_common.run_direct(compiled, grid, ["a", 2, None], 7)
+    assert fastlaunch.run_direct(compiled, grid, ["a", 2, None], 7)
     assert compiled.calls == [dims + (1007, "fn", "meta", None, None, None, "a", 2, None)]
 
 
@@ -84,79 +96,256 @@ def test_run_direct_declines_while_a_profiler_hook_is_set(monkeypatch):
     knobs.runtime.launch_enter_hook.add(hook)
     try:
         compiled = FakeCompiled()
-        assert not launch_common.run_direct(compiled, (1, 1), [], 0)
+        assert not fastlaunch.run_direct(compiled, (1, 1), [], 0)
         assert compiled.calls == []
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
-    assert launch_common._no_launch_hooks()
+    assert not fastlaunch.launch_hooks_set()
 
 
 def test_named_values_follow_the_signature(key):
     named = dict(FLAG=True, scale=0.5, n=48, Y=None, X=torch.zeros(4))
     assert key() is not None  # fills the kernel's layout
-    assert launch_common.named_values(FakeKernel, named)[1:] == [None, 48, 0.5, True]
+    assert fastlaunch.named_values(FakeKernel, named)[1:] == [None, 48, 0.5, True]
 
 
-def _backward_tensors(share_qk=False):
-    g = torch.Generator().manual_seed(3)
-    q = torch.randn(2, 8, 4, 16, generator=g)
-    k = q if share_qk else torch.randn(2, 8, 4, 16, generator=g)
-    v, do, out = (torch.randn(2, 8, 4, 16, generator=g) for _ in range(3))
-    lse = torch.randn(2, 4, 8, generator=g)
-    grads = dict(dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v),
-                 delta=torch.empty(2, 4, 8))
-    return dict(q=q, k=k, v=v, do=do, out=out, lse=lse, **grads)
+# --------------------------------------------------------------------------------------------
+# triton.heuristics constexprs
+# --------------------------------------------------------------------------------------------
+def _heuristic_kernels():
+    from flashtile.backends.triton.kernels import bwd, decode, fwd
+    return {"attn_fwd": fwd.attn_fwd_kernel, "attn_bwd_dq": bwd.attn_bwd_dq_kernel,
+            "decode_split_kv": decode._split_kv_kernel,
+            "decode_rotary_append": decode._rotary_append_kernel}
 
 
-def _recorded_launches(t):
-    """The two launches with the backward's argument layout (tensors, then scalars)."""
-    return [((1, 8), ("dq", [t["q"], t["k"], t["v"], t["do"], t["dq"], t["out"], t["lse"],
-                             t["delta"], None, 0.25, 128])),
-            ((2, 8), ("dkdv", [t["q"], t["k"], t["v"], t["do"], t["dk"], t["dv"], t["lse"],
-                               t["delta"], None, 0.25, 64]))]
+@pytest.mark.parametrize("name", ["attn_fwd", "attn_bwd_dq", "decode_split_kv",
+                                  "decode_rotary_append"])
+def test_launch_derives_the_same_constexprs_as_triton(monkeypatch, name):
+    """``fastlaunch.launch`` evaluates a kernel's ``triton.heuristics`` itself: the jitted
+    function must receive exactly the arguments Triton's own wrapper would pass it."""
+    from triton.runtime.autotuner import Heuristics
+
+    kernel = _heuristic_kernels()[name]
+    assert isinstance(kernel, Heuristics)
+    seen = []
+    monkeypatch.setattr(kernel.fn, "run", lambda *a, **kw: seen.append((a, kw)))
+    names = [n for n in kernel.arg_names if n not in kernel.values]
+    n_ptr = next(i for i, n in enumerate(names) if n.startswith("stride_"))  # tensors first
+    marker = torch.zeros(1)
+    for variant in range(8):
+        named = {}
+        for i, n in enumerate(names):
+            if i < n_ptr:  # present or None by variant; the query (always read) present
+                present = (variant >> (i % 3)) & 1 or i == 0
+                named[n] = marker if present else None
+            elif n == "softcap":
+                named[n] = 2.5 if variant & 1 else 0.0
+            elif n in ("window_left", "window_right"):
+                named[n] = (-1, 0, 7)[(variant + i) % 3]
+            else:
+                named[n] = 16 + i + variant
+        if "HEAD_DIM" in named:  # EVEN_D: a head dim equal to its block or not
+            named["BLOCK_D"], named["HEAD_DIM"] = 32, (32, 24)[variant & 1]
+        grid = (3, 1 + variant, 1)
+        kernel[grid](*named.values(), num_warps=4)  # Triton's wrapper, positional
+        fastlaunch.launch(kernel, grid, **named, num_warps=4)
+        (a_ref, kw_ref), (a_new, kw_new) = seen[-2:]
+        bound_ref = {**dict(zip(kernel.arg_names, a_ref)), **kw_ref}
+        bound_new = {**dict(zip(kernel.arg_names, a_new)), **kw_new}
+        assert set(bound_new) == set(bound_ref), set(bound_new) ^ set(bound_ref)
+        assert all(bound_new[k] is bound_ref[k] or bound_new[k] == bound_ref[k] for k in bound_ref)
+        assert set(kernel.values) <= set(bound_new)
 
 
-def test_backward_plan_puts_a_new_calls_tensors_in_the_recorded_places(monkeypatch):
-    from flashtile.backends.triton import launch_bwd
+# --------------------------------------------------------------------------------------------
+# launch plans
+# --------------------------------------------------------------------------------------------
+def _seed(*parts) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(parts).encode()))
 
-    first = _backward_tensors()
-    plan = launch_bwd._record(_recorded_launches(first), first)
+
+def _fwd_inputs(gen, shared=False):
+    q = torch.randn(2, 40, 4, 16, generator=gen)
+    k = q if shared else torch.randn(2, 40, 2, 16, generator=gen)
+    v = q if shared else torch.randn(2, 40, 2, 16, generator=gen)
+    return (q, k, v)
+
+
+def _bwd_inputs(gen, shared=False):
+    q, k, v = _fwd_inputs(gen, shared)
+    do, out = torch.randn_like(q), torch.randn_like(q)
+    return (do, q, k, v, out, torch.randn(2, 4, 40, generator=gen))
+
+
+def _decode_inputs(gen, shared=False):
+    b, cap, h, hk, d = 2, 1024, 8, 2, 32  # 16 key tiles a row: 4 splits, so a combine
+    q = torch.randn(b, 1, h, d, generator=gen)
+    kc = torch.randn(b, cap, hk, d, generator=gen)
+    vc = kc if shared else torch.randn(b, cap, hk, d, generator=gen)
+    k, v = torch.randn(b, 1, hk, d, generator=gen), torch.randn(b, 1, hk, d, generator=gen)
+    cos, sin = torch.randn(cap, 8, generator=gen), torch.randn(cap, 8, generator=gen)
+    lens = torch.tensor([900, 17], dtype=torch.int32)
+    return (q, kc, vc, k, v, cos, sin, lens, None, None, None, None)
+
+
+SPEC = AttnSpec(0.25, -1, 0)
+
+
+def _fwd_call(t):
+    return launch_fwd._forward(*t, SPEC)
+
+
+def _bwd_call(t):
+    return launch_bwd._backward(*t, SPEC)
+
+
+def _decode_call(t):
+    return launch_decode.decode_forward(
+        t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], None, None, None, softmax_scale=0.2,
+        window_left=-1, window_right=0, softcap=0.0, rotary_interleaved=True,
+        rotary_q_per_token=True, alibi_slopes=None, num_splits=0, tree_mask=None)
+
+
+def _record(case, t, call=None):
+    """``(outputs, plan)`` of one recorded call of ``case`` on the inputs ``t``."""
+    if case == "decode":
+        return launch_decode.record_plan(t, lambda: (call or _decode_call)(t))
+    call, roles = {"forward": (_fwd_call, launch_fwd._ROLES),
+                   "backward": (_bwd_call, launch_bwd._ROLES)}[case] if call is None else (
+        call, {"forward": launch_fwd._ROLES, "backward": launch_bwd._ROLES}[case])
+    with fastlaunch.recording() as rec:
+        outs = call(t)
+    return outs, fastlaunch.record_plan(rec, t, outs, roles)
+
+
+INPUTS = {"forward": _fwd_inputs, "backward": _bwd_inputs, "decode": _decode_inputs}
+# kernels of one call: the forward; dQ, dK/dV; append, rotate q, split-KV, combine
+N_LAUNCHES = {"forward": 1, "backward": 2, "decode": 4}
+
+
+@pytest.fixture
+def stubbed(monkeypatch):
+    """Direct launches stubbed (they run on a GPU only): a launch returns a handle per kernel
+    and its arguments; replays are noted, not run."""
+    handles, seen, ran = {}, [], []
+
+    def fake_launch(kernel, grid, kwargs):
+        for name, rule in getattr(kernel, "values", {}).items():
+            kwargs[name] = rule(kwargs)
+        values = [kwargs[n] for n in kernel.arg_names]  # signature order, as named_values
+        seen.append((kernel, grid, values))
+        return handles.setdefault(kernel, object()), values
+
+    monkeypatch.setattr(fastlaunch, "_launch", fake_launch)
+    monkeypatch.setattr(fastlaunch, "INTERNALS_OK", True)
+    monkeypatch.setattr(fastlaunch, "_current", lambda device: True)
+    monkeypatch.setattr(fastlaunch, "launch_hooks_set", lambda: False)
+    monkeypatch.setattr(fastlaunch, "_run", lambda compiled, grid, values, device:
+                        ran.append((compiled, grid, values)))
+    # decode: GPU block shapes and splits; no index check (the stubbed kernels write no error
+    # record; tests/test_decode.py replays plans with the check on)
+    monkeypatch.setattr(launch_decode, "_on_gpu", lambda x: True)
+    monkeypatch.setattr(launch_decode, "num_sms", lambda device: 132)
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "off")
+    launch_decode._plan.cache_clear()
+    yield handles, seen, ran
+    launch_decode._plan.cache_clear()
+
+
+@pytest.mark.parametrize("case", ["forward", "backward", "decode"])
+def test_plan_replays_the_recorded_launches_with_new_tensors(stubbed, case):
+    """Replaying a plan for new tensors of the same signature passes each kernel exactly the
+    arguments a fresh call on those tensors passes, with fresh buffers in the buffer places."""
+    handles, seen, ran = stubbed
+    first = INPUTS[case](_seed(case, "a"))
+    _, plan = _record(case, first)
+    kernels = [s[0] for s in seen]
+    assert plan is not None and len(plan.launches) == N_LAUNCHES[case]
+    second = INPUTS[case](_seed(case, "b"))
+    seen.clear()
+    want_outs, _ = _record(case, second)
+    outs = plan.run(second)
+    assert [r[0] for r in ran] == [handles[kn] for kn in kernels]
+    buffers = {}
+    for (_, grid, got), (kernel, want_grid, want) in zip(ran, seen):
+        assert grid == want_grid and len(got) == len(want)
+        for i, (x, y) in enumerate(zip(got, want)):
+            if isinstance(y, torch.Tensor) and any(y is t for t in second):
+                assert x is y, f"{kernel}: argument {i} is not the caller's tensor"
+            elif isinstance(y, torch.Tensor):
+                # a buffer of the call: fresh, of the recorded shape, strides and dtype, the
+                # same one wherever the fresh call used the same one
+                assert isinstance(x, torch.Tensor) and x.shape == y.shape
+                assert x.stride() == y.stride() and x.dtype == y.dtype
+                assert all(x is not t for t in second + first)
+                assert buffers.setdefault(id(y), x) is x
+            else:
+                assert x == y, f"{kernel}: argument {i}: {x!r} != {y!r}"
+    assert len(outs) == len(want_outs)
+    for out, want in zip(outs, want_outs):
+        assert out is buffers[id(want)] and out.shape == want.shape
+
+
+@pytest.mark.parametrize("case", ["forward", "backward"])
+def test_plan_recorded_with_one_tensor_as_several_inputs_serves_distinct_ones(stubbed, case):
+    """``flash_attn_func(x, x, x)``: the kernel parameters place q, k and v, so the plan also
+    serves a later call with three distinct tensors."""
+    _, _, ran = stubbed
+    shared = INPUTS[case](_seed(case, "shared"), shared=True)
+    _, plan = _record(case, shared)
     assert plan is not None
-    calls = []
-    monkeypatch.setattr(launch_bwd, "run_direct",
-                        lambda compiled, grid, values, device: calls.append((compiled, grid, values)))
-    second = _backward_tensors()
-    dq, dk, dv = launch_bwd._replay(plan, second["do"], second["q"], second["k"], second["v"],
-                                    second["out"], second["lse"])
-    want = _recorded_launches(dict(second, dq=dq, dk=dk, dv=dv, delta=calls[0][2][7]))
-    assert [c[0] for c in calls] == ["dq", "dkdv"]
-    assert [c[1] for c in calls] == [w[0] for w in want]
-    for (_, _, got), (_, (_, expected)) in zip(calls, want):
-        assert len(got) == len(expected)
-        for a, b in zip(got, expected):
-            assert a is b if isinstance(b, torch.Tensor) or b is None else a == b
-    assert calls[1][2][7] is calls[0][2][7], "delta written by the dQ kernel is read by dK/dV"
-    assert dq.shape == second["q"].shape and dk.shape == second["k"].shape
+    t = INPUTS[case](_seed(case, "distinct"))
+    plan.run(t)
+    for _, _, values in ran:
+        placed = [i for i, x in enumerate(t) if any(x is v for v in values)]
+        # each launch gets q, k and v (and do, out, lse in the backward), each in its own place
+        assert {1, 2, 3} <= set(placed) if case == "backward" else placed == [0, 1, 2]
 
 
-def test_backward_plan_recorded_with_one_tensor_as_two_inputs_serves_distinct_ones(monkeypatch):
-    from flashtile.backends.triton import launch_bwd
-
-    shared = _backward_tensors(share_qk=True)
-    plan = launch_bwd._record(_recorded_launches(shared), shared)
-    assert plan is not None
-    calls = []
-    monkeypatch.setattr(launch_bwd, "run_direct",
-                        lambda compiled, grid, values, device: calls.append(values))
-    t = _backward_tensors()
-    launch_bwd._replay(plan, t["do"], t["q"], t["k"], t["v"], t["out"], t["lse"])
-    assert calls[1][0] is t["q"] and calls[1][1] is t["k"], "q and k each in its own place"
+def test_decode_plan_is_not_recorded_with_one_tensor_as_two_inputs(stubbed):
+    """No parameter tells which input a tensor passed twice is (a later call of the same
+    signature may pass two), so no plan."""
+    shared = _decode_inputs(_seed("decode", "shared"), shared=True)
+    assert _record("decode", shared)[1] is None
 
 
-def test_backward_plan_is_not_recorded_with_an_unknown_tensor_argument():
-    from flashtile.backends.triton import launch_bwd
+@pytest.mark.parametrize("case", ["forward", "decode"])
+def test_no_plan_with_a_tensor_that_is_neither_an_input_nor_a_buffer(stubbed, case):
+    t = INPUTS[case](_seed(case, "copy"))
+    k_copy = t[1].clone() if case == "forward" else t[3].clone()  # e.g. a converted copy
+    if case == "forward":
+        call = lambda t: _fwd_call((t[0], k_copy, t[2]))  # noqa: E731
+    else:
+        call = lambda t: _decode_call(t[:3] + (k_copy,) + t[4:])  # noqa: E731
+    assert _record(case, t, call)[1] is None
 
-    t = _backward_tensors()
-    launches = _recorded_launches(t)
-    launches[1][1][1][8] = torch.zeros(1)  # e.g. a bias the plan would not know how to fill
-    assert launch_bwd._record(launches, t) is None
+
+@pytest.mark.parametrize("case", ["forward", "backward", "decode"])
+def test_no_plan_when_a_launch_was_not_direct(stubbed, monkeypatch, case):
+    monkeypatch.setattr(fastlaunch, "_launch", lambda kernel, grid, kwargs: None)
+    assert _record(case, INPUTS[case](_seed(case, "plain")))[1] is None
+
+
+@pytest.mark.parametrize("case", ["forward", "backward"])
+def test_launcher_records_a_plan_once_then_replays_it(stubbed, monkeypatch, case):
+    """The public launchers: the first plain call of a signature records a plan, the next ones
+    replay it (one launch per kernel, no argument rebuilt) and return its fresh buffers."""
+    _, seen, ran = stubbed
+    module = launch_fwd if case == "forward" else launch_bwd
+    monkeypatch.setattr(module, "plans_enabled", lambda: True)
+    monkeypatch.setattr(module, "_plans", fastlaunch.PlanCache())
+    call = ((lambda t: launch_fwd.forward(*t, SPEC)) if case == "forward"
+            else (lambda t: launch_bwd.backward(*t, SPEC)))
+    first = call(INPUTS[case](_seed(case, "public-a")))
+    assert len(seen) == N_LAUNCHES[case] and ran == []
+    second = call(INPUTS[case](_seed(case, "public-b")))
+    assert len(seen) == N_LAUNCHES[case] and len(ran) == N_LAUNCHES[case]
+    assert all(x.shape == y.shape and x is not y for x, y in zip(first, second))
+
+
+def test_launch_plans_switch():
+    with fastlaunch.launch_plans(False):
+        assert not fastlaunch.plans_enabled()
+    # under the interpreter direct launches, and so plans, are off anyway
+    assert fastlaunch.plans_enabled() is False

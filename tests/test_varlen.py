@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import flashtile
 from flashtile.backends.spec import AttnSpec
 from flashtile.backends.triton.configs import KernelConfig, override
-from flashtile.backends.triton.launch_common import poison_outputs
+from flashtile.backends.triton.fastlaunch import poison_outputs
 from flashtile.reference.torch_ref import reference
 
 from helpers import assert_close, check_flash_rule, randn

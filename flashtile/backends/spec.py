@@ -1,13 +1,17 @@
 """The one description of an attention call that every backend receives.
 
-Both backends implement the same two functions::
+Both backends implement the same two attention functions::
 
     forward(q, k, v, spec, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
             max_seqlen_q=None, max_seqlen_k=None, attn_bias=None, rng_seed=None,
-            block_mask=None, block_size=None) -> (out, lse)
+            block_mask=None, block_size=None, block_table=None, out_dtype=None) -> (out, lse)
     backward(do, q, k, v, out, lse, spec, *, alibi_slopes=None, cu_seqlens_q=None,
              cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, attn_bias=None,
-             rng_seed=None, block_mask=None, block_size=None, dbias=None) -> (dq, dk, dv)
+             rng_seed=None, block_mask=None, block_size=None, dbias=None,
+             grad_dtype=None) -> (dq, dk, dv)
+
+``out_dtype`` / ``grad_dtype``: the dtype of ``out`` / the gradients (default the inputs'; the
+partial calls of ``flashtile.distributed.partial`` ask for float32).
 
 Optional features (each may be combined with every other):
   attn_bias   bool mask (True = visible) or additive float bias ``(B|1, H|1, Sq|1, Sk|1)``

@@ -1,8 +1,8 @@
 """``python -m flashtile.bench [SUBCOMMAND] [FLAGS]``: dispatch to one benchmark module.
 
-``SUBCOMMANDS`` maps each name to the module that implements it, which exposes ``main(argv) ->
-int`` (or to ``module:function`` for another entry point of a module). A module is imported only
-when its subcommand runs, so adding one is a new module plus one entry here. Without a
+``SUBCOMMANDS`` maps each name to what implements it: a module exposing ``main(argv) -> int``,
+or ``module:function`` for another entry point of that signature. A module is imported only when
+its subcommand runs, so adding one is a function or module plus one entry here. Without a
 subcommand, ``speed`` runs.  Every benchmark writes its records into the device's results file,
 ``benchmarks/results/<device>.json``, under its own entry.
 """
@@ -14,6 +14,8 @@ from typing import Sequence
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "speed": ("flashtile.bench.speed", "TFLOP/s of dense attention against SDPA and Flex"),
+    "overhead": ("flashtile.bench.speed:overhead_main",
+                 "host cost per call, direct launches and launch plans off and on (CUDA)"),
     "memory": ("flashtile.bench.memory", "peak CUDA memory of fwd+bwd against N"),
     "report": ("flashtile.bench.report", "tables and plots of saved results"),
     "decode": ("flashtile.bench.decode", "KV-cache decode step against SDPA and Flex (CUDA)"),

@@ -8,12 +8,17 @@ math) and FlexAttention, all in one process on the same inputs.
 The records go to the device's results file (``benchmarks/results/<device>.json``, entry
 ``speed``; the copy and matmul ceilings to entry ``device``), the table to stdout and the plots to
 ``--plots``.
+
+``python -m flashtile.bench overhead`` (:func:`overhead_main`) measures the host side instead:
+microseconds per call on an input too small for the GPU work to count, with direct launches and
+launch plans off and on, and the short-sequence forwards where that host time shows.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import gc
+import json
 import sys
 import time
 from pathlib import Path
@@ -400,3 +405,162 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     records = run_speed(cfg)
     return 1 if any(r["status"] == "error" for r in records) else 0
+
+
+# --------------------------------------------------------------------------------------------
+# Host cost per call (``python -m flashtile.bench overhead``)
+# --------------------------------------------------------------------------------------------
+def _per_call_us(fn: Callable[[], Any], n: int = 2000) -> float:
+    """Wall-clock microseconds per call of ``fn`` over ``n`` calls, after 50 warm-up calls."""
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def host_costs() -> dict:
+    """Microseconds per call on a tiny input (1 x 16 x 2 x 64 bf16, causal), where the GPU work
+    is negligible, so this is the Python + launch cost: SDPA flash, flashtile's public forward
+    and forward+backward, and the Triton forward launcher alone, each with direct launches off
+    (``triton_run``) and on (``direct``); then forward+backward with launch plans off and on,
+    alternating over three rounds."""
+    import flashtile
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ..backends.spec import AttnSpec
+    from ..backends.triton import forward
+    from ..backends.triton.fastlaunch import direct_launches, launch_plans
+
+    q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
+    qg = q.clone().requires_grad_()
+    spec = AttnSpec(0.125, -1, 0)
+    qt, qtg = q.transpose(1, 2), qg.transpose(1, 2)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    rec = {}
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        rec["sdpa_flash_fwd_us"] = _per_call_us(lambda: sdpa(qt, qt, qt, is_causal=True))
+        rec["sdpa_flash_fwd_bwd_us"] = _per_call_us(
+            lambda: sdpa(qtg, qtg, qtg, is_causal=True).sum().backward(), n=500)
+    for direct in (False, True):
+        tag = "direct" if direct else "triton_run"
+        with direct_launches(direct):
+            rec[f"flashtile_fwd_us_{tag}"] = _per_call_us(
+                lambda: flashtile.flash_attn_func(q, q, q, causal=True))
+            rec[f"flashtile_fwd_bwd_us_{tag}"] = _per_call_us(
+                lambda: flashtile.flash_attn_func(qg, qg, qg, causal=True).sum().backward(),
+                n=500)
+            rec[f"launcher_fwd_us_{tag}"] = _per_call_us(lambda: forward(q, q, q, spec))
+    # launch plans off and on, alternating, direct launches on; a contiguous output gradient
+    # as in training (the gradient of .sum() is an expanded tensor, which the backward's plans
+    # leave to the full path)
+    k, v = qg.detach().clone().requires_grad_(), qg.detach().clone().requires_grad_()
+    dout = torch.randn_like(q)
+    for rnd in range(3):
+        for plans in (False, True):
+            tag = f"bwd_plans_{'on' if plans else 'off'}_round{rnd}"
+            with launch_plans(plans):
+                rec[f"flashtile_fwd_bwd_us_direct_{tag}"] = _per_call_us(
+                    lambda: flashtile.flash_attn_func(qg, k, v, causal=True).backward(dout),
+                    n=500)
+    return rec
+
+
+def short_n() -> list[dict]:
+    """Forward milliseconds at N=512 and 1K (16K tokens, hidden 2048, d=64 and 128, bf16,
+    causal and not) through ``flash_attn_func`` with direct launches off and on, against SDPA
+    flash; medians of ``triton.testing.do_bench``."""
+    import flashtile
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench
+
+    from ..backends.triton.fastlaunch import direct_launches
+
+    rows = []
+    for d in (64, 128):
+        for n in (512, 1024):
+            b, h = 16384 // n, 2048 // d
+            q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
+                       for _ in range(3))
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+            for causal in (False, True):
+                flops = 4 * b * h * n * n * d * (0.5 if causal else 1)
+                row = dict(d=d, n=n, causal=causal)
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    row["sdpa_flash_ms"] = do_bench(
+                        lambda: torch.nn.functional.scaled_dot_product_attention(
+                            qt, kt, vt, is_causal=causal),
+                        warmup=25, rep=100, return_mode="median")
+                for direct in (False, True):
+                    with direct_launches(direct):
+                        row[f"flashtile_ms_{'direct' if direct else 'triton_run'}"] = do_bench(
+                            lambda: flashtile.flash_attn_func(q, k, v, causal=causal),
+                            warmup=25, rep=100, return_mode="median")
+                row["ratio_vs_fa2_direct"] = row["sdpa_flash_ms"] / row["flashtile_ms_direct"]
+                row["tflops_direct"] = flops / row["flashtile_ms_direct"] / 1e9
+                rows.append(row)
+                log(json.dumps(row))
+    return rows
+
+
+def profile_call(n: int = 1000, top: int = 30) -> str:
+    """The cProfile (by own time, ``top`` rows) of ``n`` forward+backward calls through the
+    public call on a tiny input, direct launches on."""
+    import cProfile
+    import io
+    import pstats
+
+    import flashtile
+    from ..backends.triton.fastlaunch import direct_launches
+
+    q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def step():
+        flashtile.flash_attn_func(q, q, q, causal=True).sum().backward()
+
+    with direct_launches(True):
+        for _ in range(50):
+            step()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(n):
+            step()
+        prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
+def overhead_main(argv: Sequence[str] | None = None) -> int:
+    """``python -m flashtile.bench overhead [--out FILE] [--profile] [--no-short-n]``: one
+    record (entry ``overhead_direct`` of the device's results file) of :func:`host_costs`, :func:`short_n` and (``--profile``) :func:`profile_call`."""
+    p = argparse.ArgumentParser(prog="python -m flashtile.bench overhead",
+                                description="host cost per call and the short-sequence "
+                                            "forward, direct launches and launch plans off "
+                                            "and on (CUDA)")
+    p.add_argument("--out", type=Path, default=None, metavar="FILE",
+                   help="results JSON (default benchmarks/results/<device>.json, entry "
+                        "overhead_direct)")
+    p.add_argument("--profile", action="store_true",
+                   help="add a cProfile of forward+backward through the public call")
+    p.add_argument("--no-short-n", dest="short_n", action="store_false",
+                   help="skip the N=512/1K forwards")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        log("the overhead benchmark times CUDA launches; no CUDA device is available here")
+        return 2
+    rec = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "date": utc_now()}
+    rec.update(host_costs())
+    log(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in rec.items()}))
+    if args.short_n:
+        rec["short_n"] = short_n()
+    if args.profile:
+        rec["profile"] = profile_call()
+        log(rec["profile"])
+    out = write_result(results_path("cuda", args.out), "overhead_direct", rec)
+    log(f"wrote {out} [overhead_direct]")
+    return 0

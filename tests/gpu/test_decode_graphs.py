@@ -115,7 +115,7 @@ def _decode_module():
 def test_eager_plans_equal_triton_launch_bitwise(cache, variant, monkeypatch):
     """The first call records a launch plan, the next ones replay it: outputs and appended
     caches equal those of Triton's own launch path bit for bit."""
-    from flashtile.backends.triton import launch_common
+    from flashtile.backends.triton.fastlaunch import direct_launches
 
     decode_mod = _decode_module()
     cos, sin = rotary_tables(CAP, D, "cuda")
@@ -132,11 +132,11 @@ def test_eager_plans_equal_triton_launch_bitwise(cache, variant, monkeypatch):
         kc, vc = ((cache["kp"].clone(), cache["vp"].clone()) if paged
                   else (cache["kc"].clone(), cache["vc"].clone()))
         extra = dict(block_table=cache["table"]) if paged else {}
-        monkeypatch.setattr(launch_common, "_DIRECT", mode != "generic")
         if mode == "record":
             decode_mod._PLANS.clear()
         n_plans = len(decode_mod._PLANS)
-        out = flash_attn_with_kvcache(cache["q"], kc, vc, cache_seqlens=lens, **extra, **kw)
+        with direct_launches(mode != "generic"):
+            out = flash_attn_with_kvcache(cache["q"], kc, vc, cache_seqlens=lens, **extra, **kw)
         torch.cuda.synchronize()
         if mode == "record":
             assert len(decode_mod._PLANS) == n_plans + 1, "the first direct call records a plan"

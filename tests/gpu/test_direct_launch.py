@@ -45,20 +45,54 @@ def _run(fn, buf, offset, bias):
 @pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "misaligned"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_direct_launch_equals_kernel_grid_bitwise(variant, offset, monkeypatch):
-    from flashtile.backends.triton import launch_common
+    from flashtile.backends.triton.fastlaunch import direct_launches
 
     gen = torch.Generator(device="cuda").manual_seed(7)
     buf = torch.randn(3 * torch.Size(SHAPE).numel() + 8, generator=gen, device="cuda",
                       dtype=torch.float16)
     bias = torch.randn(2, 4, 200, 200, generator=gen, device="cuda", dtype=torch.float16)
     fn = VARIANTS[variant]
-    monkeypatch.setattr(launch_common, "_DIRECT", False)
-    generic = _run(fn, buf, offset, bias)
-    monkeypatch.setattr(launch_common, "_DIRECT", True)
+    with direct_launches(False):
+        generic = _run(fn, buf, offset, bias)
     # the first direct call fills the cache, the second reuses it; an aligned call after a
     # misaligned one (and the reverse) must pick its own specialisation
     for other in (offset, 1 - offset, offset):
-        direct = _run(fn, buf, other, bias)
+        with direct_launches(True):
+            direct = _run(fn, buf, other, bias)
         if other == offset:
             for name, a, b in zip(("out", "dq", "dk", "dv"), generic, direct):
                 assert torch.equal(a, b), f"{variant}@{offset}: {name} differs from kernel[grid]"
+
+
+@pytest.mark.parametrize("first", ["shared", "distinct"])
+def test_launch_plan_places_q_k_v_by_parameter(first, monkeypatch):
+    """Forward and backward launch plans, recorded by a call with one tensor as q, k and v
+    (``shared``) or with three (``distinct``), replayed by a call of the same signature with the
+    other kind: out and grads bitwise those of ``kernel[grid]`` launches."""
+    from flashtile.backends.triton import launch_bwd, launch_fwd
+    from flashtile.backends.triton.fastlaunch import PlanCache, direct_launches
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x, k, v, dout = (torch.randn(SHAPE, generator=gen, device="cuda", dtype=torch.float16)
+                     for _ in range(4))
+
+    def call(shared):
+        leaves = [x.detach().requires_grad_()]
+        if not shared:
+            leaves += [k.detach().requires_grad_(), v.detach().requires_grad_()]
+        q_, k_, v_ = (leaves * 3) if shared else leaves
+        out = flash_attn_func(q_, k_, v_, causal=True)
+        out.backward(dout)  # contiguous output gradient: the backward's plans apply
+        return [out.detach()] + [t.grad for t in leaves]
+
+    second = first != "shared"
+    with direct_launches(False):
+        want = call(second)
+    monkeypatch.setattr(launch_fwd, "_plans", PlanCache())
+    monkeypatch.setattr(launch_bwd, "_plans", PlanCache())
+    with direct_launches(True):
+        call(first == "shared")  # records one forward and one backward plan
+        assert len(launch_fwd._plans._plans) == 1 and len(launch_bwd._plans._plans) == 1
+        got = call(second)  # replays them
+    for name, a, b in zip(("out", "dq", "dk", "dv"), want, got):
+        assert torch.equal(a, b), f"{name} of a replayed plan differs from kernel[grid]"

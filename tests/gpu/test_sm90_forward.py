@@ -5,7 +5,7 @@ import torch
 
 import flashtile
 from flashtile.backends.triton import launch_sm90
-from flashtile.backends.triton.launch_common import poison_outputs
+from flashtile.backends.triton.fastlaunch import poison_outputs
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),

@@ -1,7 +1,8 @@
 """Block shapes and launch parameters for the Triton kernels.
 
-``TUNED`` holds the winners of ``flashtile tune`` (``backends/triton/tune.py``) on real hardware, keyed by
-``(arch, pass, head_dim_bucket, causal, dtype)`` so a first call never autotunes.  A key that is
+``TUNED`` holds the winners of ``flashtile tune`` (``backends/triton/tune.py``) on real
+hardware, keyed by ``(arch, pass, head_dim_bucket, causal, dtype)`` so a first call never
+autotunes.  A key that is
 missing falls back to ``_heuristic`` (shapes that fit in shared memory and registers for every
 head dim).  Under ``TRITON_INTERPRET=1`` small tiles keep the emulated kernels fast.
 ``override(...)`` pins a config (tests use it to prove block-size invariance).
@@ -93,8 +94,6 @@ def _heuristic(pass_: str, d: int, arch: str) -> KernelConfig:
         if d <= 128:
             return KernelConfig(128, 32, 4, 3)
         return KernelConfig(64, 32, 4, 2)
-    if pass_ == "pre":
-        return KernelConfig(64, 0, 4, 1)
     raise ValueError(pass_)
 
 
@@ -104,7 +103,7 @@ def get_config(pass_: str, head_dim: int, causal: bool, dtype: torch.dtype,
     if pinned and pass_ in pinned:
         return pinned[pass_]
     if interpreting() or device.type != "cuda":
-        return KernelConfig(16, 16, 1, 1) if pass_ != "pre" else KernelConfig(16, 0, 1, 1)
+        return KernelConfig(16, 16, 1, 1)
     return _cuda_config(pass_, head_dim_bucket(head_dim), bool(causal), dtype, device.index,
                         0 < seqlen <= SHORT_SEQ)
 
@@ -116,8 +115,8 @@ def _cuda_config(pass_, d, causal, dtype, index, short) -> KernelConfig:
     if dtype == torch.float32:
         # fp32 runs ieee dots with twice the register footprint per element.
         base = _heuristic(pass_, d, arch)
-        return KernelConfig(max(16, base.block_m // 2), max(16, base.block_n // 2) or 0,
-                            base.num_warps, 1 if pass_ == "pre" else 2)
+        return KernelConfig(max(16, base.block_m // 2), max(16, base.block_n // 2),
+                            base.num_warps, 2)
     key = (arch, pass_, d, causal, "bfloat16")
     if short and key + ("short",) in TUNED:
         return KernelConfig(*TUNED[key + ("short",)])
@@ -133,7 +132,7 @@ def pinned_configs() -> bool:
 
 @contextlib.contextmanager
 def override(**configs: KernelConfig):
-    """Pin configs for passes ``fwd``, ``dkdv``, ``dq``, ``pre`` inside the block."""
+    """Pin configs for passes ``fwd``, ``dkdv``, ``dq`` inside the block."""
     old = getattr(_local, "pinned", None)
     _local.pinned = {**(old or {}), **configs}
     try:

@@ -10,66 +10,21 @@ from __future__ import annotations
 import torch
 
 from ..spec import AttnSpec
-from . import launch_common
+from .args import (alibi_args, bias_args, block_d, broadcast_strides, cdiv, dot_precision,
+                   dropout_args, layout, lse_strides, scalar_args, seq_strides)
 from .configs import get_config
+from .fastlaunch import (PlanCache, empty, empty_like, launch, plan_roles, plans_enabled,
+                         record_plan, recording, signature)
 from .kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
-from .launch_common import (launch, run_direct, alibi_args, bias_args, block_d, broadcast_strides,
-                            cdiv, dot_precision, dropout_args, empty, fit_block, layout,
-                            lse_strides, scalar_args, seq_strides, sparse_args)
+from .sparse_index import fit_block, sparse_args
 
-
-# Launch plans of plain backward calls (no optional feature), as the forward keeps them
-# (launch_common.PlanCache): at short sequences the three launches' host work (configs, ~60
-# arguments each, direct-launch keys) costs as much as their GPU time.  A plan keeps each
-# launch's grid, compiled kernel and argument list, with the positions where the call's tensors
-# go; later calls allocate the outputs and launch.  (Two launches since delta moved into the
-# dQ kernel's prologue.)
-_plans = launch_common.PlanCache()
-PLANS = True  # False: every call takes the full path (benchmarks/overhead.py compares the two)
-
-
-# The tensors each backward kernel takes first, in order (the other tensor parameters are the
-# optional features a plain call leaves None).
-_ROLES = (("q", "k", "v", "do", "dq", "out", "lse", "delta"),
-          ("q", "k", "v", "do", "dk", "dv", "lse", "delta"))
-
-
-def _record(launched: list, tensors: dict):
-    """The plan of one call from its direct launches, or None if an argument is not where
-    ``_ROLES`` says (a tensor beyond them, or a role holding another tensor).  Positions are
-    known by role, not found by identity, so ``flash_attn_func(x, x, x)`` records a plan that
-    also serves a later call with three distinct tensors."""
-    plan = []
-    for (grid, (compiled, values)), roles in zip(launched, _ROLES):
-        if any(values[i] is not tensors[name] for i, name in enumerate(roles)):
-            return None
-        if any(isinstance(a, torch.Tensor) for a in values[len(roles):]):
-            return None
-        plan.append((grid, compiled, [None] * len(roles) + list(values[len(roles):]),
-                     list(enumerate(roles))))
-    return plan
-
-
-def _replay(plan, do, q, k, v, out, lse):
-    """Run a recorded plan for new tensors; ``(dq, dk, dv)``."""
-    tensors = dict(q=q, k=k, v=v, do=do, out=out, lse=lse,
-                   dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v),
-                   delta=torch.empty(lse.shape, dtype=torch.float32, device=lse.device))
-    for grid, compiled, values, fill in plan:
-        values = values.copy()
-        for i, name in fill:
-            values[i] = tensors[name]
-        run_direct(compiled, grid, values, q.device.index)
-    return tensors["dq"], tensors["dk"], tensors["dv"]
-
-
-def _grad_like(x: torch.Tensor, dtype=None) -> torch.Tensor:
-    """An output for the gradient of ``x`` with ``x``'s strides when ``x`` is dense (what
-    autograd's accumulation wants: a gradient of another layout is copied into ``x``'s, one
-    read and one write of the whole tensor), in ``dtype`` (default x's); NaN-filled under
-    ``poison_outputs``."""
-    g = torch.empty_like(x, dtype=dtype)
-    return g.fill_(float("nan")) if launch_common._poison else g
+# Launch plans of plain backward calls (no optional feature; fastlaunch.Plan), as the forward
+# keeps them: at short sequences the launches' host work (configs, ~60 arguments each,
+# direct-launch keys) costs as much as their GPU time.  Inputs (do, q, k, v, out, lse), placed
+# in the kernel parameters below even when one tensor is passed as two of them.
+_plans = PlanCache()
+_ROLES = {attn_bwd_dq_kernel: plan_roles(attn_bwd_dq_kernel, DO=0, Q=1, K=2, V=3, O=4, LSE=5),
+          attn_bwd_dkdv_kernel: plan_roles(attn_bwd_dkdv_kernel, DO=0, Q=1, K=2, V=3, LSE=5)}
 
 
 def _dbias_target(dbias, full_shape):
@@ -92,17 +47,34 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
         lse = lse.contiguous()
     plain = (alibi_slopes is None and cu_seqlens_q is None and attn_bias is None
              and rng_seed is None and block_mask is None and dbias is None and grad_dtype is None
-             and do.stride(-1) == 1
-             and PLANS and launch_common.plans_enabled())
-    if plain:
-        key = (launch_common.signature(do, q, k, v, out, lse), q.dtype, q.device, spec)
-        plan = _plans.get(key)
-        # a profiler hook asks every launch to take the full path (see run_direct)
-        if plan is not None and launch_common._no_launch_hooks():
-            return _replay(plan, do, q, k, v, out, lse)
+             and do.stride(-1) == 1 and plans_enabled())
+    if not plain:
+        return _backward(do, q, k, v, out, lse, spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                         max_seqlen_q, max_seqlen_k, attn_bias, rng_seed, block_mask, block_size,
+                         dbias, grad_dtype)
+    inputs = (do, q, k, v, out, lse)
+    key = (signature(*inputs), q.dtype, q.device, spec)
+    plan = _plans.get(key)
+    if plan is not None:
+        res = plan.run(inputs)
+        if res is not None:
+            return res
+    with recording() as rec:
+        grads = _backward(do, q, k, v, out, lse, spec)
+    plan = record_plan(rec, inputs, grads, _ROLES)
+    if plan is not None:
+        _plans.put(key, plan)
+    return grads
+
+
+def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqlens_q=None,
+              cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, attn_bias=None,
+              rng_seed=None, block_mask=None, block_size=None, dbias=None, grad_dtype=None):
     varlen, batch, sq, sk, nheads, nheads_k, head_dim = layout(q, k, cu_seqlens_q, max_seqlen_q,
                                                                max_seqlen_k)
-    dq, dk, dv = (_grad_like(x, grad_dtype) for x in (q, k, v))
+    # the gradients in their inputs' layouts: what autograd's accumulation wants (a gradient
+    # of another layout is copied into the input's, one read and one write of the whole tensor)
+    dq, dk, dv = (empty_like(x, grad_dtype) for x in (q, k, v))
     if batch == 0 or sq == 0 or sk == 0 or q.numel() == 0 or k.numel() == 0:
         if dbias is not None:
             dbias.zero_()
@@ -121,9 +93,21 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
     db_full = _dbias_target(dbias, (batch, nheads, sq, sk))
     db_strides = (0, 0, 0, 0) if db_full is None else broadcast_strides(db_full)
 
-    launched = []
-    common = dict(HEAD_DIM=head_dim, BLOCK_D=bd, DOT_PREC=prec, dropout_p=dropout_p,
-                  dropout_scale=dropout_scale, **scalars)
+    q_st, k_st, v_st = seq_strides(q, varlen), seq_strides(k, varlen), seq_strides(v, varlen)
+    do_st = seq_strides(do, varlen)
+    common = dict(
+        Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, ALIBI=alibi, CU_Q=cu_seqlens_q,
+        CU_K=cu_seqlens_k, BIAS=bias, RNG=seed,
+        stride_qb=q_st[0], stride_qm=q_st[1], stride_qh=q_st[2],
+        stride_kb=k_st[0], stride_kn=k_st[1], stride_kh=k_st[2],
+        stride_vb=v_st[0], stride_vn=v_st[1], stride_vh=v_st[2],
+        stride_dob=do_st[0], stride_dom=do_st[1], stride_doh=do_st[2],
+        stride_lb=lse_b, stride_lh=lse_h, stride_ab=stride_ab,
+        stride_biasb=bias_strides[0], stride_biash=bias_strides[1],
+        stride_biasm=bias_strides[2], stride_biasn=bias_strides[3],
+        seqlen_q=sq, seqlen_k=sk, GROUP=group, scale=spec.softmax_scale,
+        dropout_p=dropout_p, dropout_scale=dropout_scale, **scalars,
+        HEAD_DIM=head_dim, BLOCK_D=bd, DOT_PREC=prec)
 
     # dQ first: its prologue writes delta, which the dK/dV kernel reads.
     cfg = get_config("dq", head_dim, spec.causal, q.dtype, q.device, max(sq, sk))
@@ -132,35 +116,32 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
     if bs_idx is not None:
         block_m, block_n = fit_block(block_m, bs_m), fit_block(block_n, bs_n)
     grid = (cdiv(sq, block_m), batch * nheads)
-    launched.append((grid, launch(attn_bwd_dq_kernel, grid, (
-        q, k, v, do, dq, out, lse, delta, alibi, cu_seqlens_q, cu_seqlens_k, bias, seed, bs_idx,
-        db_full, *seq_strides(q, varlen), *seq_strides(k, varlen), *seq_strides(v, varlen),
-        *seq_strides(do, varlen), *seq_strides(dq, varlen), *seq_strides(out, varlen), lse_b,
-        lse_h, stride_ab,
-        *bias_strides, *db_strides, *bs_strides, bs_m, bs_n, sq, sk, nheads, group,
-        spec.softmax_scale,
-    ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **common))))
+    dq_st, o_st = seq_strides(dq, varlen), seq_strides(out, varlen)
+    launch(
+        attn_bwd_dq_kernel, grid, **common, DQ=dq, O=out, BS_IDX=bs_idx, DBIAS=db_full,
+        stride_dqb=dq_st[0], stride_dqm=dq_st[1], stride_dqh=dq_st[2],
+        stride_ob=o_st[0], stride_om=o_st[1], stride_oh=o_st[2],
+        stride_dbb=db_strides[0], stride_dbh=db_strides[1], stride_dbm=db_strides[2],
+        stride_dbn=db_strides[3],
+        stride_bsb=bs_strides[0], stride_bsh=bs_strides[1], stride_bsr=bs_strides[2],
+        bs_m=bs_m, bs_n=bs_n, H=nheads, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     cfg = get_config("dkdv", head_dim, spec.causal, q.dtype, q.device, max(sq, sk))
     block_m, block_n = cfg.block_m, cfg.block_n
-    bs_idx, bs_strides, bs_m, bs_n = sparse_args(block_mask, block_size, sq, sk, spec, transpose=True)
+    bs_idx, bs_strides, bs_m, bs_n = sparse_args(block_mask, block_size, sq, sk, spec,
+                                                 transpose=True)
     if bs_idx is not None:
         block_m, block_n = fit_block(block_m, bs_m), fit_block(block_n, bs_n)
     grid = (cdiv(sk, block_n), batch * nheads_k)
-    launched.append((grid, launch(attn_bwd_dkdv_kernel, grid, (
-        q, k, v, do, dk, dv, lse, delta, alibi, cu_seqlens_q, cu_seqlens_k, bias, seed, bs_idx,
-        *seq_strides(q, varlen), *seq_strides(k, varlen), *seq_strides(v, varlen),
-        *seq_strides(do, varlen), *seq_strides(dk, varlen), *seq_strides(dv, varlen), lse_b,
-        lse_h, stride_ab, *bias_strides, *bs_strides, bs_m, bs_n, sq, sk, nheads_k, group,
-        spec.softmax_scale,
-    ), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **common))))
+    dk_st, dv_st = seq_strides(dk, varlen), seq_strides(dv, varlen)
+    launch(
+        attn_bwd_dkdv_kernel, grid, **common, DK=dk, DV=dv, BS_IDX=bs_idx,
+        stride_dkb=dk_st[0], stride_dkn=dk_st[1], stride_dkh=dk_st[2],
+        stride_dvb=dv_st[0], stride_dvn=dv_st[1], stride_dvh=dv_st[2],
+        stride_bsb=bs_strides[0], stride_bsh=bs_strides[1], stride_bsr=bs_strides[2],
+        bs_m=bs_m, bs_n=bs_n, HK=nheads_k, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if db_full is not None and db_full is not dbias:
         dims = [d for d in range(4) if dbias.shape[d] == 1 and db_full.shape[d] != 1]
         dbias.copy_(db_full.sum(dim=dims, keepdim=True) if dims else db_full)
-    if plain and all(lc is not None for _, lc in launched) and q.device.index is not None:
-        plan = _record(launched, dict(q=q, k=k, v=v, do=do, out=out, lse=lse, dq=dq, dk=dk, dv=dv,
-                                      delta=delta))
-        if plan is not None:
-            _plans.put(key, plan)
     return dq, dk, dv

@@ -5,7 +5,7 @@ Nothing here reads a tensor's values on the host: every size comes from static s
 whole decode step (append + split-KV + combine) can be captured in a CUDA graph.  The host
 work of an eager call is kept small: the block shapes and split count are memoised per shape
 (:func:`_plan`), each kernel's ``triton.heuristics`` constexprs are evaluated once per launch
-from a single argument mapping (:func:`launch_common.launch`), and a call can be recorded as a
+from a single argument mapping (:func:`fastlaunch.launch`), and a call can be recorded as a
 :class:`Plan` that later calls of the same signature replay (:func:`record_plan`).  Arguments
 arrive validated and normalised by :func:`flashtile._validate.kvcache` (int32
 ``cache_seqlens`` tensor, bool tree mask, last dimension contiguous).
@@ -42,9 +42,9 @@ import torch
 from ..._validate import MAX_SPLITS, FlashtileInputError, kvcache_error_message
 from .kernels.decode import (RECORD_DONE, _check_kernel, _combine_kernel, _rotary_append_kernel,
                              _split_kv_kernel)
-from . import launch_common
-from .launch_common import empty as _empty
-from .launch_common import launch as _launch
+from . import fastlaunch
+from .fastlaunch import empty as _alloc
+from .fastlaunch import launch as _launch
 
 __all__ = ["decode", "decode_forward", "record_decode", "merge_states", "combine", "choose_num_splits", "default_num_splits", "num_sms",
            "attn_config", "check_mode", "check_errors", "MAX_SPLITS"]
@@ -423,41 +423,17 @@ def check_errors(device: torch.device | None = None) -> None:
 # --------------------------------------------------------------------------------------------
 # An eager decode step cost ~100-140 us of host time on the H100 machine against ~30 us of GPU
 # time at batch 1 (docs/dev/tuning-log.md): validation, the heuristics, ~50 kernel
-# arguments per launch rebuilt from the same shapes.  While a call runs with a recorder, every
-# allocation and every direct launch (compiled kernel, grid, arguments) is noted;
-# :func:`record_plan` turns that into a :class:`Plan` that replays the call for new tensors of
-# the same signature (see ``flashtile.kvcache``): allocate the same buffers, put the caller's
-# tensors, the buffers and a new error record in their argument slots, launch the same
-# compiled kernels.
-_tls = threading.local()  # the recorder of the call running on this thread, if any
-
-
-class _Recorder:
-    def __init__(self):
-        self.allocs: list = []
-        self.launches: list = []
-        self.slot = None  # the error record of the call
-        self.err = None  # the buffer of its verdict, if any
-        self.mode = "off"
-        self.info = None
-
-
-def _alloc(shape, dtype, device) -> torch.Tensor:
-    # poisoned (NaN) float outputs under poison_outputs; the int32 verdict is always written
-    t = _empty(shape, dtype, device) if dtype.is_floating_point else torch.empty(shape, dtype=dtype, device=device)
-    rec = getattr(_tls, "recorder", None)
-    if rec is not None:
-        rec.allocs.append(t)
-    return t
-
-
+# arguments per launch rebuilt from the same shapes.  A call runs once inside
+# ``fastlaunch.recording`` (the recorder the forward and the backward use: every allocation and
+# every direct launch is noted); :func:`record_plan` turns that into a :class:`Plan` that
+# replays the call for new tensors of the same signature (see ``flashtile.kvcache``): allocate
+# the same buffers, put the caller's tensors, the buffers and a new error record in their
+# argument slots, launch the same compiled kernels.  Decode keeps its own replay
+# (``fastlaunch.Plan`` has no place for the per-call error record).
 def _go(kernel, grid, **kwargs) -> None:
     """``kernel[grid](**kwargs)`` (every argument and launch option by name), noted by the
-    recorder of the call."""
-    launched = _launch(kernel, grid, (), kwargs)
-    rec = getattr(_tls, "recorder", None)
-    if rec is not None:
-        rec.launches.append((grid, launched))
+    call's ``fastlaunch.recording``."""
+    _launch(kernel, grid, **kwargs)
 
 
 class Plan:
@@ -482,7 +458,7 @@ class Plan:
 
     def _err(self) -> int:
         dev = self.stream_device
-        stream = launch_common._raw_stream(dev) if dev is not None else None
+        stream = fastlaunch._raw_stream(dev) if dev is not None else None
         err = self.errs.get(stream)
         if err is None:
             buf = torch.empty((1,), dtype=torch.int32, device=self.device)
@@ -493,7 +469,7 @@ class Plan:
         """``(out, lse)`` for ``inputs`` (same signature as the recorded call, outside CUDA-graph
         capture), or None when a profiler hook asks for Triton's own launch path (nothing is
         launched then)."""
-        if not launch_common.no_launch_hooks():
+        if fastlaunch.launch_hooks_set():
             return None
         ring, slot, _, handle = _begin(self.device, self.mode, self.info, capturing=False)
         err = self.err
@@ -507,7 +483,7 @@ class Plan:
                 values = template.copy()
                 for pos, kind, j in slots:
                     values[pos] = pools[kind][j]
-                launch_common.run_direct(compiled, grid, values, self.stream_device)
+                fastlaunch.run_direct(compiled, grid, values, self.stream_device)
         except BaseException:
             _abandon(handle)
             raise
@@ -521,19 +497,17 @@ def record_plan(inputs: tuple, call):
     tensor that is neither one of ``inputs``, a buffer of the call nor its error record (a
     converted copy), or when one tensor is passed as two inputs (a later call of the same
     signature may pass two)."""
-    rec = _tls.recorder = _Recorder()
-    try:
+    with fastlaunch.recording() as rec:
         out, lse = call()
-    finally:
-        _tls.recorder = None
+    note = rec.note or {}
     slots = {id(t): (0, i) for i, t in enumerate(inputs) if t is not None}
     if len(slots) != sum(t is not None for t in inputs):
         return (out, lse), None
     slots.update({id(t): (1, j) for j, t in enumerate(rec.allocs)})
-    if rec.slot is not None:
-        slots[id(rec.slot)] = (2, 0)
+    if note.get("slot") is not None:
+        slots[id(note["slot"])] = (2, 0)
     launches = []
-    for grid, launched in rec.launches:
+    for _, grid, launched in rec.launches:
         if launched is None:
             return (out, lse), None
         compiled, values = launched
@@ -549,9 +523,9 @@ def record_plan(inputs: tuple, call):
     if not launches or slots.get(id(out), (0,))[0] != 1 or slots.get(id(lse), (0,))[0] != 1:
         return (out, lse), None
     allocs = [(tuple(t.shape), t.dtype) for t in rec.allocs]
-    err = slots[id(rec.err)][1] if rec.err is not None else None
+    err = slots[id(note["err"])][1] if note.get("err") is not None else None
     return (out, lse), Plan(allocs, launches, slots[id(out)][1], slots[id(lse)][1], out.device,
-                            rec.mode, rec.info, err)
+                            note.get("mode", "off"), note.get("info"), err)
 
 
 # --------------------------------------------------------------------------------------------
@@ -748,9 +722,9 @@ def decode_forward(
     mode = check_mode() if b > 0 else "off"  # no rows: nothing is read or written
     ring, slot, sticky, handle = _begin(q.device, mode, info)
     slot = ring.views[slot] if slot is not None else None
-    rec = getattr(_tls, "recorder", None)
+    rec = fastlaunch.recorder()
     if rec is not None:
-        rec.slot, rec.mode, rec.info = slot, mode, info
+        rec.note = dict(slot=slot, mode=mode, info=info, err=None)
     try:
         res = _launch_all(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -789,9 +763,9 @@ def _launch_all(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
         fused = False
         if checking:
             err = _alloc((1,), torch.int32, device)
-            rec = getattr(_tls, "recorder", None)
-            if rec is not None:
-                rec.err = err
+            rec = fastlaunch.recorder()
+            if rec is not None and rec.note is not None:
+                rec.note["err"] = err
             block_h = min(_next_pow2(hk), max(1, 4096 // max(16, _next_pow2(d))))
             programs = seqlen_new * b * _cdiv(hk, block_h)
             fused = programs * b * (n_cols + 4) <= FUSED_CHECK_BUDGET
@@ -809,7 +783,7 @@ def _launch_all(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
                        to_cache=False, seqlen_new=seqlen_new, rotary_need=rotary_need)
         q = q_rot
 
-    # NaN-filled under launch_common.poison_outputs, so tests see any element left unwritten
+    # NaN-filled under fastlaunch.poison_outputs, so tests see any element left unwritten
     out = _alloc((b, sq, h, d), q.dtype, device)
     lse = _alloc((b, h, sq), torch.float32, device)
     # without an append, the split-KV kernel checks the index values (and writes the record)

@@ -4,21 +4,21 @@ from __future__ import annotations
 import torch
 
 from ..spec import AttnSpec
-from . import launch_common, launch_sm90
+from . import launch_sm90
+from .args import (alibi_args, bias_args, block_d, cdiv, dot_precision, dropout_args, layout,
+                   lse_strides, scalar_args, seq_strides)
 from .configs import get_config
+from .fastlaunch import (PlanCache, empty, launch, plan_roles, plans_enabled, record_plan,
+                         recording, signature)
 from .kernels.fwd import attn_fwd_kernel
-from .launch_common import (launch, run_direct, alibi_args, bias_args, block_d, cdiv,
-                            dot_precision, dropout_args,
-                            empty, fit_block, layout, lse_strides, scalar_args, seq_strides,
-                            sparse_args)
+from .sparse_index import fit_block, sparse_args
 
-
-# Launch plans of plain calls (no optional feature, see launch_common.PlanCache).  A
-# short-sequence forward costs as much host time as GPU time, and most of that host time
-# rebuilds the same ~60 kernel arguments from the same shapes.  A plan keeps the grid, the
-# compiled kernel and the arguments of the first call; later calls only allocate out / lse and
-# put the five tensors in place.
-_plans = launch_common.PlanCache()
+# Launch plans of plain calls (no optional feature; fastlaunch.Plan): a short-sequence forward
+# costs as much host time as GPU time, most of it rebuilding the same ~60 kernel arguments from
+# the same shapes.  Inputs (q, k, v); q, k and v go to the kernel parameters below even when
+# one tensor is passed as two of them.
+_plans = PlanCache()
+_ROLES = {attn_fwd_kernel: plan_roles(attn_fwd_kernel, Q=0, K=1, V=2)}
 
 
 def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -32,18 +32,27 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu
                   and out_dtype is None)
     if no_feature and launch_sm90.eligible(q, k, v, spec):
         return launch_sm90.forward(q, k, v, spec)
-    plain = no_feature and launch_common.plans_enabled()
-    if plain:
-        key = (launch_common.signature(q, k, v), q.dtype, q.device, spec)
-        plan = _plans.get(key)
-        if plan is not None:
-            grid, compiled, values, lse_shape = plan
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-            values = values.copy()
-            values[:5] = q, k, v, out, lse
-            if run_direct(compiled, grid, values, q.device.index):
-                return out, lse
+    if not (no_feature and plans_enabled()):
+        return _forward(q, k, v, spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                        max_seqlen_k, attn_bias, rng_seed, block_mask, block_size, block_table,
+                        out_dtype)
+    key = (signature(q, k, v), q.dtype, q.device, spec)
+    plan = _plans.get(key)
+    if plan is not None:
+        res = plan.run((q, k, v))
+        if res is not None:
+            return res
+    with recording() as rec:
+        out, lse = _forward(q, k, v, spec)
+    plan = record_plan(rec, (q, k, v), (out, lse), _ROLES)
+    if plan is not None:
+        _plans.put(key, plan)
+    return out, lse
+
+
+def _forward(q, k, v, spec: AttnSpec, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
+             max_seqlen_q=None, max_seqlen_k=None, attn_bias=None, rng_seed=None,
+             block_mask=None, block_size=None, block_table=None, out_dtype=None):
     varlen, batch, sq, sk, nheads, nheads_k, head_dim = layout(q, k, cu_seqlens_q, max_seqlen_q,
                                                                max_seqlen_k)
     if block_table is not None:
@@ -72,16 +81,25 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu
     if bs_idx is not None:
         block_m, block_n = fit_block(block_m, bs_m), fit_block(block_n, bs_n)
     grid = (cdiv(sq, block_m), batch * nheads)
-    launched = launch(attn_fwd_kernel, grid, (
-        q, k, v, out, lse, alibi, cu_seqlens_q, cu_seqlens_k, bias, seed, bs_idx, block_table,
-        *seq_strides(q, varlen), *k_strides, *v_strides,
-        *seq_strides(out, varlen), *lse_strides(lse, varlen), stride_ab, *bias_strides,
-        *bs_strides, bs_m, bs_n, stride_bt, sq, sk, nheads, nheads // nheads_k,
-    ), dict(dropout_p=dropout_p, dropout_scale=dropout_scale, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
-            BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size, DOT_PREC=dot_precision(q.dtype),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **scalar_args(spec, sq, sk, nheads)))
-    if plain and launched is not None and q.device.index is not None:
-        compiled, values = launched
-        # q, k, v, out, lse are the kernel's first five arguments; a new call replaces them
-        _plans.put(key, (grid, compiled, [None] * 5 + list(values[5:]), lse.shape))
+    q_strides, o_strides = seq_strides(q, varlen), seq_strides(out, varlen)
+    lse_b, lse_h = lse_strides(lse, varlen)
+    launch(
+        attn_fwd_kernel, grid,
+        Q=q, K=k, V=v, O=out, LSE=lse, ALIBI=alibi, CU_Q=cu_seqlens_q, CU_K=cu_seqlens_k,
+        BIAS=bias, RNG=seed, BS_IDX=bs_idx, BLOCK_TABLE=block_table,
+        stride_qb=q_strides[0], stride_qm=q_strides[1], stride_qh=q_strides[2],
+        stride_kb=k_strides[0], stride_kn=k_strides[1], stride_kh=k_strides[2],
+        stride_vb=v_strides[0], stride_vn=v_strides[1], stride_vh=v_strides[2],
+        stride_ob=o_strides[0], stride_om=o_strides[1], stride_oh=o_strides[2],
+        stride_lb=lse_b, stride_lh=lse_h, stride_ab=stride_ab,
+        stride_biasb=bias_strides[0], stride_biash=bias_strides[1],
+        stride_biasm=bias_strides[2], stride_biasn=bias_strides[3],
+        stride_bsb=bs_strides[0], stride_bsh=bs_strides[1], stride_bsr=bs_strides[2],
+        bs_m=bs_m, bs_n=bs_n, stride_btb=stride_bt,
+        seqlen_q=sq, seqlen_k=sk, H=nheads, GROUP=nheads // nheads_k,
+        dropout_p=dropout_p, dropout_scale=dropout_scale,
+        **scalar_args(spec, sq, sk, nheads),
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
+        PAGE_SIZE=page_size, DOT_PREC=dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, lse

@@ -14,7 +14,8 @@ import torch
 
 from ..spec import AttnSpec
 from .configs import interpreting
-from .launch_common import LOG2E, empty
+from .args import LOG2E
+from .fastlaunch import empty
 
 BLOCK_M = 128
 BLOCK_N = 128

@@ -33,9 +33,10 @@ kernel) exactly as the forward.
 import triton
 import triton.language as tl
 
-from .fwd import score_tile
-from .masking import (FEATURE_FLAGS, LOG2E, dropout_keep, dropout_row0, dropout_row_base, frame,
-                      key_range, query_range, sequence, tanh, tile_start, visible)
+from .common import (FEATURE_FLAGS, LOG2E, alibi_slope, block_row, dropout_keep, dropout_row0,
+                     dropout_row_base, dropout_rows, key_range, load_rows, query_block,
+                     query_range, rows_ptr, score_tile, sequence, stage_range, tanh, tile_ptr,
+                     tile_start, visible, walk)
 
 
 @triton.jit
@@ -72,37 +73,31 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse, p_delta,
     ``m_start .. m_end - 1`` of the block list ``p_list`` (one flat loop, see ``_fwd_inner``)."""
     m_d = o_d < HEAD_DIM
     for it in range(m_start, m_end, I_STEP):
-        m0 = tile_start(it, p_list, tiles_per_block, bs_m, BLOCK_M, SPARSE)
+        m0 = tile_start(it, p_list, tiles_per_block, bs_m, BLOCK=BLOCK_M, SPARSE=SPARSE)
         o_m = m0 + tl.arange(0, BLOCK_M)
-        p_q = p_q_base + o_m[:, None] * stride_qm + o_d[None, :]
-        p_do = p_do_base + o_m[:, None] * stride_dm + o_d[None, :]
+        p_q = p_q_base + o_m[:, None] * stride_qm + o_d[None, :]  # [BLOCK_M, BLOCK_D]
+        p_do = p_do_base + o_m[:, None] * stride_dm + o_d[None, :]  # [BLOCK_M, BLOCK_D]
+        b_q = load_rows(p_q, o_m, sq, m_d, MASKED=MASKED, EVEN_D=EVEN_D)  # [BLOCK_M, BLOCK_D]
+        b_do = load_rows(p_do, o_m, sq, m_d, MASKED=MASKED, EVEN_D=EVEN_D)  # [BLOCK_M, BLOCK_D]
         if MASKED:
-            m_qd = (o_m[:, None] < sq) & m_d[None, :]
-            b_q = tl.load(p_q, mask=m_qd, other=0.0)  # [BLOCK_M, BLOCK_D]
-            b_do = tl.load(p_do, mask=m_qd, other=0.0)  # [BLOCK_M, BLOCK_D]
             # +inf lse2 for rows past the end makes their p exactly 0.
             b_lse2 = _lse2(tl.load(p_lse + o_m, mask=o_m < sq, other=float("inf")))  # [BLOCK_M]
             b_delta = tl.load(p_delta + o_m, mask=o_m < sq, other=0.0)  # [BLOCK_M]
-        elif EVEN_D:
-            b_q = tl.load(p_q)
-            b_do = tl.load(p_do)
-            b_lse2 = _lse2(tl.load(p_lse + o_m))
-            b_delta = tl.load(p_delta + o_m)
         else:
-            b_q = tl.load(p_q, mask=m_d[None, :], other=0.0)
-            b_do = tl.load(p_do, mask=m_d[None, :], other=0.0)
-            b_lse2 = _lse2(tl.load(p_lse + o_m))
-            b_delta = tl.load(p_delta + o_m)
+            b_lse2 = _lse2(tl.load(p_lse + o_m))  # [BLOCK_M]
+            b_delta = tl.load(p_delta + o_m)  # [BLOCK_M]
         b_s = score_tile(b_q, b_k, o_m, o_n, sq, sk, alibi_shift, qk_scale, softcap_scale, slope,
-                         p_bias, stride_bm, stride_bn, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI,
-                         HAS_BIAS, BIAS_BOOL)  # [BLOCK_M, BLOCK_N]
+                         p_bias, stride_bm, stride_bn, DOT_PREC=DOT_PREC,
+                         HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_BIAS=HAS_BIAS,
+                         BIAS_BOOL=BIAS_BOOL)  # [BLOCK_M, BLOCK_N]
         if MASKED:
-            m_vis = visible(o_m, o_n, sk, shift, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+            m_vis = visible(o_m, o_n, sk, shift, window_left, window_right,
+                            HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT)  # [BLOCK_M, BLOCK_N]
             b_s = tl.where(m_vis, b_s, float("-inf"))
         b_p = tl.math.exp2(b_s - b_lse2[:, None])  # [BLOCK_M, BLOCK_N]
         if HAS_DROPOUT:
-            m_keep = dropout_keep(seed, dropout_row_base(row0, seqlen_k_total, k_offset, o_m), o_n,
-                                  dropout_p)
+            m_keep = dropout_keep(seed, dropout_row_base(row0, seqlen_k_total, k_offset, o_m),
+                                  o_n, dropout_p)  # [BLOCK_M, BLOCK_N]
             b_pd = tl.where(m_keep, b_p * dropout_scale, 0.0)
         else:
             b_pd = b_p
@@ -111,7 +106,8 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse, p_delta,
         if HAS_DROPOUT:
             b_dp = tl.where(m_keep, b_dp * dropout_scale, 0.0)
         b_ds = b_p * (b_dp - b_delta[:, None])  # [BLOCK_M, BLOCK_N]
-        b_ds = _softcap_ds(b_ds, b_q, b_k, softcap_scale, DOT_PREC, HAS_SOFTCAP)
+        b_ds = _softcap_ds(b_ds, b_q, b_k, softcap_scale, DOT_PREC=DOT_PREC,
+                           HAS_SOFTCAP=HAS_SOFTCAP)
         b_dk = tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q, b_dk, input_precision=DOT_PREC)
     return b_dk, b_dv
 
@@ -146,20 +142,19 @@ def attn_bwd_dkdv_kernel(
     i_bh = tl.program_id(1)
     i_b = i_bh // HK
     i_hk = i_bh % HK
-    q_start, sq, k_start, sk, shift = sequence(CU_Q, CU_K, i_b, seqlen_q, seqlen_k, IS_VARLEN,
-                                               BOTTOM_RIGHT)
-    shift, alibi_shift = frame(sq, sk, q_offset, k_offset, seqlen_q_total, seqlen_k_total,
-                               IS_VARLEN, BOTTOM_RIGHT)
+    q_start, sq, k_start, sk, shift, alibi_shift = sequence(
+        CU_Q, CU_K, i_b, seqlen_q, seqlen_k, q_offset, k_offset, seqlen_q_total, seqlen_k_total,
+        IS_VARLEN=IS_VARLEN, BOTTOM_RIGHT=BOTTOM_RIGHT)
     n_first = i_n * BLOCK_N
     if n_first >= sk:
         return
     o_n = n_first + tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
     m_kd = (o_n[:, None] < sk) & (o_d[None, :] < HEAD_DIM)  # [BLOCK_N, BLOCK_D]
-    p_k = (K + i_b.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_kn + i_hk * stride_kh
-           + o_n[:, None] * stride_kn + o_d[None, :])
-    p_v = (V + i_b.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vn + i_hk * stride_vh
-           + o_n[:, None] * stride_vn + o_d[None, :])
+    p_k = tile_ptr(K, i_b, k_start, i_hk, stride_kb, stride_kn, stride_kh,
+                   o_n, o_d)  # [BLOCK_N, BLOCK_D]
+    p_v = tile_ptr(V, i_b, k_start, i_hk, stride_vb, stride_vn, stride_vh,
+                   o_n, o_d)  # [BLOCK_N, BLOCK_D]
     b_k = tl.load(p_k, mask=m_kd, other=0.0)  # [BLOCK_N, BLOCK_D]
     b_v = tl.load(p_v, mask=m_kd, other=0.0)  # [BLOCK_N, BLOCK_D]
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -169,68 +164,48 @@ def attn_bwd_dkdv_kernel(
         seed = tl.load(RNG)
 
     lo, full_lo, full_hi, hi = query_range(n_first, n_first + BLOCK_N - 1, sq, sk, shift,
-                                           window_left, window_right, BLOCK_M, HAS_LEFT, HAS_RIGHT)
+                                           window_left, window_right, BLOCK_M=BLOCK_M,
+                                           HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT)
     for i_g in range(GROUP):
         i_h = i_hk * GROUP + i_g
-        slope = 0.0
-        if HAS_ALIBI:
-            slope = tl.load(ALIBI + i_b * stride_ab + i_h).to(tl.float32) * LOG2E
+        slope = alibi_slope(ALIBI, i_b, i_h, stride_ab, HAS_ALIBI=HAS_ALIBI)
         p_bias = BIAS
         if HAS_BIAS:
             p_bias = BIAS + i_b.to(tl.int64) * stride_biasb + i_h.to(tl.int64) * stride_biash
         row0 = dropout_row0(i_b, batch_offset, nheads_total, i_h, head_offset,
                             seqlen_q_total, q_offset)
-        p_q_base = Q + i_b.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qm + i_h * stride_qh
-        p_do_base = (DO + i_b.to(tl.int64) * stride_dob + q_start.to(tl.int64) * stride_dom
-                     + i_h * stride_doh)
+        p_q_base = rows_ptr(Q, i_b, q_start, i_h, stride_qb, stride_qm, stride_qh)
+        p_do_base = rows_ptr(DO, i_b, q_start, i_h, stride_dob, stride_dom, stride_doh)
         p_lse = LSE + i_b * stride_lb + i_h * stride_lh + q_start
         p_delta = DELTA + i_b * stride_lb + i_h * stride_lh + q_start
+        # the forward's three stages, over query tiles (SPARSE: the transposed block lists)
+        p_list = BS_IDX
         if SPARSE:
-            # full blocks (no predicate) first, then the ones cut by a bound: see the forward
-            p_bs = BS_IDX + i_b * stride_bsb + i_h * stride_bsh + (n_first // bs_n) * stride_bsr
-            tpb = bs_m // BLOCK_M
-            t_full = tl.load(p_bs) * tpb
-            t_all = t_full + tl.load(p_bs + 1) * tpb
+            p_list = block_row(BS_IDX, i_b, i_h, n_first // bs_n, stride_bsb, stride_bsh,
+                               stride_bsr)
+        a0, a1, a2, a3, tpb = walk(lo, full_lo, full_hi, hi, p_list, bs_m, BLOCK=BLOCK_M,
+                                   SPARSE=SPARSE)
+        I_STEP: tl.constexpr = 1 if SPARSE else BLOCK_M
+        # masked [a0, a1), full [a1, a2), masked [a2, a3)
+        for stage in tl.static_range(3):
+            start, end = stage_range(stage, a0, a1, a2, a3)
             b_dk, b_dv = _dkdv_inner(
-                b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse, p_delta, stride_qm,
-                stride_dom, o_n, o_d, 0, t_full, sq, sk, shift, alibi_shift, window_left, window_right,
-                qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, row0,
-                seqlen_k_total, k_offset, dropout_p, dropout_scale, p_bs + 2, tpb, bs_m, HEAD_DIM,
-                BLOCK_M, False, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
-                HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, True, 1)
-            b_dk, b_dv = _dkdv_inner(
-                b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse, p_delta, stride_qm,
-                stride_dom, o_n, o_d, t_full, t_all, sq, sk, shift, alibi_shift, window_left, window_right,
-                qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, row0,
-                seqlen_k_total, k_offset, dropout_p, dropout_scale, p_bs + 2, tpb, bs_m, HEAD_DIM,
-                BLOCK_M, True, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
-                HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, True, 1)
-        else:
-            b_dk, b_dv = _dkdv_inner(
-                b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse, p_delta, stride_qm,
-                stride_dom, o_n, o_d, lo, full_lo, sq, sk, shift, alibi_shift, window_left, window_right,
-                qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, row0,
-                seqlen_k_total, k_offset, dropout_p, dropout_scale, BS_IDX, 1, 1, HEAD_DIM, BLOCK_M, True, EVEN_D,
-                DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL,
-                HAS_DROPOUT, False, BLOCK_M)
-            b_dk, b_dv = _dkdv_inner(
-                b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse, p_delta, stride_qm,
-                stride_dom, o_n, o_d, full_lo, full_hi, sq, sk, shift, alibi_shift, window_left,
-                window_right, qk_scale, softcap_scale, slope, p_bias, stride_biasm,
-                stride_biasn, seed, row0, seqlen_k_total, k_offset, dropout_p, dropout_scale, BS_IDX, 1, 1, HEAD_DIM,
-                BLOCK_M, False, EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT,
-                HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, False, BLOCK_M)
-            b_dk, b_dv = _dkdv_inner(
-                b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse, p_delta, stride_qm,
-                stride_dom, o_n, o_d, full_hi, hi, sq, sk, shift, alibi_shift, window_left, window_right,
-                qk_scale, softcap_scale, slope, p_bias, stride_biasm, stride_biasn, seed, row0,
-                seqlen_k_total, k_offset, dropout_p, dropout_scale, BS_IDX, 1, 1, HEAD_DIM, BLOCK_M, True, EVEN_D,
-                DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL,
-                HAS_DROPOUT, False, BLOCK_M)
-    p_dk = (DK + i_b.to(tl.int64) * stride_dkb + k_start.to(tl.int64) * stride_dkn
-            + i_hk * stride_dkh + o_n[:, None] * stride_dkn + o_d[None, :])
-    p_dv = (DV + i_b.to(tl.int64) * stride_dvb + k_start.to(tl.int64) * stride_dvn
-            + i_hk * stride_dvh + o_n[:, None] * stride_dvn + o_d[None, :])
+                b_dk=b_dk, b_dv=b_dv, b_k=b_k, b_v=b_v, p_q_base=p_q_base, p_do_base=p_do_base,
+                p_lse=p_lse, p_delta=p_delta, stride_qm=stride_qm, stride_dm=stride_dom, o_n=o_n,
+                o_d=o_d, m_start=start, m_end=end, sq=sq, sk=sk, shift=shift,
+                alibi_shift=alibi_shift, window_left=window_left, window_right=window_right,
+                qk_scale=qk_scale, softcap_scale=softcap_scale, slope=slope, p_bias=p_bias,
+                stride_bm=stride_biasm, stride_bn=stride_biasn, seed=seed, row0=row0,
+                seqlen_k_total=seqlen_k_total, k_offset=k_offset, dropout_p=dropout_p,
+                dropout_scale=dropout_scale, p_list=p_list, tiles_per_block=tpb, bs_m=bs_m,
+                HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, MASKED=stage != 1, EVEN_D=EVEN_D,
+                DOT_PREC=DOT_PREC, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_LEFT=HAS_LEFT,
+                HAS_RIGHT=HAS_RIGHT, HAS_BIAS=HAS_BIAS, BIAS_BOOL=BIAS_BOOL,
+                HAS_DROPOUT=HAS_DROPOUT, SPARSE=SPARSE, I_STEP=I_STEP)
+    p_dk = tile_ptr(DK, i_b, k_start, i_hk, stride_dkb, stride_dkn, stride_dkh,
+                    o_n, o_d)  # [BLOCK_N, BLOCK_D]
+    p_dv = tile_ptr(DV, i_b, k_start, i_hk, stride_dvb, stride_dvn, stride_dvh,
+                    o_n, o_d)  # [BLOCK_N, BLOCK_D]
     tl.store(p_dk, (b_dk * scale).to(DK.dtype.element_ty), mask=m_kd)
     tl.store(p_dv, b_dv.to(DV.dtype.element_ty), mask=m_kd)
 
@@ -251,37 +226,32 @@ def _dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, s
     ``n_start .. n_end - 1`` of the block list ``p_list`` (one flat loop, see ``_fwd_inner``)."""
     m_d = o_d < HEAD_DIM
     for it in range(n_start, n_end, I_STEP):
-        n0 = tile_start(it, p_list, tiles_per_block, bs_n, BLOCK_N, SPARSE)
+        n0 = tile_start(it, p_list, tiles_per_block, bs_n, BLOCK=BLOCK_N, SPARSE=SPARSE)
         o_n = n0 + tl.arange(0, BLOCK_N)
-        p_k = p_k_base + o_n[:, None] * stride_kn + o_d[None, :]
-        p_v = p_v_base + o_n[:, None] * stride_vn + o_d[None, :]
-        if MASKED:
-            m_kv = (o_n[:, None] < sk) & m_d[None, :]
-            b_k = tl.load(p_k, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
-            b_v = tl.load(p_v, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
-        elif EVEN_D:
-            b_k = tl.load(p_k)
-            b_v = tl.load(p_v)
-        else:
-            b_k = tl.load(p_k, mask=m_d[None, :], other=0.0)
-            b_v = tl.load(p_v, mask=m_d[None, :], other=0.0)
+        p_k = p_k_base + o_n[:, None] * stride_kn + o_d[None, :]  # [BLOCK_N, BLOCK_D]
+        p_v = p_v_base + o_n[:, None] * stride_vn + o_d[None, :]  # [BLOCK_N, BLOCK_D]
+        b_k = load_rows(p_k, o_n, sk, m_d, MASKED=MASKED, EVEN_D=EVEN_D)  # [BLOCK_N, BLOCK_D]
+        b_v = load_rows(p_v, o_n, sk, m_d, MASKED=MASKED, EVEN_D=EVEN_D)  # [BLOCK_N, BLOCK_D]
         b_s = score_tile(b_q, b_k, o_m, o_n, sq, sk, alibi_shift, qk_scale, softcap_scale, slope,
-                         p_bias, stride_bm, stride_bn, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI,
-                         HAS_BIAS, BIAS_BOOL)  # [BLOCK_M, BLOCK_N]
+                         p_bias, stride_bm, stride_bn, DOT_PREC=DOT_PREC,
+                         HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_BIAS=HAS_BIAS,
+                         BIAS_BOOL=BIAS_BOOL)  # [BLOCK_M, BLOCK_N]
         if MASKED:
-            m_vis = visible(o_m, o_n, sk, shift, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+            m_vis = visible(o_m, o_n, sk, shift, window_left, window_right,
+                            HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT)  # [BLOCK_M, BLOCK_N]
             b_s = tl.where(m_vis, b_s, float("-inf"))
         b_p = tl.math.exp2(b_s - b_lse2[:, None])  # [BLOCK_M, BLOCK_N]
         b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
         if HAS_DROPOUT:
-            m_keep = dropout_keep(seed, row_base, o_n, dropout_p)
+            m_keep = dropout_keep(seed, row_base, o_n, dropout_p)  # [BLOCK_M, BLOCK_N]
             b_dp = tl.where(m_keep, b_dp * dropout_scale, 0.0)
         b_ds = b_p * (b_dp - b_delta[:, None])  # [BLOCK_M, BLOCK_N]
         if STORE_DBIAS:
             p_db = p_dbias + o_m[:, None] * stride_dbm + o_n[None, :] * stride_dbn
-            m_db = (o_m[:, None] < sq) & (o_n[None, :] < sk)
+            m_db = (o_m[:, None] < sq) & (o_n[None, :] < sk)  # [BLOCK_M, BLOCK_N]
             tl.store(p_db, b_ds.to(p_dbias.dtype.element_ty), mask=m_db)
-        b_ds = _softcap_ds(b_ds, b_q, b_k, softcap_scale, DOT_PREC, HAS_SOFTCAP)
+        b_ds = _softcap_ds(b_ds, b_q, b_k, softcap_scale, DOT_PREC=DOT_PREC,
+                           HAS_SOFTCAP=HAS_SOFTCAP)
         b_dq = tl.dot(b_ds.to(b_k.dtype), b_k, b_dq, input_precision=DOT_PREC)
     return b_dq
 
@@ -317,28 +287,20 @@ def attn_bwd_dq_kernel(
     Its prologue computes ``delta = rowsum(dO * O)`` of its rows and stores it to ``DELTA``
     for the dK/dV kernel that runs next (every row of every sequence belongs to exactly one
     program, which stores it before any other work, whatever the mask)."""
-    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    i_hk = i_h // GROUP
-    q_start, sq, k_start, sk, shift = sequence(CU_Q, CU_K, i_b, seqlen_q, seqlen_k, IS_VARLEN,
-                                               BOTTOM_RIGHT)
-    shift, alibi_shift = frame(sq, sk, q_offset, k_offset, seqlen_q_total, seqlen_k_total,
-                               IS_VARLEN, BOTTOM_RIGHT)
-    m_first = i_m * BLOCK_M
+    i_b, i_h, i_hk, q_start, sq, k_start, sk, shift, alibi_shift, m_first, m_last = query_block(
+        CU_Q, CU_K, seqlen_q, seqlen_k, H, GROUP, q_offset, k_offset, seqlen_q_total,
+        seqlen_k_total, BLOCK_M=BLOCK_M, IS_VARLEN=IS_VARLEN, BOTTOM_RIGHT=BOTTOM_RIGHT)
     if m_first >= sq:
         return
-    m_last = tl.minimum(m_first + BLOCK_M, sq) - 1
     o_m = m_first + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
     m_qd = (o_m[:, None] < sq) & (o_d[None, :] < HEAD_DIM)  # [BLOCK_M, BLOCK_D]
-    p_q = (Q + i_b.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qm + i_h * stride_qh
-           + o_m[:, None] * stride_qm + o_d[None, :])
-    p_do = (DO + i_b.to(tl.int64) * stride_dob + q_start.to(tl.int64) * stride_dom
-            + i_h * stride_doh + o_m[:, None] * stride_dom + o_d[None, :])
-    p_o = (O + i_b.to(tl.int64) * stride_ob + q_start.to(tl.int64) * stride_om
-           + i_h * stride_oh + o_m[:, None] * stride_om + o_d[None, :])
+    p_q = tile_ptr(Q, i_b, q_start, i_h, stride_qb, stride_qm, stride_qh,
+                   o_m, o_d)  # [BLOCK_M, BLOCK_D]
+    p_do = tile_ptr(DO, i_b, q_start, i_h, stride_dob, stride_dom, stride_doh,
+                    o_m, o_d)  # [BLOCK_M, BLOCK_D]
+    p_o = tile_ptr(O, i_b, q_start, i_h, stride_ob, stride_om, stride_oh,
+                   o_m, o_d)  # [BLOCK_M, BLOCK_D]
     b_q = tl.load(p_q, mask=m_qd, other=0.0)  # [BLOCK_M, BLOCK_D]
     b_do = tl.load(p_do, mask=m_qd, other=0.0)  # [BLOCK_M, BLOCK_D]
     b_o = tl.load(p_o, mask=m_qd, other=0.0)  # [BLOCK_M, BLOCK_D], only for delta
@@ -346,71 +308,45 @@ def attn_bwd_dq_kernel(
     o_l = i_b * stride_lb + i_h * stride_lh + q_start + o_m
     tl.store(DELTA + o_l, b_delta, mask=o_m < sq)
     b_lse2 = _lse2(tl.load(LSE + o_l, mask=o_m < sq, other=float("inf")))  # [BLOCK_M]
-    slope = 0.0
-    if HAS_ALIBI:
-        slope = tl.load(ALIBI + i_b * stride_ab + i_h).to(tl.float32) * LOG2E
+    slope = alibi_slope(ALIBI, i_b, i_h, stride_ab, HAS_ALIBI=HAS_ALIBI)
     p_bias = BIAS
     if HAS_BIAS:
         p_bias = BIAS + i_b.to(tl.int64) * stride_biasb + i_h.to(tl.int64) * stride_biash
     p_dbias = DBIAS
     if STORE_DBIAS:
         p_dbias = DBIAS + i_b.to(tl.int64) * stride_dbb + i_h.to(tl.int64) * stride_dbh
-    seed = 0
-    row_base = o_m
-    if HAS_DROPOUT:
-        seed = tl.load(RNG)
-        row_base = dropout_row_base(
-            dropout_row0(i_b, batch_offset, nheads_total, i_h, head_offset, seqlen_q_total,
-                         q_offset), seqlen_k_total,
-            k_offset, o_m)
-    p_k_base = K + i_b.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_kn + i_hk * stride_kh
-    p_v_base = V + i_b.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vn + i_hk * stride_vh
+    seed, row_base = dropout_rows(RNG, i_b, i_h, o_m, batch_offset, nheads_total, head_offset,
+                                  seqlen_q_total, q_offset, seqlen_k_total, k_offset,
+                                  HAS_DROPOUT=HAS_DROPOUT)
+    p_k_base = rows_ptr(K, i_b, k_start, i_hk, stride_kb, stride_kn, stride_kh)
+    p_v_base = rows_ptr(V, i_b, k_start, i_hk, stride_vb, stride_vn, stride_vh)
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, full_lo, full_hi, hi = key_range(m_first, m_last, sk, shift, window_left, window_right,
-                                         BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                                         BLOCK_N=BLOCK_N, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT)
+    # the forward's three stages, over key tiles
+    p_list = BS_IDX
     if SPARSE:
-        # full blocks (no predicate) first, then the ones cut by a bound: see the forward
-        p_bs = BS_IDX + i_b * stride_bsb + i_h * stride_bsh + (m_first // bs_m) * stride_bsr
-        tpb = bs_n // BLOCK_N
-        t_full = tl.load(p_bs) * tpb
-        t_all = t_full + tl.load(p_bs + 1) * tpb
+        p_list = block_row(BS_IDX, i_b, i_h, m_first // bs_m, stride_bsb, stride_bsh, stride_bsr)
+    a0, a1, a2, a3, tpb = walk(lo, full_lo, full_hi, hi, p_list, bs_n, BLOCK=BLOCK_N,
+                               SPARSE=SPARSE)
+    I_STEP: tl.constexpr = 1 if SPARSE else BLOCK_N
+    # masked [a0, a1), full [a1, a2), masked [a2, a3)
+    for stage in tl.static_range(3):
+        start, end = stage_range(stage, a0, a1, a2, a3)
         b_dq = _dq_inner(
-            b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d,
-            0, t_full, sq, sk, shift, alibi_shift, window_left, window_right, qk_scale, softcap_scale, slope,
-            p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, dropout_scale,
-            p_dbias, stride_dbm, stride_dbn, p_bs + 2, tpb, bs_n, HEAD_DIM, BLOCK_N, False,
-            EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL,
-            HAS_DROPOUT, STORE_DBIAS, True, 1)
-        b_dq = _dq_inner(
-            b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d,
-            t_full, t_all, sq, sk, shift, alibi_shift, window_left, window_right, qk_scale, softcap_scale,
-            slope, p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, dropout_scale,
-            p_dbias, stride_dbm, stride_dbn, p_bs + 2, tpb, bs_n, HEAD_DIM, BLOCK_N, True,
-            EVEN_D, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL,
-            HAS_DROPOUT, STORE_DBIAS, True, 1)
-    else:
-        b_dq = _dq_inner(
-            b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d,
-            lo, full_lo, sq, sk, shift, alibi_shift, window_left, window_right, qk_scale, softcap_scale,
-            slope, p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, dropout_scale,
-            p_dbias, stride_dbm, stride_dbn, BS_IDX, 1, 1, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC,
-            HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT,
-            STORE_DBIAS, False, BLOCK_N)
-        b_dq = _dq_inner(
-            b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d,
-            full_lo, full_hi, sq, sk, shift, alibi_shift, window_left, window_right, qk_scale, softcap_scale,
-            slope, p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, dropout_scale,
-            p_dbias, stride_dbm, stride_dbn, BS_IDX, 1, 1, HEAD_DIM, BLOCK_N, False, EVEN_D, DOT_PREC,
-            HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT,
-            STORE_DBIAS, False, BLOCK_N)
-        b_dq = _dq_inner(
-            b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d,
-            full_hi, hi, sq, sk, shift, alibi_shift, window_left, window_right, qk_scale, softcap_scale,
-            slope, p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, dropout_scale,
-            p_dbias, stride_dbm, stride_dbn, BS_IDX, 1, 1, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC,
-            HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT,
-            STORE_DBIAS, False, BLOCK_N)
-    p_dq = (DQ + i_b.to(tl.int64) * stride_dqb + q_start.to(tl.int64) * stride_dqm
-            + i_h * stride_dqh + o_m[:, None] * stride_dqm + o_d[None, :])
+            b_dq=b_dq, b_q=b_q, b_do=b_do, b_lse2=b_lse2, b_delta=b_delta, p_k_base=p_k_base,
+            p_v_base=p_v_base, stride_kn=stride_kn, stride_vn=stride_vn, o_m=o_m, o_d=o_d,
+            n_start=start, n_end=end, sq=sq, sk=sk, shift=shift, alibi_shift=alibi_shift,
+            window_left=window_left, window_right=window_right, qk_scale=qk_scale,
+            softcap_scale=softcap_scale, slope=slope, p_bias=p_bias, stride_bm=stride_biasm,
+            stride_bn=stride_biasn, seed=seed, row_base=row_base, dropout_p=dropout_p,
+            dropout_scale=dropout_scale, p_dbias=p_dbias, stride_dbm=stride_dbm,
+            stride_dbn=stride_dbn, p_list=p_list, tiles_per_block=tpb, bs_n=bs_n,
+            HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, MASKED=stage != 1, EVEN_D=EVEN_D, DOT_PREC=DOT_PREC,
+            HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT,
+            HAS_BIAS=HAS_BIAS, BIAS_BOOL=BIAS_BOOL, HAS_DROPOUT=HAS_DROPOUT,
+            STORE_DBIAS=STORE_DBIAS, SPARSE=SPARSE, I_STEP=I_STEP)
+    p_dq = tile_ptr(DQ, i_b, q_start, i_h, stride_dqb, stride_dqm, stride_dqh,
+                    o_m, o_d)  # [BLOCK_M, BLOCK_D]
     tl.store(p_dq, (b_dq * scale).to(DQ.dtype.element_ty), mask=m_qd)

@@ -41,10 +41,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .masking import LOG2E, tanh, visible
+from .common import LN2, LOG2E, tanh, visible
 
-# ln(2): the kernels keep base-2 log-sum-exps; the API returns natural-log ones
-LN2 = tl.constexpr(0.6931471805599453)
 # status word of a written error record: RECORD_DONE + code (code 0: every index is valid)
 RECORD_DONE = tl.constexpr(256)
 # no rotary tables: the longest cache they would have to cover

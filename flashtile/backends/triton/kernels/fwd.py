@@ -11,8 +11,9 @@ For each visible key tile ``j`` (scores in base 2, ``log2(e)`` folded into the s
 
 and once at the end ``out = acc / l`` and ``lse = ln(2) * (m + log2(l))`` (natural log, ``-inf``
 for a row that saw no key, whose output is 0).  ``score`` is ``scale * q.k``, optionally
-soft-capped (``c * tanh(.../c)``) and ALiBi-biased (``- slope * |i + sk - sq - j|``); invisible
-keys score ``-inf`` *before* the row max so they contribute exactly 0.
+soft-capped (``c * tanh(.../c)``) and ALiBi-biased (``- slope * |i + sk - sq - j|`` in a plain
+call, ``common.frame`` for a partial one); invisible keys score ``-inf`` *before* the row max
+so they contribute exactly 0.
 
 Optional features (constexpr flags, derived from which optional pointers are None):
 
@@ -35,8 +36,9 @@ Optional features (constexpr flags, derived from which optional pointers are Non
 import triton
 import triton.language as tl
 
-from .masking import (FEATURE_FLAGS, LOG2E, apply_bias, dropout_keep, dropout_row0,
-                      dropout_row_base, frame, key_range, sequence, tanh, tile_start, visible)
+from .common import (FEATURE_FLAGS, LN2, alibi_slope, block_row, dropout_keep, dropout_rows,
+                     key_range, load_rows, query_block, rows_ptr, score_tile, stage_range,
+                     tile_ptr, tile_start, visible, walk)
 
 # The forward kernel's flags: the shared ones plus paged keys/values, which only the forward
 # reads in place (the backward runs on keys/values gathered from the pages).
@@ -44,29 +46,6 @@ FWD_FEATURE_FLAGS = {
     **FEATURE_FLAGS,
     "PAGED": lambda a: a["BLOCK_TABLE"] is not None,
 }
-
-
-@triton.jit
-def score_tile(b_q, b_k, o_m, o_n, sq, sk, alibi_shift, qk_scale, softcap_scale, slope,
-               p_bias, stride_bm, stride_bn,
-               DOT_PREC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-               HAS_BIAS: tl.constexpr, BIAS_BOOL: tl.constexpr):
-    """Base-2 scores of one tile before the visibility mask, ``# [BLOCK_M, BLOCK_N]``.
-
-    Without softcap ``qk_scale = scale * log2(e)``; with it ``qk_scale = softcap * log2(e)``
-    and ``softcap_scale = scale / softcap``.  ``slope`` is already multiplied by log2(e);
-    ALiBi's distance is ``|i + alibi_shift - j|`` (``masking.frame``).
-    """
-    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
-    if HAS_SOFTCAP:
-        b_s = tanh(b_s * softcap_scale)
-    b_s = b_s * qk_scale
-    if HAS_ALIBI:
-        b_dist = (o_m[:, None] + alibi_shift) - o_n[None, :]  # [BLOCK_M, BLOCK_N]
-        b_s = b_s - slope * tl.abs(b_dist).to(tl.float32)
-    if HAS_BIAS:
-        b_s = apply_bias(b_s, p_bias, stride_bm, stride_bn, o_m, o_n, sq, sk, BIAS_BOOL)
-    return b_s
 
 
 @triton.jit
@@ -121,28 +100,25 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn,
     """
     m_d = o_d < HEAD_DIM
     for it in range(n_start, n_end, I_STEP):
-        n0 = tile_start(it, p_list, tiles_per_block, bs_n, BLOCK_N, SPARSE)
+        n0 = tile_start(it, p_list, tiles_per_block, bs_n, BLOCK=BLOCK_N, SPARSE=SPARSE)
         o_n = n0 + tl.arange(0, BLOCK_N)
         if PAGED:
             o_krow, o_vrow = _kv_rows(p_bt, n0, o_n, sk, stride_kpage, stride_kn, stride_vpage,
-                                      stride_vn, MASKED, PAGE_SIZE, BLOCK_N)  # [BLOCK_N] each
+                                      stride_vn, MASKED=MASKED, PAGE_SIZE=PAGE_SIZE,
+                                      BLOCK_N=BLOCK_N)  # [BLOCK_N] each
             p_k = p_k_base + o_krow[:, None] + o_d[None, :]  # [BLOCK_N, BLOCK_D]
             p_v = p_v_base + o_vrow[:, None] + o_d[None, :]  # [BLOCK_N, BLOCK_D]
         else:
             p_k = p_k_base + o_n[:, None] * stride_kn + o_d[None, :]  # [BLOCK_N, BLOCK_D]
             p_v = p_v_base + o_n[:, None] * stride_vn + o_d[None, :]  # [BLOCK_N, BLOCK_D]
-        if MASKED:
-            m_kv = (o_n[:, None] < sk) & m_d[None, :]
-            b_k = tl.load(p_k, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
-        elif EVEN_D:
-            b_k = tl.load(p_k)
-        else:
-            b_k = tl.load(p_k, mask=m_d[None, :], other=0.0)
+        b_k = load_rows(p_k, o_n, sk, m_d, MASKED=MASKED, EVEN_D=EVEN_D)  # [BLOCK_N, BLOCK_D]
         b_s = score_tile(b_q, b_k, o_m, o_n, sq, sk, alibi_shift, qk_scale, softcap_scale, slope,
-                         p_bias, stride_bm, stride_bn, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI,
-                         HAS_BIAS, BIAS_BOOL)  # [BLOCK_M, BLOCK_N]
+                         p_bias, stride_bm, stride_bn, DOT_PREC=DOT_PREC,
+                         HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_BIAS=HAS_BIAS,
+                         BIAS_BOOL=BIAS_BOOL)  # [BLOCK_M, BLOCK_N]
         if MASKED:
-            m_vis = visible(o_m, o_n, sk, shift, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+            m_vis = visible(o_m, o_n, sk, shift, window_left, window_right,
+                            HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT)  # [BLOCK_M, BLOCK_N]
             b_s = tl.where(m_vis, b_s, float("-inf"))
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1))  # [BLOCK_M]
         if MASKED or HAS_BIAS:
@@ -157,12 +133,7 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn,
         if HAS_DROPOUT:
             # after l: dropout acts on the normalised probabilities, not on the normaliser
             b_p = tl.where(dropout_keep(seed, row_base, o_n, dropout_p), b_p, 0.0)
-        if MASKED:
-            b_v = tl.load(p_v, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
-        elif EVEN_D:
-            b_v = tl.load(p_v)
-        else:
-            b_v = tl.load(p_v, mask=m_d[None, :], other=0.0)
+        b_v = load_rows(p_v, o_n, sk, m_d, MASKED=MASKED, EVEN_D=EVEN_D)  # [BLOCK_N, BLOCK_D]
         b_acc = b_acc * b_alpha[:, None]
         b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc, input_precision=DOT_PREC)
         b_m = b_m_new
@@ -191,27 +162,17 @@ def attn_fwd_kernel(
     HAS_BIAS: tl.constexpr, BIAS_BOOL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SPARSE: tl.constexpr, PAGED: tl.constexpr,
 ):
-    # Heaviest causal tiles (the last query rows) are scheduled first so the tail of the grid
-    # is made of cheap programs.
-    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    i_hk = i_h // GROUP
-    q_start, sq, k_start, sk, shift = sequence(CU_Q, CU_K, i_b, seqlen_q, seqlen_k, IS_VARLEN,
-                                               BOTTOM_RIGHT)
-    shift, alibi_shift = frame(sq, sk, q_offset, k_offset, seqlen_q_total, seqlen_k_total,
-                               IS_VARLEN, BOTTOM_RIGHT)
-    m_first = i_m * BLOCK_M
+    i_b, i_h, i_hk, q_start, sq, k_start, sk, shift, alibi_shift, m_first, m_last = query_block(
+        CU_Q, CU_K, seqlen_q, seqlen_k, H, GROUP, q_offset, k_offset, seqlen_q_total,
+        seqlen_k_total, BLOCK_M=BLOCK_M, IS_VARLEN=IS_VARLEN, BOTTOM_RIGHT=BOTTOM_RIGHT)
     if m_first >= sq:
         return
-    m_last = tl.minimum(m_first + BLOCK_M, sq) - 1
 
     o_m = m_first + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
     m_q = (o_m[:, None] < sq) & (o_d[None, :] < HEAD_DIM)  # [BLOCK_M, BLOCK_D]
-    p_q = (Q + i_b.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qm + i_h * stride_qh
-           + o_m[:, None] * stride_qm + o_d[None, :])
+    p_q = tile_ptr(Q, i_b, q_start, i_h, stride_qb, stride_qm, stride_qh,
+                   o_m, o_d)  # [BLOCK_M, BLOCK_D]
     b_q = tl.load(p_q, mask=m_q, other=0.0)  # [BLOCK_M, BLOCK_D]
     if PAGED:
         # K/V are page pools (stride_kb / stride_vb are the page strides): rows are found
@@ -220,79 +181,50 @@ def attn_fwd_kernel(
         p_v_base = V + i_hk * stride_vh
         p_bt = BLOCK_TABLE + i_b.to(tl.int64) * stride_btb
     else:
-        p_k_base = (K + i_b.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_kn
-                    + i_hk * stride_kh)
-        p_v_base = (V + i_b.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vn
-                    + i_hk * stride_vh)
+        p_k_base = rows_ptr(K, i_b, k_start, i_hk, stride_kb, stride_kn, stride_kh)
+        p_v_base = rows_ptr(V, i_b, k_start, i_hk, stride_vb, stride_vn, stride_vh)
         p_bt = BLOCK_TABLE
 
-    slope = 0.0
-    if HAS_ALIBI:
-        slope = tl.load(ALIBI + i_b * stride_ab + i_h).to(tl.float32) * LOG2E
+    slope = alibi_slope(ALIBI, i_b, i_h, stride_ab, HAS_ALIBI=HAS_ALIBI)
     p_bias = BIAS
     if HAS_BIAS:
         p_bias = BIAS + i_b.to(tl.int64) * stride_biasb + i_h.to(tl.int64) * stride_biash
-    seed = 0
-    row_base = o_m
-    if HAS_DROPOUT:
-        seed = tl.load(RNG)
-        row_base = dropout_row_base(
-            dropout_row0(i_b, batch_offset, nheads_total, i_h, head_offset, seqlen_q_total,
-                         q_offset), seqlen_k_total,
-            k_offset, o_m)
+    seed, row_base = dropout_rows(RNG, i_b, i_h, o_m, batch_offset, nheads_total, head_offset,
+                                  seqlen_q_total, q_offset, seqlen_k_total, k_offset,
+                                  HAS_DROPOUT=HAS_DROPOUT)
 
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, full_lo, full_hi, hi = key_range(m_first, m_last, sk, shift, window_left, window_right,
-                                         BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                                         BLOCK_N=BLOCK_N, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT)
+    # Stage 1: tiles cut by the left window edge.  Stage 2: interior tiles, no predicate.
+    # Stage 3: tiles cut by the right edge (the causal diagonal) or the end of the sequence.
+    # SPARSE: only the nonzero mask blocks of this query block, those visible throughout
+    # first (no predicate), then those cut by a bound.
+    p_list = BS_IDX
     if SPARSE:
-        # Only the nonzero mask blocks of this query block: first those every (query, key) pair
-        # of which is visible (no predicate), then those cut by a bound (masked); the list is
-        # ``[n_full, n_part, full blocks..., partial blocks...]`` (``block_lists``).
-        p_bs = BS_IDX + i_b * stride_bsb + i_h * stride_bsh + (m_first // bs_m) * stride_bsr
-        tpb = bs_n // BLOCK_N
-        t_full = tl.load(p_bs) * tpb
-        t_all = t_full + tl.load(p_bs + 1) * tpb
+        p_list = block_row(BS_IDX, i_b, i_h, m_first // bs_m, stride_bsb, stride_bsh, stride_bsr)
+    a0, a1, a2, a3, tpb = walk(lo, full_lo, full_hi, hi, p_list, bs_n, BLOCK=BLOCK_N,
+                               SPARSE=SPARSE)
+    I_STEP: tl.constexpr = 1 if SPARSE else BLOCK_N
+    # masked [a0, a1), full [a1, a2), masked [a2, a3)
+    for stage in tl.static_range(3):
+        start, end = stage_range(stage, a0, a1, a2, a3)
         b_acc, b_l, b_m = _fwd_inner(
-            b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, 0,
-            t_full, sq, sk, shift, alibi_shift, window_left, window_right, qk_scale, softcap_scale, slope,
-            p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
-            stride_vb, p_bs + 2, tpb, bs_n, HEAD_DIM, BLOCK_N, False, EVEN_D, DOT_PREC,
-            HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED,
-            PAGE_SIZE, True, 1)
-        b_acc, b_l, b_m = _fwd_inner(
-            b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, t_full,
-            t_all, sq, sk, shift, alibi_shift, window_left, window_right, qk_scale, softcap_scale, slope,
-            p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
-            stride_vb, p_bs + 2, tpb, bs_n, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC,
-            HAS_SOFTCAP, HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED,
-            PAGE_SIZE, True, 1)
-    else:
-        # Stage 1: tiles cut by the left window edge.  Stage 2: interior tiles, no predicate.
-        # Stage 3: tiles cut by the right edge (the causal diagonal) or the end of the sequence.
-        b_acc, b_l, b_m = _fwd_inner(
-            b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, lo,
-            full_lo, sq, sk, shift, alibi_shift, window_left, window_right, qk_scale, softcap_scale, slope,
-            p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
-            stride_vb, BS_IDX, 1, 1, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC, HAS_SOFTCAP,
-            HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED, PAGE_SIZE,
-            False, BLOCK_N)
-        b_acc, b_l, b_m = _fwd_inner(
-            b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, full_lo,
-            full_hi, sq, sk, shift, alibi_shift, window_left, window_right, qk_scale, softcap_scale, slope,
-            p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
-            stride_vb, BS_IDX, 1, 1, HEAD_DIM, BLOCK_N, False, EVEN_D, DOT_PREC, HAS_SOFTCAP,
-            HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED, PAGE_SIZE,
-            False, BLOCK_N)
-        b_acc, b_l, b_m = _fwd_inner(
-            b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn, o_m, o_d, full_hi,
-            hi, sq, sk, shift, alibi_shift, window_left, window_right, qk_scale, softcap_scale, slope,
-            p_bias, stride_biasm, stride_biasn, seed, row_base, dropout_p, p_bt, stride_kb,
-            stride_vb, BS_IDX, 1, 1, HEAD_DIM, BLOCK_N, True, EVEN_D, DOT_PREC, HAS_SOFTCAP,
-            HAS_ALIBI, HAS_LEFT, HAS_RIGHT, HAS_BIAS, BIAS_BOOL, HAS_DROPOUT, PAGED, PAGE_SIZE,
-            False, BLOCK_N)
+            b_acc=b_acc, b_l=b_l, b_m=b_m, b_q=b_q, p_k_base=p_k_base, p_v_base=p_v_base,
+            stride_kn=stride_kn, stride_vn=stride_vn, o_m=o_m, o_d=o_d, n_start=start, n_end=end,
+            sq=sq, sk=sk, shift=shift, alibi_shift=alibi_shift, window_left=window_left,
+            window_right=window_right, qk_scale=qk_scale, softcap_scale=softcap_scale,
+            slope=slope, p_bias=p_bias, stride_bm=stride_biasm, stride_bn=stride_biasn,
+            seed=seed, row_base=row_base, dropout_p=dropout_p, p_bt=p_bt, stride_kpage=stride_kb,
+            stride_vpage=stride_vb, p_list=p_list, tiles_per_block=tpb, bs_n=bs_n,
+            HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, MASKED=stage != 1, EVEN_D=EVEN_D,
+            DOT_PREC=DOT_PREC, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_LEFT=HAS_LEFT,
+            HAS_RIGHT=HAS_RIGHT, HAS_BIAS=HAS_BIAS, BIAS_BOOL=BIAS_BOOL,
+            HAS_DROPOUT=HAS_DROPOUT, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, SPARSE=SPARSE,
+            I_STEP=I_STEP)
 
     # Rows that saw no key keep l == 0: they output 0 and report lse = -inf.
     m_empty = b_l == 0.0
@@ -301,9 +233,9 @@ def attn_fwd_kernel(
         b_out = b_acc * (dropout_scale / b_l_safe)[:, None]  # [BLOCK_M, BLOCK_D]
     else:
         b_out = b_acc / b_l_safe[:, None]  # [BLOCK_M, BLOCK_D]
-    b_lse = tl.where(m_empty, float("-inf"), (b_m + tl.math.log2(b_l_safe)) * 0.6931471805599453)
-    p_o = (O + i_b.to(tl.int64) * stride_ob + q_start.to(tl.int64) * stride_om + i_h * stride_oh
-           + o_m[:, None] * stride_om + o_d[None, :])
+    b_lse = tl.where(m_empty, float("-inf"), (b_m + tl.math.log2(b_l_safe)) * LN2)
+    p_o = tile_ptr(O, i_b, q_start, i_h, stride_ob, stride_om, stride_oh,
+                   o_m, o_d)  # [BLOCK_M, BLOCK_D]
     tl.store(p_o, b_out.to(O.dtype.element_ty), mask=m_q)
     p_lse = LSE + i_b * stride_lb + i_h * stride_lh + q_start + o_m
     tl.store(p_lse, b_lse, mask=o_m < sq)

@@ -1,0 +1,462 @@
+"""Launching kernels with little host work: output allocation, direct launches of compiled
+kernels, and launch plans that later calls of the same signature replay (the forward, the
+backward and the decode step record and replay through the one mechanism here).
+
+Every use of Triton's internals (the ``Heuristics`` wrapper's rules, ``JITFunction``'s
+parameter names, a compiled kernel's ``run`` / ``packed_metadata``, the launch-hook chain) and of
+PyTorch's raw-stream accessor sits in this module, behind :data:`INTERNALS_OK`, a check of the
+Triton version these were written against.  With another Triton version every launch takes
+Triton's own path, ``kernel[grid](**kwargs)``: slower on the host, same kernels, same results.
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+import os
+import threading
+
+import torch
+import triton
+
+from .configs import interpreting, pinned_configs
+
+# The Triton versions whose internals this module reads (``major.minor``).
+_TESTED_TRITON = {(3, 6)}
+
+
+def _triton_version() -> tuple[int, int]:
+    try:
+        major, minor = triton.__version__.split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return (0, 0)
+
+
+INTERNALS_OK = _triton_version() in _TESTED_TRITON
+if INTERNALS_OK:
+    from triton import knobs as _knobs
+    from triton.runtime.autotuner import Heuristics as _Heuristics
+    from triton.runtime.errors import OutOfResources
+    from triton.runtime.jit import JITFunction as _JITFunction
+else:  # pragma: no cover - another Triton: the plain launch path only
+    _knobs = _Heuristics = _JITFunction = None
+
+    class OutOfResources(Exception):
+        pass
+
+_poison = False
+_tls = threading.local()  # per thread: the recorder of the call running, if any (recording())
+
+
+@contextlib.contextmanager
+def poison_outputs():
+    """Fill every buffer the kernels write with NaN first, so a test can prove that each
+    element was written."""
+    global _poison
+    old, _poison = _poison, True
+    try:
+        yield
+    finally:
+        _poison = old
+
+
+def poisoning() -> bool:
+    """Whether :func:`poison_outputs` is active."""
+    return _poison
+
+
+def empty(shape, dtype, device) -> torch.Tensor:
+    """A buffer the kernels write: NaN-filled under :func:`poison_outputs` when it holds floats
+    (an integer buffer is always written whole), noted by the call's :func:`recording`."""
+    return _new(torch.empty(shape, dtype=dtype, device=device))
+
+
+def empty_like(x: torch.Tensor, dtype=None) -> torch.Tensor:
+    """:func:`empty` with ``x``'s shape and, when ``x`` is dense, its strides."""
+    return _new(torch.empty_like(x, dtype=dtype))
+
+
+def _new(out: torch.Tensor) -> torch.Tensor:
+    if _poison and out.dtype.is_floating_point:
+        out.fill_(float("nan"))
+    rec = getattr(_tls, "rec", None)
+    if rec is not None:
+        rec.allocs.append(out)
+    return out
+
+
+# Direct launches.  ``JITFunction.run`` binds every argument, derives its specialisation
+# (dtype, 16-byte alignment, ints equal to 1 or divisible by 16), hashes that into a cache key
+# and builds launch metadata on every call, although a training step repeats the same few
+# variants.  Here the compiled kernel of a variant is remembered under a key that determines
+# that specialisation: the exact value and type of every non-tensor argument (ints, floats,
+# bools, None, constexprs) and the launch options, and each tensor's dtype and 16-byte
+# alignment.  Equal keys imply equal Triton cache keys, so the kernel called is the one
+# ``kernel[grid]`` would call (``tests/gpu/test_direct_launch.py`` compares the two
+# bitwise on the GPU).  ``FLASHTILE_DIRECT_LAUNCH=0`` turns them off.
+_DIRECT = (os.environ.get("FLASHTILE_DIRECT_LAUNCH", "1") != "0" and not interpreting()
+           and INTERNALS_OK)
+_MAX_COMPILED = 4096
+_compiled: dict = {}
+_layouts: dict = {}  # kernel -> getters of its tensor / scalar / all arguments, parameter names
+_fitted_stages: dict = {}
+
+
+def direct_enabled() -> bool:
+    """Whether launches go directly to compiled kernels (see :func:`direct_launches`)."""
+    return _DIRECT
+
+
+@contextlib.contextmanager
+def direct_launches(enabled: bool):
+    """Turn direct launches on or off inside the block (benchmarks compare the two paths; the
+    GPU tests compare their results bitwise).  On only where they may be: compiled kernels and
+    a Triton version whose internals this module knows."""
+    global _DIRECT
+    old = _DIRECT
+    _DIRECT = bool(enabled) and not interpreting() and INTERNALS_OK
+    try:
+        yield
+    finally:
+        _DIRECT = old
+
+
+def launch_hooks_set() -> bool:
+    """Whether a profiler asked Triton to be called on every launch (a launch-enter hook): then
+    every launch takes Triton's own path, which calls it."""
+    if not INTERNALS_OK:
+        return True
+    hook = _knobs.runtime.launch_enter_hook  # a HookChain; profilers add calls to it
+    return not (hook is None or not getattr(hook, "calls", True))
+
+
+def launch(kernel, grid, **kwargs) -> tuple | None:
+    """``kernel[grid](**kwargs)`` (every kernel argument and launch option by name), through a
+    cheaper host path once a variant is compiled.
+
+    For a ``triton.heuristics`` kernel the derived constexprs are computed here, from the one
+    name -> value mapping the call already is, and the wrapped jitted function is launched with
+    them: the wrapper rebuilds that mapping of every argument once per heuristic, which on an
+    H100 host costs ~18 us a launch (``python -m flashtile.bench overhead --profile``).  Same
+    rules, same order, same values.
+
+    After the first launch of a variant its compiled kernel is called directly (see
+    :func:`_direct_key`).  Returns ``(compiled kernel, every argument in signature order)``
+    when the launch was direct, else None; a :func:`recording` notes it either way.
+    """
+    if INTERNALS_OK:
+        launched = _launch(kernel, grid, kwargs)
+    else:
+        kernel[grid](**kwargs)
+        launched = None
+    rec = getattr(_tls, "rec", None)
+    if rec is not None:
+        rec.launches.append((kernel, grid, launched))
+    return launched
+
+
+def _launch(kernel, grid, kwargs: dict) -> tuple | None:
+    """:func:`launch` with Triton's internals known; ``kwargs`` maps every argument and launch
+    option to its value (the heuristics add theirs)."""
+    if isinstance(kernel, _Heuristics):
+        for name, rule in kernel.values.items():
+            kwargs[name] = rule(kwargs)
+        kernel = kernel.fn
+    direct = _DIRECT and grid[0] and kernel.__class__ is _JITFunction
+    key = None
+    if direct:
+        key = _direct_key(kernel, kwargs)
+        try:
+            compiled = _compiled.get(key) if key is not None else None
+        except TypeError:  # an unhashable scalar argument
+            compiled = key = None
+        if compiled is not None:
+            values = named_values(kernel, kwargs)
+            if run_direct(compiled, grid, values, key[1]):
+                return compiled, values
+    # Per variant (its constexprs and options), the pipeline depth that fits in shared memory.
+    params = _params(kernel)
+    fit_key = (kernel, tuple(sorted((k, v) for k, v in kwargs.items()
+                                    if k != "num_stages" and (k not in params or params[k])
+                                    and isinstance(v, (int, float, str, bool, type(None))))))
+    stages = _fitted_stages.get(fit_key)
+    if stages is not None:
+        kwargs["num_stages"] = stages
+    while True:
+        try:
+            compiled = kernel[grid](**kwargs)
+            break
+        except OutOfResources:
+            # Optional features (bias tiles, dropout state) add shared memory to a config tuned
+            # without them: fewer pipeline stages always fit in less.  Remembered per variant.
+            if kwargs.get("num_stages", 1) <= 1:
+                raise
+            kwargs["num_stages"] = _fitted_stages[fit_key] = kwargs["num_stages"] - 1
+    if direct and key is not None and compiled is not None:
+        if len(_compiled) >= _MAX_COMPILED:
+            _compiled.clear()
+        # under the key of the requested options: a retry that lowered num_stages is remembered
+        # by the next lookup too
+        _compiled[key] = compiled
+        return compiled, named_values(kernel, kwargs)
+    return None
+
+
+_param_kinds: dict = {}
+
+
+def _params(kernel) -> dict:
+    """``{parameter name: is constexpr}`` of a jitted kernel (under the interpreter, which
+    keeps no parameter kinds and never runs out of shared memory: every one)."""
+    kinds = _param_kinds.get(kernel)
+    if kinds is None:
+        params = getattr(kernel, "params", None)
+        kinds = ({n: True for n in kernel.arg_names} if params is None
+                 else {p.name: bool(p.is_constexpr) for p in params})
+        _param_kinds[kernel] = kinds
+    return kinds
+
+
+def _direct_key(kernel, named: dict):
+    """``(kernel, device, scalars, their types, tensors, options)``, or None when the plain path
+    must run (a parameter left at its default, or a tensor where the first call had a scalar).
+    ``named`` holds every argument and launch option by name."""
+    lay = _layouts.get(kernel)
+    if lay is None:
+        names = tuple(kernel.arg_names)
+        if any(n not in named for n in names):
+            return None
+        ptr = tuple(n for n in names if named[n] is None or isinstance(named[n], torch.Tensor))
+        scalar = tuple(n for n in names if n not in ptr)
+        lay = _layouts[kernel] = (_tuple_getter(ptr), _tuple_getter(scalar), _tuple_getter(names),
+                                  frozenset(names))
+    get_ptr, get_scalar, _, params = lay
+    try:
+        scalars = get_scalar(named)
+        tensors = tuple([None if a is None else (a.dtype, a.data_ptr() & 15 == 0)
+                         for a in get_ptr(named)])
+    except (KeyError, AttributeError):
+        return None
+    # the launch options: the names that are not parameters (a set difference at C speed)
+    options = tuple([(k, named[k]) for k in sorted(named.keys() - params)])
+    return kernel, torch.cuda.current_device(), scalars, tuple(map(type, scalars)), tensors, options
+
+
+def _tuple_getter(names: tuple):
+    """``d -> tuple(d[n] for n in names)`` at C speed (``itemgetter`` of one name is not a
+    tuple)."""
+    if len(names) >= 2:
+        return operator.itemgetter(*names)
+    return (lambda d: (d[names[0]],)) if names else (lambda d: ())
+
+
+def named_values(kernel, named: dict) -> list:
+    """Every argument of ``kernel`` in signature order (after :func:`_direct_key` saw it)."""
+    return list(_layouts[kernel][2](named))
+
+
+def _raw_stream(device: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+def run_direct(compiled, grid: tuple, values: list, device: int) -> bool:
+    """Launch ``compiled`` with ``values`` (every argument, signature order) on the current
+    stream; False (nothing launched) when a profiler hook asks for the full path."""
+    if launch_hooks_set():
+        return False
+    _run(compiled, grid, values, device)
+    return True
+
+
+def _run(compiled, grid: tuple, values: list, device: int) -> None:
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                 _raw_stream(device), compiled.function, compiled.packed_metadata, None, None,
+                 None, *values)
+
+
+# Launch plans.  A short-sequence forward, a backward or an eager decode step costs as much
+# host time as GPU time, and most of that host time rebuilds the same ~50-60 kernel arguments
+# per launch from the same shapes.  While a call runs inside :func:`recording`, every buffer it
+# allocates (:func:`empty`, :func:`empty_like`) and every launch is noted; :func:`record_plan`
+# turns that into a :class:`Plan` that replays the call for new tensors of the same signature:
+# allocate the same buffers, put the call's tensors and the buffers in their argument places,
+# launch the same compiled kernels.  Callers keep their plans in a :class:`PlanCache` under a
+# key of everything the launches depend on (:func:`signature` of the tensors, dtype, device,
+# the call's other arguments).
+_PLANS = True
+
+
+@contextlib.contextmanager
+def launch_plans(enabled: bool):
+    """Turn launch plans on or off inside the block (benchmarks compare the two paths)."""
+    global _PLANS
+    old, _PLANS = _PLANS, bool(enabled)
+    try:
+        yield
+    finally:
+        _PLANS = old
+
+
+def plans_enabled() -> bool:
+    """Plans replay direct launches, and are not used while outputs are poisoned (every buffer
+    must come from :func:`empty`), configs are pinned (``configs.override``) or
+    :func:`launch_plans` turned them off."""
+    return _DIRECT and _PLANS and not _poison and not pinned_configs()
+
+
+class PlanCache:
+    """Plans by key; emptied when it reaches ``limit`` entries."""
+
+    def __init__(self, limit: int = 1024):
+        self._plans: dict = {}
+        self._limit = limit
+
+    def get(self, key):
+        return self._plans.get(key)
+
+    def put(self, key, plan) -> None:
+        if len(self._plans) >= self._limit:
+            self._plans.clear()
+        self._plans[key] = plan
+
+
+def signature(*tensors: torch.Tensor) -> tuple:
+    """Shape, strides and 16-byte alignment of each tensor: with the dtype, device and spec,
+    everything a plan's launches depend on."""
+    return tuple([(t.shape, t.stride(), t.data_ptr() & 15) for t in tensors])
+
+
+class Recorder:
+    """What a call did inside :func:`recording`: ``allocs``, the buffers it allocated;
+    ``launches``, ``(kernel, grid, launch's result)`` per launch (:func:`launch`); ``note``,
+    whatever the caller wants to keep with the plan."""
+
+    __slots__ = ("allocs", "launches", "note")
+
+    def __init__(self):
+        self.allocs: list = []
+        self.launches: list = []
+        self.note = None
+
+
+@contextlib.contextmanager
+def recording():
+    """Record the buffers and launches of the call run inside the block (this thread only);
+    yields the :class:`Recorder`."""
+    rec, old = Recorder(), getattr(_tls, "rec", None)
+    _tls.rec = rec
+    try:
+        yield rec
+    finally:
+        _tls.rec = old
+
+
+def recorder() -> Recorder | None:
+    """The :class:`Recorder` of the call running on this thread, or None."""
+    return getattr(_tls, "rec", None)
+
+
+class Plan:
+    """A recorded call: buffers to allocate (shape, strides, dtype), then launches
+    ``(compiled, grid, argument template, [(position, 0, input index) or (position, 1, buffer
+    index)])``; ``outputs`` are buffer indices."""
+
+    __slots__ = ("allocs", "launches", "outputs", "device")
+
+    def __init__(self, allocs: list, launches: list, outputs: tuple, device: torch.device):
+        self.allocs, self.launches, self.outputs, self.device = allocs, launches, outputs, device
+
+    def run(self, inputs: tuple, after_first=None) -> tuple | None:
+        """The outputs of the recorded call replayed for ``inputs`` (same signature as the
+        recorded call); ``after_first(outputs)`` runs once the first kernel is launched.  None,
+        with nothing launched, when a profiler hook asks for Triton's own launch path."""
+        if launch_hooks_set():
+            return None
+        device = self.device
+        bufs = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                for shape, stride, dtype in self.allocs]
+        outs = tuple([bufs[i] for i in self.outputs])
+        pools = (inputs, bufs)
+        index = device.index
+        for compiled, grid, template, slots in self.launches:
+            values = template.copy()
+            for pos, kind, i in slots:
+                values[pos] = pools[kind][i]
+            _run(compiled, grid, values, index)
+            if after_first is not None:
+                after_first(outs)
+                after_first = None
+        return outs
+
+
+def _current(device: torch.device) -> bool:
+    """Whether ``device`` is the current CUDA device, whose stream launches go to."""
+    return device.type == "cuda" and device.index == torch.cuda.current_device()
+
+
+def plan_roles(kernel, **params: int) -> dict:
+    """``{position of parameter: input index}`` for ``kernel`` (a jitted kernel or its
+    ``triton.heuristics`` wrapper) from ``{parameter name: input index}``: where
+    :func:`record_plan` puts those inputs.  Empty where plans are never recorded (a Triton
+    version whose internals are not known)."""
+    if not INTERNALS_OK:
+        return {}
+    names = list(kernel.arg_names)
+    return {names.index(p): i for p, i in params.items()}
+
+
+def record_plan(rec: Recorder, inputs: tuple, outputs: tuple, roles: dict | None = None):
+    """The :class:`Plan` of the call ``rec`` recorded, which took ``inputs`` (tensors or None)
+    and returned ``outputs`` (buffers it allocated); None when it cannot be replayed: a launch
+    was not direct, a kernel got a tensor that is neither one of ``inputs`` nor a buffer of the
+    call (a converted copy), an output is not a buffer of the call, or the call's tensors are
+    not on the current CUDA device (whose stream the launches went to).
+
+    Tensors are placed by identity.  One tensor passed as several inputs
+    (``flash_attn_func(x, x, x)``) is placed by ``roles``, ``{kernel: plan_roles(kernel,
+    ...)}``, so that the plan also serves a later call with distinct tensors; where no role
+    places such a tensor, no plan (a later call of the same signature may pass distinct ones).
+    """
+    if not rec.launches or not outputs:
+        return None
+    device = outputs[0].device
+    if not _current(device):
+        return None
+    where, shared = {}, set()
+    for i, t in enumerate(inputs):
+        if isinstance(t, torch.Tensor):
+            if id(t) in where:
+                shared.add(id(t))
+            else:
+                where[id(t)] = (0, i)
+    for j, t in enumerate(rec.allocs):
+        where[id(t)] = (1, j)  # fresh buffers: never an input
+    launches = []
+    for kernel, grid, launched in rec.launches:
+        if launched is None:
+            return None
+        compiled, values = launched
+        fixed = roles.get(kernel, {}) if roles else {}
+        template, slots = list(values), []
+        for pos, v in enumerate(values):
+            if not isinstance(v, torch.Tensor):
+                continue
+            if pos in fixed:
+                if inputs[fixed[pos]] is not v:
+                    return None
+                slot = (0, fixed[pos])
+            else:
+                slot = where.get(id(v))
+                if slot is None or id(v) in shared:
+                    return None
+            template[pos] = None
+            slots.append((pos, *slot))
+        launches.append((compiled, grid, template, tuple(slots)))
+    out_index = []
+    for t in outputs:
+        slot = where.get(id(t))
+        if slot is None or slot[0] != 1:
+            return None
+        out_index.append(slot[1])
+    allocs = [(tuple(t.shape), t.stride(), t.dtype) for t in rec.allocs]
+    return Plan(allocs, launches, tuple(out_index), device)
