@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import functools
 import os
-import threading
 
 import torch
 
@@ -60,7 +59,9 @@ TUNED: dict[tuple, tuple[int, int, int, int]] = {
 }
 SHORT_SEQ = 1024
 
-_local = threading.local()
+# Pinned configs (:func:`override`) are process-wide, not per thread: the backward of a call
+# made inside the block runs on autograd's device thread and must see them too.
+_pinned: dict | None = None
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -99,7 +100,7 @@ def _heuristic(pass_: str, d: int, arch: str) -> KernelConfig:
 
 def get_config(pass_: str, head_dim: int, causal: bool, dtype: torch.dtype,
                device: torch.device, seqlen: int = 0) -> KernelConfig:
-    pinned = getattr(_local, "pinned", None)
+    pinned = _pinned
     if pinned and pass_ in pinned:
         return pinned[pass_]
     if interpreting() or device.type != "cuda":
@@ -127,15 +128,17 @@ def _cuda_config(pass_, d, causal, dtype, index, short) -> KernelConfig:
 
 def pinned_configs() -> bool:
     """Whether an :func:`override` is active in this thread."""
-    return bool(getattr(_local, "pinned", None))
+    return bool(_pinned)
 
 
 @contextlib.contextmanager
 def override(**configs: KernelConfig):
-    """Pin configs for passes ``fwd``, ``dkdv``, ``dq`` inside the block."""
-    old = getattr(_local, "pinned", None)
-    _local.pinned = {**(old or {}), **configs}
+    """Pin configs for passes ``fwd``, ``dkdv``, ``dq`` inside the block (process-wide, so the
+    backward that autograd runs on its own thread uses them too)."""
+    global _pinned
+    old = _pinned
+    _pinned = {**(old or {}), **configs}
     try:
         yield
     finally:
-        _local.pinned = old
+        _pinned = old

@@ -33,10 +33,11 @@ kernel) exactly as the forward.
 import triton
 import triton.language as tl
 
-from .common import (FEATURE_FLAGS, LOG2E, alibi_slope, block_row, dropout_keep, dropout_row0,
+from .common import (FEATURE_FLAGS, LOG2E, PARTIAL_ARGS, alibi_slope, block_row, dropout_keep, dropout_row0,
                      dropout_row_base, dropout_rows, key_range, load_rows, query_block,
                      query_range, rows_ptr, score_tile, sequence, stage_range, tanh, tile_ptr,
                      tile_start, visible, walk)
+
 
 
 @triton.jit
@@ -113,7 +114,7 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse, p_delta,
 
 
 @triton.heuristics(FEATURE_FLAGS)
-@triton.jit
+@triton.jit(do_not_specialize=PARTIAL_ARGS)
 def attn_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, LSE, DELTA, ALIBI, CU_Q, CU_K, BIAS, RNG, BS_IDX,
     stride_qb, stride_qm, stride_qh,
@@ -260,7 +261,7 @@ def _dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, s
     **FEATURE_FLAGS,
     "STORE_DBIAS": lambda a: a["DBIAS"] is not None,
 })
-@triton.jit
+@triton.jit(do_not_specialize=PARTIAL_ARGS)
 def attn_bwd_dq_kernel(
     Q, K, V, DO, DQ, O, LSE, DELTA, ALIBI, CU_Q, CU_K, BIAS, RNG, BS_IDX, DBIAS,
     stride_qb, stride_qm, stride_qh,

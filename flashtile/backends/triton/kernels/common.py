@@ -40,6 +40,12 @@ import triton.language as tl
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
+# The partial-attention offsets and totals take any value per call (context-parallel shards,
+# odd cut points): not specialised on divisibility or == 1, so a new offset never compiles a
+# new variant.
+PARTIAL_ARGS = ["q_offset", "k_offset", "seqlen_q_total", "seqlen_k_total", "batch_offset",
+                "head_offset", "nheads_total"]
+
 # Optional features of the attention kernels, each derived from whether its argument is None
 # (or, for EVEN_D, whether the head dim is a power of two): one kernel source, a constexpr flag
 # per feature, and a disabled feature compiles to nothing.

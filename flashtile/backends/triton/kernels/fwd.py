@@ -36,9 +36,10 @@ Optional features (constexpr flags, derived from which optional pointers are Non
 import triton
 import triton.language as tl
 
-from .common import (FEATURE_FLAGS, LN2, alibi_slope, block_row, dropout_keep, dropout_rows,
+from .common import (FEATURE_FLAGS, LN2, PARTIAL_ARGS, alibi_slope, block_row, dropout_keep, dropout_rows,
                      key_range, load_rows, query_block, rows_ptr, score_tile, stage_range,
                      tile_ptr, tile_start, visible, walk)
+
 
 # The forward kernel's flags: the shared ones plus paged keys/values, which only the forward
 # reads in place (the backward runs on keys/values gathered from the pages).
@@ -141,7 +142,7 @@ def _fwd_inner(b_acc, b_l, b_m, b_q, p_k_base, p_v_base, stride_kn, stride_vn,
 
 
 @triton.heuristics(FWD_FEATURE_FLAGS)
-@triton.jit
+@triton.jit(do_not_specialize=PARTIAL_ARGS)
 def attn_fwd_kernel(
     Q, K, V, O, LSE, ALIBI, CU_Q, CU_K, BIAS, RNG, BS_IDX, BLOCK_TABLE,
     stride_qb, stride_qm, stride_qh,
