@@ -6,7 +6,7 @@ Nsight Compute and puts them next to the model of ``flashtile.reference.algorith
 
     python -m flashtile.bench io --quick                  # ~3 min on an H100
     python -m flashtile.bench io                          # all sweeps, ~6-8 min
-    python -m flashtile.bench io report --doc docs/performance.md   # tables, fig2.png, fig3.png
+    python -m flashtile.bench io report --doc docs/io.md   # tables, fig2.png, fig3.png
 
 Sweeps (``--sweeps``):
 
@@ -642,7 +642,7 @@ def _fwd_bwd(records: Iterable[dict], **match) -> dict[str, dict]:
 
 
 def render_markdown(records: list[dict]) -> str:
-    """Tables of every sweep found in ``records``, for docs/performance.md."""
+    """Tables of every sweep found in ``records``, for docs/io.md."""
     parts = []
     env = next((r for r in records if r.get("device")), {})
     parts.append(f"Measured on {env.get('device', '?')} (torch {env.get('torch', '?')}, "
@@ -682,7 +682,10 @@ def render_markdown(records: list[dict]) -> str:
                 "|---|---|---|---|---|---|---|"]
         for r in blocks:
             dram = (r.get("dram_read_bytes") or 0) + (r.get("dram_write_bytes") or 0)
-            rows.append(f"| {r['knob']} | ({r.get('block_m')}, {r.get('block_n')}) | {_gb(dram)} | "
+            # the varied kernel's own tile (a bwd record's block_m/block_n are dK/dV's)
+            tile = (r.get("configs") or {}).get(r["knob"].split(".")[0]) or [r.get("block_m"),
+                                                                           r.get("block_n")]
+            rows.append(f"| {r['knob']} | ({tile[0]}, {tile[1]}) | {_gb(dram)} | "
                         f"{_gb(r.get('model_dram_bytes'))} | {_gb(r.get('l2_bytes'))} | "
                         f"{_gb(r.get('model_l2_bytes'))} | {_ms(r.get('ms'))} |")
         parts.append("### Figure 2 (middle): tile sizes (flashtile, one kernel's tile varied)\n\n"
@@ -854,7 +857,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m flashtile.bench io",
         description="DRAM / L2 bytes and time of attention kernels under Nsight Compute, "
-                    "against flashtile's IO model (GPU; see docs/performance.md).")
+                    "against flashtile's IO model (GPU; see docs/io.md).")
     sub = p.add_subparsers(dest="command")
     run = sub.add_parser("run", help="run the sweeps (the default command)")
     for q in (p, run):
@@ -877,7 +880,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--plots", default=str(RESULTS_DIR),
                      help="directory for fig2.png and fig3.png (default %(default)s)")
     rep.add_argument("--doc", default=None, help="markdown file whose results section to "
-                     "replace (between the io-results markers), e.g. docs/performance.md")
+                     "replace (between the io-results markers), e.g. docs/io.md")
     w = sub.add_parser("worker", help="internal: the measured calls (run under ncu)")
     w.add_argument("--plan", required=True)
     w.add_argument("--log", required=True)

@@ -19,7 +19,7 @@ what was skipped)::
 
     python -m flashtile.bench train --preset gpu-a --padded   # entry train_gpu-a
     python -m flashtile.bench train --preset gpu-b            # entry train_gpu-b
-    python -m flashtile.bench train --report --doc docs/performance.md
+    python -m flashtile.bench train --report --doc docs/end-to-end.md
     python -m flashtile.bench train --preset cpu-dry      # tiny model, end-to-end check
     python -m flashtile.bench train --padded              # mask vs varlen on padded batches
 
@@ -557,7 +557,7 @@ def report(merged: dict, sources: list[str], images: list[str], doc_path: str) -
               "what it skipped), then the report:", "",
               "    python -m flashtile.bench train --preset gpu-a --padded",
               "    python -m flashtile.bench train --preset gpu-b",
-              "    python -m flashtile.bench train --report --doc docs/performance.md", "",
+              "    python -m flashtile.bench train --report --doc docs/end-to-end.md", "",
               "`gpu-a`: 200-step loss curves of GPT-2 small at 1K and 2K with every "
               "implementation, timed runs at 4K and 8K, and the padded-batch comparison. "
               "`gpu-b`: GPT-2 medium at 1K-8K, and the longest GPT-2 small context of each "
@@ -614,7 +614,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--report", nargs="*", metavar="JSON", default=None,
                     help="write the report from the train* entries of these results files "
                          f"(default: every {RESULTS_DIR}/*.json) instead of running")
-    ap.add_argument("--doc", default="docs/performance.md",
+    ap.add_argument("--doc", default="docs/end-to-end.md",
                     help="markdown file whose train-results section the report replaces "
                          "(default %(default)s)")
     ap.add_argument("--plots", default=str(RESULTS_DIR),
