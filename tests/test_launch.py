@@ -84,7 +84,7 @@ class FakeCompiled:
 @pytest.mark.parametrize("grid, dims", [((3,), (3, 1, 1)), ((3, 4), (3, 4, 1)),
                                         ((3, 4, 5), (3, 4, 5))], ids=["1d", "2d", "3d"])
 def test_run_direct_passes_the_grid_stream_and_every_argument(monkeypatch, grid, dims):
-    monkeypatch.setattr(fastlaunch, "_raw_stream", lambda device: 1000 + device)
+    monkeypatch.setattr(fastlaunch, "raw_stream", lambda device: 1000 + device)
     compiled = FakeCompiled()
     assert fastlaunch.run_direct(compiled, grid, ["a", 2, None], 7)
     assert compiled.calls == [dims + (1007, "fn", "meta", None, None, None, "a", 2, None)]

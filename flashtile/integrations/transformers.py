@@ -45,7 +45,7 @@ import torch
 from .. import _validate as V
 from ..autograd import attention, dropout_seed
 from ..block_sparse import block_sparse_attn_func, global_block_mask, local_block_mask
-from ..interface import _check_qkv, _spec, flash_attn_func, flash_attn_varlen_func
+from ..interface import flash_attn_func, flash_attn_varlen_func
 from ..padding import pad_input, unpad_input
 
 try:
@@ -158,10 +158,10 @@ def mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
 def _masked(q, k, v, bias, dropout, scaling, causal, window, softcap):
     """Dense attention with a bool/float ``bias (B|1, 1|H, Sq|1, Sk)`` on top of the causal /
     window rule (bottom-right) and softcap; ``q (B, Sq, H, D)``, ``k``/``v (B, Sk, Hk, D)``."""
-    _check_qkv(q, k, v, "(batch, seqlen, nheads, headdim)",
-               "(batch, seqlen_k, nheads_k, headdim)", 4)
+    V.check_qkv(q, k, v, "(batch, seqlen, nheads, headdim)",
+                "(batch, seqlen_k, nheads_k, headdim)", 4)
     V.attn_mask(bias, q, (q.shape[0], q.shape[2], q.shape[1], k.shape[1]))
-    spec = _spec(q, scaling, causal, window, softcap, dropout)
+    spec = V.spec(q, scaling, causal, window, softcap, dropout)
     out, _ = attention(q, k, v, spec, attn_bias=bias, rng_seed=dropout_seed(spec, q.device))
     return out
 

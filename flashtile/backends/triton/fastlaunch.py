@@ -255,7 +255,8 @@ def named_values(kernel, named: dict) -> list:
     return list(_layouts[kernel][2](named))
 
 
-def _raw_stream(device: int) -> int:
+def raw_stream(device: int) -> int:
+    """The current CUDA stream of ``device`` as a raw handle (what compiled launches take)."""
     return torch._C._cuda_getCurrentRawStream(device)
 
 
@@ -270,7 +271,7 @@ def run_direct(compiled, grid: tuple, values: list, device: int) -> bool:
 
 def _run(compiled, grid: tuple, values: list, device: int) -> None:
     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                 _raw_stream(device), compiled.function, compiled.packed_metadata, None, None,
+                 raw_stream(device), compiled.function, compiled.packed_metadata, None, None,
                  None, *values)
 
 

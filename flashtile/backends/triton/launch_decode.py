@@ -458,7 +458,7 @@ class Plan:
 
     def _err(self) -> int:
         dev = self.stream_device
-        stream = fastlaunch._raw_stream(dev) if dev is not None else None
+        stream = fastlaunch.raw_stream(dev) if dev is not None else None
         err = self.errs.get(stream)
         if err is None:
             buf = torch.empty((1,), dtype=torch.int32, device=self.device)
