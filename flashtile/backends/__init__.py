@@ -6,6 +6,16 @@ partial results.
 Selection, first match wins: ``use_backend(name)`` context, ``FLASHTILE_BACKEND`` environment
 variable, then by device: CUDA tensors -> triton; CPU tensors -> triton only when
 ``TRITON_INTERPRET=1`` (tests run the kernels that way), else torch.
+
+Where the masking rules live (causal and sliding window, both written as one window rule,
+``AttnSpec.window_left/right`` and ``AttnSpec.shift`` in :mod:`.spec`):
+
+- GPU: ``triton/kernels/common.py``: ``key_range`` / ``query_range`` pick the key (query) tiles a
+  query (key) tile can see, so invisible tiles are never loaded; ``visible`` masks the elements
+  of the boundary tiles; the forward, both backward kernels and the decode kernel call them.
+- CPU: ``torch/attention.py``'s ``_Band`` does the same for the tiled engine (plain causal calls
+  without a window go to PyTorch's fused CPU kernel instead).
+- Reference: ``flashtile.masks.visible_mask`` builds the dense mask the tests compare against.
 """
 from __future__ import annotations
 
