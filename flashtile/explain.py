@@ -182,6 +182,18 @@ class _Recorder:
         self.pending += names
         self.pending_hbm += elements
 
+    def load_or_skip(self, ev, f):
+        """Records a K/V or Q tile load, or a skipped tile; False for any other event."""
+        if ev == "load_kv":
+            self.load(["K", "V"], 2 * (f["c1"] - f["c0"]) * self.d)
+        elif ev == "load_q":
+            self.load(["Q"], (f["r1"] - f["r0"]) * self.d)
+        elif ev == "skip":
+            self._flush({"k": "skip", "why": f["reason"], **self.tile_ids(f)})
+        else:
+            return False
+        return True
+
     def tile_ids(self, f):
         return {"i": f["r0"] // self.trc, "j": f["c0"] // self.tcc,
                 "r": [f["r0"], f["r1"]], "c": [f["c0"], f["c1"]]}
@@ -248,11 +260,9 @@ def export_trace(view: str = "fa1", *, n: int = 16, d: int = 4, br: int = 4, bc:
                    hbm=sq * d + 2 * sq)
 
         def on(ev, **f):
-            if ev == "load_kv":
-                rec.load(["K", "V"], 2 * (f["c1"] - f["c0"]) * d)
-            elif ev == "skip":
-                rec._flush({"k": "skip", "why": f["reason"], **rec.tile_ids(f)})
-            elif ev == "tile":
+            if rec.load_or_skip(ev, f):
+                return
+            if ev == "tile":
                 rows = f["r1"] - f["r0"]
                 cols = f["c1"] - f["c0"]
                 rec._flush({"k": "tile", **rec.tile_ids(f), "loads": ["Q", "O", "l", "m"],
@@ -270,11 +280,9 @@ def export_trace(view: str = "fa1", *, n: int = 16, d: int = 4, br: int = 4, bc:
 
     elif view == "fa2":
         def on(ev, **f):
-            if ev == "load_q":
-                rec.load(["Q"], (f["r1"] - f["r0"]) * d)
-            elif ev == "skip":
-                rec._flush({"k": "skip", "why": f["reason"], **rec.tile_ids(f)})
-            elif ev == "tile":
+            if rec.load_or_skip(ev, f):
+                return
+            if ev == "tile":
                 rows = f["r1"] - f["r0"]
                 cols = f["c1"] - f["c0"]
                 rec._flush({"k": "tile", **rec.tile_ids(f), "loads": ["K", "V"], "s": A(f["s"]),
@@ -305,11 +313,9 @@ def export_trace(view: str = "fa1", *, n: int = 16, d: int = 4, br: int = 4, bc:
                    hbm=sq * d + 2 * n * d)
 
         def on(ev, **f):
-            if ev == "load_kv":
-                rec.load(["K", "V"], 2 * (f["c1"] - f["c0"]) * d)
-            elif ev == "skip":
-                rec._flush({"k": "skip", "why": f["reason"], **rec.tile_ids(f)})
-            elif ev == "tile":
+            if rec.load_or_skip(ev, f):
+                return
+            if ev == "tile":
                 rows = f["r1"] - f["r0"]
                 cols = f["c1"] - f["c0"]
                 rec._flush({"k": "tile", **rec.tile_ids(f),
