@@ -182,6 +182,30 @@ class _Recorder:
         self.pending += names
         self.pending_hbm += elements
 
+    def load_or_skip(self, ev, f):
+        """Records a K/V or Q tile load, or a skipped tile; False for any other event."""
+        if ev == "load_kv":
+            self.load(["K", "V"], 2 * (f["c1"] - f["c0"]) * self.d)
+        elif ev == "load_q":
+            self.load(["Q"], (f["r1"] - f["r0"]) * self.d)
+        elif ev == "skip":
+            self._flush({"k": "skip", "why": f["reason"], **self.tile_ids(f)})
+        else:
+            return False
+        return True
+
+    def events(self, tile, other=None):
+        """A ``trace`` callable: loads and skips recorded here, ``tile(f, rows, cols)`` for each
+        computed tile, ``other(ev, f)`` for any other event."""
+        def on(ev, **f):
+            if self.load_or_skip(ev, f):
+                return
+            if ev == "tile":
+                tile(f, f["r1"] - f["r0"], f["c1"] - f["c0"])
+            elif other is not None:
+                other(ev, f)
+        return on
+
     def tile_ids(self, f):
         return {"i": f["r0"] // self.trc, "j": f["c0"] // self.tcc,
                 "r": [f["r0"], f["r1"]], "c": [f["c0"], f["c1"]]}
@@ -247,20 +271,14 @@ def export_trace(view: str = "fa1", *, n: int = 16, d: int = 4, br: int = 4, bc:
         rec._flush({"k": "init", "text": "initialise O = 0, l = 0, m = -inf in HBM"},
                    hbm=sq * d + 2 * sq)
 
-        def on(ev, **f):
-            if ev == "load_kv":
-                rec.load(["K", "V"], 2 * (f["c1"] - f["c0"]) * d)
-            elif ev == "skip":
-                rec._flush({"k": "skip", "why": f["reason"], **rec.tile_ids(f)})
-            elif ev == "tile":
-                rows = f["r1"] - f["r0"]
-                cols = f["c1"] - f["c0"]
-                rec._flush({"k": "tile", **rec.tile_ids(f), "loads": ["Q", "O", "l", "m"],
-                            "stores": ["O", "l", "m"], "s": A(f["s"]),
-                            "m_old": A(f["m_old"]), "m_new": A(f["m_new"]),
-                            "l_old": A(f["l_old"]), "l_new": A(f["l_new"]),
-                            "alpha": A(f["alpha"]), "o": A(f["o"])},
-                           hbm=3 * rows * d + 4 * rows, chip=2 * rows * cols)
+        def tile(f, rows, cols):
+            rec._flush({"k": "tile", **rec.tile_ids(f), "loads": ["Q", "O", "l", "m"],
+                        "stores": ["O", "l", "m"], "s": A(f["s"]),
+                        "m_old": A(f["m_old"]), "m_new": A(f["m_new"]),
+                        "l_old": A(f["l_old"]), "l_new": A(f["l_new"]),
+                        "alpha": A(f["alpha"]), "o": A(f["o"])},
+                       hbm=3 * rows * d + 4 * rows, chip=2 * rows * cols)
+        on = rec.events(tile)
         out, l_fwd, m_fwd = alg.flash_attention_forward_v1(q, k, v, block_r=br, block_c=bc,
                                                            causal=causal, block_mask=block_mask,
                                                            trace=on)
@@ -269,24 +287,20 @@ def export_trace(view: str = "fa1", *, n: int = 16, d: int = 4, br: int = 4, bc:
         final = {"o": A(out), "m": A(m_fwd), "l": A(l_fwd), "lse": A(lse)}
 
     elif view == "fa2":
-        def on(ev, **f):
-            if ev == "load_q":
-                rec.load(["Q"], (f["r1"] - f["r0"]) * d)
-            elif ev == "skip":
-                rec._flush({"k": "skip", "why": f["reason"], **rec.tile_ids(f)})
-            elif ev == "tile":
-                rows = f["r1"] - f["r0"]
-                cols = f["c1"] - f["c0"]
-                rec._flush({"k": "tile", **rec.tile_ids(f), "loads": ["K", "V"], "s": A(f["s"]),
-                            "m_old": A(f["m_old"]), "m_new": A(f["m_new"]),
-                            "l_old": A(f["l_old"]), "l_new": A(f["l_new"]),
-                            "alpha": A(f["alpha"]), "acc": A(f["acc"])},
-                           hbm=2 * cols * d, chip=2 * rows * cols)
-            elif ev == "store_o":
+        def tile(f, rows, cols):
+            rec._flush({"k": "tile", **rec.tile_ids(f), "loads": ["K", "V"], "s": A(f["s"]),
+                        "m_old": A(f["m_old"]), "m_new": A(f["m_new"]),
+                        "l_old": A(f["l_old"]), "l_new": A(f["l_new"]),
+                        "alpha": A(f["alpha"]), "acc": A(f["acc"])},
+                       hbm=2 * cols * d, chip=2 * rows * cols)
+
+        def other(ev, f):
+            if ev == "store_o":
                 rows = f["r1"] - f["r0"]
                 rec._flush({"k": "store", "i": f["r0"] // br, "r": [f["r0"], f["r1"]],
                             "stores": ["O", "lse"], "o": A(f["o"]), "lse": A(f["lse"]),
                             "m": A(f["m"]), "l": A(f["l"])}, hbm=rows * d + rows)
+        on = rec.events(tile, other)
         m_fwd = np.full(sq, -np.inf)
         l_fwd = np.zeros(sq)
         out, lse = alg.flash_attention_forward_v2(q, k, v, block_m=br, block_n=bc, causal=causal,
@@ -304,24 +318,20 @@ def export_trace(view: str = "fa1", *, n: int = 16, d: int = 4, br: int = 4, bc:
         rec._flush({"k": "init", "text": "initialise dQ, dK, dV = 0 in HBM"},
                    hbm=sq * d + 2 * n * d)
 
-        def on(ev, **f):
-            if ev == "load_kv":
-                rec.load(["K", "V"], 2 * (f["c1"] - f["c0"]) * d)
-            elif ev == "skip":
-                rec._flush({"k": "skip", "why": f["reason"], **rec.tile_ids(f)})
-            elif ev == "tile":
-                rows = f["r1"] - f["r0"]
-                cols = f["c1"] - f["c0"]
-                rec._flush({"k": "tile", **rec.tile_ids(f),
-                            "loads": ["Q", "O", "dO", "dQ", "l", "m"], "stores": ["dQ"],
-                            "s": A(f["s"]), "p": A(f["p"]), "ds": A(f["ds"]),
-                            "dq": A(f["dq"]), "dk": A(f["dk"]), "dv": A(f["dv"])},
-                           hbm=5 * rows * d + 2 * rows, chip=4 * rows * cols)
-            elif ev == "store_kv":
+        def tile(f, rows, cols):
+            rec._flush({"k": "tile", **rec.tile_ids(f),
+                        "loads": ["Q", "O", "dO", "dQ", "l", "m"], "stores": ["dQ"],
+                        "s": A(f["s"]), "p": A(f["p"]), "ds": A(f["ds"]),
+                        "dq": A(f["dq"]), "dk": A(f["dk"]), "dv": A(f["dv"])},
+                       hbm=5 * rows * d + 2 * rows, chip=4 * rows * cols)
+
+        def other(ev, f):
+            if ev == "store_kv":
                 cols = f["c1"] - f["c0"]
                 rec._flush({"k": "store", "j": f["c0"] // bc, "c": [f["c0"], f["c1"]],
                             "stores": ["dK", "dV"], "dk": A(f["dk"]), "dv": A(f["dv"])},
                            hbm=2 * cols * d)
+        on = rec.events(tile, other)
         dq, dk, dv = alg.flash_attention_backward(do, q, k, v, out, m=m_fwd, l=l_fwd, block_r=br,
                                                   block_c=bc, causal=causal, trace=on)
         with np.errstate(divide="ignore"):

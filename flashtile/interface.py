@@ -197,15 +197,22 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return out, lse, probs
 
 
+def _unpacked(name, packed, dim, shape):
+    """The tensors packed along ``dim`` of ``packed``, after checking it has ``shape`` (a
+    string such as ``"(batch, seqlen, 3, nheads, headdim)"``, the packed count at ``dim``)."""
+    n_dims = len(shape.split(", "))
+    V.tensor(name, packed, n_dims, shape)
+    if packed.shape[dim] != int(shape.strip("()").split(", ")[dim]):
+        raise V.FlashtileInputError(f"{name} must have shape {shape}, got "
+                                    f"{tuple(packed.shape)}")
+    return packed.unbind(dim=dim)
+
+
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                               deterministic=False, return_attn_probs=False):
     """``flash_attn_func`` on ``qkv`` of shape ``(batch, seqlen, 3, nheads, headdim)``."""
-    V.tensor("qkv", qkv, 5, "(batch, seqlen, 3, nheads, headdim)")
-    if qkv.shape[2] != 3:
-        raise V.FlashtileInputError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got "
-                         f"{tuple(qkv.shape)}")
-    q, k, v = qkv.unbind(dim=2)
+    q, k, v = _unpacked("qkv", qkv, 2, "(batch, seqlen, 3, nheads, headdim)")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs)
 
@@ -214,11 +221,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                              deterministic=False, return_attn_probs=False):
     """``flash_attn_func`` with ``kv`` of shape ``(batch, seqlen_k, 2, nheads_k, headdim)``."""
-    V.tensor("kv", kv, 5, "(batch, seqlen_k, 2, nheads_k, headdim)")
-    if kv.shape[2] != 2:
-        raise V.FlashtileInputError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got "
-                         f"{tuple(kv.shape)}")
-    k, v = kv.unbind(dim=2)
+    k, v = _unpacked("kv", kv, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs)
 
@@ -230,11 +233,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     """``flash_attn_varlen_func`` on ``qkv`` of shape ``(total, 3, nheads, headdim)``: queries,
     keys and values of the same packed sequences (``cu_seqlens`` int32 ``(batch + 1,)``,
     ``max_seqlen`` an int), as flash-attn 2.x.  ``dqkv`` comes back in ``qkv``'s layout."""
-    V.tensor("qkv", qkv, 4, "(total, 3, nheads, headdim)")
-    if qkv.shape[1] != 3:
-        raise V.FlashtileInputError(f"qkv must have shape (total, 3, nheads, headdim), got "
-                         f"{tuple(qkv.shape)}")
-    q, k, v = qkv.unbind(dim=1)
+    q, k, v = _unpacked("qkv", qkv, 1, "(total, 3, nheads, headdim)")
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap,
                                   alibi_slopes, deterministic, return_attn_probs)
@@ -247,11 +246,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     return_attn_probs=False):
     """``flash_attn_varlen_func`` with ``q`` ``(total_q, nheads, headdim)`` and ``kv`` of shape
     ``(total_k, 2, nheads_k, headdim)``, as flash-attn 2.x (GQA/MQA allowed)."""
-    V.tensor("kv", kv, 4, "(total_k, 2, nheads_k, headdim)")
-    if kv.shape[1] != 2:
-        raise V.FlashtileInputError(f"kv must have shape (total_k, 2, nheads_k, headdim), got "
-                         f"{tuple(kv.shape)}")
-    k, v = kv.unbind(dim=1)
+    k, v = _unpacked("kv", kv, 1, "(total_k, 2, nheads_k, headdim)")
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
                                   softcap, alibi_slopes, deterministic, return_attn_probs)

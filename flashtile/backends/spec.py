@@ -11,7 +11,7 @@ Both backends implement the same two attention functions::
              grad_dtype=None) -> (dq, dk, dv)
 
 ``out_dtype`` / ``grad_dtype``: the dtype of ``out`` / the gradients (default the inputs'; the
-partial calls of ``flashtile.distributed.partial`` ask for float32).
+partial calls of ``flashtile.distributed.partial_attention`` ask for float32).
 
 Optional features (each may be combined with every other):
   attn_bias   bool mask (True = visible) or additive float bias ``(B|1, H|1, Sq|1, Sk|1)``
@@ -58,7 +58,7 @@ in the rule above, the ALiBi distance is ``|i + Sk_total - Sq_total + q_offset -
 and the dropout counter ``(((batch_offset + b)*H_total + head_offset + h)*Sq_total + q_offset
 + i)*Sk_total + k_offset + j``.  ``head_offset`` / ``nheads_total`` (a slice of the heads) are
 allowed with varlen too; the other fields are dense only.  The defaults (offsets 0, totals 0 meaning "the local lengths") are the plain
-call.  ``flashtile.distributed.partial`` exposes them.
+call.  ``flashtile.distributed.partial_attention`` exposes them.
 """
 from __future__ import annotations
 

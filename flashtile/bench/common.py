@@ -67,6 +67,18 @@ def tflops_of(flop_count: int, ms: float) -> float:
     return flop_count / (ms * 1e-3) / 1e12
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """Where a memory or variants run writes and how it reports (keyword-only fields)."""
+
+    out: Path | None = None  # results file; None: the device's, benchmarks/results/<device>.json
+    plots: Path = Path("bench_out")
+    seed: int = 0
+    plot: bool = True
+    progress: bool = True
+    raise_errors: bool = False
+
+
 @dataclasses.dataclass
 class Inputs:
     """Shared inputs in flashtile's layout ``(batch, seqlen, nheads, headdim)``."""

@@ -67,7 +67,7 @@ def measure_peak(impl_name: str, inputs: Inputs, causal: bool, mem) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class MemoryConfig:
+class MemoryConfig(common.RunOptions):
     device: str
     impls: tuple[str, ...] = ("flashtile", "sdpa_flash", "sdpa_math")
     n_min: int = 1024
@@ -77,12 +77,6 @@ class MemoryConfig:
     d: int = 128
     dtype: str = "bf16"
     causal: bool = False
-    out: Path | None = None  # results file; None: the device's, benchmarks/results/<device>.json
-    plots: Path = Path("bench_out")
-    seed: int = 0
-    plot: bool = True
-    progress: bool = True
-    raise_errors: bool = False
 
     def seqlens(self) -> list[int]:
         ns, n = [], self.n_min

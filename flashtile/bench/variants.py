@@ -122,7 +122,7 @@ PRESETS: dict[tuple[str, bool], _Sizes] = {
 
 
 @dataclasses.dataclass(frozen=True)
-class VariantsConfig:
+class VariantsConfig(common.RunOptions):
     """One run; ``windows``, ``varlen_mean`` and ``varlen_tokens`` default to N/32, N/8, N/2, N;
     N/8; and B*N. Bad values raise ValueError naming the field."""
 
@@ -142,12 +142,6 @@ class VariantsConfig:
     varlen_tokens: int | None = None
     warmup: float = 25
     rep: float = 100
-    out: Path | None = None  # results file; None: the device's, benchmarks/results/<device>.json
-    plots: Path = Path("bench_out")
-    seed: int = 0
-    plot: bool = True
-    progress: bool = True
-    raise_errors: bool = False
 
     def __post_init__(self):
         def bad(field: str, msg: str):

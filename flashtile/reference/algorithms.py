@@ -135,6 +135,19 @@ def _block_hidden(r0, r1, c0, c1, sq, sk):
     return c0 > (r1 - 1) + (sk - sq)
 
 
+def _causal_rows(sq, sk, block_r, c0, c1, causal, trace):
+    """The query blocks ``(r0, r1)`` that see some key of ``[c0, c1)``.  A block wholly above
+    the causal diagonal is traced as skipped: all its scores are -inf, so ``m~ = -inf`` and its
+    update (forward) or gradient (backward) would change nothing."""
+    for r0 in range(0, sq, block_r):
+        r1 = min(r0 + block_r, sq)
+        if causal and _block_hidden(r0, r1, c0, c1, sq, sk):
+            if trace is not None:
+                trace("skip", r0=r0, r1=r1, c0=c0, c1=c1, reason="causal")
+            continue
+        yield r0, r1
+
+
 def _masked_scores(q_blk, k_blk, tau, causal, r0, c0, sq, sk):
     s = tau * (q_blk @ k_blk.T)  # [Br, Bc]
     if causal:
@@ -197,12 +210,7 @@ def flash_attention_forward_v1_dropout(q, k, v, keep, dropout_p, *, block_r=16, 
         b_k, b_v = k[c0:c1], v[c0:c1]  # [Bc, D]
         if trace is not None:
             trace("load_kv", c0=c0, c1=c1)
-        for r0 in range(0, sq, block_r):
-            r1 = min(r0 + block_r, sq)
-            if causal and _block_hidden(r0, r1, c0, c1, sq, sk):
-                if trace is not None:
-                    trace("skip", r0=r0, r1=r1, c0=c0, c1=c1, reason="causal")
-                continue  # all -inf: m~ = -inf and the update would change nothing
+        for r0, r1 in _causal_rows(sq, sk, block_r, c0, c1, causal, trace):
             if _block_off(block_mask, r0, c0, block_r, block_c):
                 if trace is not None:
                     trace("skip", r0=r0, r1=r1, c0=c0, c1=c1, reason="sparse")
@@ -336,12 +344,7 @@ def flash_attention_backward(do, q, k, v, out, *, lse=None, m=None, l=None, bloc
         b_dv = np.zeros_like(b_v)  # [Bc, D]
         if trace is not None:
             trace("load_kv", c0=c0, c1=c1)
-        for r0 in range(0, sq, block_r):
-            r1 = min(r0 + block_r, sq)
-            if causal and _block_hidden(r0, r1, c0, c1, sq, sk):
-                if trace is not None:
-                    trace("skip", r0=r0, r1=r1, c0=c0, c1=c1, reason="causal")
-                continue
+        for r0, r1 in _causal_rows(sq, sk, block_r, c0, c1, causal, trace):
             b_q, b_do = q[r0:r1], do[r0:r1]  # [Br, D]
             b_s = _masked_scores(b_q, b_k, tau, causal, r0, c0, sq, sk)  # [Br, Bc]
             b_p = np.exp(b_s - lse_safe[r0:r1, None])  # [Br, Bc]

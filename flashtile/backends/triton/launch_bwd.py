@@ -3,7 +3,7 @@
 A plain backward launches these two kernels and nothing else: no preprocess pass, no fills,
 casts or copies.  The gradients are allocated in the layout of their inputs (``empty_like``),
 so a ``q`` that is a transposed view (the SDPA layout) gets a ``dq`` that autograd hands to
-the caller's tensor without a copy.  The byte counts are in ``flashtile.reference.io_model``.
+the caller's tensor without a copy.  The byte counts are in ``flashtile.reference.algorithms``.
 """
 from __future__ import annotations
 
