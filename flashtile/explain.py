@@ -375,7 +375,7 @@ def export_trace(view: str = "fa1", *, n: int = 16, d: int = 4, br: int = 4, bc:
                        if st["k"] == "store"])  # [splits, Sq]
         ls = np.array([st["l"] for st in rec.steps if st["k"] == "store"])
         m_fwd = ms.max(axis=0)
-        l_fwd = (ls * alg._exp_sub(ms.T, m_fwd).T).sum(axis=0)
+        l_fwd = (ls * alg.exp_sub(ms.T, m_fwd).T).sum(axis=0)
         final = {"o": A(out), "m": A(m_fwd), "l": A(l_fwd), "lse": A(lse)}
 
     naive_o, naive_lse, grads = _naive(q, k, v, causal, token_mask,

@@ -19,7 +19,7 @@ keeps ``l * exp(m) = sum exp(s)`` over the keys seen so far, without overflow, s
 end ``lse = m + log(l)`` and ``P = exp(S - lse)``.
 
 A row that has seen only masked keys has ``m = -inf``; the convention ``exp(-inf - (-inf)) = 0``
-(implemented by :func:`_exp_sub`) keeps its ``l`` and output at 0 instead of NaN, and the
+(implemented by :func:`exp_sub`) keeps its ``l`` and output at 0 instead of NaN, and the
 final output of a row with ``l = 0`` is 0 and its lse is ``-inf``.
 
 Every algorithm takes an optional ``trace`` callable, called as ``trace(event, **fields)`` at
@@ -105,7 +105,7 @@ __all__ = [
 ]
 
 
-def _exp_sub(x, m):
+def exp_sub(x, m):
     """``exp(x - m)`` broadcasting ``m`` over the last axis of ``x``, with ``exp(-inf - -inf) = 0``.
 
     ``m = -inf`` only happens for rows that have seen no visible key; their ``x`` are all
@@ -218,11 +218,11 @@ def flash_attention_forward_v1_dropout(q, k, v, keep, dropout_p, *, block_r=16, 
             b_o, b_l, b_m = O[r0:r1], l[r0:r1], m[r0:r1]  # [Br, D], [Br], [Br]
             b_s = _masked_scores(q[r0:r1], b_k, tau, causal, r0, c0, sq, sk)  # [Br, Bc]
             b_mt = b_s.max(axis=1)  # [Br]
-            b_pt = _exp_sub(b_s, b_mt)  # [Br, Bc]
+            b_pt = exp_sub(b_s, b_mt)  # [Br, Bc]
             b_lt = b_pt.sum(axis=1)
             b_mnew = np.maximum(b_m, b_mt)
-            alpha = _exp_sub(b_m, b_mnew)  # weight of what was already accumulated
-            beta = _exp_sub(b_mt, b_mnew)  # weight of this block
+            alpha = exp_sub(b_m, b_mnew)  # weight of what was already accumulated
+            beta = exp_sub(b_mt, b_mnew)  # weight of this block
             b_lnew = alpha * b_l + beta * b_lt
             if keep is not None:
                 b_pt = b_pt * keep[r0:r1, c0:c1] / (1.0 - dropout_p)
@@ -279,8 +279,8 @@ def flash_attention_forward_v2(q, k, v, *, block_m=16, block_n=16, causal=False,
                 continue
             b_s = _masked_scores(b_q, k[c0:c1], tau, causal, r0, c0, sq, sk)  # [BM, BN]
             b_mnew = np.maximum(b_m, b_s.max(axis=1))
-            b_p = _exp_sub(b_s, b_mnew)  # [BM, BN]
-            alpha = _exp_sub(b_m, b_mnew)  # [BM]
+            b_p = exp_sub(b_s, b_mnew)  # [BM, BN]
+            alpha = exp_sub(b_m, b_mnew)  # [BM]
             b_lnew = alpha * b_l + b_p.sum(axis=1)
             b_acc = alpha[:, None] * b_acc + b_p @ v[c0:c1]
             if trace is not None:
@@ -383,7 +383,7 @@ def merge_states(outs, lses):
     outs = np.asarray(outs, dtype=np.float64)
     lses = np.asarray(lses, dtype=np.float64)
     m = lses.max(axis=0)  # [Sq]
-    w = _exp_sub(lses.T, m).T  # [n, Sq]
+    w = exp_sub(lses.T, m).T  # [n, Sq]
     total = w.sum(axis=0)
     with np.errstate(divide="ignore"):
         lse = np.where(total > 0, np.where(np.isneginf(m), 0.0, m) + np.log(total), -np.inf)
