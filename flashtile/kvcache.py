@@ -73,7 +73,6 @@ costs the Python work of validation and launch preparation (with the check: read
 of the oldest outstanding error record) plus one Triton launch per kernel (split-KV, and the
 combine only when ``num_splits > 1``; the append/rotary kernels only when ``k``/``v``/rotary
 tables are given).
-``benchmarks/decode_host_profile.py`` measures that Python work on the CPU.
 """
 
 from __future__ import annotations

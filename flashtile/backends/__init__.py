@@ -12,7 +12,8 @@ Where the masking rules live (causal and sliding window, both written as one win
 
 - GPU: ``triton/kernels/common.py``: ``key_range`` / ``query_range`` pick the key (query) tiles a
   query (key) tile can see, so invisible tiles are never loaded; ``visible`` masks the elements
-  of the boundary tiles; the forward, both backward kernels and the decode kernel call them.
+  of the boundary tiles. The forward and both backward kernels call all three; the decode
+  kernel (``triton/kernels/decode.py``) calls ``visible``.
 - CPU: ``torch/attention.py``'s ``_Band`` does the same for the tiled engine (plain causal calls
   without a window go to PyTorch's fused CPU kernel instead).
 - Reference: ``flashtile.masks.visible_mask`` builds the dense mask the tests compare against.
