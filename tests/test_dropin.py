@@ -245,6 +245,35 @@ print("ok")
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
 
 
+def test_conformance_jobs_summaries_merge_per_function():
+    """``--jobs``: the summaries of processes that ran disjoint test functions merge into one
+    whose rows come from the process that selected each function (another process only saw it
+    collected), with failures joined and the longest wall time."""
+    conf = _conformance_module()
+
+    def row(sampled=0, passed=0, failed=0, excluded=0):
+        return {"collected": 10, "excluded": excluded, "excluded_reason": "", "sampled": sampled,
+                "passed": passed, "failed": failed, "skipped": 0, "not_run": 0}
+
+    base = {"test_file": "t.py", "test_file_sha256": "0" * 64, "flashtile_commit": "abc",
+            "sample_per_function": 2, "seed": "1", "s_dmask_mode": "normalized",
+            "environment": {}, "notes": ["same note"]}
+    a = dict(base, wall_s=30.0, functions={"test_a": row(2, 2), "test_b": row(),
+                                           "test_x": row()},
+             failures=[])
+    b = dict(base, wall_s=45.5, functions={"test_a": row(), "test_b": row(2, 1, 1),
+                                           "test_x": row(excluded=2)},
+             failures=[{"test": "test_b[1]", "error": "boom"}])
+    merged = conf.merge_summaries([a, b])
+    assert merged["functions"]["test_a"]["passed"] == 2
+    assert (merged["functions"]["test_b"]["passed"], merged["functions"]["test_b"]["failed"]) == (1, 1)
+    assert merged["functions"]["test_x"]["excluded"] == 2
+    assert merged["failures"] == [{"test": "test_b[1]", "error": "boom"}]
+    assert merged["wall_s"] == 45.5 and merged["jobs"] == 2 and merged["notes"] == ["same note"]
+    text = conf._markdown(merged)
+    assert "2 pytest processes at once" in text and "| **total** | 30 | 2 | 4 | 3 | 1 |" in text
+
+
 # ----------------------------------------------------------------------------------------------
 # scaled_dot_product_attention
 # ----------------------------------------------------------------------------------------------
