@@ -188,19 +188,25 @@ def parser() -> argparse.ArgumentParser:
         epilog=f"subcommands ('flashtile SUBCOMMAND -h' for each):\n{subs}")
 
 
+def run_entry(target: str, argv: list, prog: str) -> int:
+    """Run ``target`` (``module`` for its ``main``, or ``module:function``) with ``argv``,
+    importing the module only now; exit status 2 with a one-line message when the module is not
+    part of this installation (a missing dependency inside it still raises)."""
+    module_name, _, entry = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        print(f"{prog}: {module_name} is not part of this installation", file=sys.stderr)
+        return 2
+    return getattr(module, entry or "main")(argv)
+
+
 def cli(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SUBCOMMANDS:
-        module_name = SUBCOMMANDS[argv[0]][0]
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            print(f"flashtile {argv[0]}: {module_name} is not part of this installation",
-                  file=sys.stderr)
-            return 2
-        return module.main(argv[1:])
+        return run_entry(SUBCOMMANDS[argv[0]][0], argv[1:], f"flashtile {argv[0]}")
     return main(argv)
 
 

@@ -8,9 +8,10 @@ subcommand, ``speed`` runs.  Every benchmark writes its records into the device'
 """
 from __future__ import annotations
 
-import importlib
 import sys
 from typing import Sequence
+
+from flashtile.__main__ import run_entry
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "speed": ("flashtile.bench.speed", "TFLOP/s of dense attention against SDPA and Flex"),
@@ -43,16 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(usage())
         return 0
     sub = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else DEFAULT
-    module_name, _, entry = SUBCOMMANDS[sub][0].partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name != module_name:
-            raise
-        print(f"python -m flashtile.bench {sub}: {module_name} is not part of this installation",
-              file=sys.stderr)
-        return 2
-    return getattr(module, entry or "main")(argv)
+    return run_entry(SUBCOMMANDS[sub][0], argv, f"python -m flashtile.bench {sub}")
 
 
 if __name__ == "__main__":

@@ -446,7 +446,7 @@ class Plan:
     read of the previous call (its split-KV kernel)."""
 
     __slots__ = ("allocs", "launches", "out", "lse", "device", "stream_device", "mode", "info",
-                 "err", "errs")
+                 "err", "errs", "ring")
 
     def __init__(self, allocs, launches, out, lse, device, mode, info, err):
         self.allocs, self.launches, self.out, self.lse, self.device = allocs, launches, out, lse, device
@@ -455,6 +455,8 @@ class Plan:
         # launches go to the current device's stream, as the direct launches they replay did
         # (the plan key holds the current device)
         self.stream_device = torch.cuda.current_device() if device.type == "cuda" else None
+        # the device's error records (replays are never captured: see run)
+        self.ring = _ring(device) if mode != "off" else None
 
     def _err(self) -> int:
         dev = self.stream_device
@@ -471,7 +473,10 @@ class Plan:
         launched then)."""
         if fastlaunch.launch_hooks_set():
             return None
-        ring, slot, _, handle = _begin(self.device, self.mode, self.info, capturing=False)
+        ring, slot, handle = self.ring, None, None
+        if ring is not None:  # _begin's eager branch, without its lookups
+            seq, slot = ring.begin(self.info)
+            handle = (ring, seq, slot, self.mode == "sync", self.info)
         err = self.err
         bufs = [torch.empty(shape, dtype=dtype, device=self.device) if i != err else None
                 for i, (shape, dtype) in enumerate(self.allocs)]
@@ -821,8 +826,8 @@ def _launch_all(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
         stride_ab = alibi_slopes.stride(0)
 
     split_slot = slot if split_check else None
-    # with a record to write, one extra row of programs checks the call alongside the attention
-    grid = (b * hk + (1 if split_slot is not None else 0), num_splits, m_blocks)
+    # with a record to write, one extra program checks the call alongside the attention
+    grid = (b * hk * num_splits * m_blocks + (1 if split_slot is not None else 0),)
     s_q, s_k, s_v = q.stride(), k_cache.stride(), v_cache.stride()
     _go(_split_kv_kernel, grid,
         Q=q, K=k_cache, V=v_cache, O=o_part, LSE=lse_part, ALIBI=alibi_slopes, TREE=tree_u8,

@@ -387,25 +387,29 @@ def _split_kv_kernel(
 
     Bad index values: ``HAS_ERR``, every row is NaN when ``ERR[0]`` (the append's verdict) is
     set.  ``CHECK`` (no append): a row is NaN when its own length, leftpad or cache row is bad
-    or a page it reads is; and with ``REC`` one extra row of programs (``program_id(0) ==
-    batch * nheads_k``) computes nothing but, in its first program, checks the whole call and
-    writes the record, alongside the attention.
+    or a page it reads is; and with ``REC`` one extra program (the last) computes nothing but
+    checks the whole call and writes the record, alongside the attention.
     """
-    i_bh = tl.program_id(0)
-    i_split = tl.program_id(1)
-    i_m = tl.program_id(2)
+    # a 1-D grid, (row, KV head) fastest, then split, then query block; with REC one more
+    # program at the end checks the call (one program, not a row of them: at batch 1 an extra
+    # row of programs would no longer fit the GPU in one wave)
+    pid = tl.program_id(0)
     n_bh = batch * nheads_k
+    n_work = n_bh * n_splits * tl.cdiv(seqlen_q * GROUP, BLOCK_M)
     if HAS_REC:
-        if (i_bh == n_bh) & (i_split == 0) & (i_m == 0):
+        if pid == n_work:
             code, index, value = _index_error(SEQLENS, LEFTPAD, BATCH_IDX, BLOCK_TABLE, batch,
                                               stride_btb, n_cols, seqlen_new, capacity,
                                               cache_rows, NO_ROTARY, PAGE_SIZE, BLOCK_B, BLOCK_C,
                                               HAS_LEFTPAD, HAS_BATCH_IDX, PAGED)
             _record(ERR, REC, code, index, value, rec_sticky, False, True)
-        # the checking row attends to nothing: it stands in for the last real row, with an
+        # the checking program attends to nothing: it stands in for the last worker, with an
         # empty key range and every store masked off
-        worker = i_bh < n_bh
-        i_bh = tl.minimum(i_bh, n_bh - 1)
+        worker = pid < n_work
+        pid = tl.minimum(pid, n_work - 1)
+    i_bh = pid % n_bh
+    i_split = (pid // n_bh) % n_splits
+    i_m = pid // (n_bh * n_splits)
     i_b = i_bh // nheads_k
     i_hk = i_bh % nheads_k
     i_b64 = i_b.to(tl.int64)
