@@ -116,16 +116,19 @@ def select_decode_backend(device: torch.device) -> str:
 EAGER_PLANS = os.environ.get("FLASHTILE_DECODE_PLANS", "1") != "0"
 _PLANS: dict = {}
 _MAX_PLANS = 256
+_plans_enabled = _check_mode = None  # fastlaunch.plans_enabled, launch_decode.check_mode
 
 
 def _eager_plan_key(tensors: tuple, scalars: tuple):
     q, seqlens = tensors[0], tensors[7]
     if not (EAGER_PLANS and isinstance(q, torch.Tensor) and q.is_cuda and isinstance(seqlens, torch.Tensor)):
         return None
-    from .backends.triton.fastlaunch import plans_enabled
-    from .backends.triton.launch_decode import check_mode
-
-    if (not plans_enabled() or torch.cuda.is_current_stream_capturing()
+    global _plans_enabled, _check_mode
+    if _plans_enabled is None:  # the launch layer, imported once (it imports triton)
+        from .backends.triton.fastlaunch import plans_enabled
+        from .backends.triton.launch_decode import check_mode
+        _plans_enabled, _check_mode = plans_enabled, check_mode
+    if (not _plans_enabled() or torch.cuda.is_current_stream_capturing()
             or backends.select(q.device) != "triton"):
         return None
     parts = []
@@ -133,7 +136,8 @@ def _eager_plan_key(tensors: tuple, scalars: tuple):
         if x is None:
             parts.append(None)
         elif isinstance(x, torch.Tensor):
-            parts.append((x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15))
+            # get_device(): the device as an int (-1 on the CPU), cheaper than x.device
+            parts.append((x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15))
         else:
             return None
     try:
@@ -143,7 +147,7 @@ def _eager_plan_key(tensors: tuple, scalars: tuple):
         if any(isinstance(v, torch.Tensor) for v in scalars) or isinstance(window, torch.Tensor):
             return None  # a tensor window_size (or scale) would key by identity: no plan
         key = (tuple(parts), tuple((type(v), v) for v in scalars[:2] + (window,) + scalars[3:]),
-               torch.cuda.current_device(), check_mode())
+               torch.cuda.current_device(), _check_mode())
         hash(key)
     except TypeError:
         return None

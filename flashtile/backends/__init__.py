@@ -57,7 +57,9 @@ def _interpreting() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def _triton_importable() -> bool:
+    # once per process: every call asks, and a module search costs microseconds
     return importlib.util.find_spec("triton") is not None
 
 
@@ -108,6 +110,11 @@ def get(name: str):
     paged attention, see ``spec.py``), ``decode(spec: KVCacheSpec, k_cache, v_cache, rotary_cos,
     rotary_sin, alibi_slopes, rotary_interleaved) -> (out, lse)`` (``flash_attn_with_kvcache``)
     and ``merge_states(out_a, lse_a, out_b, lse_b) -> (out, lse)``."""
-    if name == "triton":
-        return importlib.import_module(".triton", __name__)
-    return importlib.import_module(".torch", __name__)
+    module = _MODULES.get(name)
+    if module is None:  # imported on first use (the triton backend imports triton)
+        module = _MODULES[name] = importlib.import_module(
+            ".triton" if name == "triton" else ".torch", __name__)
+    return module
+
+
+_MODULES: dict = {}
