@@ -9,6 +9,9 @@ appended token and without, under each ``FLASHTILE_KVCACHE_CHECK`` mode:
 * ``async`` (the default): checked on the device, error raised at a later call;
 * ``sync``: the call waits for its own check (flash-attn's behaviour).
 
+The eager steps' GPU time is timed too (the host queues the steps while a sleep kernel holds
+the GPU, so the host's pace drops out): at batch 1 the back-to-back time is the host's, and the
+two columns together say which side a check's cost lands on.
 Modes are interleaved round by round in one process and the median over rounds is reported,
 with each mode's ratio to ``off``.  CUDA-graph replays (GPU time per step) are timed too, for
 ``off`` and ``async`` (a captured call never waits; ``sync`` captures as ``async``).  Writes a
@@ -71,6 +74,20 @@ def eager_us(step, steps: int) -> float:
     return (time.perf_counter() - t) / steps * 1e6
 
 
+def eager_gpu_us(step, steps: int) -> float:
+    """GPU time per eager step, host excluded: a sleep kernel holds the GPU while the host
+    queues ``steps`` calls, then events time the GPU running them back to back."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(4e8))  # ~0.2 s, longer than the host needs to queue the steps
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(steps):
+        step()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / steps * 1e3
+
+
 def graph_us(graph, steps: int) -> float:
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
@@ -104,7 +121,8 @@ def main() -> int:
     args = parser.parse_args()
     configs = [(b, paged, append) for b in (1, 8) for paged in (False, True) for append in (True, False)]
     rows = []
-    print(f"{'config':<28} {'mode':<6} {'eager us/step':>14} {'vs off':>7} {'graph us/step':>14} {'vs off':>7}")
+    print(f"{'config':<28} {'mode':<6} {'eager us/step':>14} {'vs off':>7} {'eager GPU us':>14} "
+          f"{'vs off':>7} {'graph us/step':>14} {'vs off':>7}")
     for batch, paged, append in configs:
         step = make_step(batch, paged, append)
         graphs = {}
@@ -116,34 +134,44 @@ def main() -> int:
                 graphs[mode] = capture(step)
         flashtile.check_kvcache_errors()
         eager = {m: [] for m in MODES}
+        eager_gpu = {m: [] for m in MODES if m != "sync"}  # sync waits: no queue to hold
         graph = {m: [] for m in graphs}
         for _ in range(args.rounds):
             for mode in MODES:
                 set_mode(mode)
                 eager[mode].append(eager_us(step, args.steps))
+                if mode in eager_gpu:
+                    eager_gpu[mode].append(eager_gpu_us(step, min(args.steps, 200)))
                 if mode in graphs:
                     graph[mode].append(graph_us(graphs[mode], args.steps))
         flashtile.check_kvcache_errors()  # the steps were valid: nothing may be reported
         name = f"B{batch} L{L} {'paged' if paged else 'contig'} {'append' if append else 'attend'}"
         e_off = statistics.median(eager["off"])
+        eg_off = statistics.median(eager_gpu["off"])
         g_off = statistics.median(graph["off"])
         for mode in MODES:
             e = statistics.median(eager[mode])
+            eg = statistics.median(eager_gpu[mode]) if mode in eager_gpu else None
             g = statistics.median(graph[mode]) if mode in graph else None
             rows.append(dict(batch=batch, seqlen=L, paged=paged, page_size=PAGE if paged else None,
                              append=append, mode=mode, eager_us=e, eager_vs_off=e / e_off,
-                             eager_rounds=eager[mode], graph_us=g,
+                             eager_rounds=eager[mode], eager_gpu_us=eg,
+                             eager_gpu_vs_off=(eg / eg_off) if eg is not None else None,
+                             eager_gpu_rounds=eager_gpu.get(mode), graph_us=g,
                              graph_vs_off=(g / g_off) if g is not None else None,
                              graph_rounds=graph.get(mode)))
+            egtxt = f"{eg:14.1f} {eg / eg_off:7.3f}" if eg is not None else f"{'-':>14} {'-':>7}"
             gtxt = f"{g:14.1f} {g / g_off:7.3f}" if g is not None else f"{'-':>14} {'-':>7}"
-            print(f"{name:<28} {mode:<6} {e:14.1f} {e / e_off:7.3f} {gtxt}")
+            print(f"{name:<28} {mode:<6} {e:14.1f} {e / e_off:7.3f} {egtxt} {gtxt}")
         del graphs
     set_mode("async")
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=__import__("triton").__version__, heads=H, kv_heads=HK, head_dim=D,
                 dtype=str(DT), rounds=args.rounds, steps=args.steps,
                 method="eager: back-to-back steps between two device synchronisations, mean per "
-                       "step; graph: replays between two events; median over interleaved rounds")
+                       "step; eager GPU: the same steps queued while a sleep kernel holds the "
+                       "GPU, timed by events (host excluded); graph: replays between two events; "
+                       "median over interleaved rounds")
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print(f"wrote {args.out}")

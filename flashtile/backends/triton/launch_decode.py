@@ -237,16 +237,26 @@ class _Ring:
         a new call, ``(seq, slot)``, registered as pending (waiting for the oldest record when
         the ring is full)."""
         with self.lock:
-            self._raise_written()
+            pending, words = self.pending, self.words
+            # retire the written records (usually the previous call's), inline: this runs on
+            # every eager decode call, where the host is the bottleneck at batch 1
+            while pending:
+                status = words.item(pending[0][1], 0)
+                if status == _DONE or (status == 0 and self.synchronous):
+                    pending.popleft()
+                elif status == 0:
+                    break
+                else:
+                    self._raise_written()  # an error: retire in order and raise
             seq = self.seq
-            while self.pending and self.pending[0][0] <= seq - self.SLOTS:
-                if not self._wait(self.pending[0][1]):
-                    self.pending.popleft()  # never written: its launch did not happen
+            while pending and pending[0][0] <= seq - self.SLOTS:
+                if not self._wait(pending[0][1]):
+                    pending.popleft()  # never written: its launch did not happen
                 self._raise_written()
             slot = seq % self.SLOTS
-            self.words[slot, 0] = 0
+            words[slot, 0] = 0
             self.seq = seq + 1
-            self.pending.append((seq, slot, info))
+            pending.append((seq, slot, info))
             return seq, slot
 
     def drop(self, seq: int) -> None:
@@ -473,10 +483,9 @@ class Plan:
         launched then)."""
         if fastlaunch.launch_hooks_set():
             return None
-        ring, slot, handle = self.ring, None, None
+        ring, seq, slot = self.ring, None, None
         if ring is not None:  # _begin's eager branch, without its lookups
             seq, slot = ring.begin(self.info)
-            handle = (ring, seq, slot, self.mode == "sync", self.info)
         err = self.err
         bufs = [torch.empty(shape, dtype=dtype, device=self.device) if i != err else None
                 for i, (shape, dtype) in enumerate(self.allocs)]
@@ -490,9 +499,11 @@ class Plan:
                     values[pos] = pools[kind][j]
                 fastlaunch.run_direct(compiled, grid, values, self.stream_device)
         except BaseException:
-            _abandon(handle)
+            if ring is not None:
+                ring.drop(seq)
             raise
-        _end(handle)
+        if ring is not None and self.mode == "sync":
+            ring.finish_sync(seq, slot, self.info)
         return bufs[self.out], bufs[self.lse]
 
 
