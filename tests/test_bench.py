@@ -795,6 +795,28 @@ def test_plot_prefixes_device_when_several(tmp_path):
                                              "nvidia_h100_80gb_hbm3_fwd_full_bf16_d64.png"]
 
 
+def test_plot_ratio_one_png_of_shapes_with_both_impls(tmp_path, monkeypatch):
+    """--ratio-png: one figure of flashtile's TFLOP/s over the peer's, over the shapes where
+    both ran (in one device); nothing when no shape has both."""
+    pytest.importorskip("matplotlib")
+    recs = [_record("flashtile", "fwd", c, "bf16", 128, n, tflops=300.0) for c in (False, True)
+            for n in (1024, 8192)]
+    recs += [_record("sdpa_default", "fwd", c, "bf16", 128, n, tflops=400.0) for c in (False, True)
+             for n in (1024,)]
+    ratios = {}
+    real_bar = __import__("matplotlib.axes", fromlist=["Axes"]).Axes.bar
+
+    def bar(self, xs, ys, *args, **kwargs):
+        ratios.setdefault(self.get_title() or "untitled", []).extend(ys)
+        return real_bar(self, xs, ys, *args, **kwargs)
+
+    monkeypatch.setattr("matplotlib.axes.Axes.bar", bar)
+    path = report.plot_ratio(recs, "sdpa_default", tmp_path / "ratio.png")
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    assert sorted(sum(ratios.values(), [])) == [0.75, 0.75]  # N=8K has no peer: not drawn
+    assert report.plot_ratio(recs, "flex", tmp_path / "none.png") is None
+
+
 def test_plot_memory(tmp_path):
     pytest.importorskip("matplotlib")
     recs = [_record(impl, mode="memory", n=n, peak_bytes=n * 1000, batch=1, heads=16)

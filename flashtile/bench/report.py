@@ -5,6 +5,7 @@ every sweep's own table and plots; :func:`render_table` and :func:`plot` are the
 benchmark's.  The ``report`` subcommand prints the tables and draws the plots of saved results:
 
     python -m flashtile.bench report [FILE ...] [--plots DIR] [--device TEXT]
+        [--ratio-png FILE [--ratio-to IMPL]]
 
 ``FILE`` is a results file (``benchmarks/results/<device>.json``, default: every results file
 there; its entries ``speed``, ``memory`` and ``variants``) or a plain JSON list of records;
@@ -193,6 +194,55 @@ def plot(records: list[dict], out_dir: Path | str) -> list[Path]:
     return paths
 
 
+def plot_ratio(records: list[dict], peer: str, path: Path | str, impl: str = "flashtile",
+               dtype: str = "bf16") -> Path | None:
+    """One PNG: ``impl``'s TFLOP/s over ``peer``'s, measured in the same run, for every
+    (mode, causal) panel and (d, N) shape, one bar per device; the line at 1.0 is parity.
+    None when no shape has both (or matplotlib is missing)."""
+    speed = [r for r in records if r.get("mode") in MODES and r.get("dtype") == dtype
+             and r.get("status") == "ok" and r.get("tflops")]
+    cases = {}
+    for r in speed:
+        if r["impl"] in (impl, peer):
+            key = (r.get("device"), r["mode"], bool(r["causal"]), r["d"], r["n"])
+            cases.setdefault(key, {})[r["impl"]] = r["tflops"]
+    ratios = {k: v[impl] / v[peer] for k, v in cases.items() if impl in v and peer in v}
+    if not ratios or not have_matplotlib():
+        return None
+    import matplotlib.pyplot as plt
+
+    devices = sorted({k[0] for k in ratios})
+    modes = [m for m in MODES if any(k[1] == m for k in ratios)]
+    causals = sorted({k[2] for k in ratios})
+    # a row per causal setting, a column per mode
+    fig, axes = plt.subplots(len(causals), len(modes), figsize=(5.0 * len(modes), 3.6 * len(causals)),
+                             squeeze=False, sharey=True)
+    width = 0.8 / len(devices)
+    panels = [(mode, causal) for causal in causals for mode in modes]
+    for ax, (mode, causal) in zip(axes.flat, panels):
+        shapes = sorted({(k[3], k[4]) for k in ratios if (k[1], k[2]) == (mode, causal)})
+        for i, dev in enumerate(devices):
+            xs = [j + (i - (len(devices) - 1) / 2) * width for j in range(len(shapes))]
+            ys = [ratios.get((dev, mode, causal, d, n), 0.0) for d, n in shapes]
+            ax.bar(xs, ys, width, label=dev)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(shapes)))
+        ax.set_xticklabels([f"d{d}\n{format_n(n)}" for d, n in shapes], fontsize="small")
+        ax.set_title(f"{mode}, {'causal' if causal else 'non-causal'}", fontsize="medium")
+        ax.grid(axis="y", alpha=0.3)
+    for row in axes:
+        row[0].set_ylabel(f"{impl} / {peer}")
+    axes[0][-1].legend(fontsize="small")
+    fig.suptitle(f"{impl} over {peer}, {dtype}, same run per device (1.0 = parity)",
+                 fontsize="medium")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 # --------------------------------------------------------------------------------------------
 # The report subcommand
 # --------------------------------------------------------------------------------------------
@@ -209,6 +259,11 @@ def report_parser() -> argparse.ArgumentParser:
                    help="write plots here (default: no plots)")
     p.add_argument("--device", default=None,
                    help="keep only records whose device name contains this text")
+    p.add_argument("--ratio-png", type=Path, default=None, metavar="FILE",
+                   help="also draw flashtile's TFLOP/s over --ratio-to's for every shape and "
+                        "device in one figure")
+    p.add_argument("--ratio-to", default="sdpa_default", metavar="IMPL",
+                   help="the peer of --ratio-png (default: sdpa_default, PyTorch's own choice)")
     return p
 
 
@@ -259,6 +314,9 @@ def run_report(argv: Sequence[str], stdout=None) -> int:
         paths = plot(speed, a.plots) + plot_memory(memory, a.plots)
         paths += bench_variants.plot(variants, a.plots) if variants else []
         log("wrote " + (", ".join(map(str, paths)) or "no plots"))
+    if a.ratio_png is not None:
+        path = plot_ratio(speed, a.ratio_to, a.ratio_png)
+        log(f"wrote {path}" if path else f"no shape has both flashtile and {a.ratio_to}")
     return 0
 
 
