@@ -33,10 +33,10 @@ kernel) exactly as the forward.
 import triton
 import triton.language as tl
 
-from .common import (FEATURE_FLAGS, LOG2E, PARTIAL_ARGS, alibi_slope, block_row, dropout_keep, dropout_row0,
-                     dropout_row_base, dropout_rows, key_range, load_rows, query_block,
-                     query_range, rows_ptr, score_tile, sequence, stage_range, tanh, tile_ptr,
-                     tile_start, visible, walk)
+from .common import (FEATURE_FLAGS, LOG2E, PARTIAL_ARGS, block_row, dropout_keep, dropout_row0,
+                     dropout_row_base, dropout_rows, head_terms, key_walk, load_tile, query_block,
+                     query_range, rows_ptr, score_tile, sequence, stage_range, step_tiles, tanh,
+                     tile_ptr, visible, walk)
 
 
 
@@ -74,12 +74,10 @@ def _dkdv_inner(b_dk, b_dv, b_k, b_v, p_q_base, p_do_base, p_lse, p_delta,
     ``m_start .. m_end - 1`` of the block list ``p_list`` (one flat loop, see ``_fwd_inner``)."""
     m_d = o_d < HEAD_DIM
     for it in range(m_start, m_end, I_STEP):
-        m0 = tile_start(it, p_list, tiles_per_block, bs_m, BLOCK=BLOCK_M, SPARSE=SPARSE)
-        o_m = m0 + tl.arange(0, BLOCK_M)
-        p_q = p_q_base + o_m[:, None] * stride_qm + o_d[None, :]  # [BLOCK_M, BLOCK_D]
-        p_do = p_do_base + o_m[:, None] * stride_dm + o_d[None, :]  # [BLOCK_M, BLOCK_D]
-        b_q = load_rows(p_q, o_m, sq, m_d, MASKED=MASKED, EVEN_D=EVEN_D)  # [BLOCK_M, BLOCK_D]
-        b_do = load_rows(p_do, o_m, sq, m_d, MASKED=MASKED, EVEN_D=EVEN_D)  # [BLOCK_M, BLOCK_D]
+        # o_m [BLOCK_M]; b_q, b_do [BLOCK_M, BLOCK_D]
+        o_m, b_q, b_do = step_tiles(it, p_q_base, p_do_base, stride_qm, stride_dm, o_d, m_d, sq,
+                                    p_list, tiles_per_block, bs_m, BLOCK=BLOCK_M, MASKED=MASKED,
+                                    EVEN_D=EVEN_D, SPARSE=SPARSE)
         if MASKED:
             # +inf lse2 for rows past the end makes their p exactly 0.
             b_lse2 = _lse2(tl.load(p_lse + o_m, mask=o_m < sq, other=float("inf")))  # [BLOCK_M]
@@ -152,12 +150,10 @@ def attn_bwd_dkdv_kernel(
     o_n = n_first + tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
     m_kd = (o_n[:, None] < sk) & (o_d[None, :] < HEAD_DIM)  # [BLOCK_N, BLOCK_D]
-    p_k = tile_ptr(K, i_b, k_start, i_hk, stride_kb, stride_kn, stride_kh,
-                   o_n, o_d)  # [BLOCK_N, BLOCK_D]
-    p_v = tile_ptr(V, i_b, k_start, i_hk, stride_vb, stride_vn, stride_vh,
-                   o_n, o_d)  # [BLOCK_N, BLOCK_D]
-    b_k = tl.load(p_k, mask=m_kd, other=0.0)  # [BLOCK_N, BLOCK_D]
-    b_v = tl.load(p_v, mask=m_kd, other=0.0)  # [BLOCK_N, BLOCK_D]
+    b_k = load_tile(K, i_b, k_start, i_hk, stride_kb, stride_kn, stride_kh,
+                    o_n, o_d, m_kd)  # [BLOCK_N, BLOCK_D]
+    b_v = load_tile(V, i_b, k_start, i_hk, stride_vb, stride_vn, stride_vh,
+                    o_n, o_d, m_kd)  # [BLOCK_N, BLOCK_D]
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     seed = 0
@@ -169,10 +165,9 @@ def attn_bwd_dkdv_kernel(
                                            HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT)
     for i_g in range(GROUP):
         i_h = i_hk * GROUP + i_g
-        slope = alibi_slope(ALIBI, i_b, i_h, stride_ab, HAS_ALIBI=HAS_ALIBI)
-        p_bias = BIAS
-        if HAS_BIAS:
-            p_bias = BIAS + i_b.to(tl.int64) * stride_biasb + i_h.to(tl.int64) * stride_biash
+        slope, bias_offset = head_terms(ALIBI, i_b, i_h, stride_ab, stride_biasb, stride_biash,
+                                        HAS_ALIBI=HAS_ALIBI, HAS_BIAS=HAS_BIAS)
+        p_bias = BIAS + bias_offset if HAS_BIAS else BIAS
         row0 = dropout_row0(i_b, batch_offset, nheads_total, i_h, head_offset,
                             seqlen_q_total, q_offset)
         p_q_base = rows_ptr(Q, i_b, q_start, i_h, stride_qb, stride_qm, stride_qh)
@@ -227,12 +222,10 @@ def _dq_inner(b_dq, b_q, b_do, b_lse2, b_delta, p_k_base, p_v_base, stride_kn, s
     ``n_start .. n_end - 1`` of the block list ``p_list`` (one flat loop, see ``_fwd_inner``)."""
     m_d = o_d < HEAD_DIM
     for it in range(n_start, n_end, I_STEP):
-        n0 = tile_start(it, p_list, tiles_per_block, bs_n, BLOCK=BLOCK_N, SPARSE=SPARSE)
-        o_n = n0 + tl.arange(0, BLOCK_N)
-        p_k = p_k_base + o_n[:, None] * stride_kn + o_d[None, :]  # [BLOCK_N, BLOCK_D]
-        p_v = p_v_base + o_n[:, None] * stride_vn + o_d[None, :]  # [BLOCK_N, BLOCK_D]
-        b_k = load_rows(p_k, o_n, sk, m_d, MASKED=MASKED, EVEN_D=EVEN_D)  # [BLOCK_N, BLOCK_D]
-        b_v = load_rows(p_v, o_n, sk, m_d, MASKED=MASKED, EVEN_D=EVEN_D)  # [BLOCK_N, BLOCK_D]
+        # o_n [BLOCK_N]; b_k, b_v [BLOCK_N, BLOCK_D]
+        o_n, b_k, b_v = step_tiles(it, p_k_base, p_v_base, stride_kn, stride_vn, o_d, m_d, sk,
+                                   p_list, tiles_per_block, bs_n, BLOCK=BLOCK_N, MASKED=MASKED,
+                                   EVEN_D=EVEN_D, SPARSE=SPARSE)
         b_s = score_tile(b_q, b_k, o_m, o_n, sq, sk, alibi_shift, qk_scale, softcap_scale, slope,
                          p_bias, stride_bm, stride_bn, DOT_PREC=DOT_PREC,
                          HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_BIAS=HAS_BIAS,
@@ -296,23 +289,19 @@ def attn_bwd_dq_kernel(
     o_m = m_first + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
     m_qd = (o_m[:, None] < sq) & (o_d[None, :] < HEAD_DIM)  # [BLOCK_M, BLOCK_D]
-    p_q = tile_ptr(Q, i_b, q_start, i_h, stride_qb, stride_qm, stride_qh,
-                   o_m, o_d)  # [BLOCK_M, BLOCK_D]
-    p_do = tile_ptr(DO, i_b, q_start, i_h, stride_dob, stride_dom, stride_doh,
-                    o_m, o_d)  # [BLOCK_M, BLOCK_D]
-    p_o = tile_ptr(O, i_b, q_start, i_h, stride_ob, stride_om, stride_oh,
-                   o_m, o_d)  # [BLOCK_M, BLOCK_D]
-    b_q = tl.load(p_q, mask=m_qd, other=0.0)  # [BLOCK_M, BLOCK_D]
-    b_do = tl.load(p_do, mask=m_qd, other=0.0)  # [BLOCK_M, BLOCK_D]
-    b_o = tl.load(p_o, mask=m_qd, other=0.0)  # [BLOCK_M, BLOCK_D], only for delta
+    b_q = load_tile(Q, i_b, q_start, i_h, stride_qb, stride_qm, stride_qh,
+                    o_m, o_d, m_qd)  # [BLOCK_M, BLOCK_D]
+    b_do = load_tile(DO, i_b, q_start, i_h, stride_dob, stride_dom, stride_doh,
+                     o_m, o_d, m_qd)  # [BLOCK_M, BLOCK_D]
+    b_o = load_tile(O, i_b, q_start, i_h, stride_ob, stride_om, stride_oh,
+                    o_m, o_d, m_qd)  # [BLOCK_M, BLOCK_D], only for delta
     b_delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)  # [BLOCK_M]
     o_l = i_b * stride_lb + i_h * stride_lh + q_start + o_m
     tl.store(DELTA + o_l, b_delta, mask=o_m < sq)
     b_lse2 = _lse2(tl.load(LSE + o_l, mask=o_m < sq, other=float("inf")))  # [BLOCK_M]
-    slope = alibi_slope(ALIBI, i_b, i_h, stride_ab, HAS_ALIBI=HAS_ALIBI)
-    p_bias = BIAS
-    if HAS_BIAS:
-        p_bias = BIAS + i_b.to(tl.int64) * stride_biasb + i_h.to(tl.int64) * stride_biash
+    slope, bias_offset = head_terms(ALIBI, i_b, i_h, stride_ab, stride_biasb, stride_biash,
+                                    HAS_ALIBI=HAS_ALIBI, HAS_BIAS=HAS_BIAS)
+    p_bias = BIAS + bias_offset if HAS_BIAS else BIAS
     p_dbias = DBIAS
     if STORE_DBIAS:
         p_dbias = DBIAS + i_b.to(tl.int64) * stride_dbb + i_h.to(tl.int64) * stride_dbh
@@ -323,14 +312,13 @@ def attn_bwd_dq_kernel(
     p_v_base = rows_ptr(V, i_b, k_start, i_hk, stride_vb, stride_vn, stride_vh)
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    lo, full_lo, full_hi, hi = key_range(m_first, m_last, sk, shift, window_left, window_right,
-                                         BLOCK_N=BLOCK_N, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT)
     # the forward's three stages, over key tiles
     p_list = BS_IDX
     if SPARSE:
         p_list = block_row(BS_IDX, i_b, i_h, m_first // bs_m, stride_bsb, stride_bsh, stride_bsr)
-    a0, a1, a2, a3, tpb = walk(lo, full_lo, full_hi, hi, p_list, bs_n, BLOCK=BLOCK_N,
-                               SPARSE=SPARSE)
+    a0, a1, a2, a3, tpb = key_walk(m_first, m_last, sk, shift, window_left, window_right, p_list,
+                                   bs_n, BLOCK_N=BLOCK_N, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT,
+                                   SPARSE=SPARSE)
     I_STEP: tl.constexpr = 1 if SPARSE else BLOCK_N
     # masked [a0, a1), full [a1, a2), masked [a2, a3)
     for stage in tl.static_range(3):

@@ -144,6 +144,26 @@ def tile_ptr(X, i_b, start, i_h, stride_b, stride_row, stride_h, o_rows, o_d):
 
 
 @triton.jit
+def load_tile(X, i_b, start, i_h, stride_b, stride_row, stride_h, o_rows, o_d, mask):
+    """The tile of :func:`tile_ptr` loaded, 0 where ``mask`` is off, ``# [BLOCK, BLOCK_D]``."""
+    return tl.load(tile_ptr(X, i_b, start, i_h, stride_b, stride_row, stride_h, o_rows, o_d),
+                   mask=mask, other=0.0)
+
+
+@triton.jit
+def head_terms(ALIBI, i_b, i_h, stride_ab, stride_biasb, stride_biash,
+               HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """``(slope, bias_offset)`` of head ``i_h`` of batch entry ``i_b``: its ALiBi slope
+    (:func:`alibi_slope`) and the int64 offset of its ``[Sq, Sk]`` attention-bias plane (0
+    without a bias; the caller adds it to ``BIAS``, which may be None)."""
+    slope = alibi_slope(ALIBI, i_b, i_h, stride_ab, HAS_ALIBI=HAS_ALIBI)
+    bias_offset = 0
+    if HAS_BIAS:
+        bias_offset = i_b.to(tl.int64) * stride_biasb + i_h.to(tl.int64) * stride_biash
+    return slope, bias_offset
+
+
+@triton.jit
 def dropout_rows(RNG, i_b, i_h, o_m, batch_offset, nheads_total, head_offset, seqlen_q_total,
                  q_offset, seqlen_k_total, k_offset, HAS_DROPOUT: tl.constexpr):
     """``(seed, row_base)`` of the query rows ``o_m`` of head ``i_h`` of batch entry ``i_b``:
@@ -187,6 +207,23 @@ def load_rows(p, o_rows, n, m_d, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
     else:
         b_x = tl.load(p, mask=m_d[None, :], other=0.0)
     return b_x
+
+
+@triton.jit
+def step_tiles(it, p_a_base, p_b_base, stride_a, stride_b, o_d, m_d, n, p_list, tiles_per_block,
+               bs, BLOCK: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+               SPARSE: tl.constexpr):
+    """Step ``it`` of an inner loop that streams two tensors' tiles: the rows ``o_rows`` of the
+    step (:func:`tile_start`), ``# [BLOCK]``, and their tiles of both tensors (rows from
+    ``p_a_base`` / ``p_b_base``, row strides ``stride_a`` / ``stride_b``; :func:`load_rows`
+    against ``n`` rows), ``# [BLOCK, BLOCK_D]`` each."""
+    r0 = tile_start(it, p_list, tiles_per_block, bs, BLOCK=BLOCK, SPARSE=SPARSE)
+    o_rows = r0 + tl.arange(0, BLOCK)
+    p_a = p_a_base + o_rows[:, None] * stride_a + o_d[None, :]  # [BLOCK, BLOCK_D]
+    p_b = p_b_base + o_rows[:, None] * stride_b + o_d[None, :]  # [BLOCK, BLOCK_D]
+    b_a = load_rows(p_a, o_rows, n, m_d, MASKED=MASKED, EVEN_D=EVEN_D)  # [BLOCK, BLOCK_D]
+    b_b = load_rows(p_b, o_rows, n, m_d, MASKED=MASKED, EVEN_D=EVEN_D)  # [BLOCK, BLOCK_D]
+    return o_rows, b_a, b_b
 
 
 @triton.jit
@@ -292,6 +329,18 @@ def walk(lo, full_lo, full_hi, hi, p_list, bs, BLOCK: tl.constexpr, SPARSE: tl.c
         a2 = full_hi
         a3 = hi
     return a0, a1, a2, a3, tpb
+
+
+@triton.jit
+def key_walk(m_first, m_last, sk, shift, window_left, window_right, p_list, bs_n,
+             BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+             SPARSE: tl.constexpr):
+    """The three stages over key tiles of the query rows ``[m_first, m_last]``
+    (:func:`key_range`, then :func:`walk`; ``p_list`` their block-list row when SPARSE):
+    ``(a0, a1, a2, a3, tiles_per_block)``."""
+    lo, full_lo, full_hi, hi = key_range(m_first, m_last, sk, shift, window_left, window_right,
+                                         BLOCK_N=BLOCK_N, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT)
+    return walk(lo, full_lo, full_hi, hi, p_list, bs_n, BLOCK=BLOCK_N, SPARSE=SPARSE)
 
 
 @triton.jit

@@ -36,9 +36,9 @@ Optional features (constexpr flags, derived from which optional pointers are Non
 import triton
 import triton.language as tl
 
-from .common import (FEATURE_FLAGS, LN2, PARTIAL_ARGS, alibi_slope, block_row, dropout_keep, dropout_rows,
-                     key_range, load_rows, query_block, rows_ptr, score_tile, stage_range,
-                     tile_ptr, tile_start, visible, walk)
+from .common import (FEATURE_FLAGS, LN2, PARTIAL_ARGS, block_row, dropout_keep, dropout_rows,
+                     head_terms, key_walk, load_rows, load_tile, query_block, rows_ptr,
+                     score_tile, stage_range, tile_ptr, tile_start, visible)
 
 
 # The forward kernel's flags: the shared ones plus paged keys/values, which only the forward
@@ -172,9 +172,8 @@ def attn_fwd_kernel(
     o_m = m_first + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
     m_q = (o_m[:, None] < sq) & (o_d[None, :] < HEAD_DIM)  # [BLOCK_M, BLOCK_D]
-    p_q = tile_ptr(Q, i_b, q_start, i_h, stride_qb, stride_qm, stride_qh,
-                   o_m, o_d)  # [BLOCK_M, BLOCK_D]
-    b_q = tl.load(p_q, mask=m_q, other=0.0)  # [BLOCK_M, BLOCK_D]
+    b_q = load_tile(Q, i_b, q_start, i_h, stride_qb, stride_qm, stride_qh,
+                    o_m, o_d, m_q)  # [BLOCK_M, BLOCK_D]
     if PAGED:
         # K/V are page pools (stride_kb / stride_vb are the page strides): rows are found
         # through this sequence's block-table row, not from k_start.
@@ -186,10 +185,9 @@ def attn_fwd_kernel(
         p_v_base = rows_ptr(V, i_b, k_start, i_hk, stride_vb, stride_vn, stride_vh)
         p_bt = BLOCK_TABLE
 
-    slope = alibi_slope(ALIBI, i_b, i_h, stride_ab, HAS_ALIBI=HAS_ALIBI)
-    p_bias = BIAS
-    if HAS_BIAS:
-        p_bias = BIAS + i_b.to(tl.int64) * stride_biasb + i_h.to(tl.int64) * stride_biash
+    slope, bias_offset = head_terms(ALIBI, i_b, i_h, stride_ab, stride_biasb, stride_biash,
+                                    HAS_ALIBI=HAS_ALIBI, HAS_BIAS=HAS_BIAS)
+    p_bias = BIAS + bias_offset if HAS_BIAS else BIAS
     seed, row_base = dropout_rows(RNG, i_b, i_h, o_m, batch_offset, nheads_total, head_offset,
                                   seqlen_q_total, q_offset, seqlen_k_total, k_offset,
                                   HAS_DROPOUT=HAS_DROPOUT)
@@ -198,8 +196,6 @@ def attn_fwd_kernel(
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    lo, full_lo, full_hi, hi = key_range(m_first, m_last, sk, shift, window_left, window_right,
-                                         BLOCK_N=BLOCK_N, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT)
     # Stage 1: tiles cut by the left window edge.  Stage 2: interior tiles, no predicate.
     # Stage 3: tiles cut by the right edge (the causal diagonal) or the end of the sequence.
     # SPARSE: only the nonzero mask blocks of this query block, those visible throughout
@@ -207,8 +203,9 @@ def attn_fwd_kernel(
     p_list = BS_IDX
     if SPARSE:
         p_list = block_row(BS_IDX, i_b, i_h, m_first // bs_m, stride_bsb, stride_bsh, stride_bsr)
-    a0, a1, a2, a3, tpb = walk(lo, full_lo, full_hi, hi, p_list, bs_n, BLOCK=BLOCK_N,
-                               SPARSE=SPARSE)
+    a0, a1, a2, a3, tpb = key_walk(m_first, m_last, sk, shift, window_left, window_right, p_list,
+                                   bs_n, BLOCK_N=BLOCK_N, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT,
+                                   SPARSE=SPARSE)
     I_STEP: tl.constexpr = 1 if SPARSE else BLOCK_N
     # masked [a0, a1), full [a1, a2), masked [a2, a3)
     for stage in tl.static_range(3):
