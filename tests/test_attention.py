@@ -167,6 +167,48 @@ def test_triton_block_size_invariance(cfg, causal):
         assert_close(f"{name} {cfg}", got, want, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", ["1", "2", "auto"])
+@pytest.mark.parametrize("case", [
+    ("full", dict()),
+    ("causal-gqa", dict(causal=True)),
+    ("window-softcap", dict(window_size=(9, 4), softcap=5.0)),
+], ids=lambda c: c if isinstance(c, str) else c[0])
+def test_triton_backward_in_batch_chunks_is_bitwise(case, chunk, monkeypatch):
+    """``FLASHTILE_BWD_CHUNK``: the backward launched a few batch entries at a time (each chunk's
+    dQ then dK/dV kernel) gives the gradients of one launch per kernel, bit for bit (the same
+    programs, on views of the same tensors); ``auto`` on the CPU keeps one launch."""
+    _, kw = case
+    gen = torch.Generator().manual_seed(next_seed())
+    hk = 1 if case[0] == "causal-gqa" else 2
+    q = randn(3, 37, 2, 16, gen=gen)
+    k, v = (randn(3, 45, hk, 16, gen=gen) for _ in range(2))
+    do = randn(3, 37, 2, 16, gen=gen)
+
+    def grads(mode):
+        monkeypatch.setenv("FLASHTILE_BWD_CHUNK", mode)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        with flashtile.use_backend("triton"), poison_outputs():
+            out = flashtile.flash_attn_func(*leaves, **kw)
+            return torch.autograd.grad(out, leaves, do)
+
+    for name, got, want in zip(("dq", "dk", "dv"), grads(chunk), grads("off")):
+        assert not got.isnan().any(), name
+        assert torch.equal(got, want), name
+
+
+def test_backward_chunk_setting_is_checked(monkeypatch):
+    """A bad ``FLASHTILE_BWD_CHUNK`` names the variable; a chunk as large as the batch is none."""
+    from flashtile.backends.triton.launch_bwd import batch_chunk
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("FLASHTILE_BWD_CHUNK", "some")
+    with pytest.raises(ValueError, match="FLASHTILE_BWD_CHUNK"):
+        batch_chunk(4, 8, 8, 2, 2, 16, 4, cpu)
+    monkeypatch.setenv("FLASHTILE_BWD_CHUNK", "4")
+    assert batch_chunk(4, 8, 8, 2, 2, 16, 4, cpu) == 0
+    monkeypatch.setenv("FLASHTILE_BWD_CHUNK", "3")
+    assert batch_chunk(4, 8, 8, 2, 2, 16, 4, cpu) == 3
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_strided_inputs_match_contiguous(backend):
     """Views with a contiguous last dim (packed qkv, a (B, H, S, D) transpose) need no copy."""

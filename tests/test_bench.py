@@ -707,6 +707,20 @@ def _rows(table: str) -> list[list[str]]:
             if line.startswith("|")]
 
 
+def test_io_kernel_rows_sum_the_launches_of_a_chunked_pass():
+    """A chunked backward launches each kernel once per chunk: the per-kernel rows of the io
+    report sum them (bytes and time), count the launches, and keep the model's numbers once."""
+    def k(name, read, ms):
+        return dict(name=name, dram_read_bytes=read, dram_write_bytes=1, l2_bytes=None, ms=ms,
+                    model_dram_bytes=500)
+
+    rows = bench_io._by_kernel([k("dq", 10, 0.5), k("dkdv", 3, 1.0), k("dq", 20, 0.25),
+                                k("dkdv", 4, 1.0)])
+    assert [(r["name"], r["launches"]) for r in rows] == [("dq", 2), ("dkdv", 2)]
+    assert (rows[0]["dram_read_bytes"], rows[0]["dram_write_bytes"], rows[0]["ms"]) == (30, 2, 0.75)
+    assert rows[1]["l2_bytes"] is None and rows[1]["model_dram_bytes"] == 500
+
+
 def test_render_table_cells_and_ratios():
     recs = [
         _record("flashtile", n=1024, tflops=300.0),

@@ -367,6 +367,21 @@ def test_fused_delta_saves_one_read_of_do_and_the_row_statistics():
     assert [k.kernel for k in alg.flashtile_backward(p, fused_delta=False, **cfg)] == ["pre", "dkdv", "dq"]
 
 
+def test_backward_with_l2_reuse_reads_the_dkdv_inputs_once():
+    """Chunked so that the dK/dV kernel finds in L2 what the dQ kernel of its chunk read, the
+    backward's HBM bytes drop by the dK/dV kernel's reads: Q, dO, K, V, LSE and delta."""
+    p = alg.figure2_problem()
+    cfg = dict(dkdv=(64, 64), dq=(128, 64))
+    two = alg.flashtile_backward(p, **cfg)
+    reuse = alg.flashtile_backward(p, l2_reuse=True, **cfg)
+    assert [k.kernel for k in reuse] == ["dq", "dkdv"] and reuse[0] == two[0]
+    assert reuse[1].dram_read == 0 and reuse[1].dram_write == two[1].dram_write
+    saved = alg.total(two) - alg.total(reuse)
+    assert saved == 2 * p.kv_bytes() + 2 * p.q_bytes() + 2 * p.stat_bytes()
+    fwd = alg.flashtile_forward(p, 128, 64)
+    assert alg.total(fwd + reuse) / alg.compulsory(p) < 1.05
+
+
 def test_two_kernel_backward_floor_is_above_1_25x_at_figure2_shape():
     # The dQ kernel re-reads Q, dO, K, V, which the dK/dV kernel also reads: 4 extra tensors.
     p = alg.figure2_problem()

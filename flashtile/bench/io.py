@@ -68,7 +68,9 @@ METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_bytes.sum",
 BEGIN_MARKER = "io_begin_marker_kernel"
 END_MARKER = "io_end_marker_kernel"
 NVTX_RANGE = "io"
-IMPLS = ("standard", "fa2", "cudnn", "flashtile")
+IMPLS = ("standard", "fa2", "cudnn", "flashtile", "flashtile_chunked")
+# flashtile_chunked: flashtile with FLASHTILE_BWD_CHUNK=auto (the backward a few batch entries
+# at a time, so that the dK/dV kernel re-reads from L2 what the dQ kernel just read)
 FIG3_IMPLS = ("standard", "fa2", "cudnn", "flex", "flashtile", "flashtile_sparse")
 SWEEPS = ("fig2", "blocks", "sparse", "fig3")
 KEY = "io"  # the entry of the results file that holds the io records
@@ -272,7 +274,8 @@ def model_kernels(case: dict, configs: dict) -> dict[str, algorithms.KernelIO]:
     """The model's kernels for a flashtile case with the tile configs the worker used."""
     p = problem_of(case)
     fwd = algorithms.flashtile_forward(p, *configs["fwd"][:2])
-    bwd = algorithms.flashtile_backward(p, tuple(configs["dkdv"][:2]), tuple(configs["dq"][:2]))
+    bwd = algorithms.flashtile_backward(p, tuple(configs["dkdv"][:2]), tuple(configs["dq"][:2]),
+                                        l2_reuse=case.get("impl") == "flashtile_chunked")
     return {k.kernel: k for k in fwd + bwd}
 
 
@@ -327,6 +330,20 @@ def _random_block_mask(rows: int, cols: int, density: float, device: str, seed: 
     return mask[None, None].to(device)
 
 
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    """``os.environ[name] = value`` inside the block."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
 class Runner:
     """``fwd()`` and ``bwd(out)`` of one implementation on fresh random inputs."""
 
@@ -354,10 +371,13 @@ class Runner:
         if self.impl in ("standard", "fa2", "cudnn"):
             from torch.nn.attention import sdpa_kernel
             return sdpa_kernel([_sdpa_backend(self.impl)])
+        stack = contextlib.ExitStack()
+        if self.impl == "flashtile_chunked":
+            stack.enter_context(_env("FLASHTILE_BWD_CHUNK", "auto"))
         if self.impl.startswith("flashtile") and self.configs:
             from ..backends.triton.configs import KernelConfig, override
-            return override(**{k: KernelConfig(*v) for k, v in self.configs.items()})
-        return contextlib.nullcontext()
+            stack.enter_context(override(**{k: KernelConfig(*v) for k, v in self.configs.items()}))
+        return stack
 
     def fwd(self):
         import torch.nn.functional as F
@@ -619,6 +639,23 @@ def _mb(x) -> str:
     return "-" if x is None else f"{x / 1e6:.0f}"
 
 
+def _by_kernel(kernels: list[dict]) -> list[dict]:
+    """One row per kernel name, in launch order: the launches of a kernel (a chunked backward
+    launches each kernel once per chunk) summed, ``launches`` counted, the model's numbers
+    (those of the whole pass's kernel) kept once."""
+    rows: dict[str, dict] = {}
+    for k in kernels:
+        row = rows.get(k["name"])
+        if row is None:
+            rows[k["name"]] = dict(k, launches=1)
+            continue
+        row["launches"] += 1
+        for field in ("dram_read_bytes", "dram_write_bytes", "l2_bytes", "ms"):
+            if k.get(field) is not None:
+                row[field] = (row.get(field) or 0) + k[field]
+    return list(rows.values())
+
+
 def _ms(x) -> str:
     return "-" if x is None else f"{x:.2f}"
 
@@ -668,10 +705,11 @@ def render_markdown(records: list[dict]) -> str:
         for r in records:
             if r.get("sweep") != "fig2" or not r.get("kernels"):
                 continue
-            for k in r["kernels"]:
+            for k in _by_kernel(r["kernels"]):
                 model_dram, model_l2 = (_mb(k.get("model_dram_bytes")), _mb(k.get("model_l2_bytes")))
+                launches = f" ×{k['launches']}" if k["launches"] > 1 else ""
                 kernel_rows.append(
-                    f"| {r['impl']} | {r['pass']} | `{k['name'][:60]}` | "
+                    f"| {r['impl']} | {r['pass']} | `{k['name'][:60]}`{launches} | "
                     f"{_mb(k['dram_read_bytes'])} | {_mb(k['dram_write_bytes'])} | "
                     f"{_mb(k['l2_bytes'])} | {_ms(k['ms'])} | {model_dram} | {model_l2} |")
         parts.append("Per kernel:\n\n" + "\n".join(kernel_rows))

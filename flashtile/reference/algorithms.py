@@ -555,11 +555,15 @@ def flashtile_forward(p: Problem, block_m: int, block_n: int) -> list[KernelIO]:
 
 
 def flashtile_backward(p: Problem, dkdv: tuple[int, int], dq: tuple[int, int],
-                       fused_delta: bool = True, pre_block_m: int = 64) -> list[KernelIO]:
+                       fused_delta: bool = True, pre_block_m: int = 64,
+                       l2_reuse: bool = False) -> list[KernelIO]:
     """The backward's kernels in launch order.  ``dkdv`` / ``dq``: ``(block_m, block_n)`` of
     the two kernels.  ``fused_delta``: the dQ kernel runs first and computes
     ``delta = rowsum(dO * O)`` itself (reads O, writes delta), the dK/dV kernel reads LSE and
-    delta; otherwise a preprocess kernel writes delta and ``lse2 = log2(e) lse`` first."""
+    delta; otherwise a preprocess kernel writes delta and ``lse2 = log2(e) lse`` first.
+    ``l2_reuse``: the batch is processed in chunks that fit in L2, each chunk's dK/dV kernel
+    right after its dQ kernel, so the dK/dV kernel reads nothing from HBM (everything it reads,
+    the dQ kernel of its chunk has just read or written)."""
     e, d, s = p.dtype_bytes, p.d, p.stat_bytes()
     kernels = []
     # dQ: Q, dO (and O) tiles once, K and V per visited key tile, one LSE/delta row each.
@@ -582,6 +586,8 @@ def flashtile_backward(p: Problem, dkdv: tuple[int, int], dq: tuple[int, int],
     dkdv_read = 2 * p.kv_bytes() + 2 * _per_head(p) * q_rows * (d * e + STAT_BYTES)
     dkdv_dram = 2 * p.kv_bytes() + 2 * p.q_bytes() + 2 * s
     dkdv_write = 2 * p.kv_bytes()
+    if l2_reuse and fused_delta:
+        dkdv_dram = 0
     dkdv_kernel = KernelIO("dkdv", dkdv_read, dkdv_write, min(dkdv_dram, dkdv_read), dkdv_write,
                            2 * p.n * (d * e + STAT_BYTES) * (p.heads // p.hk),
                            cdiv(p.nk, dkdv[1]))

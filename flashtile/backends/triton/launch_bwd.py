@@ -7,6 +7,8 @@ the caller's tensor without a copy.  The byte counts are in ``flashtile.referenc
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..spec import AttnSpec
@@ -25,6 +27,37 @@ from .sparse_index import fit_block, sparse_args
 _plans = PlanCache()
 _ROLES = {attn_bwd_dq_kernel: plan_roles(attn_bwd_dq_kernel, DO=0, Q=1, K=2, V=3, O=4, LSE=5),
           attn_bwd_dkdv_kernel: plan_roles(attn_bwd_dkdv_kernel, DO=0, Q=1, K=2, V=3, LSE=5)}
+
+
+def batch_chunk(batch: int, sq: int, sk: int, nheads: int, nheads_k: int, head_dim: int,
+                elem: int, device: torch.device) -> int:
+    """Batch entries per chunk of the backward (0: one launch of each kernel for the whole
+    batch), from ``FLASHTILE_BWD_CHUNK`` (read per call): ``off`` (the default) or ``0``, none;
+    a number, that many entries; ``auto``, as many entries as fill half the device's L2 with
+    the tensors both kernels read (Q, dO, O, K, V), when the whole batch does not fit.
+
+    Chunked, each chunk launches the dQ kernel and then the dK/dV kernel, so the dK/dV kernel
+    finds the Q, dO, K and V tiles the dQ kernel has just read in L2 instead of reading them
+    from HBM again: fewer bytes (the IO benchmark, ``python -m flashtile.bench io``), more
+    launches, each with a smaller grid."""
+    mode = os.environ.get("FLASHTILE_BWD_CHUNK", "off").strip().lower()
+    if mode in ("", "off", "0"):
+        return 0
+    if mode == "auto":
+        if device.type != "cuda":
+            return 0
+        per_entry = (3 * sq * nheads + 2 * sk * nheads_k) * head_dim * elem
+        budget = torch.cuda.get_device_properties(device).L2_cache_size // 2
+        entries = max(1, budget // max(per_entry, 1))
+    else:
+        try:
+            entries = int(mode)
+        except ValueError:
+            raise ValueError(f"FLASHTILE_BWD_CHUNK={mode!r}: expected off, auto or a number of "
+                             "batch entries") from None
+        if entries < 0:
+            raise ValueError(f"FLASHTILE_BWD_CHUNK={mode!r}: must be >= 0")
+    return entries if 0 < entries < batch else 0
 
 
 def _dbias_target(dbias, full_shape):
@@ -109,38 +142,51 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
         dropout_p=dropout_p, dropout_scale=dropout_scale, **scalars,
         HEAD_DIM=head_dim, BLOCK_D=bd, DOT_PREC=prec)
 
-    # dQ first: its prologue writes delta, which the dK/dV kernel reads.
-    cfg = get_config("dq", head_dim, spec.causal, q.dtype, q.device, max(sq, sk))
-    block_m, block_n = cfg.block_m, cfg.block_n
-    bs_idx, bs_strides, bs_m, bs_n = sparse_args(block_mask, block_size, sq, sk, spec)
-    if bs_idx is not None:
-        block_m, block_n = fit_block(block_m, bs_m), fit_block(block_n, bs_n)
-    grid = (cdiv(sq, block_m), batch * nheads)
+    dq_cfg = get_config("dq", head_dim, spec.causal, q.dtype, q.device, max(sq, sk))
+    dq_bs = sparse_args(block_mask, block_size, sq, sk, spec)
+    kv_cfg = get_config("dkdv", head_dim, spec.causal, q.dtype, q.device, max(sq, sk))
+    kv_bs = sparse_args(block_mask, block_size, sq, sk, spec, transpose=True)
     dq_st, o_st = seq_strides(dq, varlen), seq_strides(out, varlen)
-    launch(
-        attn_bwd_dq_kernel, grid, **common, DQ=dq, O=out, BS_IDX=bs_idx, DBIAS=db_full,
-        stride_dqb=dq_st[0], stride_dqm=dq_st[1], stride_dqh=dq_st[2],
-        stride_ob=o_st[0], stride_om=o_st[1], stride_oh=o_st[2],
-        stride_dbb=db_strides[0], stride_dbh=db_strides[1], stride_dbm=db_strides[2],
-        stride_dbn=db_strides[3],
-        stride_bsb=bs_strides[0], stride_bsh=bs_strides[1], stride_bsr=bs_strides[2],
-        bs_m=bs_m, bs_n=bs_n, H=nheads, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    cfg = get_config("dkdv", head_dim, spec.causal, q.dtype, q.device, max(sq, sk))
-    block_m, block_n = cfg.block_m, cfg.block_n
-    bs_idx, bs_strides, bs_m, bs_n = sparse_args(block_mask, block_size, sq, sk, spec,
-                                                 transpose=True)
-    if bs_idx is not None:
-        block_m, block_n = fit_block(block_m, bs_m), fit_block(block_n, bs_n)
-    grid = (cdiv(sk, block_n), batch * nheads_k)
     dk_st, dv_st = seq_strides(dk, varlen), seq_strides(dv, varlen)
-    launch(
-        attn_bwd_dkdv_kernel, grid, **common, DK=dk, DV=dv, BS_IDX=bs_idx,
-        stride_dkb=dk_st[0], stride_dkn=dk_st[1], stride_dkh=dk_st[2],
-        stride_dvb=dv_st[0], stride_dvn=dv_st[1], stride_dvh=dv_st[2],
-        stride_bsb=bs_strides[0], stride_bsh=bs_strides[1], stride_bsr=bs_strides[2],
-        bs_m=bs_m, bs_n=bs_n, HK=nheads_k, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    features = (varlen or alibi is not None or bias is not None or seed is not None
+                or dq_bs[0] is not None or db_full is not None)
+    chunk = 0 if features else batch_chunk(batch, sq, sk, nheads, nheads_k, head_dim,
+                                           q.element_size(), q.device)
+    # Batch entries [b0, b1) at a time (all of them unless chunked): dQ first, its prologue
+    # writes delta, which the dK/dV kernel reads.  Chunked, the dK/dV kernel re-reads the Q, dO,
+    # K and V tiles the dQ kernel has just read while they are still in L2 (the tensors are
+    # views of the whole ones, with the same strides: the same compiled kernels).
+    for b0 in range(0, batch, chunk or batch):
+        b1 = min(batch, b0 + (chunk or batch))
+        cut = (lambda x: x) if not chunk else (lambda x: x if x is None else x[b0:b1])
+        part = dict(common, Q=cut(q), K=cut(k), V=cut(v), DO=cut(do), LSE=cut(lse),
+                    DELTA=cut(delta))
+        block_m, block_n = dq_cfg.block_m, dq_cfg.block_n
+        bs_idx, bs_strides, bs_m, bs_n = dq_bs
+        if bs_idx is not None:
+            block_m, block_n = fit_block(block_m, bs_m), fit_block(block_n, bs_n)
+        launch(
+            attn_bwd_dq_kernel, (cdiv(sq, block_m), (b1 - b0) * nheads), **part, DQ=cut(dq),
+            O=cut(out), BS_IDX=bs_idx, DBIAS=db_full,
+            stride_dqb=dq_st[0], stride_dqm=dq_st[1], stride_dqh=dq_st[2],
+            stride_ob=o_st[0], stride_om=o_st[1], stride_oh=o_st[2],
+            stride_dbb=db_strides[0], stride_dbh=db_strides[1], stride_dbm=db_strides[2],
+            stride_dbn=db_strides[3],
+            stride_bsb=bs_strides[0], stride_bsh=bs_strides[1], stride_bsr=bs_strides[2],
+            bs_m=bs_m, bs_n=bs_n, H=nheads, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages)
+        block_m, block_n = kv_cfg.block_m, kv_cfg.block_n
+        bs_idx, bs_strides, bs_m, bs_n = kv_bs
+        if bs_idx is not None:
+            block_m, block_n = fit_block(block_m, bs_m), fit_block(block_n, bs_n)
+        launch(
+            attn_bwd_dkdv_kernel, (cdiv(sk, block_n), (b1 - b0) * nheads_k), **part,
+            DK=cut(dk), DV=cut(dv), BS_IDX=bs_idx,
+            stride_dkb=dk_st[0], stride_dkn=dk_st[1], stride_dkh=dk_st[2],
+            stride_dvb=dv_st[0], stride_dvn=dv_st[1], stride_dvh=dv_st[2],
+            stride_bsb=bs_strides[0], stride_bsh=bs_strides[1], stride_bsr=bs_strides[2],
+            bs_m=bs_m, bs_n=bs_n, HK=nheads_k, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=kv_cfg.num_warps, num_stages=kv_cfg.num_stages)
     if db_full is not None and db_full is not dbias:
         dims = [d for d in range(4) if dbias.shape[d] == 1 and db_full.shape[d] != 1]
         dbias.copy_(db_full.sum(dim=dims, keepdim=True) if dims else db_full)
