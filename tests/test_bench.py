@@ -707,6 +707,19 @@ def _rows(table: str) -> list[list[str]]:
             if line.startswith("|")]
 
 
+def test_io_l2reuse_sweep_keeps_l2_between_kernels():
+    """The l2reuse sweep (flashtile with and without the chunked backward) runs under ncu with
+    --cache-control none, the other sweeps with ncu's default (caches emptied per kernel)."""
+    cases = bench_io.build_cases(["fig2", "l2reuse"], quick=True)
+    reuse = [c for c in cases if c.sweep == "l2reuse"]
+    assert [c.impl for c in reuse] == ["flashtile", "flashtile_chunked"]
+    assert (reuse[0].n, reuse[0].d, reuse[0].heads, reuse[0].batch) == (1024, 64, 16, 64)
+    modes = {bench_io.CACHE_CONTROL.get(c.sweep, "all") for c in cases}
+    assert modes == {"all", "none"}
+    cmd = bench_io.ncu_command("ncu", "plan.json", "log.jsonl", False, "none")
+    assert cmd[cmd.index("--cache-control") + 1] == "none"
+
+
 def test_io_kernel_rows_sum_the_launches_of_a_chunked_pass():
     """A chunked backward launches each kernel once per chunk: the per-kernel rows of the io
     report sum them (bytes and time), count the launches, and keep the model's numbers once."""
@@ -1707,7 +1720,7 @@ FAKE_NCU = '''#!{python}
 """Stands in for ncu: runs the profiled command (on the CPU) and prints the CSV sample."""
 import os, subprocess, sys
 args = sys.argv[1:]
-assert args[:3] == ["--clock-control", "none", "--metrics"], args
+assert args[:5] == ["--clock-control", "none", "--cache-control", "all", "--metrics"], args
 cmd = args[args.index({python!r}):]
 subprocess.run(cmd + ["--device", "cpu"], check=True, env=dict(os.environ, TRITON_INTERPRET="1"))
 sys.stdout.write(open({sample!r}).read())

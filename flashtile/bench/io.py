@@ -68,11 +68,15 @@ METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_bytes.sum",
 BEGIN_MARKER = "io_begin_marker_kernel"
 END_MARKER = "io_end_marker_kernel"
 NVTX_RANGE = "io"
-IMPLS = ("standard", "fa2", "cudnn", "flashtile", "flashtile_chunked")
+IMPLS = ("standard", "fa2", "cudnn", "flashtile")
 # flashtile_chunked: flashtile with FLASHTILE_BWD_CHUNK=auto (the backward a few batch entries
-# at a time, so that the dK/dV kernel re-reads from L2 what the dQ kernel just read)
+# at a time, so that the dK/dV kernel re-reads from L2 what the dQ kernel just read).  It only
+# shows when ncu keeps L2 between kernels: the l2reuse sweep runs with --cache-control none
+# (ncu's default, all, empties the caches before every profiled kernel).
+L2REUSE_IMPLS = ("flashtile", "flashtile_chunked")
+CACHE_CONTROL = {"l2reuse": "none"}  # per sweep; "all" otherwise
 FIG3_IMPLS = ("standard", "fa2", "cudnn", "flex", "flashtile", "flashtile_sparse")
-SWEEPS = ("fig2", "blocks", "sparse", "fig3")
+SWEEPS = ("fig2", "blocks", "sparse", "fig3", "l2reuse")
 KEY = "io"  # the entry of the results file that holds the io records
 # The paper's Figure 2 (A100, fwd+bwd at the GPT-2 medium shape).
 PAPER_FIG2 = {"standard": {"gb": 40.3, "ms": 41.7}, "flashtile": {"gb": 4.4, "ms": 7.3}}
@@ -128,6 +132,8 @@ def build_cases(sweeps: Sequence[str], quick: bool) -> list[Case]:
     cases: list[Case] = []
     if "fig2" in sweeps:
         cases += [Case("fig2", impl) for impl in IMPLS]
+    if "l2reuse" in sweeps:
+        cases += [Case("l2reuse", impl) for impl in L2REUSE_IMPLS]
     if "blocks" in sweeps:
         sizes = (16, 32, 64, 128) if not quick else (16, 64, 128)
         for b in sizes:
@@ -580,9 +586,10 @@ def environment(ncu: str | None = None) -> dict:
     return env
 
 
-def ncu_command(ncu: str, plan: str, log: str, nvtx: bool) -> list[str]:
-    cmd = [ncu, "--clock-control", "none", "--metrics", ",".join(METRICS), "--csv",
-           "--print-units", "base"]
+def ncu_command(ncu: str, plan: str, log: str, nvtx: bool,
+                cache_control: str = "all") -> list[str]:
+    cmd = [ncu, "--clock-control", "none", "--cache-control", cache_control, "--metrics",
+           ",".join(METRICS), "--csv", "--print-units", "base"]
     if nvtx:
         cmd += ["--nvtx", "--nvtx-include", f"{NVTX_RANGE}/"]
     return cmd + [sys.executable, "-m", "flashtile.bench.io", "worker", "--plan", plan,
@@ -596,10 +603,10 @@ def _read_lines(path: Path) -> list[dict]:
 
 
 def run_ncu_sweeps(cases: list[Case], ncu: str, nvtx: bool, workdir: Path,
-                   timeout: int) -> list[dict]:
+                   timeout: int, cache_control: str = "all") -> list[dict]:
     plan, log, csv_path = workdir / "plan.json", workdir / "log.jsonl", workdir / "ncu.csv"
     plan.write_text(json.dumps([c.to_json() for c in cases]))
-    cmd = ncu_command(ncu, str(plan), str(log), nvtx)
+    cmd = ncu_command(ncu, str(plan), str(log), nvtx, cache_control)
     print("+", " ".join(cmd), flush=True)
     env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="1")
     with open(csv_path, "w") as sink:  # ncu prints the CSV on stdout, progress on stderr
@@ -614,7 +621,8 @@ def run_ncu_sweeps(cases: list[Case], ncu: str, nvtx: bool, workdir: Path,
           f"measured passes, {len(entries) - len(measured)} failed cases", flush=True)
     if len(groups) != len(measured):
         print("warning: groups and passes differ (no kernels at all: run without --nvtx)", flush=True)
-    return build_records(cases, entries, groups, environment(ncu))
+    return build_records(cases, entries, groups, dict(environment(ncu),
+                                                      ncu_cache_control=cache_control))
 
 
 def run_fig3(quick: bool, workdir: Path, timeout: int) -> list[dict]:
@@ -713,6 +721,17 @@ def render_markdown(records: list[dict]) -> str:
                     f"{_mb(k['dram_read_bytes'])} | {_mb(k['dram_write_bytes'])} | "
                     f"{_mb(k['l2_bytes'])} | {_ms(k['ms'])} | {model_dram} | {model_l2} |")
         parts.append("Per kernel:\n\n" + "\n".join(kernel_rows))
+    reuse = _fwd_bwd(records, sweep="l2reuse")
+    if reuse:
+        rows = ["| impl | DRAM GB (fwd+bwd) | x compulsory | L2 GB | kernel ms | model GB |",
+                "|---|---|---|---|---|---|"]
+        for impl in L2REUSE_IMPLS:
+            r = reuse.get(impl)
+            if r is not None:
+                rows.append(f"| {impl} | {_gb(r['dram'])} | {r['dram'] / r['comp']:.2f} | "
+                            f"{_gb(r['l2'])} | {_ms(r['ms'])} | {_gb(r['model'] or None)} |")
+        parts.append("### L2 kept between kernels (`--cache-control none`), Figure 2 shape\n\n"
+                     + "\n".join(rows))
     blocks = [r for r in records if r.get("sweep") == "blocks" and r.get("pass")
               and not r.get("error")]
     if blocks:
@@ -973,7 +992,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if ncu is None:
                 print("ncu (Nsight Compute) not found: pass --ncu PATH", file=sys.stderr)
                 return 2
-            records += run_ncu_sweeps(cases, ncu, args.nvtx, Path(tmp), args.timeout)
+            for mode in sorted({CACHE_CONTROL.get(c.sweep, "all") for c in cases}):
+                group = [c for c in cases if CACHE_CONTROL.get(c.sweep, "all") == mode]
+                work = Path(tmp) / f"cache-{mode}"
+                work.mkdir()
+                records += run_ncu_sweeps(group, ncu, args.nvtx, work, args.timeout, mode)
         if "fig3" in args.sweeps:
             records += run_fig3(args.quick, Path(tmp), args.timeout)
     # keep the records of the sweeps not run now

@@ -86,7 +86,9 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
                          max_seqlen_q, max_seqlen_k, attn_bias, rng_seed, block_mask, block_size,
                          dbias, grad_dtype)
     inputs = (do, q, k, v, out, lse)
-    key = (signature(*inputs), q.dtype, q.device, spec)
+    # the chunk setting decides the launches (a chunked call records no plan: its kernels get
+    # views of the tensors)
+    key = (signature(*inputs), q.dtype, q.device, spec, os.environ.get("FLASHTILE_BWD_CHUNK"))
     plan = _plans.get(key)
     if plan is not None:
         res = plan.run(inputs)
