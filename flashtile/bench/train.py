@@ -424,25 +424,28 @@ def plots(merged: dict, outdir: str) -> list[str]:
     os.makedirs(outdir, exist_ok=True)
     files = []
     runs = [r for r in merged["runs"] if r["kind"] != "long" and r["tokens_per_s"]]
-    for metric, label, fname in (("tokens_per_s", "tokens/s", "end-to-end-throughput.png"),
-                                 ("peak_mem_gib", "peak memory (GiB)", "end-to-end-memory.png")):
-        models = sorted({r["model"] for r in runs if r[metric]})
-        if not models:
-            continue
-        fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
-        for ax, model in zip(axes[0], models):
-            for impl in IMPLS:
-                pts = sorted((r["context"], r[metric]) for r in runs
-                             if r["model"] == model and r["impl"] == impl and r[metric])
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", label=impl)
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("context")
-            ax.set_ylabel(label)
-            ax.set_title(f"GPT-2 {model}")
-            ax.legend()
+    # one figure: a row per metric, a column per model
+    metrics = [(m, label) for m, label in (("tokens_per_s", "tokens/s"),
+                                           ("peak_mem_gib", "peak memory (GiB)"))
+               if any(r[m] for r in runs)]
+    models = sorted({r["model"] for r in runs})
+    if metrics and models:
+        fig, axes = plt.subplots(len(metrics), len(models),
+                                 figsize=(5.5 * len(models), 4 * len(metrics)), squeeze=False)
+        for row, (metric, label) in zip(axes, metrics):
+            for ax, model in zip(row, models):
+                for impl in IMPLS:
+                    pts = sorted((r["context"], r[metric]) for r in runs
+                                 if r["model"] == model and r["impl"] == impl and r[metric])
+                    if pts:
+                        ax.plot(*zip(*pts), marker="o", label=impl)
+                ax.set_xscale("log", base=2)
+                ax.set_xlabel("context")
+                ax.set_ylabel(label)
+                ax.set_title(f"GPT-2 {model}")
+                ax.legend()
         fig.tight_layout()
-        path = os.path.join(outdir, fname)
+        path = os.path.join(outdir, "end-to-end-throughput-memory.png")
         fig.savefig(path, dpi=110)
         plt.close(fig)
         files.append(path)
