@@ -57,7 +57,6 @@ def _interpreting() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def _triton_importable() -> bool:
     # once per process: every call asks, and a module search costs microseconds
     return importlib.util.find_spec("triton") is not None

@@ -390,15 +390,13 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _begin(device: torch.device, mode: str, info: tuple, capturing: bool | None = None):
+def _begin(device: torch.device, mode: str, info: tuple):
     """The record of a new call: ``(ring, slot, rec_sticky, handle)``, ``slot`` None when there
     is none (checks off, or no slot left for a captured call).  Raises the errors that earlier
     calls on ``device`` recorded."""
     if mode == "off":
         return None, None, 0, None
-    if capturing is None:
-        capturing = _capturing(device)
-    if capturing:
+    if _capturing(device):
         # nothing can be read while capturing; pinned memory is not allocated then either
         ring = _RINGS.get(device)
         slot = ring.begin_graph(info) if ring is not None else None
