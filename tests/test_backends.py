@@ -9,6 +9,8 @@ FlashAttention-2's schedule by construction and is not re-measured here.)
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch.utils import _pytree as pytree
@@ -35,6 +37,27 @@ def test_env_var_and_context_manager_override(monkeypatch):
     with flashtile.use_backend("triton"):
         assert backends.select(torch.device("cpu")) == "triton"
     assert backends.select(torch.device("cpu")) == "torch"
+
+
+@pytest.mark.parametrize("name", ["FLASHTILE_TEST_ENV_READER", "FLASHTILE_KVCACHE_CHECK"],
+                         ids=["new-variable", "read-per-call"])
+def test_env_reader_sees_every_write_like_os_environ(monkeypatch, name):
+    """``backends.env_reader`` (the per-call reads of the backend, check mode and interpreter
+    variables) against ``os.environ.get`` after each way of writing the environment."""
+    read = backends.env_reader(name)
+    monkeypatch.delenv(name, raising=False)
+    assert read() is None and os.environ.get(name) is None
+    for value in ("sync", "", "0", "a b=c", "\u00e9t\u00e9"):
+        monkeypatch.setenv(name, value)
+        assert read() == os.environ.get(name) == value
+    os.environ[name] = "off"
+    assert read() == "off"
+    del os.environ[name]
+    assert read() is None
+    os.environ.update({name: "async"})
+    assert read() == "async"
+    os.environ.pop(name)
+    assert read() is None
 
 
 def test_unknown_backend_names_rejected(monkeypatch):

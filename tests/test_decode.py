@@ -717,8 +717,9 @@ def test_eager_plan_replays_the_recorded_launches_with_new_tensors(monkeypatch):
     monkeypatch.setattr(launch_decode, "_on_gpu", lambda x: True)  # GPU block shapes and splits
     monkeypatch.setattr(launch_decode, "num_sms", lambda device: 132)
     monkeypatch.setattr(fastlaunch, "launch_hooks_set", lambda: False)
-    monkeypatch.setattr(fastlaunch, "run_direct",
-                        lambda compiled, grid, values, device: ran.append((compiled, grid, values)) or True)
+    # a replay calls what fastlaunch.bind made of each launch: here a note of its arguments
+    monkeypatch.setattr(fastlaunch, "bind", lambda compiled, grid, values: (
+        lambda *args: ran.append((compiled, grid, list(args[4:]))), [None] * 4 + list(values)))
     # the stubbed kernels write no error record: nothing to wait for
     monkeypatch.setattr(launch_decode._Ring, "_wait", lambda self, slot: True)
     launch_decode._plan.cache_clear()
@@ -747,33 +748,43 @@ def test_eager_plan_replays_the_recorded_launches_with_new_tensors(monkeypatch):
         assert plan is not None and len(plan.launches) == 4
         second = make("b")
         seen.clear()
-        (want_out, _), _ = launch_decode.record_plan(second, call(second))
+        (want_out, want_lse), _ = launch_decode.record_plan(second, call(second))
         out, lse = plan.run(second)
         assert [r[0] for r in ran] == [handles[kn] for kn in kernels]
-        buffers = {}
+        region, base = launch_decode._SCRATCH[(None, None)]
+        scratch = {}
         for (compiled, grid, got), (kernel, want_grid, want) in zip(ran, seen):
             assert grid == want_grid and len(got) == len(want)
             for i, (x, y) in enumerate(zip(got, want)):
                 if isinstance(y, torch.Tensor) and any(y is t for t in second):
-                    assert x is y, f"{kernel}: argument {i} is not the caller's tensor"
+                    assert x == y.data_ptr(), f"{kernel}: argument {i} is not the caller's tensor"
                 elif isinstance(y, torch.Tensor) and y.dtype == torch.int32 and y.shape == (4,):
                     # the error record: the address of a ring slot, another one than the fresh
                     # call's
                     ring = launch_decode._RINGS[y.device]
                     assert any(y is v for v in ring.views)
                     assert x in ring.addrs and x != y.data_ptr()
-                elif isinstance(y, torch.Tensor) and y.dtype == torch.int32 and y.shape == (1,):
-                    # the verdict of the append: a buffer of the plan's, passed as an address
-                    assert isinstance(x, int) and x == plan.errs[next(iter(plan.errs))][1]
+                elif isinstance(y, torch.Tensor) and (y is want_out or y is want_lse):
+                    # an output: the address of the tensor the replay returns
+                    assert x == (out if y is want_out else lse).data_ptr()
                 elif isinstance(y, torch.Tensor):
-                    # a buffer of the call: fresh, of the recorded shape, the same one wherever
-                    # the fresh call used the same one
-                    assert isinstance(x, torch.Tensor) and x.shape == y.shape and x.dtype == y.dtype
-                    assert all(x is not t for t in second + tuple(t for t in first if t is not None))
-                    assert buffers.setdefault(id(y), x) is x
+                    # a buffer the call does not return (partials, the append's verdict, the
+                    # rotated q): an aligned address in the stream's scratch region, the same
+                    # one wherever the fresh call used the same buffer
+                    size = y.numel() * y.element_size()
+                    assert isinstance(x, int) and base <= x and x + size <= base + region.numel()
+                    assert (x - base) % launch_decode.SCRATCH_ALIGN == 0
+                    assert scratch.setdefault(id(y), (x, size)) == (x, size)
                 else:
                     assert x == y, f"{kernel}: argument {i}: {x!r} != {y!r}"
-        assert out.shape == want_out.shape and out is buffers.get(id(want_out), out)
+        assert out.shape == want_out.shape and out.dtype == want_out.dtype
+        assert lse.shape == want_lse.shape and lse.dtype == want_lse.dtype
+        assert all(t is None or t.data_ptr() not in (out.data_ptr(), lse.data_ptr())
+                   for t in first + second)
+        # partials, verdict and rotated q: four scratch buffers, none overlapping another
+        spans = sorted(scratch.values())
+        assert len(spans) == 4
+        assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))
         # a kernel argument that is neither an input nor a buffer (a converted copy): no plan
         assert launch_decode.record_plan(second, call(second, k=second[3].clone()))[1] is None
         # one tensor passed as two inputs: a later call may pass two, so no plan
@@ -792,6 +803,58 @@ def test_eager_plans_only_for_cuda_triton_calls():
     t = torch.zeros(1, 1, 2, 16)
     args = (t, t, t, None, None, None, None, torch.zeros(1, dtype=torch.int32), None, None, None, None)
     assert _eager_plan_key(args, (None, False, (-1, -1), 0.0, True, 0)) is None
+
+
+def test_eager_plan_key_separates_what_the_launches_depend_on(monkeypatch):
+    """``kvcache._eager_plan_key`` with CPU tensors standing in for CUDA ones: equal keys for
+    calls that launch the same kernels with the same arguments, different keys for another
+    shape, stride, dtype, alignment, scalar type or check mode, and no key where an argument
+    would be keyed by identity (a tensor scale or window) or is not a tensor where one belongs."""
+    from flashtile import kvcache
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(kvcache.backends, "select", lambda device: "triton")
+    monkeypatch.setattr(kvcache, "_plans_enabled", lambda: True)
+    mode = ["async"]
+    monkeypatch.setattr(kvcache, "_check_mode", lambda: mode[0])
+    gen = _seed("plan-key")
+
+    def args(q=None, lens=None, table=None):
+        q = torch.randn(2, 1, 4, 16, generator=gen) if q is None else q
+        kc, vc = (torch.randn(2, 64, 2, 16, generator=gen) for _ in range(2))
+        lens = torch.tensor([3, 9], dtype=torch.int32) if lens is None else lens
+        return (q, kc, vc, None, None, None, None, lens, None, None, table, None)
+
+    scalars = (None, True, (-1, -1), 0.0, True, 0)
+    key = kvcache._eager_plan_key(args(), scalars)
+    assert key is not None and hash(key) is not None
+    assert kvcache._eager_plan_key(args(), scalars) == key  # fresh tensors, same signature
+    assert kvcache._eager_plan_key(args(), scalars[:2] + ([-1, -1],) + scalars[3:]) == key
+    wide = torch.randn(2, 1, 8, 16, generator=gen)
+    different = {
+        "shape": (args(q=torch.randn(3, 1, 4, 16, generator=gen)), scalars),
+        "stride": (args(q=wide[:, :, ::2]), scalars),
+        "dtype": (args(q=torch.randn(2, 1, 4, 16, generator=gen).double()), scalars),
+        "alignment": (args(q=torch.randn(2 * 64 + 1, generator=gen)[1:].view(2, 1, 4, 16)), scalars),
+        "causal 1": (args(), (None, 1, (-1, -1), 0.0, True, 0)),
+        "softcap 0": (args(), (None, True, (-1, -1), 0, True, 0)),
+        "window": (args(), (None, True, (8, 0), 0.0, True, 0)),
+        "scale": (args(), (0.25, True, (-1, -1), 0.0, True, 0)),
+    }
+    keys = {name: kvcache._eager_plan_key(*a) for name, a in different.items()}
+    assert all(k is not None and k != key for k in keys.values()), keys
+    assert len(set(keys.values())) == len(keys)
+    mode[0] = "off"
+    assert kvcache._eager_plan_key(args(), scalars) not in (None, key)
+    for name, a in {
+        "tensor scale": (args(), (torch.tensor(0.25),) + scalars[1:]),
+        "tensor window": (args(), scalars[:2] + ((torch.tensor(4), 0),) + scalars[3:]),
+        "int cache_seqlens": (args(lens=5), scalars),
+        "list block_table": (args(table=[[0, 1]]), scalars),
+    }.items():
+        assert kvcache._eager_plan_key(*a) is None, name
 
 
 def test_backend_selection(monkeypatch):
@@ -1170,11 +1233,11 @@ def test_error_ring_retires_in_order_and_waits_when_full(monkeypatch):
     ring.words[s0, 0] = done
     with pytest.raises(flashtile.FlashtileInputError, match=r"block_table\[1, 1\]=99"):
         ring.begin(info)
-    assert [p[0] for p in ring.pending] == [2]
+    assert ring.pending() == [2]
     assert [ring.begin(info)[0] for _ in range(3)] == [3, 4, 5]  # the ring is full now
     assert ring.begin(info)[0] == 6 and waited == [2]
     ring.check()  # the emulated device wrote nothing else: no error, nothing pending
-    assert not ring.pending
+    assert ring.pending() == []
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)

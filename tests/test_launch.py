@@ -241,8 +241,12 @@ def stubbed(monkeypatch):
     monkeypatch.setattr(fastlaunch, "INTERNALS_OK", True)
     monkeypatch.setattr(fastlaunch, "_current", lambda device: True)
     monkeypatch.setattr(fastlaunch, "launch_hooks_set", lambda: False)
-    monkeypatch.setattr(fastlaunch, "_run", lambda compiled, grid, values, device:
-                        ran.append((compiled, grid, values)))
+    # a replay calls what fastlaunch.bind made of each launch: here a note of its arguments
+    monkeypatch.setattr(fastlaunch, "bind", lambda compiled, grid, values: (
+        lambda *args: ran.append((compiled, grid, list(args[4:]))), [None] * 4 + list(values)))
+    monkeypatch.setattr(fastlaunch, "raw_stream", lambda device: None)
+    # replays pass tensors as they are (test_replays_pass_addresses checks the conversion)
+    monkeypatch.setattr(fastlaunch, "addresses", list)
     # decode: GPU block shapes and splits; no index check (the stubbed kernels write no error
     # record; tests/test_decode.py replays plans with the check on)
     monkeypatch.setattr(launch_decode, "_on_gpu", lambda x: True)
@@ -251,6 +255,15 @@ def stubbed(monkeypatch):
     launch_decode._plan.cache_clear()
     yield handles, seen, ran
     launch_decode._plan.cache_clear()
+
+
+def test_replays_pass_addresses():
+    """``fastlaunch.addresses``: a tensor becomes its ``data_ptr()`` (a view's, with its
+    offset), an int (an address already) and None stay as they are."""
+    t = torch.randn(4, 8)
+    view = t[1:, 2:]
+    assert fastlaunch.addresses([t, None, view, 12345]) == [
+        t.data_ptr(), None, t.data_ptr() + (8 + 2) * t.element_size(), 12345]
 
 
 @pytest.mark.parametrize("case", ["forward", "backward", "decode"])
@@ -273,6 +286,10 @@ def test_plan_replays_the_recorded_launches_with_new_tensors(stubbed, case):
         for i, (x, y) in enumerate(zip(got, want)):
             if isinstance(y, torch.Tensor) and any(y is t for t in second):
                 assert x is y, f"{kernel}: argument {i} is not the caller's tensor"
+            elif isinstance(y, torch.Tensor) and case == "decode" and not any(y is w for w in want_outs):
+                # a decode buffer it does not return: an address in the stream's scratch
+                # region (tests/test_decode.py checks where)
+                assert isinstance(x, int)
             elif isinstance(y, torch.Tensor):
                 # a buffer of the call: fresh, of the recorded shape, strides and dtype, the
                 # same one wherever the fresh call used the same one

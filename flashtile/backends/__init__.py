@@ -30,7 +30,15 @@ import threading
 import torch
 
 BACKENDS = ("triton", "torch")
-_local = threading.local()
+
+
+class _Choice(threading.local):
+    # per thread: the use_backend choice; a class default, because looking up a missing
+    # thread-local attribute raises inside getattr (~1 us on every call)
+    name = None
+
+
+_local = _Choice()
 
 
 def _check_name(name: str, source: str) -> str:
@@ -44,7 +52,7 @@ def _check_name(name: str, source: str) -> str:
 def use_backend(name: str):
     """Run the enclosed calls on backend ``name`` ("triton" or "torch")."""
     _check_name(name, "use_backend")
-    old = getattr(_local, "name", None)
+    old = _local.name
     _local.name = name
     try:
         yield
@@ -52,8 +60,34 @@ def use_backend(name: str):
         _local.name = old
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+def env_reader(name: str):
+    """A function returning environment variable ``name`` now (None when unset), as
+    ``os.environ.get(name)`` does.  The variables read on every call (backend, check mode,
+    interpreter) are read from ``os.environ``'s own mapping under a key encoded once: on the H100
+    machine ``os.environ.get`` costs ~2-3 us a read (the key is encoded each time and a missing
+    one raises inside), a lookup here ~0.1 us.  Writes through ``os.environ`` (``monkeypatch``,
+    ``os.environ[...] = ...``) are seen at once."""
+    data = getattr(os.environ, "_data", None)
+    if os.name == "posix" and isinstance(data, dict):
+        key, decode = os.environ.encodekey(name), os.environ.decodevalue
+
+        def read():
+            value = data.get(key)
+            return None if value is None else decode(value)
+        return read
+    return lambda: os.environ.get(name)  # pragma: no cover - other platforms
+
+
+_interpret_env = env_reader("TRITON_INTERPRET")
+_backend_env = env_reader("FLASHTILE_BACKEND")
+
+
+def interpreting() -> bool:
+    """Whether ``TRITON_INTERPRET`` asks for the Triton interpreter."""
+    return _interpret_env() not in (None, "", "0")
+
+
+_interpreting = interpreting
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,14 +121,15 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
 
 def select(device: torch.device) -> str:
     """The backend name for tensors on ``device``; raises if an explicit choice is impossible."""
-    name = getattr(_local, "name", None)
+    name = _local.name
     source = "use_backend"
     if name is None:
-        env = os.environ.get("FLASHTILE_BACKEND", "").strip()
-        if env:
-            name, source = _check_name(env, "FLASHTILE_BACKEND"), "FLASHTILE_BACKEND"
+        env = _backend_env()
+        if env and env.strip():
+            name, source = _check_name(env.strip(), "FLASHTILE_BACKEND"), "FLASHTILE_BACKEND"
     if name is None:
-        if device.type == "cuda" or (device.type == "cpu" and _interpreting()):
+        kind = device.type  # a new string per read
+        if kind == "cuda" or (kind == "cpu" and _interpreting()):
             return "triton" if triton_unavailable_reason(device) is None else "torch"
         return "torch"
     if name == "triton":

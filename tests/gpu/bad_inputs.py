@@ -19,7 +19,8 @@ without raising, wrote nothing into the caches, returned NaN, and
 call itself raises).  Then the cases where only the kernels' guards stand between bad indices
 and memory: CUDA graphs captured with valid indices and replayed with bad ones (kvcache: the
 replay writes nothing, its output is NaN and ``check_kvcache_errors()`` reports it; varlen:
-clamped index tensors, finite output), and kvcache calls with ``FLASHTILE_KVCACHE_CHECK=off``.
+clamped index tensors, finite output), eager kvcache calls that replay a launch plan (no host
+checks), and kvcache calls with ``FLASHTILE_KVCACHE_CHECK=off``.
 Prints one line per case and exits 0 when every case behaved; 1 otherwise.
 """
 from __future__ import annotations
@@ -281,6 +282,45 @@ def graph_kvcache(dev, dtype) -> list[str]:
     return failures
 
 
+def replayed_kvcache(dev, dtype) -> list[str]:
+    """Bad index values in an eager call that replays a launch plan (a step of the same
+    signature ran before with valid values): the replay skips the host checks and puts its
+    partials in the stream's scratch region, so only the device check stands between the values
+    and memory.  It must write nothing into the caches, return NaN and be reported by
+    ``check_kvcache_errors()``; under memcheck nothing may be touched out of bounds."""
+    from flashtile import kvcache
+    failures = []
+    for append in (True, False):
+        for name, (which, value, needle) in KVCACHE_BAD_VALUES.items():
+            label = f"replay: kvcache {'append' if append else 'attend'} {name}"
+            q, kc, vc, index, kw = _kvcache_step(dev, dtype, append)
+            with flashtile.use_backend("triton"):
+                before_plans = len(kvcache._PLANS)
+                for _ in range(2):  # records the plan, then replays it
+                    flash_attn_with_kvcache(q, kc, vc, **kw)
+                torch.cuda.synchronize()
+                flashtile.check_kvcache_errors()
+                planned = len(kvcache._PLANS) in (before_plans, before_plans + 1) and bool(kvcache._PLANS)
+                index[which].copy_(torch.tensor(value, dtype=torch.int32, device=dev))
+                before = kc.clone(), vc.clone()
+                out = flash_attn_with_kvcache(q, kc, vc, **kw)
+                torch.cuda.synchronize()
+            unchanged = torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+            nan = bool(out.isnan().any())
+            try:
+                flashtile.check_kvcache_errors()
+                reported, ok = "nothing", False
+            except flashtile.FlashtileInputError as e:
+                reported = str(e).splitlines()[0][:150]
+                ok = re.search(needle, str(e)) is not None
+            ok = ok and unchanged and nan and planned
+            print(f"{'ok  ' if ok else 'FAIL'} {label}: cache unchanged={unchanged}, NaN output={nan}, "
+                  f"planned={planned}, reported: {reported}")
+            if not ok:
+                failures.append(label)
+    return failures
+
+
 def unchecked_kvcache(dev, dtype) -> list[str]:
     """Bad index values with ``FLASHTILE_KVCACHE_CHECK=off`` (no check, no record): the call
     completes; under memcheck it may not touch memory out of bounds."""
@@ -367,6 +407,7 @@ def main(argv=None) -> int:
             failures += captured_varlen(dev, dtype)
             failures += graph_kvcache(dev, dtype)
         if not args.graphs_only:
+            failures += replayed_kvcache(dev, dtype)
             os.environ["FLASHTILE_KVCACHE_CHECK"] = "off"
             failures += unchecked_kvcache(dev, dtype)
     print(f"{len(failures)} failed" + (": " + ", ".join(failures) if failures else ""))

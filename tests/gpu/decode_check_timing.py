@@ -12,13 +12,16 @@ appended token and without, under each ``FLASHTILE_KVCACHE_CHECK`` mode:
 The eager steps' GPU time is timed too (the host queues the steps while a sleep kernel holds
 the GPU, so the host's pace drops out): at batch 1 the back-to-back time is the host's, and the
 two columns together say which side a check's cost lands on.
-Modes are interleaved round by round in one process and the median over rounds is reported,
-with each mode's ratio to ``off``.  CUDA-graph replays (GPU time per step) are timed too, for
+The host's pace drifts (on the H100 machine one block of eager steps can take twice as long as
+the next), so the eager steps are timed in short blocks, the modes one after another in each
+round with the order rotated from round to round; reported are the median over rounds and the
+median (with quartiles) of each round's ratio to ``off``, which compares blocks run
+milliseconds apart.  CUDA-graph replays (GPU time per step) are timed too, for
 ``off`` and ``async`` (a captured call never waits; ``sync`` captures as ``async``).  Writes a
 JSON file (``--out``) and prints a table.
 
     TORCHINDUCTOR_COMPILE_THREADS=1 PYTHONPATH=. python tests/gpu/decode_check_timing.py \
-        --out decode_check_timing_h100.json            # ~1 minute on an H100
+        --out decode_check_timing_h100.json            # ~2 minutes on an H100
 """
 import argparse
 import json
@@ -116,8 +119,9 @@ def capture(step):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="decode_check_timing.json")
-    parser.add_argument("--rounds", type=int, default=11)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=61, help="rounds of eager blocks")
+    parser.add_argument("--steps", type=int, default=100, help="eager steps per block")
+    parser.add_argument("--gpu-rounds", type=int, default=11, help="rounds of GPU-time blocks")
     args = parser.parse_args()
     configs = [(b, paged, append) for b in (1, 8) for paged in (False, True) for append in (True, False)]
     rows = []
@@ -136,42 +140,48 @@ def main() -> int:
         eager = {m: [] for m in MODES}
         eager_gpu = {m: [] for m in MODES if m != "sync"}  # sync waits: no queue to hold
         graph = {m: [] for m in graphs}
-        for _ in range(args.rounds):
-            for mode in MODES:
+        for r in range(args.rounds):
+            for mode in MODES[r % 3:] + MODES[:r % 3]:
                 set_mode(mode)
                 eager[mode].append(eager_us(step, args.steps))
+        for _ in range(args.gpu_rounds):
+            for mode in MODES:
+                set_mode(mode)
                 if mode in eager_gpu:
-                    eager_gpu[mode].append(eager_gpu_us(step, min(args.steps, 200)))
+                    eager_gpu[mode].append(eager_gpu_us(step, 200))
                 if mode in graphs:
-                    graph[mode].append(graph_us(graphs[mode], args.steps))
+                    graph[mode].append(graph_us(graphs[mode], 300))
         flashtile.check_kvcache_errors()  # the steps were valid: nothing may be reported
         name = f"B{batch} L{L} {'paged' if paged else 'contig'} {'append' if append else 'attend'}"
-        e_off = statistics.median(eager["off"])
         eg_off = statistics.median(eager_gpu["off"])
         g_off = statistics.median(graph["off"])
         for mode in MODES:
             e = statistics.median(eager[mode])
+            ratios = [x / y for x, y in zip(eager[mode], eager["off"])]
+            q1, ratio, q3 = statistics.quantiles(ratios, n=4)
             eg = statistics.median(eager_gpu[mode]) if mode in eager_gpu else None
             g = statistics.median(graph[mode]) if mode in graph else None
             rows.append(dict(batch=batch, seqlen=L, paged=paged, page_size=PAGE if paged else None,
-                             append=append, mode=mode, eager_us=e, eager_vs_off=e / e_off,
-                             eager_rounds=eager[mode], eager_gpu_us=eg,
+                             append=append, mode=mode, eager_us=e, eager_vs_off=ratio,
+                             eager_vs_off_iqr=[q1, q3], eager_rounds=eager[mode], eager_gpu_us=eg,
                              eager_gpu_vs_off=(eg / eg_off) if eg is not None else None,
                              eager_gpu_rounds=eager_gpu.get(mode), graph_us=g,
                              graph_vs_off=(g / g_off) if g is not None else None,
                              graph_rounds=graph.get(mode)))
             egtxt = f"{eg:14.1f} {eg / eg_off:7.3f}" if eg is not None else f"{'-':>14} {'-':>7}"
             gtxt = f"{g:14.1f} {g / g_off:7.3f}" if g is not None else f"{'-':>14} {'-':>7}"
-            print(f"{name:<28} {mode:<6} {e:14.1f} {e / e_off:7.3f} {egtxt} {gtxt}")
+            print(f"{name:<28} {mode:<6} {e:14.1f} {ratio:7.3f} {egtxt} {gtxt}")
         del graphs
     set_mode("async")
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=__import__("triton").__version__, heads=H, kv_heads=HK, head_dim=D,
-                dtype=str(DT), rounds=args.rounds, steps=args.steps,
-                method="eager: back-to-back steps between two device synchronisations, mean per "
-                       "step; eager GPU: the same steps queued while a sleep kernel holds the "
-                       "GPU, timed by events (host excluded); graph: replays between two events; "
-                       "median over interleaved rounds")
+                dtype=str(DT), rounds=args.rounds, steps=args.steps, gpu_rounds=args.gpu_rounds,
+                method="eager: blocks of back-to-back steps between two device "
+                       "synchronisations, mean per step, the modes one after another in each "
+                       "round (order rotated); eager_vs_off: median over rounds of the round's "
+                       "ratio (quartiles in eager_vs_off_iqr); eager GPU: 200 steps queued while "
+                       "a sleep kernel holds the GPU, timed by events (host excluded); graph: "
+                       "300 replays between two events; medians over rounds")
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print(f"wrote {args.out}")

@@ -12,9 +12,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 
 import torch
+
+from .. import interpreting  # noqa: F401 - the launch modules import it from here
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,10 +68,6 @@ _pinned: dict | None = None
 def head_dim_bucket(head_dim: int) -> int:
     """Kernels are compiled for the next power of two >= 16 of the head dim."""
     return max(16, 1 << (head_dim - 1).bit_length())
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _arch(device: torch.device) -> str:

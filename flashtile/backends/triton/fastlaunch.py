@@ -275,6 +275,38 @@ def _run(compiled, grid: tuple, values: list, device: int) -> None:
                  None, *values)
 
 
+def bind(compiled, grid: tuple, values: list) -> tuple:
+    """A launch of ``compiled`` made ready for replays: ``(function, arguments)``, where
+    ``function(*arguments)`` launches ``compiled`` with ``values`` as :func:`_run` does once
+    ``arguments[STREAM_ARG]`` holds the raw stream; the values sit at the end of
+    ``arguments``, from position ``len(arguments) - len(values)``.
+
+    Where Triton's launcher needs no scratch memory of its own allocators for the kernel (every
+    kernel here), the function is the launcher's C entry point: the Python frame in front of it
+    only passes the arguments on and asks for scratch sizes of zero (~2 us a launch on the H100
+    machine)."""
+    run = compiled.run  # loads the kernel on first use, which sets compiled.function
+    launch = getattr(run, "launch", None)
+    g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, None)
+    if (launch is not None and getattr(run, "global_scratch_size", 1) == 0
+            and getattr(run, "profile_scratch_size", 1) == 0):
+        head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                compiled.packed_metadata, None, None, None)
+        return launch, [*g, *head, *values]
+    return run, [*g, compiled.function, compiled.packed_metadata, None, None, None, *values]
+
+
+STREAM_ARG = 3  # where bind's arguments hold the stream
+
+
+def addresses(items) -> list:
+    """Each tensor's address; ints (addresses already) and None stay as they are.  Replays pass
+    addresses, not tensors: for a tensor the launcher calls ``data_ptr()`` and then asks the
+    driver whether the address is device memory (``cuPointerGetAttribute``), ~1 us a pointer
+    argument on the H100 machine, for tensors whose device the plan key has already fixed."""
+    return [t if t is None or t.__class__ is int else t.data_ptr() for t in items]
+
+
 # Launch plans.  A short-sequence forward, a backward or an eager decode step costs as much
 # host time as GPU time, and most of that host time rebuilds the same ~50-60 kernel arguments
 # per launch from the same shapes.  While a call runs inside :func:`recording`, every buffer it
@@ -359,8 +391,8 @@ def recorder() -> Recorder | None:
 
 class Plan:
     """A recorded call: buffers to allocate (shape, strides, dtype), then launches
-    ``(compiled, grid, argument template, [(position, 0, input index) or (position, 1, buffer
-    index)])``; ``outputs`` are buffer indices."""
+    ``(function, argument template, [(position, 0, input index) or (position, 1, buffer
+    index)])`` (:func:`bind`); ``outputs`` are buffer indices."""
 
     __slots__ = ("allocs", "launches", "outputs", "device")
 
@@ -377,13 +409,14 @@ class Plan:
         bufs = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
                 for shape, stride, dtype in self.allocs]
         outs = tuple([bufs[i] for i in self.outputs])
-        pools = (inputs, bufs)
-        index = device.index
-        for compiled, grid, template, slots in self.launches:
-            values = template.copy()
+        pools = (addresses(inputs), addresses(bufs))
+        stream = raw_stream(device.index)
+        for function, template, slots in self.launches:
+            args = template.copy()
+            args[STREAM_ARG] = stream
             for pos, kind, i in slots:
-                values[pos] = pools[kind][i]
-            _run(compiled, grid, values, index)
+                args[pos] = pools[kind][i]
+            function(*args)
             if after_first is not None:
                 after_first(outs)
                 after_first = None
@@ -452,7 +485,9 @@ def record_plan(rec: Recorder, inputs: tuple, outputs: tuple, roles: dict | None
                     return None
             template[pos] = None
             slots.append((pos, *slot))
-        launches.append((compiled, grid, template, tuple(slots)))
+        function, args = bind(compiled, grid, template)
+        shift = len(args) - len(template)
+        launches.append((function, args, tuple((pos + shift, *s) for pos, *s in slots)))
     out_index = []
     for t in outputs:
         slot = where.get(id(t))

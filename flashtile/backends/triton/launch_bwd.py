@@ -7,10 +7,10 @@ the caller's tensor without a copy.  The byte counts are in ``flashtile.referenc
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
+from .. import env_reader
 from ..spec import AttnSpec
 from .args import (alibi_args, bias_args, block_d, broadcast_strides, cdiv, dot_precision,
                    dropout_args, layout, lse_strides, scalar_args, seq_strides)
@@ -25,6 +25,7 @@ from .sparse_index import fit_block, sparse_args
 # direct-launch keys) costs as much as their GPU time.  Inputs (do, q, k, v, out, lse), placed
 # in the kernel parameters below even when one tensor is passed as two of them.
 _plans = PlanCache()
+_chunk_env = env_reader("FLASHTILE_BWD_CHUNK")
 _ROLES = {attn_bwd_dq_kernel: plan_roles(attn_bwd_dq_kernel, DO=0, Q=1, K=2, V=3, O=4, LSE=5),
           attn_bwd_dkdv_kernel: plan_roles(attn_bwd_dkdv_kernel, DO=0, Q=1, K=2, V=3, LSE=5)}
 
@@ -40,7 +41,7 @@ def batch_chunk(batch: int, sq: int, sk: int, nheads: int, nheads_k: int, head_d
     finds the Q, dO, K and V tiles the dQ kernel has just read in L2 instead of reading them
     from HBM again: fewer bytes (the IO benchmark, ``python -m flashtile.bench io``), more
     launches, each with a smaller grid."""
-    mode = os.environ.get("FLASHTILE_BWD_CHUNK", "off").strip().lower()
+    mode = (_chunk_env() or "off").strip().lower()
     if mode in ("", "off", "0"):
         return 0
     if mode == "auto":
@@ -88,7 +89,7 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
     inputs = (do, q, k, v, out, lse)
     # the chunk setting decides the launches (a chunked call records no plan: its kernels get
     # views of the tensors)
-    key = (signature(*inputs), q.dtype, q.device, spec, os.environ.get("FLASHTILE_BWD_CHUNK"))
+    key = (signature(*inputs), q.dtype, q.device, spec, _chunk_env())
     plan = _plans.get(key)
     if plan is not None:
         res = plan.run(inputs)

@@ -32,13 +32,13 @@ capturing): a replay that finds a bad index writes it, and :func:`check_errors` 
 """
 from __future__ import annotations
 
-import collections
 import functools
-import os
 import threading
 import time
 
 import torch
+from .. import env_reader
+from .. import interpreting as _interpreting
 from ..._validate import MAX_SPLITS, FlashtileInputError, kvcache_error_message
 from .kernels.decode import (RECORD_DONE, _check_kernel, _combine_kernel, _rotary_append_kernel,
                              _split_kv_kernel)
@@ -54,8 +54,6 @@ __all__ = ["decode", "decode_forward", "record_decode", "merge_states", "combine
 MIN_TILES_PER_SPLIT = 4
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _on_gpu(x: torch.Tensor) -> bool:
@@ -188,12 +186,16 @@ def _plan(on_gpu: bool, head_dim: int, seqlen_q: int, group: int, dtype: torch.d
 CHECK_MODES = ("async", "sync", "off")
 
 
+_check_env = env_reader("FLASHTILE_KVCACHE_CHECK")
+_check_indices_env = env_reader("FLASHTILE_CHECK_INDICES")
+
+
 def check_mode() -> str:
     """``FLASHTILE_KVCACHE_CHECK``: ``async`` (default), ``sync`` or ``off``; unset, the older
     ``FLASHTILE_CHECK_INDICES=0`` means ``off``."""
-    mode = os.environ.get("FLASHTILE_KVCACHE_CHECK")
+    mode = _check_env()
     if not mode:
-        return "off" if os.environ.get("FLASHTILE_CHECK_INDICES") == "0" else "async"
+        return "off" if _check_indices_env() == "0" else "async"
     if mode in CHECK_MODES:
         return mode
     raise ValueError(f"FLASHTILE_KVCACHE_CHECK={mode!r}: expected one of {', '.join(CHECK_MODES)}")
@@ -208,8 +210,12 @@ class _Ring:
 
     A slot is four int32 ``(status, index, value, -)`` in pinned host memory (plain memory for
     the interpreter's CPU tensors), which the kernels write directly.  ``status`` is 0 until
-    the check has run, then ``_DONE + code``.  An eager call clears its slot, launches, and its
-    record waits in ``pending`` (oldest first) until a later call finds it written."""
+    the check has run, then ``_DONE + code``.  Eager call ``seq`` uses slot ``seq % SLOTS``: it
+    clears the status, launches, and its record is pending until a later call finds it
+    written.  The pending records are the calls ``oldest .. seq - 1``: retiring one is a counter
+    increment, and a record the host has settled (reported by a ``sync`` call, or of a call
+    whose launches failed) is marked written-without-error (``_DONE``) so the others never
+    wait for it."""
 
     SLOTS = 256
     GRAPH_SLOTS = 4096  # a model captures one call per layer; slots are not given back
@@ -219,12 +225,15 @@ class _Ring:
         total = self.SLOTS + self.GRAPH_SLOTS
         self.buf = torch.zeros((total, 4), dtype=torch.int32, pin_memory=device.type == "cuda")
         self.words = self.buf.numpy()
+        # the status word of slot s is status[4 * s]: a flat view that reads and writes single
+        # words at Python-int speed (the per-call path)
+        self.status = memoryview(self.words).cast("B").cast("i")
         self.views = [self.buf[i] for i in range(total)]
         # each slot's address, which is also its device address (unified addressing): launch
         # plans pass it as is, sparing the launcher a pointer query
         self.addrs = [self.buf.data_ptr() + self.buf.stride(0) * 4 * i for i in range(total)]
-        self.pending: collections.deque = collections.deque()  # (seq, slot, info)
-        self.seq = 0
+        self.infos: list = [None] * self.SLOTS  # the message facts of each eager slot's call
+        self.seq = self.oldest = 0  # the next call; the oldest call whose record is pending
         self.graphs: list = []  # (slot, info) of captured calls
         self.lock = threading.Lock()
         # the interpreter runs every kernel before the launch returns: a record still unwritten
@@ -234,65 +243,73 @@ class _Ring:
     # ---- eager calls
     def begin(self, info) -> tuple:
         """Raise the errors of earlier calls that are already recorded; then a cleared slot for
-        a new call, ``(seq, slot)``, registered as pending (waiting for the oldest record when
-        the ring is full)."""
+        a new call, ``(seq, slot)``, pending (waiting for the oldest record when the ring is
+        full)."""
         with self.lock:
-            pending, words = self.pending, self.words
+            status, slots, seq, oldest = self.status, self.SLOTS, self.seq, self.oldest
             # retire the written records (usually the previous call's), inline: this runs on
             # every eager decode call, where the host is the bottleneck at batch 1
-            while pending:
-                status = words.item(pending[0][1], 0)
-                if status == _DONE or (status == 0 and self.synchronous):
-                    pending.popleft()
-                elif status == 0:
+            while oldest < seq:
+                word = status[4 * (oldest % slots)]
+                if word == _DONE or (word == 0 and self.synchronous):
+                    oldest += 1
+                elif word == 0:
                     break
                 else:
+                    self.oldest = oldest
                     self._raise_written()  # an error: retire in order and raise
-            seq = self.seq
-            while pending and pending[0][0] <= seq - self.SLOTS:
-                if not self._wait(pending[0][1]):
-                    pending.popleft()  # never written: its launch did not happen
+            self.oldest = oldest
+            while seq - self.oldest >= slots:  # full: wait for the oldest record
+                first = self.oldest % slots
+                if not self._wait(first):
+                    status[4 * first] = _DONE  # never written: its launch did not happen
                 self._raise_written()
-            slot = seq % self.SLOTS
-            words[slot, 0] = 0
+            slot = seq % slots
+            status[4 * slot] = 0
+            self.infos[slot] = info
             self.seq = seq + 1
-            pending.append((seq, slot, info))
             return seq, slot
+
+    def pending(self) -> list:
+        """The calls whose records are pending, oldest first."""
+        return list(range(self.oldest, self.seq))
+
+    def _settle(self, seq: int) -> None:
+        """Mark call ``seq``'s record written without error, if it is still pending."""
+        if self.oldest <= seq < self.seq:
+            self.status[4 * (seq % self.SLOTS)] = _DONE
 
     def drop(self, seq: int) -> None:
         """Forget the record of a call whose launches failed."""
         with self.lock:
-            for entry in self.pending:
-                if entry[0] == seq:
-                    self.pending.remove(entry)
-                    break
+            self._settle(seq)
 
     def finish_sync(self, seq: int, slot: int, info) -> None:
         """Wait for the record of call ``seq`` (``sync`` mode) and raise its error."""
         with self.lock:
             written = self._wait(slot)
-            for entry in self.pending:
-                if entry[0] == seq:
-                    self.pending.remove(entry)
-                    break
-            status = int(self.words[slot, 0]) if written else 0
-            if status not in (0, _DONE):
-                raise self._error([(slot, status - _DONE, info)], "")
+            word = self.status[4 * slot] if written else 0
+            error = None
+            if word not in (0, _DONE):
+                error = self._error([(slot, word - _DONE, info)], "")
+            self._settle(seq)  # reported here: a later call does not report it again
+            if error is not None:
+                raise error
 
     def _wait(self, slot: int) -> bool:
         """Until the record in ``slot`` is written (True), spinning on its status word and
         letting other threads run; after 0.1 s the device is synchronised instead, and a record
         still unwritten then was never launched (False)."""
-        words = self.words
-        if words[slot, 0] != 0:
+        status, i = self.status, 4 * slot
+        if status[i] != 0:
             return True
         if self.synchronous:
             return False
         deadline = time.perf_counter() + 0.1
-        while words[slot, 0] == 0:
+        while status[i] == 0:
             if time.perf_counter() > deadline:
                 torch.cuda.synchronize(self.device)
-                return bool(words[slot, 0] != 0)
+                return status[i] != 0
             time.sleep(0)
         return True
 
@@ -300,15 +317,15 @@ class _Ring:
         """Retire the pending records that are written, oldest first, up to the first one that
         is not; raise the first error among them."""
         errors = []
-        pending, words = self.pending, self.words
-        while pending:
-            seq, slot, info = pending[0]
-            status = int(words[slot, 0])
-            if status == 0 and not self.synchronous:
+        status, slots = self.status, self.SLOTS
+        while self.oldest < self.seq:
+            slot = self.oldest % slots
+            word = status[4 * slot]
+            if word == 0 and not self.synchronous:
                 break
-            pending.popleft()
-            if status not in (0, _DONE):
-                errors.append((slot, status - _DONE, info))
+            self.oldest += 1
+            if word not in (0, _DONE):
+                errors.append((slot, word - _DONE, self.infos[slot]))
         if errors:
             raise self._error(errors, "earlier")
 
@@ -331,11 +348,12 @@ class _Ring:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             errors = []
-            while self.pending:
-                seq, slot, info = self.pending.popleft()
-                status = int(self.words[slot, 0])
-                if status not in (0, _DONE):
-                    errors.append((slot, status - _DONE, info))
+            while self.oldest < self.seq:
+                slot = self.oldest % self.SLOTS
+                self.oldest += 1
+                word = self.status[4 * slot]
+                if word not in (0, _DONE):
+                    errors.append((slot, word - _DONE, self.infos[slot]))
             graph_errors = []
             if self.graphs:
                 written = self.words[self.SLOTS:self.SLOTS + len(self.graphs), 0]
@@ -435,8 +453,8 @@ def check_errors(device: torch.device | None = None) -> None:
 # ``fastlaunch.recording`` (the recorder the forward and the backward use: every allocation and
 # every direct launch is noted); :func:`record_plan` turns that into a :class:`Plan` that
 # replays the call for new tensors of the same signature (see ``flashtile.kvcache``): allocate
-# the same buffers, put the caller's tensors, the buffers and a new error record in their
-# argument slots, launch the same compiled kernels.  Decode keeps its own replay
+# the outputs, put the caller's tensors, the outputs, scratch addresses and a new error record
+# in their argument slots, launch the same compiled kernels.  Decode keeps its own replay
 # (``fastlaunch.Plan`` has no place for the per-call error record).
 def _go(kernel, grid, **kwargs) -> None:
     """``kernel[grid](**kwargs)`` (every argument and launch option by name), noted by the
@@ -444,36 +462,53 @@ def _go(kernel, grid, **kwargs) -> None:
     _launch(kernel, grid, **kwargs)
 
 
-class Plan:
-    """A recorded eager call: buffers to allocate, then launches whose tensor arguments are the
-    call's inputs (by position), those buffers, or the call's error record.
+# A replay's buffers that it does not return (the split-KV partials, the append's verdict, a
+# rotated q) are used only between the call's own launches, in stream order.  One region per
+# (device, stream), shared by every plan and reused by every replay on that stream, holds them:
+# the next replay's first write comes after this one's last read.  It saves their allocations
+# (a torch.empty costs ~5 us of host time on the H100 machine; a batch-1 step made four).
+# A call needing more than SCRATCH_LIMIT bytes allocates its own region.
+SCRATCH_LIMIT = 64 << 20
+SCRATCH_ALIGN = 256  # every buffer's offset: the 16-byte alignment its kernels were compiled for
+_SCRATCH: dict = {}  # (device index, raw stream) -> (uint8 tensor, its address)
 
-    The record slot and the verdict buffer go to the launches as addresses (the launcher takes
-    an int as a device pointer as it is).  The verdict buffer is kept per stream and reused by
-    the next replay on that stream: stream order puts its write (the append) after the last
-    read of the previous call (its split-KV kernel)."""
+
+def _scratch(device: torch.device, index, stream, nbytes: int) -> tuple:
+    """``(address, tensor to keep alive until the launches are queued)`` of ``nbytes`` of
+    scratch for a replay on ``stream``."""
+    if nbytes > SCRATCH_LIMIT:
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf.data_ptr(), buf
+    held = _SCRATCH.get((index, stream))
+    if held is None or held[0].numel() < nbytes:
+        # the old region goes back to the allocator on this stream: stream order keeps its
+        # pending reads before any later use
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        held = _SCRATCH[(index, stream)] = (buf, buf.data_ptr())
+    return held[1], None
+
+
+class Plan:
+    """A recorded eager call: the outputs to allocate, then launches whose arguments are the
+    addresses of the call's inputs (by position), of those outputs, in the stream's scratch
+    region (:func:`_scratch`) and of the call's error record (``fastlaunch.addresses``).
+
+    ``allocs``: per buffer of the call, ``(shape, dtype, None)`` for ``out`` and ``lse`` (fresh
+    tensors) or ``(None, None, offset)`` for a scratch buffer; ``launches``: ``(function,
+    argument template, [(position, pool, index)])`` (``fastlaunch.bind``)."""
 
     __slots__ = ("allocs", "launches", "out", "lse", "device", "stream_device", "mode", "info",
-                 "err", "errs", "ring")
+                 "ring", "scratch_bytes")
 
-    def __init__(self, allocs, launches, out, lse, device, mode, info, err):
+    def __init__(self, allocs, launches, out, lse, device, mode, info, scratch_bytes):
         self.allocs, self.launches, self.out, self.lse, self.device = allocs, launches, out, lse, device
         self.mode, self.info = mode, info  # the check mode and the record's message facts
-        self.err, self.errs = err, {}  # the verdict buffer's index in allocs; per stream
+        self.scratch_bytes = scratch_bytes
         # launches go to the current device's stream, as the direct launches they replay did
         # (the plan key holds the current device)
         self.stream_device = torch.cuda.current_device() if device.type == "cuda" else None
         # the device's error records (replays are never captured: see run)
         self.ring = _ring(device) if mode != "off" else None
-
-    def _err(self) -> int:
-        dev = self.stream_device
-        stream = fastlaunch.raw_stream(dev) if dev is not None else None
-        err = self.errs.get(stream)
-        if err is None:
-            buf = torch.empty((1,), dtype=torch.int32, device=self.device)
-            err = self.errs[stream] = (buf, buf.data_ptr())
-        return err[1]
 
     def run(self, inputs: tuple):
         """``(out, lse)`` for ``inputs`` (same signature as the recorded call, outside CUDA-graph
@@ -484,25 +519,31 @@ class Plan:
         ring, seq, slot = self.ring, None, None
         if ring is not None:  # _begin's eager branch, without its lookups
             seq, slot = ring.begin(self.info)
-        err = self.err
-        bufs = [torch.empty(shape, dtype=dtype, device=self.device) if i != err else None
-                for i, (shape, dtype) in enumerate(self.allocs)]
-        if err is not None:
-            bufs[err] = self._err()
-        pools = (inputs, bufs, (ring.addrs[slot] if slot is not None else None,))
+        dev = self.stream_device
+        stream = fastlaunch.raw_stream(dev) if dev is not None else None
+        base = held = None
+        if self.scratch_bytes:
+            base, held = _scratch(self.device, dev, stream, self.scratch_bytes)
+        bufs = [torch.empty(shape, dtype=dtype, device=self.device) if off is None else base + off
+                for shape, dtype, off in self.allocs]
+        out, lse = bufs[self.out], bufs[self.lse]
+        pools = (fastlaunch.addresses(inputs), fastlaunch.addresses(bufs),
+                 (ring.addrs[slot] if slot is not None else None,))
         try:
-            for compiled, grid, template, slots in self.launches:
-                values = template.copy()
+            for function, template, slots in self.launches:
+                args = template.copy()
+                args[fastlaunch.STREAM_ARG] = stream
                 for pos, kind, j in slots:
-                    values[pos] = pools[kind][j]
-                fastlaunch.run_direct(compiled, grid, values, self.stream_device)
+                    args[pos] = pools[kind][j]
+                function(*args)
         except BaseException:
             if ring is not None:
                 ring.drop(seq)
             raise
+        del held  # queued: the allocator keeps a region freed now for this stream's later use
         if ring is not None and self.mode == "sync":
             ring.finish_sync(seq, slot, self.info)
-        return bufs[self.out], bufs[self.lse]
+        return out, lse
 
 
 def record_plan(inputs: tuple, call):
@@ -533,13 +574,20 @@ def record_plan(inputs: tuple, call):
                     return (out, lse), None
                 template[pos] = None
                 where.append((pos, *slot))
-        launches.append((compiled, grid, template, tuple(where)))
+        function, args = fastlaunch.bind(compiled, grid, template)
+        shift = len(args) - len(template)
+        launches.append((function, args, tuple((pos + shift, *s) for pos, *s in where)))
     if not launches or slots.get(id(out), (0,))[0] != 1 or slots.get(id(lse), (0,))[0] != 1:
         return (out, lse), None
-    allocs = [(tuple(t.shape), t.dtype) for t in rec.allocs]
-    err = slots[id(note["err"])][1] if note.get("err") is not None else None
+    allocs, offset = [], 0
+    for t in rec.allocs:
+        if t is out or t is lse:
+            allocs.append((tuple(t.shape), t.dtype, None))
+        else:
+            allocs.append((None, None, offset))
+            offset += -(-t.numel() * t.element_size() // SCRATCH_ALIGN) * SCRATCH_ALIGN
     return (out, lse), Plan(allocs, launches, slots[id(out)][1], slots[id(lse)][1], out.device,
-                            note.get("mode", "off"), note.get("info"), err)
+                            note.get("mode", "off"), note.get("info"), offset)
 
 
 # --------------------------------------------------------------------------------------------
@@ -738,7 +786,7 @@ def decode_forward(
     slot = ring.views[slot] if slot is not None else None
     rec = fastlaunch.recorder()
     if rec is not None:
-        rec.note = dict(slot=slot, mode=mode, info=info, err=None)
+        rec.note = dict(slot=slot, mode=mode, info=info)
     try:
         res = _launch_all(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -777,9 +825,6 @@ def _launch_all(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
         fused = False
         if checking:
             err = _alloc((1,), torch.int32, device)
-            rec = fastlaunch.recorder()
-            if rec is not None and rec.note is not None:
-                rec.note["err"] = err
             block_h = min(_next_pow2(hk), max(1, 4096 // max(16, _next_pow2(d))))
             programs = seqlen_new * b * _cdiv(hk, block_h)
             fused = programs * b * (n_cols + 4) <= FUSED_CHECK_BUDGET

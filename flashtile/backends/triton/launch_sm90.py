@@ -8,12 +8,11 @@ the Triton kernel, never a wrong result: ``eligible`` lists the scope.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from ..spec import AttnSpec
-from .configs import interpreting
+from .. import env_reader, interpreting
 from .args import LOG2E
 from .fastlaunch import empty
 
@@ -23,8 +22,11 @@ NUM_WARPS = 4  # the first consumer; the kernel adds 4 + 1 worker warps
 STAGES = 2
 
 
+_sm90_env = env_reader("FLASHTILE_SM90")
+
+
 def enabled() -> bool:
-    return os.environ.get("FLASHTILE_SM90", "0") not in ("", "0")
+    return _sm90_env() not in (None, "", "0")
 
 
 @functools.lru_cache(maxsize=None)
