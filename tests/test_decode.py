@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import zlib
 
 import pytest
@@ -751,7 +752,7 @@ def test_eager_plan_replays_the_recorded_launches_with_new_tensors(monkeypatch):
         (want_out, want_lse), _ = launch_decode.record_plan(second, call(second))
         out, lse = plan.run(second)
         assert [r[0] for r in ran] == [handles[kn] for kn in kernels]
-        region, base = launch_decode._SCRATCH[(None, None)]
+        region, base = launch_decode._SCRATCH[(None, None, threading.get_ident())]
         scratch = {}
         for (compiled, grid, got), (kernel, want_grid, want) in zip(ran, seen):
             assert grid == want_grid and len(got) == len(want)
@@ -795,6 +796,32 @@ def test_eager_plan_replays_the_recorded_launches_with_new_tensors(monkeypatch):
         assert launch_decode.record_plan(second, call(second))[1] is None
     finally:
         launch_decode._plan.cache_clear()
+
+
+def test_replay_scratch_is_per_thread_and_reused(monkeypatch):
+    """``launch_decode._scratch``: one region per (device, stream, thread), reused by the same
+    thread (grown when a replay needs more), another for another thread on the same stream
+    (two threads' launches may interleave on one stream); past the region count, a replay gets
+    a region of its own that it keeps alive."""
+    from flashtile.backends.triton import launch_decode
+
+    monkeypatch.setattr(launch_decode, "_SCRATCH", {})
+    cpu = torch.device("cpu")
+    a, held = launch_decode._scratch(cpu, None, 7, 1024)
+    assert held is None and launch_decode._scratch(cpu, None, 7, 512) == (a, None)
+    other = []
+    worker = threading.Thread(target=lambda: other.append(launch_decode._scratch(cpu, None, 7, 1024)))
+    worker.start()
+    worker.join()
+    assert other[0][1] is None and other[0][0] != a
+    grown, _ = launch_decode._scratch(cpu, None, 7, 4096)
+    assert launch_decode._SCRATCH[(None, 7, threading.get_ident())][0].numel() == 4096
+    assert launch_decode._scratch(cpu, None, 7, 4096) == (grown, None)
+    big, keep = launch_decode._scratch(cpu, None, 7, launch_decode.SCRATCH_LIMIT + 1)
+    assert keep is not None and keep.data_ptr() == big
+    monkeypatch.setattr(launch_decode, "SCRATCH_REGIONS", len(launch_decode._SCRATCH))
+    own, keep = launch_decode._scratch(cpu, None, 8, 256)  # a new stream, no region left
+    assert keep is not None and keep.data_ptr() == own and (None, 8, threading.get_ident()) not in launch_decode._SCRATCH
 
 
 def test_eager_plans_only_for_cuda_triton_calls():

@@ -146,6 +146,39 @@ def test_eager_plans_equal_triton_launch_bitwise(cache, variant, monkeypatch):
         assert torch.equal(kc, results[0][1]) and torch.equal(vc, results[0][2])
 
 
+def test_threads_replaying_on_one_stream_get_their_own_results(cache):
+    """Two threads replay decode plans (split-KV with a combine, so partials in the scratch
+    region) on the same stream at once, each on its own query and cache rows: each result
+    equals the same call made alone, bit for bit."""
+    import threading
+
+    q2 = torch.randn_like(cache["q"])
+    jobs = [(cache["q"], cache["kc"], cache["vc"]), (q2, cache["vc"], cache["kc"])]
+    lens = cache["lens"]
+    alone = [flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, num_splits=4) for q, k, v in jobs]
+    torch.cuda.synchronize()
+    results, errors = [[], []], []
+
+    def work(i):
+        try:
+            q, k, v = jobs[i]
+            for _ in range(200):
+                results[i].append(flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, num_splits=4))
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    assert not errors
+    for i in range(2):
+        assert len(results[i]) == 200
+        assert all(torch.equal(out, alone[i]) for out in results[i]), f"thread {i}"
+
+
 # --------------------------------------------------------------------------------------------
 # index checks without a host wait: records written by the kernels into pinned host memory
 # --------------------------------------------------------------------------------------------

@@ -464,27 +464,33 @@ def _go(kernel, grid, **kwargs) -> None:
 
 # A replay's buffers that it does not return (the split-KV partials, the append's verdict, a
 # rotated q) are used only between the call's own launches, in stream order.  One region per
-# (device, stream), shared by every plan and reused by every replay on that stream, holds them:
-# the next replay's first write comes after this one's last read.  It saves their allocations
-# (a torch.empty costs ~5 us of host time on the H100 machine; a batch-1 step made four).
-# A call needing more than SCRATCH_LIMIT bytes allocates its own region.
+# (device, stream, thread), shared by every plan and reused by every replay of that thread on
+# that stream, holds them: the next replay's first write comes after this one's last read.  (Per
+# thread: two threads replaying on one stream could interleave their launches.)  It saves their
+# allocations (a torch.empty costs ~5 us of host time on the H100 machine; a batch-1 step made
+# four).  A call needing more than SCRATCH_LIMIT bytes allocates its own region.
 SCRATCH_LIMIT = 64 << 20
 SCRATCH_ALIGN = 256  # every buffer's offset: the 16-byte alignment its kernels were compiled for
-_SCRATCH: dict = {}  # (device index, raw stream) -> (uint8 tensor, its address)
+SCRATCH_REGIONS = 64  # regions kept (a region is only ever replaced by its own thread); past
+# that, replays of new (device, stream, thread) keys allocate their own
+_SCRATCH: dict = {}  # (device index, raw stream, thread) -> (uint8 tensor, its address)
 
 
 def _scratch(device: torch.device, index, stream, nbytes: int) -> tuple:
     """``(address, tensor to keep alive until the launches are queued)`` of ``nbytes`` of
-    scratch for a replay on ``stream``."""
+    scratch for a replay on ``stream`` by this thread."""
     if nbytes > SCRATCH_LIMIT:
         buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return buf.data_ptr(), buf
-    held = _SCRATCH.get((index, stream))
+    key = (index, stream, threading.get_ident())
+    held = _SCRATCH.get(key)
     if held is None or held[0].numel() < nbytes:
-        # the old region goes back to the allocator on this stream: stream order keeps its
-        # pending reads before any later use
         buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        held = _SCRATCH[(index, stream)] = (buf, buf.data_ptr())
+        if held is None and len(_SCRATCH) >= SCRATCH_REGIONS:
+            return buf.data_ptr(), buf
+        # a region replaced returns to the allocator on its stream: stream order keeps its
+        # pending reads before any later use
+        held = _SCRATCH[key] = (buf, buf.data_ptr())
     return held[1], None
 
 
