@@ -174,6 +174,21 @@ def flashtile_context(device: torch.device) -> ContextManager:
     return _flashtile_use_backend()("triton" if device.type == "cuda" else "torch")
 
 
+@contextlib.contextmanager
+def flashtile_chunked_context(device: torch.device):
+    """flashtile with ``FLASHTILE_BWD_CHUNK=auto``: the backward in batch chunks that fit L2."""
+    old = os.environ.get("FLASHTILE_BWD_CHUNK")
+    os.environ["FLASHTILE_BWD_CHUNK"] = "auto"
+    try:
+        with flashtile_context(device):
+            yield
+    finally:
+        if old is None:
+            os.environ.pop("FLASHTILE_BWD_CHUNK", None)
+        else:
+            os.environ["FLASHTILE_BWD_CHUNK"] = old
+
+
 def _prepare_flashtile(inp: Inputs, causal: bool, scale: float) -> Prepared:
     ft = flashtile_api()
     q, k, v = (t.detach().requires_grad_() for t in (inp.q, inp.k, inp.v))
@@ -265,6 +280,9 @@ _SDPA_DEFAULT = Impl(_prepare_sdpa, description="SDPA with no backend forced (Py
 IMPLS: dict[str, Impl] = {
     "flashtile": Impl(_prepare_flashtile, flashtile_context, peer=False,
                       description="flashtile.flash_attn_func (triton on CUDA, torch on CPU)"),
+    "flashtile_chunked": Impl(_prepare_flashtile, flashtile_chunked_context, peer=False,
+                              description="flashtile with FLASHTILE_BWD_CHUNK=auto (backward in "
+                                          "batch chunks that fit L2)"),
     "sdpa": _SDPA_DEFAULT,
     "sdpa_default": _SDPA_DEFAULT,
     "sdpa_flash": Impl(_prepare_sdpa, _sdpa_context("FLASH_ATTENTION"),
