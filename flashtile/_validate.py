@@ -272,13 +272,26 @@ def varlen_guard(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q
     (for CUDA-graph capture, where :func:`varlen_values` cannot read them): ``cu_seqlens_*``
     non-decreasing from 0, within the packed totals and ``max_seqlen_*`` (and, paged, what the
     block table addresses), ``block_table`` entries clamped to the pool.  Equal to the inputs
-    when those are valid; a call with invalid ones computes garbage, in bounds."""
+    when those are valid; a call with invalid ones computes garbage, in bounds (and
+    :func:`zero_uncovered` defines the rows of tokens the clamped sequences leave out)."""
     cu_q = _safe_cu(cu_seqlens_q, max_seqlen_q, total_q)
     if block_table_ is None:
         return cu_q, _safe_cu(cu_seqlens_k, max_seqlen_k, k.shape[0]), None
     capacity = block_table_.shape[1] * k.shape[1]
     cu_k = _safe_cu(cu_seqlens_k, min(max_seqlen_k, capacity), None)
     return cu_q, cu_k, block_table_.clamp(0, max(k.shape[0] - 1, 0))
+
+
+def zero_uncovered(x: torch.Tensor, cu: torch.Tensor, dim: int = 0,
+                   fill: float = 0.0) -> torch.Tensor:
+    """``x`` with the entries along ``dim`` of the packed tokens that no sequence of ``cu``
+    covers (index ``>= cu[-1]``) set to ``fill``, in place and on the device (no host read).
+    With the indices :func:`varlen_guard` clamped, the kernels write no row for those tokens:
+    without this, their rows would keep whatever the fresh buffer held."""
+    shape = [1] * x.dim()
+    shape[dim] = x.shape[dim]
+    tokens = torch.arange(x.shape[dim], device=x.device).view(shape)
+    return x.masked_fill_(tokens >= cu[-1], fill)
 
 
 def _cu_values(name: str, values: list[int], total, max_seqlen, max_name: str) -> list[int]:

@@ -105,6 +105,23 @@ def _forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             cu_seqlens_q, cu_seqlens_k, block_table = V.varlen_guard(
                 cu_seqlens_q, cu_seqlens_k, q.shape[0], k, max_seqlen_q, max_seqlen_k,
                 block_table)
+            out, lse = _forward_body(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                                     max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
+                                     window_right, bottom_right, softcap, dropout_p, attn_bias,
+                                     rng_seed, block_mask, block_m, block_n, block_table,
+                                     heads_first)
+            # tokens the clamped sequences leave out: output 0, lse -inf (a query with no key)
+            return (V.zero_uncovered(out, cu_seqlens_q),
+                    V.zero_uncovered(lse, cu_seqlens_q, dim=lse.dim() - 1, fill=float("-inf")))
+    return _forward_body(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         max_seqlen_k, softmax_scale, window_left, window_right, bottom_right,
+                         softcap, dropout_p, attn_bias, rng_seed, block_mask, block_m, block_n,
+                         block_table, heads_first)
+
+
+def _forward_body(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p,
+                  attn_bias, rng_seed, block_mask, block_m, block_n, block_table, heads_first):
     spec = _spec(softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p)
     name = backends.select(q.device)
     impl = backends.get(name)
@@ -147,7 +164,8 @@ def _backward_body(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens
                    max_seqlen_k, softmax_scale, window_left, window_right, bottom_right, softcap,
                    dropout_p, attn_bias, rng_seed, block_mask, block_m, block_n, bias_grad,
                    block_table, heads_first):
-    if cu_seqlens_q is not None and not V.value_checks_enabled(q.device):
+    guarded = cu_seqlens_q is not None and not V.value_checks_enabled(q.device)
+    if guarded:
         # the forward's guard (CUDA-graph capture): the same clamped indices
         cu_seqlens_q, cu_seqlens_k, block_table = V.varlen_guard(
             cu_seqlens_q, cu_seqlens_k, q.shape[0], k, max_seqlen_q, max_seqlen_k, block_table)
@@ -171,6 +189,10 @@ def _backward_body(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens
     else:
         dbias = None
         dq, dk, dv = impl.backward(do, q, k, v, out, lse, spec, **kw)
+    if guarded:  # tokens the clamped sequences leave out: no kernel wrote their gradients
+        dq = V.zero_uncovered(dq, cu_seqlens_q)
+        if slots is None:
+            dk, dv = V.zero_uncovered(dk, cu_seqlens_k), V.zero_uncovered(dv, cu_seqlens_k)
     if slots is not None:
         dk = paged_kv.scatter_add_varlen(dk, slots, k_pool)
         dv = paged_kv.scatter_add_varlen(dv, slots, v_pool)
