@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -411,9 +412,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 # Host cost per call (``python -m flashtile.bench overhead``)
 # --------------------------------------------------------------------------------------------
 def _per_call_us(fn: Callable[[], Any], n: int = 2000) -> float:
-    """Wall-clock microseconds per call of ``fn`` over ``n`` calls, after 50 warm-up calls."""
-    for _ in range(50):
-        fn()
+    """Wall-clock microseconds per call of ``fn`` over ``n`` calls (one block, between two
+    device synchronisations)."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(n):
@@ -422,12 +422,19 @@ def _per_call_us(fn: Callable[[], Any], n: int = 2000) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def host_costs() -> dict:
+HOST_ROUNDS = 9
+
+
+def host_costs(rounds: int = HOST_ROUNDS) -> dict:
     """Microseconds per call on a tiny input (1 x 16 x 2 x 64 bf16, causal), where the GPU work
     is negligible, so this is the Python + launch cost: SDPA flash, flashtile's public forward
     and forward+backward, and the Triton forward launcher alone, each with direct launches off
-    (``triton_run``) and on (``direct``); then forward+backward with launch plans off and on,
-    alternating over three rounds."""
+    (``triton_run``) and on (``direct``); forward+backward with launch plans off and on.
+
+    The host's pace drifts between blocks of calls (on the H100 machine by up to 3x), so every
+    measurement is a block of calls repeated over ``rounds`` rounds, all measurements one after
+    another in each round (order rotated), and the median over rounds is reported (with the
+    rounds under ``<name>_rounds``)."""
     import flashtile
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -440,32 +447,43 @@ def host_costs() -> dict:
     spec = AttnSpec(0.125, -1, 0)
     qt, qtg = q.transpose(1, 2), qg.transpose(1, 2)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    rec = {}
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        rec["sdpa_flash_fwd_us"] = _per_call_us(lambda: sdpa(qt, qt, qt, is_causal=True))
-        rec["sdpa_flash_fwd_bwd_us"] = _per_call_us(
-            lambda: sdpa(qtg, qtg, qtg, is_causal=True).sum().backward(), n=500)
-    for direct in (False, True):
-        tag = "direct" if direct else "triton_run"
-        with direct_launches(direct):
-            rec[f"flashtile_fwd_us_{tag}"] = _per_call_us(
-                lambda: flashtile.flash_attn_func(q, q, q, causal=True))
-            rec[f"flashtile_fwd_bwd_us_{tag}"] = _per_call_us(
-                lambda: flashtile.flash_attn_func(qg, qg, qg, causal=True).sum().backward(),
-                n=500)
-            rec[f"launcher_fwd_us_{tag}"] = _per_call_us(lambda: forward(q, q, q, spec))
-    # launch plans off and on, alternating, direct launches on; a contiguous output gradient
-    # as in training (the gradient of .sum() is an expanded tensor, which the backward's plans
-    # leave to the full path)
+    # a contiguous output gradient as in training for the plans comparison (the gradient of
+    # .sum() is an expanded tensor, which the backward's plans leave to the full path)
     k, v = qg.detach().clone().requires_grad_(), qg.detach().clone().requires_grad_()
     dout = torch.randn_like(q)
-    for rnd in range(3):
-        for plans in (False, True):
-            tag = f"bwd_plans_{'on' if plans else 'off'}_round{rnd}"
-            with launch_plans(plans):
-                rec[f"flashtile_fwd_bwd_us_direct_{tag}"] = _per_call_us(
-                    lambda: flashtile.flash_attn_func(qg, k, v, causal=True).backward(dout),
-                    n=500)
+    flash = lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)  # noqa: E731
+    # name: (call, calls per block, context)
+    cases = {
+        "sdpa_flash_fwd_us": (lambda: sdpa(qt, qt, qt, is_causal=True), 1000, flash),
+        "sdpa_flash_fwd_bwd_us": (lambda: sdpa(qtg, qtg, qtg, is_causal=True).sum().backward(),
+                                  250, flash),
+    }
+    for direct in (False, True):
+        tag = "direct" if direct else "triton_run"
+        ctx = (lambda d=direct: direct_launches(d))
+        cases[f"flashtile_fwd_us_{tag}"] = (
+            lambda: flashtile.flash_attn_func(q, q, q, causal=True), 1000, ctx)
+        cases[f"flashtile_fwd_bwd_us_{tag}"] = (
+            lambda: flashtile.flash_attn_func(qg, qg, qg, causal=True).sum().backward(), 250, ctx)
+        cases[f"launcher_fwd_us_{tag}"] = (lambda: forward(q, q, q, spec), 1000, ctx)
+    for plans in (False, True):
+        cases[f"flashtile_fwd_bwd_us_direct_bwd_plans_{'on' if plans else 'off'}"] = (
+            lambda: flashtile.flash_attn_func(qg, k, v, causal=True).backward(dout), 250,
+            lambda p=plans: launch_plans(p))
+    names = list(cases)
+    for name in names:  # warm-up: compiles, records the plans
+        fn, _, ctx = cases[name]
+        with ctx():
+            for _ in range(50):
+                fn()
+    times: dict = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn, n, ctx = cases[name]
+            with ctx():
+                times[name].append(_per_call_us(fn, n))
+    rec = {name: statistics.median(t) for name, t in times.items()}
+    rec.update({f"{name}_rounds": t for name, t in times.items()})
     return rec
 
 
