@@ -87,8 +87,6 @@ def interpreting() -> bool:
     return _interpret_env() not in (None, "", "0")
 
 
-_interpreting = interpreting
-
 
 @functools.lru_cache(maxsize=None)
 def _triton_importable() -> bool:
@@ -113,7 +111,7 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
         return "the 'triton' package is not installed (pip install triton)"
     if device.type == "cuda":
         return _cuda_reason(device.index)
-    if _interpreting():
+    if interpreting():
         return None
     return (f"Triton cannot compile for {device.type} tensors; set TRITON_INTERPRET=1 to emulate "
             "the kernels (slow) or use the 'torch' backend")
@@ -124,12 +122,12 @@ def select(device: torch.device) -> str:
     name = _local.name
     source = "use_backend"
     if name is None:
-        env = _backend_env()
-        if env and env.strip():
-            name, source = _check_name(env.strip(), "FLASHTILE_BACKEND"), "FLASHTILE_BACKEND"
+        env = (_backend_env() or "").strip()
+        if env:
+            name, source = _check_name(env, "FLASHTILE_BACKEND"), "FLASHTILE_BACKEND"
     if name is None:
         kind = device.type  # a new string per read
-        if kind == "cuda" or (kind == "cpu" and _interpreting()):
+        if kind == "cuda" or (kind == "cpu" and interpreting()):
             return "triton" if triton_unavailable_reason(device) is None else "torch"
         return "torch"
     if name == "triton":

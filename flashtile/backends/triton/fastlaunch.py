@@ -299,6 +299,15 @@ def bind(compiled, grid: tuple, values: list) -> tuple:
 STREAM_ARG = 3  # where bind's arguments hold the stream
 
 
+def bind_slots(compiled, grid: tuple, template: list, slots) -> tuple:
+    """:func:`bind` of ``template``, with ``slots`` (tuples whose first item is a position in
+    ``template``) moved to the same argument's position in the bound arguments:
+    ``(function, arguments, slots)``."""
+    function, args = bind(compiled, grid, template)
+    shift = len(args) - len(template)  # bind puts the grid and the launch options first
+    return function, args, tuple((pos + shift, *rest) for pos, *rest in slots)
+
+
 def addresses(items) -> list:
     """Each tensor's address; ints (addresses already) and None stay as they are.  Replays pass
     addresses, not tensors: for a tensor the launcher calls ``data_ptr()`` and then asks the
@@ -485,9 +494,7 @@ def record_plan(rec: Recorder, inputs: tuple, outputs: tuple, roles: dict | None
                     return None
             template[pos] = None
             slots.append((pos, *slot))
-        function, args = bind(compiled, grid, template)
-        shift = len(args) - len(template)
-        launches.append((function, args, tuple((pos + shift, *s) for pos, *s in slots)))
+        launches.append(bind_slots(compiled, grid, template, slots))
     out_index = []
     for t in outputs:
         slot = where.get(id(t))

@@ -15,7 +15,7 @@ from ..spec import AttnSpec
 from .args import (alibi_args, bias_args, block_d, broadcast_strides, cdiv, dot_precision,
                    dropout_args, layout, lse_strides, scalar_args, seq_strides)
 from .configs import get_config
-from .fastlaunch import (STREAM_ARG, PlanCache, bind, empty, empty_like, launch, plan_roles,
+from .fastlaunch import (STREAM_ARG, PlanCache, bind_slots, empty, empty_like, launch, plan_roles,
                          plans_enabled, record_plan, recording, signature)
 from .kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 from .sparse_index import fit_block, sparse_args
@@ -62,6 +62,14 @@ def batch_chunk(batch: int, sq: int, sk: int, nheads: int, nheads_k: int, head_d
     return entries if 0 < entries < batch else 0
 
 
+def _blocks(cfg, sparse) -> tuple[int, int]:
+    """``(BLOCK_M, BLOCK_N)`` of a pass: its config's, fitted to the block-sparse mask's blocks
+    when there is one (``sparse_args``)."""
+    if sparse[0] is None:
+        return cfg.block_m, cfg.block_n
+    return fit_block(cfg.block_m, sparse[2]), fit_block(cfg.block_n, sparse[3])
+
+
 def _cutter(b0: int, b1: int, chunk: int):
     """Batch entries ``[b0, b1)`` of a tensor (None stays None); the tensor itself unchunked."""
     if not chunk:
@@ -83,14 +91,12 @@ class _Relaunch:
 
     def __init__(self, launched, grid, per_entry: int):
         compiled, values = launched
-        template, self.moves = list(values), []
+        template, moves = list(values), []
         for pos, v in enumerate(values):
             if isinstance(v, torch.Tensor):
                 template[pos] = None
-                self.moves.append((pos, v.data_ptr(), v.stride(0) * v.element_size()))
-        self.function, self.args = bind(compiled, grid, template)
-        shift = len(self.args) - len(template)
-        self.moves = [(pos + shift, base, step) for pos, base, step in self.moves]
+                moves.append((pos, v.data_ptr(), v.stride(0) * v.element_size()))
+        self.function, self.args, self.moves = bind_slots(compiled, grid, template, moves)
         self.per_entry = per_entry  # grid rows per batch entry (heads)
 
     def run(self, b0: int, b1: int, stream: int) -> bool:
@@ -239,18 +245,20 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
                 or dq_bs[0] is not None or db_full is not None)
     chunk = 0 if features else batch_chunk(batch, sq, sk, nheads, nheads_k, head_dim,
                                            q.element_size(), q.device)
+    dq_blocks, kv_blocks = _blocks(dq_cfg, dq_bs), _blocks(kv_cfg, kv_bs)
     # Batch entries [b0, b1) at a time (all of them unless chunked): dQ first, its prologue
     # writes delta, which the dK/dV kernel reads.  Chunked, the dK/dV kernel re-reads the Q, dO,
     # K and V tiles the dQ kernel has just read while they are still in L2 (the tensors are
     # views of the whole ones, with the same strides: the same compiled kernels).
-    def launch_dq(b0, b1):
+    def chunk_args(b0, b1):
         cut = _cutter(b0, b1, chunk)
-        part = dict(common, Q=cut(q), K=cut(k), V=cut(v), DO=cut(do), LSE=cut(lse),
-                    DELTA=cut(delta))
-        block_m, block_n = dq_cfg.block_m, dq_cfg.block_n
+        return cut, dict(common, Q=cut(q), K=cut(k), V=cut(v), DO=cut(do), LSE=cut(lse),
+                         DELTA=cut(delta))
+
+    def launch_dq(b0, b1):
+        cut, part = chunk_args(b0, b1)
+        block_m, block_n = dq_blocks
         bs_idx, bs_strides, bs_m, bs_n = dq_bs
-        if bs_idx is not None:
-            block_m, block_n = fit_block(block_m, bs_m), fit_block(block_n, bs_n)
         grid = (cdiv(sq, block_m), (b1 - b0) * nheads)
         return grid, launch(
             attn_bwd_dq_kernel, grid, **part, DQ=cut(dq),
@@ -264,13 +272,9 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
             num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages)
 
     def launch_dkdv(b0, b1):
-        cut = _cutter(b0, b1, chunk)
-        part = dict(common, Q=cut(q), K=cut(k), V=cut(v), DO=cut(do), LSE=cut(lse),
-                    DELTA=cut(delta))
-        block_m, block_n = kv_cfg.block_m, kv_cfg.block_n
+        cut, part = chunk_args(b0, b1)
+        block_m, block_n = kv_blocks
         bs_idx, bs_strides, bs_m, bs_n = kv_bs
-        if bs_idx is not None:
-            block_m, block_n = fit_block(block_m, bs_m), fit_block(block_n, bs_n)
         grid = (cdiv(sk, block_n), (b1 - b0) * nheads_k)
         return grid, launch(
             attn_bwd_dkdv_kernel, grid, **part,

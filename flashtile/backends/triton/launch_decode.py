@@ -38,7 +38,7 @@ import time
 
 import torch
 from .. import env_reader
-from .. import interpreting as _interpreting
+from .. import interpreting
 from ..._validate import MAX_SPLITS, FlashtileInputError, kvcache_error_message
 from .kernels.decode import (RECORD_DONE, _check_kernel, _combine_kernel, _rotary_append_kernel,
                              _split_kv_kernel)
@@ -580,9 +580,7 @@ def record_plan(inputs: tuple, call):
                     return (out, lse), None
                 template[pos] = None
                 where.append((pos, *slot))
-        function, args = fastlaunch.bind(compiled, grid, template)
-        shift = len(args) - len(template)
-        launches.append((function, args, tuple((pos + shift, *s) for pos, *s in where)))
+        launches.append(fastlaunch.bind_slots(compiled, grid, template, where))
     if not launches or slots.get(id(out), (0,))[0] != 1 or slots.get(id(lse), (0,))[0] != 1:
         return (out, lse), None
     allocs, offset = [], 0
@@ -600,7 +598,7 @@ def record_plan(inputs: tuple, call):
 # launches
 # --------------------------------------------------------------------------------------------
 def _check_runnable(x: torch.Tensor) -> None:
-    if not _on_gpu(x) and not _interpreting():
+    if not _on_gpu(x) and not interpreting():
         raise RuntimeError(
             f"the triton decode kernels cannot run on {x.device.type} tensors; set TRITON_INTERPRET=1 "
             "(before triton kernels are imported) to emulate them, or use FLASHTILE_BACKEND=torch")
