@@ -20,20 +20,10 @@ from .. import interpreting  # noqa: F401 - the launch modules import it from he
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Blocks of a pass.  The one-grid backward (pass ``bwd``) has two kinds of programs: its dQ
-    programs take ``block_m`` query rows x ``block_n`` key tiles, its dK/dV programs
-    ``kv_block_n`` keys x ``kv_block_m`` query tiles (0: ``block_n`` and ``block_m``, the dQ
-    shape mirrored); both run with the launch's ``num_warps`` and ``num_stages``."""
     block_m: int
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
-    kv_block_m: int = 0
-    kv_block_n: int = 0
-
-    def kv_blocks(self) -> tuple[int, int]:
-        """``(query tile, keys)`` of the one-grid backward's dK/dV programs."""
-        return self.kv_block_m or self.block_n, self.kv_block_n or self.block_m
 
 
 # (arch "sm90", pass, d bucket, causal, dtype) -> (block_m, block_n, num_warps, num_stages)
@@ -106,9 +96,7 @@ def _heuristic(pass_: str, d: int, arch: str) -> KernelConfig:
 
 
 def get_config(pass_: str, head_dim: int, causal: bool, dtype: torch.dtype,
-               device: torch.device, seqlen: int = 0) -> KernelConfig | None:
-    """The config of ``pass_`` for a call; for ``bwd`` (the one-grid backward) None where the
-    backward launches two grids instead."""
+               device: torch.device, seqlen: int = 0) -> KernelConfig:
     pinned = _pinned
     if pinned and pass_ in pinned:
         return pinned[pass_]
@@ -124,8 +112,6 @@ def _cuda_config(pass_, d, causal, dtype, index, short) -> KernelConfig:
     arch = _arch(device)
     if dtype == torch.float32:
         # fp32 runs ieee dots with twice the register footprint per element.
-        if pass_ == "bwd":
-            return None
         base = _heuristic(pass_, d, arch)
         return KernelConfig(max(16, base.block_m // 2), max(16, base.block_n // 2),
                             base.num_warps, 2)
@@ -134,8 +120,6 @@ def _cuda_config(pass_, d, causal, dtype, index, short) -> KernelConfig:
         return KernelConfig(*TUNED[key + ("short",)])
     if key in TUNED:
         return KernelConfig(*TUNED[key])
-    if pass_ == "bwd":
-        return None  # the one-grid backward only where measured faster than two grids
     return _heuristic(pass_, d, arch)
 
 
@@ -146,7 +130,7 @@ def pinned_configs() -> bool:
 
 @contextlib.contextmanager
 def override(**configs: KernelConfig):
-    """Pin configs for passes ``fwd``, ``bwd``, ``dkdv``, ``dq`` inside the block (process-wide, so the
+    """Pin configs for passes ``fwd``, ``dkdv``, ``dq`` inside the block (process-wide, so the
     backward that autograd runs on its own thread uses them too)."""
     global _pinned
     old = _pinned

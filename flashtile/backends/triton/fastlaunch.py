@@ -76,12 +76,6 @@ def empty_like(x: torch.Tensor, dtype=None) -> torch.Tensor:
     return _new(torch.empty_like(x, dtype=dtype))
 
 
-def zeros(shape, dtype, device) -> torch.Tensor:
-    """A zeroed buffer the kernels count in (never poisoned), noted by the call's
-    :func:`recording` so that a replay zeroes its own."""
-    return _new(torch.zeros(shape, dtype=dtype, device=device))
-
-
 def _new(out: torch.Tensor) -> torch.Tensor:
     if _poison and out.dtype.is_floating_point:
         out.fill_(float("nan"))
@@ -405,8 +399,7 @@ def recorder() -> Recorder | None:
 
 
 class Plan:
-    """A recorded call: buffers to allocate (shape, strides, dtype, zeroed: the integer ones,
-    which only :func:`zeros` makes), then launches
+    """A recorded call: buffers to allocate (shape, strides, dtype), then launches
     ``(function, argument template, [(position, 0, input index) or (position, 1, buffer
     index)])`` (:func:`bind`); ``outputs`` are buffer indices."""
 
@@ -422,9 +415,8 @@ class Plan:
         if launch_hooks_set():
             return None
         device = self.device
-        bufs = [torch.zeros(shape, dtype=dtype, device=device) if zero else
-                torch.empty_strided(shape, stride, dtype=dtype, device=device)
-                for shape, stride, dtype, zero in self.allocs]
+        bufs = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                for shape, stride, dtype in self.allocs]
         outs = tuple([bufs[i] for i in self.outputs])
         pools = (addresses(inputs), addresses(bufs))
         stream = raw_stream(device.index)
@@ -509,6 +501,5 @@ def record_plan(rec: Recorder, inputs: tuple, outputs: tuple, roles: dict | None
         if slot is None or slot[0] != 1:
             return None
         out_index.append(slot[1])
-    allocs = [(tuple(t.shape), t.stride(), t.dtype, not t.dtype.is_floating_point)
-              for t in rec.allocs]
+    allocs = [(tuple(t.shape), t.stride(), t.dtype) for t in rec.allocs]
     return Plan(allocs, launches, tuple(out_index), device)

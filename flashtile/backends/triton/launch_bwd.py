@@ -1,55 +1,154 @@
-"""Allocation and grids of the backward kernel (``kernels/bwd.py``): one grid holding both
-roles, dQ programs and dK/dV programs, group by group, so the second reads of every input hit
-L2; two grids (dQ, which writes ``delta``, then dK/dV) for block-sparse masks.
+"""Allocation and grids of the backward kernels: dQ (which also writes ``delta``), then dK/dV.
 
-A plain backward launches that one kernel and nothing else: no preprocess pass, no fills,
+A plain backward launches these two kernels and nothing else: no preprocess pass, no fills,
 casts or copies.  The gradients are allocated in the layout of their inputs (``empty_like``),
 so a ``q`` that is a transposed view (the SDPA layout) gets a ``dq`` that autograd hands to
 the caller's tensor without a copy.  The byte counts are in ``flashtile.reference.algorithms``.
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
 
+from .. import env_reader
 from ..spec import AttnSpec
 from .args import (alibi_args, bias_args, block_d, broadcast_strides, cdiv, dot_precision,
                    dropout_args, layout, lse_strides, scalar_args, seq_strides)
 from .configs import get_config
-from .fastlaunch import (PlanCache, empty, empty_like, launch, plan_roles, plans_enabled,
-                         record_plan, recording, signature, zeros)
-from .kernels.bwd import ROLES_BOTH, ROLES_DKDV, ROLES_DQ, attn_bwd_kernel
+from .fastlaunch import (STREAM_ARG, PlanCache, bind_slots, empty, empty_like, launch, plan_roles,
+                         plans_enabled, record_plan, recording, signature)
+from .kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 from .sparse_index import fit_block, sparse_args
 
 # Launch plans of plain backward calls (no optional feature; fastlaunch.Plan), as the forward
-# keeps them: at short sequences the launch's host work (config, ~70 arguments, direct-launch
-# key) costs as much as its GPU time.  Inputs (do, q, k, v, out, lse), placed in the kernel
-# parameters below even when one tensor is passed as two of them.
+# keeps them: at short sequences the launches' host work (configs, ~60 arguments each,
+# direct-launch keys) costs as much as their GPU time.  Inputs (do, q, k, v, out, lse), placed
+# in the kernel parameters below even when one tensor is passed as two of them.
 _plans = PlanCache()
-_ROLES = {attn_bwd_kernel: plan_roles(attn_bwd_kernel, DO=0, Q=1, K=2, V=3, O=4, LSE=5)}
-_two_grids = False  # two_grids(): process-wide, as configs.override (autograd's own thread)
+_chunk_env = env_reader("FLASHTILE_BWD_CHUNK")
+_ROLES = {attn_bwd_dq_kernel: plan_roles(attn_bwd_dq_kernel, DO=0, Q=1, K=2, V=3, O=4, LSE=5),
+          attn_bwd_dkdv_kernel: plan_roles(attn_bwd_dkdv_kernel, DO=0, Q=1, K=2, V=3, LSE=5)}
 
 
-@contextlib.contextmanager
-def two_grids():
-    """Inside the block every backward launches its two roles as two grids (the dQ grid, then
-    the dK/dV grid), as a block-sparse call always does: the comparison point of the one-grid
-    launch in benchmarks and tests."""
-    global _two_grids
-    old, _two_grids = _two_grids, True
-    try:
-        yield
-    finally:
-        _two_grids = old
+def batch_chunk(batch: int, sq: int, sk: int, nheads: int, nheads_k: int, head_dim: int,
+                elem: int, device: torch.device) -> int:
+    """Batch entries per chunk of the backward (0: one launch of each kernel for the whole
+    batch), from ``FLASHTILE_BWD_CHUNK`` (read per call): ``off`` (the default) or ``0``, none;
+    a number, that many entries; ``auto``, as many entries as fill half the device's L2 with
+    the tensors both kernels read (Q, dO, O, K, V), when the whole batch does not fit and one
+    entry does.
+
+    Chunked, each chunk launches the dQ kernel and then the dK/dV kernel, so the dK/dV kernel
+    finds the Q, dO, K and V tiles the dQ kernel has just read in L2 instead of reading them
+    from HBM again: fewer bytes (the IO benchmark, ``python -m flashtile.bench io``), more
+    launches, each with a smaller grid."""
+    mode = (_chunk_env() or "off").strip().lower()
+    if mode in ("", "off", "0"):
+        return 0
+    if mode == "auto":
+        if device.type != "cuda":
+            return 0
+        per_entry = (3 * sq * nheads + 2 * sk * nheads_k) * head_dim * elem
+        budget = torch.cuda.get_device_properties(device).L2_cache_size // 2
+        entries = budget // max(per_entry, 1)  # 0: one entry does not fit, chunks cannot help
+    else:
+        try:
+            entries = int(mode)
+        except ValueError:
+            raise ValueError(f"FLASHTILE_BWD_CHUNK={mode!r}: expected off, auto or a number of "
+                             "batch entries") from None
+        if entries < 0:
+            raise ValueError(f"FLASHTILE_BWD_CHUNK={mode!r}: must be >= 0")
+    return entries if 0 < entries < batch else 0
 
 
-def _blocks(block_m: int, block_n: int, sparse) -> tuple[int, int]:
-    """``(BLOCK_M, BLOCK_N)`` of a role, fitted to the block-sparse mask's blocks when there is
-    one (``sparse_args``)."""
+def _blocks(cfg, sparse) -> tuple[int, int]:
+    """``(BLOCK_M, BLOCK_N)`` of a pass: its config's, fitted to the block-sparse mask's blocks
+    when there is one (``sparse_args``)."""
     if sparse[0] is None:
-        return block_m, block_n
-    return fit_block(block_m, sparse[2]), fit_block(block_n, sparse[3])
+        return cfg.block_m, cfg.block_n
+    return fit_block(cfg.block_m, sparse[2]), fit_block(cfg.block_n, sparse[3])
+
+
+def _cutter(b0: int, b1: int, chunk: int):
+    """Batch entries ``[b0, b1)`` of a tensor (None stays None); the tensor itself unchunked."""
+    if not chunk:
+        return lambda x: x
+    return lambda x: x if x is None else x[b0:b1]
+
+
+_SIDE: dict = {}  # device index -> the side stream of chunked backwards
+
+
+class _Relaunch:
+    """The first chunk's direct launch of a kernel, launched again for a later chunk: the same
+    compiled kernel and arguments, each tensor argument's address moved by ``b0`` batch entries
+    (every tensor a chunked call passes is a batch slice of a whole one), the grid's batch
+    dimension resized.  A chunk's launch then costs a list copy and a C call instead of the
+    argument mapping, the heuristics and the direct-launch key (~40 us on the H100 machine)."""
+
+    __slots__ = ("function", "args", "moves", "per_entry")
+
+    def __init__(self, launched, grid, per_entry: int):
+        compiled, values = launched
+        template, moves = list(values), []
+        for pos, v in enumerate(values):
+            if isinstance(v, torch.Tensor):
+                template[pos] = None
+                moves.append((pos, v.data_ptr(), v.stride(0) * v.element_size()))
+        self.function, self.args, self.moves = bind_slots(compiled, grid, template, moves)
+        self.per_entry = per_entry  # grid rows per batch entry (heads)
+
+    def run(self, b0: int, b1: int, stream: int) -> bool:
+        """Launch for entries ``[b0, b1)`` on ``stream``; False (nothing launched) when a moved
+        address would lose the 16-byte alignment the kernel was compiled for."""
+        args = self.args.copy()
+        for pos, base, step in self.moves:
+            addr = base + b0 * step
+            if (addr ^ base) & 15:
+                return False
+            args[pos] = addr
+        args[1] = (b1 - b0) * self.per_entry
+        args[STREAM_ARG] = stream
+        self.function(*args)
+        return True
+
+
+def _chunked(launch_dq, launch_dkdv, batch: int, chunk: int, nheads: int, nheads_k: int,
+             device: torch.device) -> None:
+    """The backward in batch chunks.  On a GPU the dK/dV launches go to a side stream, each
+    after its chunk's dQ launch (an event: it reads the chunk's delta), so chunk ``i``'s dK/dV
+    kernel runs alongside chunk ``i + 1``'s dQ kernel and fills the other's last, partial wave;
+    the caller's stream waits for the side stream at the end (also inside CUDA-graph capture,
+    where this forks and joins the captured stream).  Chunks after the first relaunch the first
+    one's kernels (:class:`_Relaunch`)."""
+    if device.type != "cuda":
+        for b0 in range(0, batch, chunk):
+            launch_dq(b0, min(batch, b0 + chunk))
+            launch_dkdv(b0, min(batch, b0 + chunk))
+        return
+    main = torch.cuda.current_stream(device)
+    side = _SIDE.get(device.index)
+    if side is None:
+        side = _SIDE[device.index] = torch.cuda.Stream(device)
+    side.wait_stream(main)  # the inputs, delta and the gradients were made on the main stream
+    dq_again = kv_again = None
+    main_raw, side_raw = main.cuda_stream, side.cuda_stream
+    done = torch.cuda.Event()  # re-recorded per chunk: a wait waits for the record before it
+    for b0 in range(0, batch, chunk):
+        b1 = min(batch, b0 + chunk)
+        if dq_again is None or not dq_again.run(b0, b1, main_raw):
+            grid, launched = launch_dq(b0, b1)
+            if b0 == 0 and launched is not None:
+                dq_again = _Relaunch(launched, grid, nheads)
+        done.record(main)
+        side.wait_event(done)
+        if kv_again is None or not kv_again.run(b0, b1, side_raw):
+            with torch.cuda.stream(side):
+                grid, launched = launch_dkdv(b0, b1)
+            if b0 == 0 and launched is not None:
+                kv_again = _Relaunch(launched, grid, nheads_k)
+    main.wait_stream(side)
 
 
 def _dbias_target(dbias, full_shape):
@@ -68,7 +167,7 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
     """Returns ``(dq, dk, dv)`` (in ``grad_dtype``, default the inputs' dtypes); with ``dbias``
     (shaped like ``attn_bias``) also writes the gradient of the additive bias into it."""
     if not lse.is_contiguous():
-        # a two-grid launch indexes its contiguous ``delta`` buffer with lse's strides
+        # the kernels index the contiguous ``delta`` buffer with lse's strides
         lse = lse.contiguous()
     plain = (alibi_slopes is None and cu_seqlens_q is None and attn_bias is None
              and rng_seed is None and block_mask is None and dbias is None and grad_dtype is None
@@ -78,7 +177,9 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
                          max_seqlen_q, max_seqlen_k, attn_bias, rng_seed, block_mask, block_size,
                          dbias, grad_dtype)
     inputs = (do, q, k, v, out, lse)
-    key = (signature(*inputs), q.dtype, q.device, spec, _two_grids)
+    # the chunk setting decides the launches (a chunked call records no plan: its kernels get
+    # views of the tensors)
+    key = (signature(*inputs), q.dtype, q.device, spec, _chunk_env())
     plan = _plans.get(key)
     if plan is not None:
         res = plan.run(inputs)
@@ -106,6 +207,7 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
         return dq.zero_(), dk.zero_(), dv.zero_()
     if do.stride(-1) != 1:
         do = do.contiguous()
+    delta = empty(lse.shape, torch.float32, lse.device)  # written by the dQ kernel
     group = nheads // nheads_k
     bd = block_d(head_dim)
     prec = dot_precision(q.dtype)
@@ -118,57 +220,76 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
     db_strides = (0, 0, 0, 0) if db_full is None else broadcast_strides(db_full)
 
     q_st, k_st, v_st = seq_strides(q, varlen), seq_strides(k, varlen), seq_strides(v, varlen)
-    do_st, o_st = seq_strides(do, varlen), seq_strides(out, varlen)
-    dq_st, dk_st, dv_st = seq_strides(dq, varlen), seq_strides(dk, varlen), seq_strides(dv, varlen)
+    do_st = seq_strides(do, varlen)
     common = dict(
-        Q=q, K=k, V=v, DO=do, O=out, DQ=dq, DK=dk, DV=dv, LSE=lse, ALIBI=alibi,
-        CU_Q=cu_seqlens_q, CU_K=cu_seqlens_k, BIAS=bias, RNG=seed, DBIAS=db_full,
+        Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, ALIBI=alibi, CU_Q=cu_seqlens_q,
+        CU_K=cu_seqlens_k, BIAS=bias, RNG=seed,
         stride_qb=q_st[0], stride_qm=q_st[1], stride_qh=q_st[2],
         stride_kb=k_st[0], stride_kn=k_st[1], stride_kh=k_st[2],
         stride_vb=v_st[0], stride_vn=v_st[1], stride_vh=v_st[2],
         stride_dob=do_st[0], stride_dom=do_st[1], stride_doh=do_st[2],
-        stride_ob=o_st[0], stride_om=o_st[1], stride_oh=o_st[2],
-        stride_dqb=dq_st[0], stride_dqm=dq_st[1], stride_dqh=dq_st[2],
-        stride_dkb=dk_st[0], stride_dkn=dk_st[1], stride_dkh=dk_st[2],
-        stride_dvb=dv_st[0], stride_dvn=dv_st[1], stride_dvh=dv_st[2],
         stride_lb=lse_b, stride_lh=lse_h, stride_ab=stride_ab,
         stride_biasb=bias_strides[0], stride_biash=bias_strides[1],
         stride_biasm=bias_strides[2], stride_biasn=bias_strides[3],
-        stride_dbb=db_strides[0], stride_dbh=db_strides[1], stride_dbm=db_strides[2],
-        stride_dbn=db_strides[3],
-        seqlen_q=sq, seqlen_k=sk, HK=nheads_k, GROUP=group, scale=spec.softmax_scale,
+        seqlen_q=sq, seqlen_k=sk, GROUP=group, scale=spec.softmax_scale,
         dropout_p=dropout_p, dropout_scale=dropout_scale, **scalars,
         HEAD_DIM=head_dim, BLOCK_D=bd, DOT_PREC=prec)
-    seqlen = max(sq, sk)
-    # written by the dQ programs, read by the dK/dV programs
-    delta = empty(lse.shape, torch.float32, lse.device)
-    cfg = None
-    if block_mask is None and not _two_grids:
-        cfg = get_config("bwd", head_dim, spec.causal, q.dtype, q.device, seqlen)
-    if cfg is not None:
-        # One grid: each group's dQ programs, then its dK/dV programs, which wait on the
-        # group's counter for its delta (kernels/bwd.py).
-        kv_m, kv_n = cfg.kv_blocks()
-        grid = (group * cdiv(sq, cfg.block_m) + cdiv(sk, kv_n), batch * nheads_k)
-        counters = zeros(1 + batch * nheads_k, torch.int32, q.device)
-        launch(attn_bwd_kernel, grid, **common, DELTA=delta, CNT=counters, BS_IDX=None,
-               stride_bsb=0, stride_bsh=0, stride_bsr=0, bs_m=0, bs_n=0,
-               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KV_BLOCK_M=kv_m, KV_BLOCK_N=kv_n,
-               ROLES=ROLES_BOTH, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    dq_cfg = get_config("dq", head_dim, spec.causal, q.dtype, q.device, max(sq, sk))
+    dq_bs = sparse_args(block_mask, block_size, sq, sk, spec)
+    kv_cfg = get_config("dkdv", head_dim, spec.causal, q.dtype, q.device, max(sq, sk))
+    kv_bs = sparse_args(block_mask, block_size, sq, sk, spec, transpose=True)
+    dq_st, o_st = seq_strides(dq, varlen), seq_strides(out, varlen)
+    dk_st, dv_st = seq_strides(dk, varlen), seq_strides(dv, varlen)
+    features = (varlen or alibi is not None or bias is not None or seed is not None
+                or dq_bs[0] is not None or db_full is not None)
+    chunk = 0 if features else batch_chunk(batch, sq, sk, nheads, nheads_k, head_dim,
+                                           q.element_size(), q.device)
+    dq_blocks, kv_blocks = _blocks(dq_cfg, dq_bs), _blocks(kv_cfg, kv_bs)
+    # Batch entries [b0, b1) at a time (all of them unless chunked): dQ first, its prologue
+    # writes delta, which the dK/dV kernel reads.  Chunked, the dK/dV kernel re-reads the Q, dO,
+    # K and V tiles the dQ kernel has just read while they are still in L2 (the tensors are
+    # views of the whole ones, with the same strides: the same compiled kernels).
+    def chunk_args(b0, b1):
+        cut = _cutter(b0, b1, chunk)
+        return cut, dict(common, Q=cut(q), K=cut(k), V=cut(v), DO=cut(do), LSE=cut(lse),
+                         DELTA=cut(delta))
+
+    def launch_dq(b0, b1):
+        cut, part = chunk_args(b0, b1)
+        block_m, block_n = dq_blocks
+        bs_idx, bs_strides, bs_m, bs_n = dq_bs
+        grid = (cdiv(sq, block_m), (b1 - b0) * nheads)
+        return grid, launch(
+            attn_bwd_dq_kernel, grid, **part, DQ=cut(dq),
+            O=cut(out), BS_IDX=bs_idx, DBIAS=db_full,
+            stride_dqb=dq_st[0], stride_dqm=dq_st[1], stride_dqh=dq_st[2],
+            stride_ob=o_st[0], stride_om=o_st[1], stride_oh=o_st[2],
+            stride_dbb=db_strides[0], stride_dbh=db_strides[1], stride_dbm=db_strides[2],
+            stride_dbn=db_strides[3],
+            stride_bsb=bs_strides[0], stride_bsh=bs_strides[1], stride_bsr=bs_strides[2],
+            bs_m=bs_m, bs_n=bs_n, H=nheads, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages)
+
+    def launch_dkdv(b0, b1):
+        cut, part = chunk_args(b0, b1)
+        block_m, block_n = kv_blocks
+        bs_idx, bs_strides, bs_m, bs_n = kv_bs
+        grid = (cdiv(sk, block_n), (b1 - b0) * nheads_k)
+        return grid, launch(
+            attn_bwd_dkdv_kernel, grid, **part,
+            DK=cut(dk), DV=cut(dv), BS_IDX=bs_idx,
+            stride_dkb=dk_st[0], stride_dkn=dk_st[1], stride_dkh=dk_st[2],
+            stride_dvb=dv_st[0], stride_dvn=dv_st[1], stride_dvh=dv_st[2],
+            stride_bsb=bs_strides[0], stride_bsh=bs_strides[1], stride_bsr=bs_strides[2],
+            bs_m=bs_m, bs_n=bs_n, HK=nheads_k, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=kv_cfg.num_warps, num_stages=kv_cfg.num_stages)
+
+    if not chunk:
+        launch_dq(0, batch)
+        launch_dkdv(0, batch)
     else:
-        # Two grids, each role with its own blocks (block-sparse masks: each walks its lists);
-        # the dQ grid writes delta, the dK/dV grid reads it.
-        for roles, pass_, transpose in ((ROLES_DQ, "dq", False), (ROLES_DKDV, "dkdv", True)):
-            cfg = get_config(pass_, head_dim, spec.causal, q.dtype, q.device, seqlen)
-            bs_idx, bs_strides, bs_m, bs_n = sparse_args(block_mask, block_size, sq, sk, spec,
-                                                         transpose=transpose)
-            block_m, block_n = _blocks(cfg.block_m, cfg.block_n, (bs_idx, None, bs_m, bs_n))
-            n = group * cdiv(sq, block_m) if roles == ROLES_DQ else cdiv(sk, block_n)
-            launch(attn_bwd_kernel, (n, batch * nheads_k), **common, DELTA=delta, CNT=None,
-                   BS_IDX=bs_idx, stride_bsb=bs_strides[0], stride_bsh=bs_strides[1],
-                   stride_bsr=bs_strides[2], bs_m=bs_m, bs_n=bs_n, BLOCK_M=block_m,
-                   BLOCK_N=block_n, KV_BLOCK_M=block_m, KV_BLOCK_N=block_n, ROLES=roles,
-                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _chunked(launch_dq, launch_dkdv, batch, chunk, nheads, nheads_k, q.device)
     if db_full is not None and db_full is not dbias:
         dims = [d for d in range(4) if dbias.shape[d] == 1 and db_full.shape[d] != 1]
         dbias.copy_(db_full.sum(dim=dims, keepdim=True) if dims else db_full)

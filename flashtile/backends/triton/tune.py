@@ -5,15 +5,13 @@ For each (pass, head dim, causal) it times every config of a pruned space on the
 shape (16K tokens, hidden 2048, bf16) and reports the fastest; the winners are pasted into
 ``flashtile/backends/triton/configs.py:TUNED`` so a first call never tunes.  Kernels are compiled
 in parallel worker processes first (Triton caches them on disk), so the timing loop only
-measures.  The backward's one-grid launch is the pass ``bwd`` (both roles' blocks, one warp
-count); the passes ``dkdv`` and ``dq`` tune its two-grid launch (block-sparse calls) in two
-steps: dK/dV with the default dQ config, then dQ with the best dK/dV config.
+measures.  The backward is tuned in two steps: dK/dV with the default dQ config, then dQ with
+the best dK/dV config.
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import contextlib
 import itertools
 import json
 import math
@@ -28,12 +26,9 @@ import torch
 from ..spec import AttnSpec
 from . import backward, forward
 from .configs import KernelConfig, get_config, override
-from .launch_bwd import two_grids
 
 
 def space(pass_: str, d: int) -> list[KernelConfig]:
-    if pass_ == "bwd":
-        return _space_one_grid(d)
     if pass_ == "fwd":
         bms, bns = (64, 128), ((32, 64) if d > 128 else (32, 64, 128))
     elif pass_ == "dkdv":
@@ -47,23 +42,6 @@ def space(pass_: str, d: int) -> list[KernelConfig]:
         if bm * bn <= 64 * 32 and w == 8:
             continue  # too little work per warp
         out.append(KernelConfig(bm, bn, w, s))
-    return out
-
-
-def _space_one_grid(d: int) -> list[KernelConfig]:
-    """dQ blocks x dK/dV blocks x warps x stages of the one-grid backward (one warp count for
-    both roles, so the shapes each role's own search preferred are crossed with both counts)."""
-    if d > 128:
-        dqs, kvs = ((64, 32), (32, 32)), ((64, 32), (32, 64))
-    else:
-        dqs, kvs = ((128, 64), (64, 64)), ((64, 64), (64, 128), (32, 128))
-    out = []
-    for (bm, bn), (km, kn), w, s in itertools.product(dqs, kvs, (4, 8), (1, 2, 3)):
-        if w == 8 and max(bm * bn, km * kn) <= 64 * 32:
-            continue  # too little work per warp
-        if w == 4 and d > 64 and max(bm * bn, km * kn) >= 128 * 64:
-            continue  # accumulators would spill at 4 warps
-        out.append(KernelConfig(bm, bn, w, s, km, kn))
     return out
 
 
@@ -84,14 +62,11 @@ def run_pass(pass_, q, k, v, do, spec, out=None, lse=None):
     return backward(do, q, k, v, out, lse, spec)
 
 
-@contextlib.contextmanager
 def _pins(pass_, cfg, best):
-    """``cfg`` pinned for ``pass_`` (the two-grid passes launched as two grids)."""
     pins = {pass_: cfg}
     if pass_ == "dq" and best.get("dkdv"):
         pins["dkdv"] = best["dkdv"]
-    with override(**pins), (two_grids() if pass_ in ("dq", "dkdv") else contextlib.nullcontext()):
-        yield
+    return pins
 
 
 def _compile_one(job):
@@ -102,7 +77,7 @@ def _compile_one(job):
     spec = AttnSpec(1 / math.sqrt(d), -1, 0 if causal else -1)
     try:
         out, lse = forward(q, k, v, spec)
-        with _pins(pass_, cfg, best):
+        with override(**_pins(pass_, cfg, best)):
             run_pass(pass_, q, k, v, do, spec, out, lse)
         torch.cuda.synchronize()
         return None
@@ -133,7 +108,7 @@ def tune(pass_, d, causal, dtype, n, jobs, best, log):
             row.update(status="error", error=err)
         else:
             try:
-                with _pins(pass_, cfg, best):
+                with override(**_pins(pass_, cfg, best)):
                     ms = do_bench(lambda: run_pass(pass_, q, k, v, do, spec, out, lse),
                                   warmup=25, rep=100, return_mode="median")
                 row.update(status="ok", ms=ms, tflops=flops(pass_, batch, n, heads, d, causal) / ms / 1e9)
@@ -176,7 +151,7 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--d", type=int, nargs="+", default=[128])
     p.add_argument("--causal", choices=("0", "1", "both"), default="both")
-    p.add_argument("--passes", default="fwd,bwd,dkdv,dq")
+    p.add_argument("--passes", default="fwd,dkdv,dq")
     p.add_argument("--n", type=int, default=8192)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1))
