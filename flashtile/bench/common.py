@@ -175,18 +175,24 @@ def flashtile_context(device: torch.device) -> ContextManager:
 
 
 @contextlib.contextmanager
-def flashtile_chunked_context(device: torch.device):
-    """flashtile with ``FLASHTILE_BWD_CHUNK=auto``: the backward in batch chunks that fit L2."""
-    old = os.environ.get("FLASHTILE_BWD_CHUNK")
-    os.environ["FLASHTILE_BWD_CHUNK"] = "auto"
+def env_set(name: str, value: str):
+    """``os.environ[name] = value`` inside the block."""
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
-        with flashtile_context(device):
-            yield
+        yield
     finally:
         if old is None:
-            os.environ.pop("FLASHTILE_BWD_CHUNK", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["FLASHTILE_BWD_CHUNK"] = old
+            os.environ[name] = old
+
+
+@contextlib.contextmanager
+def flashtile_chunked_context(device: torch.device):
+    """flashtile with ``FLASHTILE_BWD_CHUNK=auto``: the backward in batch chunks that fit L2."""
+    with env_set("FLASHTILE_BWD_CHUNK", "auto"), flashtile_context(device):
+        yield
 
 
 def _prepare_flashtile(inp: Inputs, causal: bool, scale: float) -> Prepared:

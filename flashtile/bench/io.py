@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from ..reference import algorithms
-from .common import RESULTS_DIR, read_results, results_path, update_result
+from .common import RESULTS_DIR, env_set, read_results, results_path, update_result
 
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_bytes.sum",
            "gpu__time_duration.sum")
@@ -336,20 +336,6 @@ def _random_block_mask(rows: int, cols: int, density: float, device: str, seed: 
     return mask[None, None].to(device)
 
 
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    """``os.environ[name] = value`` inside the block."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
 class Runner:
     """``fwd()`` and ``bwd(out)`` of one implementation on fresh random inputs."""
 
@@ -379,7 +365,7 @@ class Runner:
             return sdpa_kernel([_sdpa_backend(self.impl)])
         stack = contextlib.ExitStack()
         if self.impl == "flashtile_chunked":
-            stack.enter_context(_env("FLASHTILE_BWD_CHUNK", "auto"))
+            stack.enter_context(env_set("FLASHTILE_BWD_CHUNK", "auto"))
         if self.impl.startswith("flashtile") and self.configs:
             from ..backends.triton.configs import KernelConfig, override
             stack.enter_context(override(**{k: KernelConfig(*v) for k, v in self.configs.items()}))
