@@ -33,6 +33,14 @@ CASES = [  # (batch, sq, sk, heads, heads_k, d, causal)
     ("d64-gqa", 1, 256, 512, 8, 2, 64, False),
     ("d64-causal-sk>sq", 2, 128, 512, 4, 4, 64, True),
     ("d128-long-causal", 1, 2048, 2048, 2, 1, 128, True),
+    # more work items than SMs: each CTA of the persistent grid takes several, the last round
+    # only some CTAs (barrier phases carried across items, the snake order, causal lengths)
+    ("d64-causal-rounds", 4, 1024, 1024, 9, 3, 64, True),
+    ("d128-rounds", 3, 768, 1152, 23, 23, 128, False),
+    # d = 256 takes tiles of 64 keys
+    ("d256", 2, 256, 256, 4, 4, 256, False),
+    ("d256-gqa-causal-sk>sq", 1, 256, 320, 4, 2, 256, True),
+    ("d256-causal-rounds", 2, 1024, 1024, 40, 8, 256, True),
 ]
 
 
@@ -60,3 +68,74 @@ def test_sm90_forward_matches_float64_reference(case, dtype, monkeypatch):
     portable = flashtile.flash_attn_func(q, k, v, causal=causal)
     assert torch.equal(got, out)
     assert (portable.double() - ref).abs().max().item() <= 2 * base + 1e-4
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_forward_cuda_graph_replay_equals_eager(causal):
+    """The persistent grid and the tensor descriptors made per call replay correctly from a
+    CUDA graph on new inputs copied into the captured buffers."""
+    shape = (2, 512, 8, 128)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    flashtile.flash_attn_func(q, k, v, causal=causal)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flashtile.flash_attn_func(q, k, v, causal=causal)
+    for x in (q, k, v):
+        x.copy_(torch.randn_like(x))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, flashtile.flash_attn_func(q, k, v, causal=causal))
+
+
+def test_sm90_forward_under_compile_fullgraph_dynamic():
+    """``torch.compile(fullgraph=True, dynamic=True)`` runs the same kernel as eager calls."""
+    fn = torch.compile(lambda q, k, v: flashtile.flash_attn_func(q, k, v, causal=True),
+                       fullgraph=True, dynamic=True)
+    for n in (256, 640):
+        q, k, v = (torch.randn(2, n, 4, 64, device="cuda", dtype=torch.float16)
+                   for _ in range(3))
+        assert torch.equal(fn(q, k, v), flashtile.flash_attn_func(q, k, v, causal=True))
+
+
+def test_sm90_forward_is_the_default_and_can_be_turned_off(monkeypatch):
+    q = torch.randn(1, 256, 2, 64, device="cuda", dtype=torch.bfloat16)
+    spec = flashtile.backends.spec.AttnSpec(softmax_scale=0.125)
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    assert launch_sm90.eligible(q, q, q, spec)
+    monkeypatch.setenv("FLASHTILE_SM90", "0")
+    assert not launch_sm90.eligible(q, q, q, spec)
+
+
+def test_sm90_forward_misaligned_input_takes_the_portable_kernel():
+    """TMA reads 16-byte aligned addresses only: a contiguous view 2 bytes into its storage is
+    not eligible and is computed, correctly, by the Triton kernel."""
+    shape = (2, 256, 2, 64)
+    buf = torch.randn(torch.Size(shape).numel() + 1, device="cuda", dtype=torch.bfloat16)
+    q = buf[1:].view(shape)
+    assert q.is_contiguous() and q.data_ptr() % 16
+    spec = flashtile.backends.spec.AttnSpec(softmax_scale=shape[-1] ** -0.5)
+    assert not launch_sm90.eligible(q, q, q, spec)
+    ref, _ = _reference(q, q, q, False, torch.float64)
+    low, _ = _reference(q, q, q, False, torch.bfloat16)
+    err = (flashtile.flash_attn_func(q, q, q).double() - ref).abs().max().item()
+    assert err <= 2 * (low.double() - ref).abs().max().item() + 1e-4
+
+
+def test_sm90_forward_direct_launch_equals_first_launch():
+    """After its first call a variant is launched past ``JITFunction.run``; both launches
+    compute the same bits on the same inputs, and a new input of the same variant is right."""
+    launch_sm90._compiled.clear()
+    spec = flashtile.backends.spec.AttnSpec(softmax_scale=0.125, window_right=0)
+    q, k, v = (torch.randn(2, 384, 3, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    first, first_lse = launch_sm90.forward(q, k, v, spec)
+    assert len(launch_sm90._compiled) == 1
+    with poison_outputs():
+        again, again_lse = launch_sm90.forward(q, k, v, spec)
+    assert torch.equal(first, again) and torch.equal(first_lse, again_lse)
+    q2 = torch.randn_like(q)
+    out, _ = launch_sm90.forward(q2, k, v, spec)
+    ref, _ = _reference(q2, k, v, True, torch.float64)
+    low, _ = _reference(q2, k, v, True, torch.float16)
+    base = (low.double() - ref).abs().max().item()
+    assert (out.double() - ref).abs().max().item() <= 2 * base + 1e-4

@@ -1,9 +1,9 @@
 """Launcher of the Hopper forward kernel (``kernels/attn_fwd_sm90.py``, Gluon).
 
-``FLASHTILE_SM90=1`` routes the calls that kernel covers to it on an sm_90 GPU.  It is off by
-default: on the H100 it is not yet faster than the portable Triton kernel everywhere
-(docs/dev/tuning-log.md, "Hopper forward in Gluon").  A call it does not cover always takes
-the Triton kernel, never a wrong result: ``eligible`` lists the scope.
+On an sm_90 GPU (H100, H200) the calls that kernel covers go to it; ``FLASHTILE_SM90=0`` sends
+them to the portable Triton kernel instead.  It is faster than the Triton kernel on every shape
+measured (docs/dev/tuning-log.md, step 36).  A call it does not cover always takes the Triton
+kernel, never a wrong result: ``eligible`` lists the scope.
 """
 from __future__ import annotations
 
@@ -14,10 +14,16 @@ import torch
 from ..spec import AttnSpec
 from .. import env_reader, interpreting
 from .args import LOG2E
-from .fastlaunch import empty
+from .fastlaunch import INTERNALS_OK, empty, run_direct
 
 BLOCK_M = 128
-BLOCK_N = 128
+BLOCK_N = 128  # keys per tile at d = 64 and 128
+
+
+def block_n(head_dim: int) -> int:
+    """Keys per tile: 64 at d = 256, where Q, two stages of K and V tiles of 128 keys would need
+    320 KB of shared memory (64 keys: 192 KB) and the consumers' registers would spill."""
+    return 64 if head_dim == 256 else BLOCK_N
 NUM_WARPS = 4  # the first consumer; the kernel adds 4 + 1 worker warps
 STAGES = 2
 
@@ -26,7 +32,8 @@ _sm90_env = env_reader("FLASHTILE_SM90")
 
 
 def enabled() -> bool:
-    return _sm90_env() not in (None, "", "0")
+    """On unless ``FLASHTILE_SM90=0`` (read per call)."""
+    return _sm90_env() != "0"
 
 
 @functools.lru_cache(maxsize=None)
@@ -38,9 +45,14 @@ def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def eligible(q, k, v, spec: AttnSpec) -> bool:
-    """Dense contiguous fp16/bf16 ``(B, S, H, D)``, ``D`` in {64, 128}, sequence lengths that are
-    multiples of the tiles, no softcap / window / dropout, causal only with ``sk >= sq``.  The
+    """Dense contiguous fp16/bf16 ``(B, S, H, D)``, ``D`` in {64, 128, 256}, sequence lengths that
+    are multiples of the tiles, no softcap / window / dropout, causal only with ``sk >= sq``.  The
     caller has already ruled out every optional tensor (ALiBi, bias, varlen, paging, sparsity)."""
     if not (enabled() and q.is_cuda and not interpreting() and _hopper(q.device.index or 0)):
         return False
@@ -48,11 +60,13 @@ def eligible(q, k, v, spec: AttnSpec) -> bool:
         return False
     if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
         return False
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+        return False  # TMA reads from 16-byte aligned addresses only
     batch, sq, nheads, head_dim = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
-    if head_dim not in (64, 128) or v.shape[-1] != head_dim or nheads % nheads_k:
+    if head_dim not in (64, 128, 256) or v.shape[-1] != head_dim or nheads % nheads_k:
         return False
-    if sq == 0 or sk == 0 or batch == 0 or sq % BLOCK_M or sk % BLOCK_N:
+    if sq == 0 or sk == 0 or batch == 0 or sq % BLOCK_M or sk % block_n(head_dim):
         return False
     if spec.softcap or spec.dropout_p or not spec.bottom_right:
         return False
@@ -63,36 +77,110 @@ def eligible(q, k, v, spec: AttnSpec) -> bool:
     return not spec.causal or sk >= sq
 
 
-def forward(q, k, v, spec: AttnSpec):
-    """``(out, lse)`` with the Triton forward's layouts: out like q, lse float32 ``(B, H, Sq)``."""
+@functools.lru_cache(maxsize=None)
+def _layouts(head_dim: int, dtype: torch.dtype):
+    """Shared-memory layouts of the Q and K/V tiles (building one costs host time per call)."""
     from triton.experimental.gluon import language as gl
+
+    g_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return (gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, head_dim], g_dtype),
+            gl.NVMMASharedLayout.get_default_for([block_n(head_dim), head_dim], g_dtype))
+
+
+# Compiled variants of the kernel, for launches past ``JITFunction.run``: its argument binding
+# and specialisation key cost ~100 us of host time a call with tensor descriptors among the
+# arguments (docs/dev/tuning-log.md, step 36).  The key holds everything Triton specialises on
+# here: dtype, head dim, causal, and per integer argument its width and divisibility by 16.
+_compiled: dict = {}
+_INT_ARGS = ("stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh", "batch", "sq",
+             "sk", "nheads", "group", "lpt")
+
+
+def _int_key(args: dict) -> tuple:
+    return tuple([(v % 16 == 0, v == 1, v >= 2 ** 31) for v in map(args.__getitem__, _INT_ARGS)])
+
+
+@functools.lru_cache(maxsize=256)
+def causal_order(n_m: int, n_bh: int, sq: int, sk: int, n_ctas: int,
+                 tile_n: int = BLOCK_N) -> int:
+    """1 where the causal work items should be sorted longest first (``_work_item``'s ``lpt``),
+    else 0.  The kernel's default order keeps the row blocks of a head together (their K/V
+    shared through L2: 1.0-1.33x faster than longest-first at N <= 8K on the H200), but when a
+    head has about as many row blocks as there are CTAs every CTA of the snake keeps landing on
+    long (or on short) blocks: at B1 H16 N16K one CTA gets 1.5x the mean work.  Both schedules
+    are counted here (tiles per CTA, one tile more per item for its Q and first Q·Kᵀ); the
+    default stays unless it is more than 8% over the mean and longest-first is better."""
+    n_work = n_m * n_bh
+    shift = sk - sq
+
+    def worst(lpt: bool) -> float:
+        load = [0] * n_ctas
+        for w in range(n_work):
+            k, r = divmod(w, n_ctas)
+            pid = r if k % 2 == 0 else n_ctas - 1 - r
+            i_m = n_m - 1 - (w // n_bh if lpt else w % n_m)
+            hi = min(sk, (i_m + 1) * BLOCK_M + shift)
+            load[pid] += -(-hi // tile_n) + 1
+        return max(load) * n_ctas / sum(load)
+
+    default = worst(False)
+    return int(default > 1.08 and worst(True) < default)
+
+
+def _descriptor(x, rows: int, cols: int, block_rows: int, layout, checked: bool):
+    """A TMA descriptor of ``x`` seen as a ``(rows, cols)`` row-major matrix.  Once a variant is
+    compiled (``checked``), ``eligible`` has already checked what the constructor asserts
+    (alignment, strides) and the launcher reads only base, shape, strides and padding: the
+    object is filled in directly (the constructor's checks cost ~10 us a call)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .kernels.attn_fwd_sm90 import attn_fwd_sm90_kernel
+    if not checked:
+        return TensorDescriptor(x.view(rows, cols), [rows, cols], [cols, 1],
+                                [block_rows, x.shape[-1]], layout)
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides = x, [rows, cols], [cols, 1]
+    desc.block_shape, desc.layout, desc.padding = [block_rows, x.shape[-1]], layout, "zero"
+    return desc
 
-    block_mq = BLOCK_M // 2  # rows of one consumer warpgroup
 
+def forward(q, k, v, spec: AttnSpec):
+    """``(out, lse)`` with the Triton forward's layouts: out like q, lse float32 ``(B, H, Sq)``."""
     batch, sq, nheads, head_dim = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
-    g_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q_layout = gl.NVMMASharedLayout.get_default_for([block_mq, head_dim], g_dtype)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, head_dim], g_dtype)
-    # 2-D (B * S, H * D) views: a tile never crosses a batch because S is a tile multiple
-    desc_q = TensorDescriptor(q.view(batch * sq, nheads * head_dim), [batch * sq, nheads * head_dim],
-                              [nheads * head_dim, 1], [block_mq, head_dim], q_layout)
-    desc_k = TensorDescriptor(k.view(batch * sk, nheads_k * head_dim),
-                              [batch * sk, nheads_k * head_dim], [nheads_k * head_dim, 1],
-                              [BLOCK_N, head_dim], kv_layout)
-    desc_v = TensorDescriptor(v.view(batch * sk, nheads_k * head_dim),
-                              [batch * sk, nheads_k * head_dim], [nheads_k * head_dim, 1],
-                              [BLOCK_N, head_dim], kv_layout)
+    tile_n = block_n(head_dim)
     out = empty(q.shape, q.dtype, q.device)
     lse = empty((batch, nheads, sq), torch.float32, q.device)
-    grid = (sq // BLOCK_M, batch * nheads)
-    args = dict(desc_q=desc_q, desc_k=desc_k, desc_v=desc_v, Out=out, Lse=lse,
+    device = q.device.index or 0
+    # persistent: one CTA per SM, at most one per work item (row block, batch entry, head)
+    grid = (min(sq // BLOCK_M * batch * nheads, _sm_count(device)),)
+    args = dict(desc_q=None, desc_k=None, desc_v=None, Out=out, Lse=lse,
                 stride_ob=out.stride(0), stride_om=out.stride(1), stride_oh=out.stride(2),
                 stride_lb=lse.stride(0), stride_lh=lse.stride(1),
-                sq=sq, sk=sk, nheads=nheads, group=nheads // nheads_k,
-                qk_scale=spec.softmax_scale * LOG2E, CAUSAL=spec.causal)
-    attn_fwd_sm90_kernel[grid](**args, STAGES=STAGES, num_warps=NUM_WARPS)
+                batch=batch, sq=sq, sk=sk, nheads=nheads, group=nheads // nheads_k,
+                qk_scale=spec.softmax_scale * LOG2E, CAUSAL=spec.causal, STAGES=STAGES,
+                num_warps=NUM_WARPS,
+                lpt=causal_order(sq // BLOCK_M, batch * nheads, sq, sk, grid[0], tile_n)
+                if spec.causal else 0)
+    key = (device, q.dtype, head_dim, spec.causal, _int_key(args))
+    compiled = _compiled.get(key) if INTERNALS_OK else None
+    # 2-D (B * S, H * D) views: a tile never crosses a batch because S is a tile multiple
+    q_layout, kv_layout = _layouts(head_dim, q.dtype)
+    checked = compiled is not None
+    args["desc_q"] = _descriptor(q, batch * sq, nheads * head_dim, BLOCK_M // 2, q_layout, checked)
+    args["desc_k"] = _descriptor(k, batch * sk, nheads_k * head_dim, tile_n, kv_layout, checked)
+    args["desc_v"] = _descriptor(v, batch * sk, nheads_k * head_dim, tile_n, kv_layout, checked)
+    if checked and run_direct(compiled, grid, list(map(args.__getitem__, _names())), device):
+        return out, lse
+    from .kernels.attn_fwd_sm90 import attn_fwd_sm90_kernel
+
+    compiled = attn_fwd_sm90_kernel[grid](**args)
+    if INTERNALS_OK and compiled is not None:
+        _compiled[key] = compiled
     return out, lse
+
+
+@functools.lru_cache(maxsize=None)
+def _names() -> tuple:
+    from .kernels.attn_fwd_sm90 import attn_fwd_sm90_kernel
+
+    return tuple(attn_fwd_sm90_kernel.arg_names)
