@@ -51,7 +51,38 @@ for dtype in (torch.bfloat16, torch.float16):
                                options={"num_warps": launch_sm90.NUM_WARPS})
             ptx = k.asm["ptx"]
             print(json.dumps(dict(
-                variant=f"{ty}-d{head_dim}-{'causal' if causal else 'full'}",
+                variant=f"fwd-{ty}-d{head_dim}-{'causal' if causal else 'full'}",
+                head_dim=head_dim, shared=k.metadata.shared, num_warps=k.metadata.num_warps,
+                cubin_bytes=len(k.asm["cubin"]),
+                ops={op: op in ptx for op in ("wgmma.mma_async", "cp.async.bulk.tensor",
+                                              "setmaxnreg", "mbarrier.try_wait")})))
+
+from flashtile.backends.triton.kernels.attn_bwd_dkdv_sm90 import attn_bwd_dkdv_sm90_kernel as bwd
+names = bwd.arg_names
+for dtype in (torch.bfloat16, torch.float16):
+    for head_dim in (64, 128):
+        for causal in (False, True):
+            ty = "bf16" if dtype == torch.bfloat16 else "fp16"
+            bm, bn = launch_sm90.BWD_BLOCK_M, launch_sm90.BWD_BLOCK_N // 2
+            q_layout = launch_sm90._layout(bm, head_dim, dtype)
+            kv_layout = launch_sm90._layout(bn, head_dim, dtype)
+            types = {"desc_q": f"tensordesc<{ty}[{bm}, {head_dim}],{q_layout!r}>",
+                     "desc_do": f"tensordesc<{ty}[{bm}, {head_dim}],{q_layout!r}>",
+                     "desc_k": f"tensordesc<{ty}[{bn}, {head_dim}],{kv_layout!r}>",
+                     "desc_v": f"tensordesc<{ty}[{bn}, {head_dim}],{kv_layout!r}>",
+                     "DK": f"*{ty}", "DV": f"*{ty}", "LSE": "*fp32", "DELTA": "*fp32",
+                     "scale": "fp32", "qk_scale": "fp32", "CAUSAL": "constexpr",
+                     "STAGES": "constexpr", "num_warps": "constexpr"}
+            types.update({name: "i32" for name in names if name not in types})
+            constexprs = {(names.index("CAUSAL"),): causal,
+                          (names.index("STAGES"),): launch_sm90.STAGES,
+                          (names.index("num_warps"),): launch_sm90.NUM_WARPS}
+            src = GluonASTSource(bwd, {n: types[n] for n in names}, constexprs)
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": launch_sm90.NUM_WARPS})
+            ptx = k.asm["ptx"]
+            print(json.dumps(dict(
+                variant=f"dkdv-{ty}-d{head_dim}-{'causal' if causal else 'full'}",
                 head_dim=head_dim, shared=k.metadata.shared, num_warps=k.metadata.num_warps,
                 cubin_bytes=len(k.asm["cubin"]),
                 ops={op: op in ptx for op in ("wgmma.mma_async", "cp.async.bulk.tensor",
@@ -71,8 +102,10 @@ def compiled() -> dict:
     return {row["variant"]: row for row in rows}
 
 
-VARIANTS = [f"{ty}-d{d}-{mode}" for ty in ("bf16", "fp16") for d in (64, 128, 256)
+VARIANTS = [f"fwd-{ty}-d{d}-{mode}" for ty in ("bf16", "fp16") for d in (64, 128, 256)
             for mode in ("full", "causal")]
+BWD_VARIANTS = [f"dkdv-{ty}-d{d}-{mode}" for ty in ("bf16", "fp16") for d in (64, 128)
+                for mode in ("full", "causal")]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -90,3 +123,48 @@ def test_sm90_forward_compiles_for_hopper_with_its_structure(compiled, variant):
     # asynchronous warpgroup matrix products, TMA loads, per-partition register budgets and the
     # producer/consumer handshakes are all in the code
     assert all(row["ops"].values()), row["ops"]
+
+
+@pytest.mark.parametrize("variant", BWD_VARIANTS)
+def test_sm90_dkdv_compiles_for_hopper_with_its_structure(compiled, variant):
+    from flashtile.backends.triton import launch_sm90
+
+    row = compiled[variant]
+    assert row["cubin_bytes"] > 0, "ptxas produced no binary"
+    # K and V of 128 keys + STAGES (Q, dO) tiles (+ barriers), within the per-block limit
+    rows = 2 * launch_sm90.BWD_BLOCK_N + 2 * launch_sm90.STAGES * launch_sm90.BWD_BLOCK_M
+    assert rows * row["head_dim"] * 2 <= row["shared"] <= SMEM_LIMIT
+    assert row["num_warps"] == 12
+    assert all(row["ops"].values()), row["ops"]
+
+
+def _worst_over_mean(n_m, n_bh, sq, sk, n_ctas, lpt):
+    """Most tiles any CTA of the persistent causal forward gets, over the mean (the kernel's
+    ``_work_item`` order, written out independently)."""
+    load = [0] * n_ctas
+    rounds = -(-n_m * n_bh // n_ctas)
+    for k in range(rounds):
+        for pid in range(n_ctas):
+            w = k * n_ctas + (pid if k % 2 == 0 else n_ctas - 1 - pid)
+            if w >= n_m * n_bh:
+                continue
+            i_m = n_m - 1 - (w // n_bh if lpt else w % n_m)
+            load[pid] += -(-min(sk, (i_m + 1) * 128 + sk - sq) // 128) + 1
+    return max(load) * n_ctas / sum(load)
+
+
+@pytest.mark.parametrize("batch,heads,n", [(1, 16, 16384), (1, 8, 16384), (2, 16, 8192),
+                                           (16, 16, 1024), (1, 32, 16384), (1, 1, 32768)])
+def test_sm90_causal_order_keeps_every_cta_near_the_mean(batch, heads, n):
+    """The launcher keeps the head-local order unless it leaves a CTA over 8% above the mean
+    work and sorting longest-first does better; the choice is never worse than 8% over the mean
+    or than the alternative."""
+    from flashtile.backends.triton import launch_sm90
+
+    n_m, n_bh = n // 128, batch * heads
+    lpt = launch_sm90.causal_order(n_m, n_bh, n, n, 132)
+    chosen = _worst_over_mean(n_m, n_bh, n, n, 132, lpt)
+    other = _worst_over_mean(n_m, n_bh, n, n, 132, 1 - lpt)
+    assert chosen <= 1.08 or chosen <= other
+    if lpt:
+        assert _worst_over_mean(n_m, n_bh, n, n, 132, 0) > 1.08

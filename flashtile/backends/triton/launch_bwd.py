@@ -14,6 +14,7 @@ from .. import env_reader
 from ..spec import AttnSpec
 from .args import (alibi_args, bias_args, block_d, broadcast_strides, cdiv, dot_precision,
                    dropout_args, layout, lse_strides, scalar_args, seq_strides)
+from . import launch_sm90
 from .configs import get_config
 from .fastlaunch import (STREAM_ARG, PlanCache, bind_slots, empty, empty_like, launch, plan_roles,
                          plans_enabled, record_plan, recording, signature)
@@ -172,7 +173,9 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
     plain = (alibi_slopes is None and cu_seqlens_q is None and attn_bias is None
              and rng_seed is None and block_mask is None and dbias is None and grad_dtype is None
              and do.stride(-1) == 1 and plans_enabled())
-    if not plain:
+    # launch plans replay Triton launches only: a call the Hopper dK/dV kernel serves (its
+    # gradients shaped like k and v) runs the full path (the switch is read per call)
+    if not plain or launch_sm90.bwd_eligible(q, k, v, do, k, v, spec):
         return _backward(do, q, k, v, out, lse, spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                          max_seqlen_q, max_seqlen_k, attn_bias, rng_seed, block_mask, block_size,
                          dbias, grad_dtype)
@@ -287,7 +290,11 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
 
     if not chunk:
         launch_dq(0, batch)
-        launch_dkdv(0, batch)
+        if not features and launch_sm90.bwd_eligible(q, k, v, do, dk, dv, spec):
+            # Hopper: the warp-specialised dK/dV kernel (Gluon), reading the dQ kernel's delta
+            launch_sm90.dkdv(q, k, v, do, lse, delta, dk, dv, spec)
+        else:
+            launch_dkdv(0, batch)
     else:
         _chunked(launch_dq, launch_dkdv, batch, chunk, nheads, nheads_k, q.device)
     if db_full is not None and db_full is not dbias:

@@ -14,7 +14,7 @@ import torch
 from ..spec import AttnSpec
 from .. import env_reader, interpreting
 from .args import LOG2E
-from .fastlaunch import INTERNALS_OK, empty, run_direct
+from .fastlaunch import INTERNALS_OK, empty, recorder, run_direct
 
 BLOCK_M = 128
 BLOCK_N = 128  # keys per tile at d = 64 and 128
@@ -68,6 +68,11 @@ def eligible(q, k, v, spec: AttnSpec) -> bool:
         return False
     if sq == 0 or sk == 0 or batch == 0 or sq % BLOCK_M or sk % block_n(head_dim):
         return False
+    return _plain(spec, sq, sk)
+
+
+def _plain(spec: AttnSpec, sq: int, sk: int) -> bool:
+    """No optional feature in ``spec`` but causal masking with ``sk >= sq`` (bottom-right)."""
     if spec.softcap or spec.dropout_p or not spec.bottom_right:
         return False
     if spec.is_partial or spec.head_offset or spec.nheads_total:
@@ -77,27 +82,92 @@ def eligible(q, k, v, spec: AttnSpec) -> bool:
     return not spec.causal or sk >= sq
 
 
+BWD_BLOCK_M = 64   # query rows per step of the dK/dV kernel
+BWD_BLOCK_N = 128  # keys per CTA (64 per consumer warpgroup)
+
+
+def bwd_eligible(q, k, v, do, dk, dv, spec: AttnSpec) -> bool:
+    """Whether the Hopper dK/dV kernel computes ``dk``, ``dv`` of this call: the forward's
+    conditions with ``D`` = 128 (or 64 with causal masking), ``Sq`` a multiple of 64 and ``Sk``
+    of 128, and ``do``, ``dk``, ``dv`` dense like ``q`` / ``k``.  The caller has ruled out every
+    optional tensor."""
+    if not (enabled() and q.is_cuda and not interpreting() and _hopper(q.device.index or 0)):
+        return False
+    if q.dim() != 4 or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if not all(x.is_contiguous() for x in (q, k, v, do, dk, dv)):
+        return False
+    if do.dtype != q.dtype or dk.dtype != q.dtype or dv.dtype != q.dtype:
+        return False
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr() | do.data_ptr()) & 15:
+        return False  # TMA reads from 16-byte aligned addresses only
+    batch, sq, nheads, head_dim = q.shape
+    sk, nheads_k = k.shape[1], k.shape[2]
+    if head_dim not in (64, 128) or v.shape[-1] != head_dim or nheads % nheads_k:
+        return False
+    if head_dim == 64 and not spec.causal:
+        # measured no faster than the Triton kernel there (0.96-1.00x the backward, H200)
+        return False
+    if sq == 0 or sk == 0 or batch == 0 or sq % BWD_BLOCK_M or sk % BWD_BLOCK_N:
+        return False
+    return _plain(spec, sq, sk)
+
+
 @functools.lru_cache(maxsize=None)
-def _layouts(head_dim: int, dtype: torch.dtype):
-    """Shared-memory layouts of the Q and K/V tiles (building one costs host time per call)."""
+def _layout(rows: int, head_dim: int, dtype: torch.dtype):
+    """Shared-memory layout of a ``[rows, head_dim]`` tile (building one costs host time)."""
     from triton.experimental.gluon import language as gl
 
     g_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return (gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, head_dim], g_dtype),
-            gl.NVMMASharedLayout.get_default_for([block_n(head_dim), head_dim], g_dtype))
+    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], g_dtype)
 
 
-# Compiled variants of the kernel, for launches past ``JITFunction.run``: its argument binding
+def _layouts(head_dim: int, dtype: torch.dtype):
+    """Layouts of the forward's Q and K/V tiles."""
+    return (_layout(BLOCK_M // 2, head_dim, dtype), _layout(block_n(head_dim), head_dim, dtype))
+
+
+# Compiled variants of the kernels, for launches past ``JITFunction.run``: its argument binding
 # and specialisation key cost ~100 us of host time a call with tensor descriptors among the
 # arguments (docs/dev/tuning-log.md, step 36).  The key holds everything Triton specialises on
-# here: dtype, head dim, causal, and per integer argument its width and divisibility by 16.
+# here: kernel, dtype, head dim, causal, and per integer argument its width, divisibility by 16
+# and whether it is 1.
 _compiled: dict = {}
-_INT_ARGS = ("stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh", "batch", "sq",
-             "sk", "nheads", "group", "lpt")
 
 
 def _int_key(args: dict) -> tuple:
-    return tuple([(v % 16 == 0, v == 1, v >= 2 ** 31) for v in map(args.__getitem__, _INT_ARGS)])
+    return tuple([(v % 16 == 0, v == 1, v >= 2 ** 31) for v in args.values()
+                  if type(v) is int])
+
+
+def _launch(kernel_name: str, device: int, key: tuple, grid: tuple, args: dict,
+            descs: dict) -> None:
+    """Launch ``kernel_name`` (``fwd`` or ``dkdv``) on GPU ``device`` with ``args`` and the
+    tensor descriptors ``descs`` (name -> ``(tensor, rows, cols, block_rows, layout)``)."""
+    key = (kernel_name, device, *key, _int_key(args))
+    rec = recorder()
+    if rec is not None:
+        # launch plans replay Triton launches only: a call with this one records no plan
+        rec.launches.append((kernel_name, grid, None))
+    compiled = _compiled.get(key) if INTERNALS_OK else None
+    checked = compiled is not None
+    args.update({name: _descriptor(*d, checked) for name, d in descs.items()})
+    kernel = _kernel(kernel_name)
+    if checked and run_direct(compiled, grid, list(map(args.__getitem__, kernel.arg_names)),
+                              device):
+        return
+    compiled = kernel[grid](**args)
+    if INTERNALS_OK and compiled is not None:
+        _compiled[key] = compiled
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(name: str):
+    if name == "fwd":
+        from .kernels.attn_fwd_sm90 import attn_fwd_sm90_kernel
+        return attn_fwd_sm90_kernel
+    from .kernels.attn_bwd_dkdv_sm90 import attn_bwd_dkdv_sm90_kernel
+    return attn_bwd_dkdv_sm90_kernel
 
 
 @functools.lru_cache(maxsize=256)
@@ -153,7 +223,7 @@ def forward(q, k, v, spec: AttnSpec):
     device = q.device.index or 0
     # persistent: one CTA per SM, at most one per work item (row block, batch entry, head)
     grid = (min(sq // BLOCK_M * batch * nheads, _sm_count(device)),)
-    args = dict(desc_q=None, desc_k=None, desc_v=None, Out=out, Lse=lse,
+    args = dict(Out=out, Lse=lse,
                 stride_ob=out.stride(0), stride_om=out.stride(1), stride_oh=out.stride(2),
                 stride_lb=lse.stride(0), stride_lh=lse.stride(1),
                 batch=batch, sq=sq, sk=sk, nheads=nheads, group=nheads // nheads_k,
@@ -161,26 +231,32 @@ def forward(q, k, v, spec: AttnSpec):
                 num_warps=NUM_WARPS,
                 lpt=causal_order(sq // BLOCK_M, batch * nheads, sq, sk, grid[0], tile_n)
                 if spec.causal else 0)
-    key = (device, q.dtype, head_dim, spec.causal, _int_key(args))
-    compiled = _compiled.get(key) if INTERNALS_OK else None
     # 2-D (B * S, H * D) views: a tile never crosses a batch because S is a tile multiple
     q_layout, kv_layout = _layouts(head_dim, q.dtype)
-    checked = compiled is not None
-    args["desc_q"] = _descriptor(q, batch * sq, nheads * head_dim, BLOCK_M // 2, q_layout, checked)
-    args["desc_k"] = _descriptor(k, batch * sk, nheads_k * head_dim, tile_n, kv_layout, checked)
-    args["desc_v"] = _descriptor(v, batch * sk, nheads_k * head_dim, tile_n, kv_layout, checked)
-    if checked and run_direct(compiled, grid, list(map(args.__getitem__, _names())), device):
-        return out, lse
-    from .kernels.attn_fwd_sm90 import attn_fwd_sm90_kernel
-
-    compiled = attn_fwd_sm90_kernel[grid](**args)
-    if INTERNALS_OK and compiled is not None:
-        _compiled[key] = compiled
+    descs = dict(desc_q=(q, batch * sq, nheads * head_dim, BLOCK_M // 2, q_layout),
+                 desc_k=(k, batch * sk, nheads_k * head_dim, tile_n, kv_layout),
+                 desc_v=(v, batch * sk, nheads_k * head_dim, tile_n, kv_layout))
+    _launch("fwd", device, (q.dtype, head_dim, spec.causal), grid, args, descs)
     return out, lse
 
 
-@functools.lru_cache(maxsize=None)
-def _names() -> tuple:
-    from .kernels.attn_fwd_sm90 import attn_fwd_sm90_kernel
-
-    return tuple(attn_fwd_sm90_kernel.arg_names)
+def dkdv(q, k, v, do, lse, delta, dk, dv, spec: AttnSpec) -> None:
+    """Fill ``dk``, ``dv`` (``bwd_eligible`` holds) from ``lse`` and the dQ kernel's ``delta``
+    (both float32 ``(B, H, Sq)``)."""
+    batch, sq, nheads, head_dim = q.shape
+    sk, nheads_k = k.shape[1], k.shape[2]
+    device = q.device.index or 0
+    grid = (sk // BWD_BLOCK_N, batch * nheads_k)
+    args = dict(DK=dk, DV=dv, LSE=lse, DELTA=delta,
+                stride_kb=dk.stride(0), stride_kn=dk.stride(1), stride_kh=dk.stride(2),
+                stride_lb=lse.stride(0), stride_lh=lse.stride(1),
+                sq=sq, sk=sk, nheads_k=nheads_k, group=nheads // nheads_k,
+                scale=spec.softmax_scale, qk_scale=spec.softmax_scale * LOG2E,
+                CAUSAL=spec.causal, STAGES=STAGES, num_warps=NUM_WARPS)
+    q_layout = _layout(BWD_BLOCK_M, head_dim, q.dtype)
+    kv_layout = _layout(BWD_BLOCK_N // 2, head_dim, q.dtype)
+    descs = dict(desc_q=(q, batch * sq, nheads * head_dim, BWD_BLOCK_M, q_layout),
+                 desc_do=(do, batch * sq, nheads * head_dim, BWD_BLOCK_M, q_layout),
+                 desc_k=(k, batch * sk, nheads_k * head_dim, BWD_BLOCK_N // 2, kv_layout),
+                 desc_v=(v, batch * sk, nheads_k * head_dim, BWD_BLOCK_N // 2, kv_layout))
+    _launch("dkdv", device, (q.dtype, head_dim, spec.causal), grid, args, descs)
