@@ -19,74 +19,57 @@ SMEM_LIMIT = 227 * 1024  # per block on sm_90
 
 # Prints one JSON line per variant: what the compiled kernel is made of.
 _COMPILE = r'''
-import json, sys
+import json
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from flashtile.backends.triton import launch_sm90
-from flashtile.backends.triton.kernels.attn_fwd_sm90 import attn_fwd_sm90_kernel as kernel
+from flashtile.backends.triton.kernels.attn_fwd_sm90 import attn_fwd_sm90_kernel
+from flashtile.backends.triton.kernels.attn_bwd_dkdv_sm90 import attn_bwd_dkdv_sm90_kernel
 
-INT_ARGS = ("stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh", "batch", "sq", "sk",
-            "nheads", "group", "lpt")
-names = kernel.arg_names
+
+def desc(ty, rows, head_dim, layout):
+    return f"tensordesc<{ty}[{rows}, {head_dim}],{layout!r}>"
+
+
+def emit(name, kernel, types, head_dim, causal):
+    # every other argument an integer, none equal to 1 (as the launcher specialises a call)
+    names = kernel.arg_names
+    types = dict(types, CAUSAL="constexpr", STAGES="constexpr", num_warps="constexpr")
+    types.update({n: "i32" for n in names if n not in types})
+    constexprs = {(names.index("CAUSAL"),): causal, (names.index("STAGES"),): launch_sm90.STAGES,
+                  (names.index("num_warps"),): launch_sm90.NUM_WARPS}
+    src = GluonASTSource(kernel, {n: types[n] for n in names}, constexprs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": launch_sm90.NUM_WARPS})
+    ptx = k.asm["ptx"]
+    print(json.dumps(dict(
+        variant=f"{name}-d{head_dim}-{'causal' if causal else 'full'}", head_dim=head_dim,
+        shared=k.metadata.shared, num_warps=k.metadata.num_warps,
+        cubin_bytes=len(k.asm["cubin"]),
+        ops={op: op in ptx for op in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg",
+                                      "mbarrier.try_wait")})))
+
+
 for dtype in (torch.bfloat16, torch.float16):
-    for head_dim in (64, 128, 256):
-        for causal in (False, True):
-            # as the launcher specialises a call with no integer argument equal to 1
-            q_layout, kv_layout = launch_sm90._layouts(head_dim, dtype)
-            ty = "bf16" if dtype == torch.bfloat16 else "fp16"
+    ty = "bf16" if dtype == torch.bfloat16 else "fp16"
+    for causal in (False, True):
+        for head_dim in (64, 128, 256):
             bq, bn = launch_sm90.BLOCK_M // 2, launch_sm90.block_n(head_dim)
-            types = {"desc_q": f"tensordesc<{ty}[{bq}, {head_dim}],{q_layout!r}>",
-                     "desc_k": f"tensordesc<{ty}[{bn}, {head_dim}],{kv_layout!r}>",
-                     "desc_v": f"tensordesc<{ty}[{bn}, {head_dim}],{kv_layout!r}>",
-                     "Out": f"*{ty}", "Lse": "*fp32", "qk_scale": "fp32", "CAUSAL": "constexpr",
-                     "STAGES": "constexpr", "num_warps": "constexpr"}
-            types.update({name: "i32" for name in INT_ARGS})
-            assert set(types) == set(names), sorted(set(types) ^ set(names))
-            constexprs = {(names.index("CAUSAL"),): causal,
-                          (names.index("STAGES"),): launch_sm90.STAGES,
-                          (names.index("num_warps"),): launch_sm90.NUM_WARPS}
-            src = GluonASTSource(kernel, {n: types[n] for n in names}, constexprs)
-            k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": launch_sm90.NUM_WARPS})
-            ptx = k.asm["ptx"]
-            print(json.dumps(dict(
-                variant=f"fwd-{ty}-d{head_dim}-{'causal' if causal else 'full'}",
-                head_dim=head_dim, shared=k.metadata.shared, num_warps=k.metadata.num_warps,
-                cubin_bytes=len(k.asm["cubin"]),
-                ops={op: op in ptx for op in ("wgmma.mma_async", "cp.async.bulk.tensor",
-                                              "setmaxnreg", "mbarrier.try_wait")})))
-
-from flashtile.backends.triton.kernels.attn_bwd_dkdv_sm90 import attn_bwd_dkdv_sm90_kernel as bwd
-names = bwd.arg_names
-for dtype in (torch.bfloat16, torch.float16):
-    for head_dim in (64, 128):
-        for causal in (False, True):
-            ty = "bf16" if dtype == torch.bfloat16 else "fp16"
+            q_layout, kv_layout = launch_sm90._layouts(head_dim, dtype)
+            emit(f"fwd-{ty}", attn_fwd_sm90_kernel, dict(
+                desc_q=desc(ty, bq, head_dim, q_layout), desc_k=desc(ty, bn, head_dim, kv_layout),
+                desc_v=desc(ty, bn, head_dim, kv_layout), Out=f"*{ty}", Lse="*fp32",
+                qk_scale="fp32"), head_dim, causal)
+        for head_dim in (64, 128):
             bm, bn = launch_sm90.BWD_BLOCK_M, launch_sm90.BWD_BLOCK_N // 2
             q_layout = launch_sm90._layout(bm, head_dim, dtype)
             kv_layout = launch_sm90._layout(bn, head_dim, dtype)
-            types = {"desc_q": f"tensordesc<{ty}[{bm}, {head_dim}],{q_layout!r}>",
-                     "desc_do": f"tensordesc<{ty}[{bm}, {head_dim}],{q_layout!r}>",
-                     "desc_k": f"tensordesc<{ty}[{bn}, {head_dim}],{kv_layout!r}>",
-                     "desc_v": f"tensordesc<{ty}[{bn}, {head_dim}],{kv_layout!r}>",
-                     "DK": f"*{ty}", "DV": f"*{ty}", "LSE": "*fp32", "DELTA": "*fp32",
-                     "scale": "fp32", "qk_scale": "fp32", "CAUSAL": "constexpr",
-                     "STAGES": "constexpr", "num_warps": "constexpr"}
-            types.update({name: "i32" for name in names if name not in types})
-            constexprs = {(names.index("CAUSAL"),): causal,
-                          (names.index("STAGES"),): launch_sm90.STAGES,
-                          (names.index("num_warps"),): launch_sm90.NUM_WARPS}
-            src = GluonASTSource(bwd, {n: types[n] for n in names}, constexprs)
-            k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": launch_sm90.NUM_WARPS})
-            ptx = k.asm["ptx"]
-            print(json.dumps(dict(
-                variant=f"dkdv-{ty}-d{head_dim}-{'causal' if causal else 'full'}",
-                head_dim=head_dim, shared=k.metadata.shared, num_warps=k.metadata.num_warps,
-                cubin_bytes=len(k.asm["cubin"]),
-                ops={op: op in ptx for op in ("wgmma.mma_async", "cp.async.bulk.tensor",
-                                              "setmaxnreg", "mbarrier.try_wait")})))
+            emit(f"dkdv-{ty}", attn_bwd_dkdv_sm90_kernel, dict(
+                desc_q=desc(ty, bm, head_dim, q_layout), desc_do=desc(ty, bm, head_dim, q_layout),
+                desc_k=desc(ty, bn, head_dim, kv_layout), desc_v=desc(ty, bn, head_dim, kv_layout),
+                DK=f"*{ty}", DV=f"*{ty}", LSE="*fp32", DELTA="*fp32", scale="fp32",
+                qk_scale="fp32"), head_dim, causal)
 '''
 
 
