@@ -1,9 +1,10 @@
-"""Launcher of the Hopper forward kernel (``kernels/attn_fwd_sm90.py``, Gluon).
+"""Launchers of the Hopper kernels (Gluon): the forward (``kernels/attn_fwd_sm90.py``) and the
+backward's dK/dV kernel (``kernels/attn_bwd_dkdv_sm90.py``, after the Triton dQ kernel).
 
-On an sm_90 GPU (H100, H200) the calls that kernel covers go to it; ``FLASHTILE_SM90=0`` sends
-them to the portable Triton kernel instead.  It is faster than the Triton kernel on every shape
-measured (docs/dev/tuning-log.md, step 36).  A call it does not cover always takes the Triton
-kernel, never a wrong result: ``eligible`` lists the scope.
+On an sm_90 GPU (H100, H200) the calls they cover go to them; ``FLASHTILE_SM90=0`` sends them
+to the portable Triton kernels instead.  Both are faster than the Triton kernels on the shapes
+measured (docs/dev/tuning-log.md, steps 36-37).  A call they do not cover always takes the
+Triton kernels, never a wrong result: ``eligible`` and ``bwd_eligible`` list the scopes.
 """
 from __future__ import annotations
 
