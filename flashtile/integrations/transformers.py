@@ -96,10 +96,15 @@ def _pattern(fn):
         if (len(parts) == 2 and parts[1] is causal_mask_function
                 and _made_by(parts[0], "sliding_window_overlay")):
             return "causal"  # the window comes with the call (sliding_window=...)
-        if (len(parts) == 2 and _made_by(parts[0], "packed_sequence_mask_function")
-                and _made_by(parts[1], "remap_positions_for_packed_sequence")
-                and _pattern(_captured(parts[1]).get("mask_function")) == "causal"):
-            return ("packed", _captured(parts[0])["packed_sequence_mask"])
+        if len(parts) == 2:
+            # causal within packed sequences: the sequence-id mask and the causal rule on
+            # positions remapped per sequence, in either order (transformers 5.24 puts the
+            # remapped rule first, earlier 5.x releases the sequence ids)
+            packed = [f for f in parts if _made_by(f, "packed_sequence_mask_function")]
+            remap = [f for f in parts if _made_by(f, "remap_positions_for_packed_sequence")]
+            if (packed and remap
+                    and _pattern(_captured(remap[0]).get("mask_function")) == "causal"):
+                return ("packed", _captured(packed[0])["packed_sequence_mask"])
     return None
 
 
