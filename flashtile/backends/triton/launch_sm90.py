@@ -15,18 +15,20 @@ import torch
 from ..spec import AttnSpec
 from .. import env_reader, interpreting
 from .args import LOG2E
-from .fastlaunch import INTERNALS_OK, empty, recorder, run_direct
+from .fastlaunch import INTERNALS_OK, empty, launch_hooks_set, recorder, run_direct
 
 BLOCK_M = 128
 BLOCK_N = 128  # keys per tile at d = 64 and 128
+NUM_WARPS = 4  # the first consumer; the kernel adds 4 + 1 worker warps
+STAGES = 2
+BWD_BLOCK_M = 64   # query rows per step of the dK/dV kernel
+BWD_BLOCK_N = 128  # keys per CTA (64 per consumer warpgroup)
 
 
 def block_n(head_dim: int) -> int:
     """Keys per tile: 64 at d = 256, where Q, two stages of K and V tiles of 128 keys would need
     320 KB of shared memory (64 keys: 192 KB) and the consumers' registers would spill."""
     return 64 if head_dim == 256 else BLOCK_N
-NUM_WARPS = 4  # the first consumer; the kernel adds 4 + 1 worker warps
-STAGES = 2
 
 
 _sm90_env = env_reader("FLASHTILE_SM90")
@@ -51,18 +53,27 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def eligible(q, k, v, spec: AttnSpec) -> bool:
-    """Dense contiguous fp16/bf16 ``(B, S, H, D)``, ``D`` in {64, 128, 256}, sequence lengths that
-    are multiples of the tiles, no softcap / window / dropout, causal only with ``sk >= sq``.  The
-    caller has already ruled out every optional tensor (ALiBi, bias, varlen, paging, sparsity)."""
+def _dense(q, *tensors) -> bool:
+    """The switch is on, ``q`` is a 4-D fp16/bf16 tensor on an sm_90 GPU, and ``q`` and
+    ``tensors`` are contiguous at 16-byte aligned addresses (all TMA reads)."""
     if not (enabled() and q.is_cuda and not interpreting() and _hopper(q.device.index or 0)):
         return False
     if q.dim() != 4 or q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+    if not (q.is_contiguous() and all(x.is_contiguous() for x in tensors)):
         return False
-    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
-        return False  # TMA reads from 16-byte aligned addresses only
+    address = q.data_ptr()
+    for x in tensors:
+        address |= x.data_ptr()
+    return not address & 15
+
+
+def eligible(q, k, v, spec: AttnSpec) -> bool:
+    """Dense contiguous fp16/bf16 ``(B, S, H, D)``, ``D`` in {64, 128, 256}, sequence lengths that
+    are multiples of the tiles, no softcap / window / dropout, causal only with ``sk >= sq``.  The
+    caller has already ruled out every optional tensor (ALiBi, bias, varlen, paging, sparsity)."""
+    if not _dense(q, k, v):
+        return False
     batch, sq, nheads, head_dim = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
     if head_dim not in (64, 128, 256) or v.shape[-1] != head_dim or nheads % nheads_k:
@@ -83,25 +94,15 @@ def _plain(spec: AttnSpec, sq: int, sk: int) -> bool:
     return not spec.causal or sk >= sq
 
 
-BWD_BLOCK_M = 64   # query rows per step of the dK/dV kernel
-BWD_BLOCK_N = 128  # keys per CTA (64 per consumer warpgroup)
-
-
 def bwd_eligible(q, k, v, do, dk, dv, spec: AttnSpec) -> bool:
     """Whether the Hopper dK/dV kernel computes ``dk``, ``dv`` of this call: the forward's
     conditions with ``D`` = 128 (or 64 with causal masking), ``Sq`` a multiple of 64 and ``Sk``
     of 128, and ``do``, ``dk``, ``dv`` dense like ``q`` / ``k``.  The caller has ruled out every
     optional tensor."""
-    if not (enabled() and q.is_cuda and not interpreting() and _hopper(q.device.index or 0)):
-        return False
-    if q.dim() != 4 or q.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    if not all(x.is_contiguous() for x in (q, k, v, do, dk, dv)):
+    if not (_dense(q, k, v, do) and dk.is_contiguous() and dv.is_contiguous()):
         return False
     if do.dtype != q.dtype or dk.dtype != q.dtype or dv.dtype != q.dtype:
         return False
-    if (q.data_ptr() | k.data_ptr() | v.data_ptr() | do.data_ptr()) & 15:
-        return False  # TMA reads from 16-byte aligned addresses only
     batch, sq, nheads, head_dim = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
     if head_dim not in (64, 128) or v.shape[-1] != head_dim or nheads % nheads_k:
@@ -151,11 +152,12 @@ def _launch(kernel_name: str, device: int, key: tuple, grid: tuple, args: dict,
         # launch plans replay Triton launches only: a call with this one records no plan
         rec.launches.append((kernel_name, grid, None))
     compiled = _compiled.get(key) if INTERNALS_OK else None
-    checked = compiled is not None
-    args.update({name: _descriptor(*d, checked) for name, d in descs.items()})
+    # a profiler's launch hooks want Triton's own launch path (and full descriptors)
+    direct = compiled is not None and not launch_hooks_set()
+    args.update({name: _descriptor(*d, direct) for name, d in descs.items()})
     kernel = _kernel(kernel_name)
-    if checked and run_direct(compiled, grid, list(map(args.__getitem__, kernel.arg_names)),
-                              device):
+    if direct and run_direct(compiled, grid, list(map(args.__getitem__, kernel.arg_names)),
+                             device):
         return
     compiled = kernel[grid](**args)
     if INTERNALS_OK and compiled is not None:
@@ -198,14 +200,14 @@ def causal_order(n_m: int, n_bh: int, sq: int, sk: int, n_ctas: int,
     return int(default > 1.08 and worst(True) < default)
 
 
-def _descriptor(x, rows: int, cols: int, block_rows: int, layout, checked: bool):
-    """A TMA descriptor of ``x`` seen as a ``(rows, cols)`` row-major matrix.  Once a variant is
-    compiled (``checked``), ``eligible`` has already checked what the constructor asserts
-    (alignment, strides) and the launcher reads only base, shape, strides and padding: the
-    object is filled in directly (the constructor's checks cost ~10 us a call)."""
+def _descriptor(x, rows: int, cols: int, block_rows: int, layout, direct: bool):
+    """A TMA descriptor of ``x`` seen as a ``(rows, cols)`` row-major matrix.  For a direct
+    launch of a compiled variant (``direct``) the launcher reads only base, shape, strides and
+    padding, and ``eligible`` has already checked what the constructor asserts (alignment,
+    strides): the object is filled in directly (the constructor's checks cost ~10 us a call)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    if not checked:
+    if not direct:
         return TensorDescriptor(x.view(rows, cols), [rows, cols], [cols, 1],
                                 [block_rows, x.shape[-1]], layout)
     desc = object.__new__(TensorDescriptor)
