@@ -1,0 +1,318 @@
+"""Hopper (sm_90) forward kernel in Gluon, warp-specialised: a one-warp producer streams K/V
+tiles by TMA into a ``STAGES``-deep shared-memory ring; two consumer warpgroups own 64 query rows
+each and take turns on the tensor cores (ping-pong: while one issues its Q·Kᵀ and P·V, the other
+computes its softmax); within a warpgroup the next tile's Q·Kᵀ is issued before this tile's P·V,
+so the softmax of one tile overlaps the tensor cores working on the other.
+
+For each visible key tile ``j`` of a consumer (base-2 scores, ``qk_scale = scale * log2(e)``)::
+
+    s_j   = q k_jᵀ                                   # [64, BLOCK_N], wgmma, both from SMEM
+    m_new = max(m, rowmax(s_j))                      # raw units; the scale is folded into exp2
+    alpha = exp2(qk_scale * (m - m_new))
+    p_j   = exp2(qk_scale * s_j - qk_scale * m_new)  # one FMA per element
+    l     = l * alpha + rowsum(p_j)
+    acc   = acc * alpha + p_j v_j                    # wgmma, p_j from registers, v_j from SMEM
+
+and at the end ``out = acc / l``, ``lse = ln(2) * (qk_scale * m + log2(l))``.
+
+One step of a consumer, with ``p_j`` ready in registers::
+
+    wait    my turn                     (mbarrier, armed by the other consumer)
+    issue   s_{j+1} = q k_{j+1}ᵀ        (async, commit group 1)
+    issue   acc    += p_j v_j           (async, commit group 2)
+    arrive  the other consumer's turn
+    wait    group 1 -> softmax of tile j+1 while p_j v_j is still on the tensor cores
+    wait    group 2 -> release V_j's stage to the producer; acc *= alpha_{j+1}
+
+K and V have separate rings: K_{j+1}'s stage is released as soon as both consumers' Q·K_{j+1}ᵀ
+completed (group 1), V_j's after P_j·V_j (group 2), and the producer loads K one tile ahead of V.
+With one ring for both, the stage of tile j came back only after both consumers' P_j·V_j, which
+left the producer no time to fetch K_{j+2} before it was needed (docs/dev/tuning-log.md, step 36).
+
+Both consumers walk the same key tiles (for causal, those of the 128-row block's last row; the
+extra tile of the first consumer is masked), so their turns pair up one for one.
+
+The grid is persistent: one CTA per SM walks the (row block, batch, head) work items
+``w = k * G + (pid or G - 1 - pid)`` for rounds ``k`` (``_work_item`` gives their order).  The
+producer fetches the next item's Q and first K while the consumers finish the current one; every barrier phase runs on across items (``it`` counts K/V tiles,
+``ts`` tensor-core turns, ``c`` items).
+
+Scope (``launch_sm90.eligible`` checks it; every other call takes the portable Triton kernel):
+dense ``(B, S, H, D)`` contiguous inputs, ``D`` in {64, 128, 256} (``BLOCK_N`` = 64 keys at 256),
+fp16/bf16, ``S`` multiples of the tiles, no optional feature but causal masking with ``sk >= sq`` (bottom-right), where only the
+tiles that cross a warpgroup's diagonal apply the mask.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+LN2 = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _online_softmax(b_s, m_i, l_i, n0, o_m, o_n, qk_scale, shift,
+                    CAUSAL: gl.constexpr, masked):
+    """One online-softmax update for the score tile ``b_s`` (raw ``q.k``) of keys from ``n0``."""
+    if CAUSAL:
+        if masked:
+            # key n0 + o_n is visible to query o_m iff n0 + o_n <= o_m + shift
+            m_vis = (n0 + o_n)[None, :] <= (o_m + shift)[:, None]  # [BLOCK_M, BLOCK_N]
+            b_s = gl.where(m_vis, b_s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(b_s, axis=1))                     # [BLOCK_M]
+    b_alpha = gl.exp2((m_i - m_new) * qk_scale)                     # [BLOCK_M]
+    b_p = gl.exp2(b_s * qk_scale - (m_new * qk_scale)[:, None])     # [BLOCK_M, BLOCK_N]
+    l_i = l_i * b_alpha + gl.sum(b_p, axis=1)
+    return b_p, m_new, l_i, b_alpha
+
+
+@gluon.jit
+def _work_item(k, pid, n_ctas, n_m, n_bh, nheads, lpt, causal):
+    """Work item of round ``k`` for CTA ``pid``: ``(w, i_m, i_b, i_h)``, ``w`` out of range when
+    the last round has no item for this CTA.  The rounds snake over the CTAs (even rounds from
+    CTA 0 up, odd ones down).  By default the row blocks of one head are neighbours (the CTAs
+    at work at one time share their K/V through L2), for causal masking last row block (the
+    longest) first.  ``lpt`` sorts every causal item longest first instead (row blocks from
+    the last, every head of one before the next): the launcher asks for it where the default
+    order would leave one CTA far more work than the mean (``launch_sm90.causal_order``)."""
+    w = k * n_ctas + pid + (k % 2) * (n_ctas - 1 - 2 * pid)
+    if lpt:
+        i_m = n_m - 1 - w // n_bh
+        i_bh = w % n_bh
+    else:
+        i_m = w % n_m
+        i_bh = w // n_m
+        if causal:
+            i_m = n_m - 1 - i_m
+    return w, i_m, i_bh // nheads, i_bh % nheads
+
+
+@gluon.jit
+def _n_tiles(i_m, sk, shift, causal, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    hi = sk
+    if causal:
+        hi = gl.minimum(sk, i_m * BLOCK_M + BLOCK_M + shift)
+    return gl.cdiv(hi, BLOCK_N)
+
+
+@gluon.jit
+def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k, bar_v,
+                 bar_kfree, bar_vfree, sq, sk, nheads, group, n_m, n_work, lpt, causal):
+    BLOCK_MQ: gl.constexpr = q_smem.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.shape[2]
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    pid = gl.program_id(0)
+    n_ctas = gl.num_programs(0)
+    it = 0  # K/V tiles loaded so far (ring position and phase)
+    c = 0   # work items loaded so far (Q phase)
+    for k in range(gl.cdiv(n_work, n_ctas)):
+        w, i_m, i_b, i_h = _work_item(k, pid, n_ctas, n_m, n_work // n_m, nheads, lpt,
+                                      causal)
+        if w < n_work:
+            n_tiles = _n_tiles(i_m, sk, sk - sq, causal, 2 * BLOCK_MQ, BLOCK_N)
+            row_k = i_b * sk
+            col_k = (i_h // group) * HEAD_DIM
+            # K_0 first, then Q: both are needed by the item's first Q·Kᵀ
+            i_k = it % STAGES
+            mbarrier.wait(bar_kfree.index(i_k), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
+            mbarrier.expect(bar_k.index(i_k), desc_k.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc_k, [row_k, col_k], bar_k.index(i_k),
+                                            k_smem.index(i_k))
+            for i in gl.static_range(2):
+                # consumer i's Q buffer is free once its last Q·Kᵀ of the previous item completed
+                mbarrier.wait(bar_qfree.index(i), (c & 1) ^ 1, pred=c > 0)
+                mbarrier.expect(bar_q.index(i), desc_q.block_type.nbytes)
+                tma.async_copy_global_to_shared(
+                    desc_q, [i_b * sq + i_m * 2 * BLOCK_MQ + i * BLOCK_MQ, i_h * HEAD_DIM],
+                    bar_q.index(i), q_smem.index(i))
+            # K runs one tile ahead of V: a consumer's step issues Q·K_{t+1}ᵀ with P_t·V_t
+            for t in range(n_tiles):
+                if t + 1 < n_tiles:
+                    u = it + t + 1
+                    i_k = u % STAGES
+                    # K stage i_k is free once both consumers' Q·K_{u-STAGES}ᵀ completed
+                    mbarrier.wait(bar_kfree.index(i_k), ((u // STAGES) & 1) ^ 1,
+                                  pred=u >= STAGES)
+                    mbarrier.expect(bar_k.index(i_k), desc_k.block_type.nbytes)
+                    tma.async_copy_global_to_shared(desc_k, [row_k + (t + 1) * BLOCK_N, col_k],
+                                                    bar_k.index(i_k), k_smem.index(i_k))
+                u = it + t
+                i_v = u % STAGES
+                # V stage i_v is free once both consumers' P_{u-STAGES}·V_{u-STAGES} completed
+                mbarrier.wait(bar_vfree.index(i_v), ((u // STAGES) & 1) ^ 1, pred=u >= STAGES)
+                mbarrier.expect(bar_v.index(i_v), desc_v.block_type.nbytes)
+                tma.async_copy_global_to_shared(desc_v, [row_k + t * BLOCK_N, col_k],
+                                                bar_v.index(i_v), v_smem.index(i_v))
+            it += n_tiles
+            c += 1
+
+
+@gluon.jit
+def _ws_consumer(i_wg, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
+                 bar_vfree, bar_turn, Out, Lse, stride_ob, stride_om, stride_oh, stride_lb,
+                 stride_lh, sq, sk, nheads, n_m, n_work, lpt, qk_scale, causal):
+    # partitions receive run-time values only: the tile shapes come from the buffers
+    BLOCK_MQ: gl.constexpr = q_smem.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.shape[2]
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    pid = gl.program_id(0)
+    n_ctas = gl.num_programs(0)
+    shift = sk - sq
+    q_tile = q_smem.index(i_wg)
+    bar_mine = bar_turn.index(i_wg)
+    bar_other = bar_turn.index(1 - i_wg)
+    o_r = gl.arange(0, BLOCK_MQ, layout=row_s)
+    o_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    o_ro = gl.arange(0, BLOCK_MQ, layout=row_o)
+    o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    it = 0  # K/V tiles consumed so far
+    ts = 0  # tensor-core turns taken so far
+    c = 0   # work items done so far
+    for k in range(gl.cdiv(n_work, n_ctas)):
+        w, i_m, i_b, i_h = _work_item(k, pid, n_ctas, n_m, n_work // n_m, nheads, lpt,
+                                      causal)
+        if w < n_work:
+            n_tiles = _n_tiles(i_m, sk, shift, causal, 2 * BLOCK_MQ, BLOCK_N)
+            mq0 = i_m * 2 * BLOCK_MQ + i_wg * BLOCK_MQ
+            # tiles from n_full on cross this warpgroup's diagonal and are masked
+            n_full = n_tiles
+            if causal:
+                n_full = (mq0 + shift + 1) // BLOCK_N
+            o_m = mq0 + o_r
+            m_i = gl.full([BLOCK_MQ], float("-inf"), gl.float32, layout=row_s)
+            l_i = gl.zeros([BLOCK_MQ], gl.float32, layout=row_s)
+            b_acc = gl.zeros([BLOCK_MQ, HEAD_DIM], gl.float32, layout=o_layout)  # [64, D]
+            b_s = gl.zeros([BLOCK_MQ, BLOCK_N], gl.float32, layout=s_layout)     # [64, BLOCK_N]
+
+            mbarrier.wait(bar_q.index(i_wg), c & 1)
+            i_s = it % STAGES
+            mbarrier.wait(bar_k.index(i_s), (it // STAGES) & 1)
+            # a turn of its own: Q·K_0ᵀ
+            mbarrier.wait(bar_mine, ts & 1)
+            b_s = warpgroup_mma(q_tile, k_smem.index(i_s).permute((1, 0)), b_s, use_acc=False,
+                                is_async=True)
+            mbarrier.arrive(bar_other)
+            b_s = warpgroup_mma_wait(num_outstanding=0, deps=(b_s,))
+            mbarrier.arrive(bar_kfree.index(i_s))
+            mbarrier.arrive(bar_qfree.index(i_wg), pred=n_tiles == 1)
+            b_p, m_i, l_i, b_alpha = _online_softmax(b_s, m_i, l_i, 0, o_m, o_n, qk_scale,
+                                                     shift, True, 0 >= n_full)
+            for j in range(0, n_tiles - 1):
+                i_st = (it + j) % STAGES
+                i_nx = (it + j + 1) % STAGES
+                mbarrier.wait(bar_k.index(i_nx), ((it + j + 1) // STAGES) & 1)
+                mbarrier.wait(bar_v.index(i_st), ((it + j) // STAGES) & 1)
+                b_pv = gl.convert_layout(b_p.to(dtype), p_layout)            # [64, BLOCK_N]
+                # a turn for Q·K_{j+1}ᵀ and P_j·V_j
+                mbarrier.wait(bar_mine, (ts + j + 1) & 1)
+                b_s = warpgroup_mma(q_tile, k_smem.index(i_nx).permute((1, 0)), b_s,
+                                    use_acc=False, is_async=True)
+                b_acc = warpgroup_mma(b_pv, v_smem.index(i_st), b_acc, is_async=True)
+                mbarrier.arrive(bar_other)
+                b_s = warpgroup_mma_wait(num_outstanding=1, deps=(b_s,))
+                # Q·K_{j+1}ᵀ done (groups complete in order): its K stage goes back
+                mbarrier.arrive(bar_kfree.index(i_nx))
+                # the item's last Q·Kᵀ: Q's buffer goes back (a predicate, not a branch, keeps
+                # the softmax below in this basic block, where ptxas overlaps it with P·V)
+                mbarrier.arrive(bar_qfree.index(i_wg), pred=j == n_tiles - 2)
+                b_p, m_i, l_i, b_alpha = _online_softmax(b_s, m_i, l_i, (j + 1) * BLOCK_N, o_m,
+                                                         o_n, qk_scale, shift, True,
+                                                         j + 1 >= n_full)
+                b_acc, b_pv = warpgroup_mma_wait(num_outstanding=0, deps=(b_acc, b_pv))
+                mbarrier.arrive(bar_vfree.index(i_st))
+                b_acc = b_acc * gl.convert_layout(b_alpha, row_o)[:, None]
+            i_st = (it + n_tiles - 1) % STAGES
+            mbarrier.wait(bar_v.index(i_st), ((it + n_tiles - 1) // STAGES) & 1)
+            b_pv = gl.convert_layout(b_p.to(dtype), p_layout)
+            mbarrier.wait(bar_mine, (ts + n_tiles) & 1)
+            b_acc = warpgroup_mma(b_pv, v_smem.index(i_st), b_acc, is_async=True)
+            mbarrier.arrive(bar_other)
+            b_acc, b_pv = warpgroup_mma_wait(num_outstanding=0, deps=(b_acc, b_pv))
+            mbarrier.arrive(bar_vfree.index(i_st))
+            it += n_tiles
+            ts += n_tiles + 1
+            c += 1
+
+            b_out = b_acc / gl.convert_layout(l_i, row_o)[:, None]            # [64, HEAD_DIM]
+            p_out = (Out + i_b.to(gl.int64) * stride_ob + i_h.to(gl.int64) * stride_oh
+                     + (mq0 + o_ro).to(gl.int64)[:, None] * stride_om + o_d[None, :])
+            gl.store(p_out, b_out.to(dtype))
+            b_lse = (m_i * qk_scale + gl.log2(l_i)) * LN2
+            gl.store(Lse + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh + o_m,
+                     b_lse)
+
+
+@gluon.jit
+def _ws_consumer0(q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree, bar_vfree,
+                  bar_turn, Out, Lse, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, sq,
+                  sk, nheads, n_m, n_work, lpt, qk_scale, causal):
+    _ws_consumer(0, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
+                 bar_vfree, bar_turn, Out, Lse, stride_ob, stride_om, stride_oh, stride_lb,
+                 stride_lh, sq, sk, nheads, n_m, n_work, lpt, qk_scale, causal)
+
+
+@gluon.jit
+def _ws_consumer1(q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree, bar_vfree,
+                  bar_turn, Out, Lse, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, sq,
+                  sk, nheads, n_m, n_work, lpt, qk_scale, causal):
+    _ws_consumer(1, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
+                 bar_vfree, bar_turn, Out, Lse, stride_ob, stride_om, stride_oh, stride_lb,
+                 stride_lh, sq, sk, nheads, n_m, n_work, lpt, qk_scale, causal)
+
+
+@gluon.jit
+def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, Out, Lse,
+                         stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+                         batch, sq, sk, nheads, group, qk_scale, lpt,
+                         CAUSAL: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    BLOCK_MQ: gl.constexpr = desc_q.block_type.shape[0]   # rows of one consumer (64)
+    HEAD_DIM: gl.constexpr = desc_q.block_type.shape[1]
+    BLOCK_N: gl.constexpr = desc_k.block_type.shape[0]
+    dtype: gl.constexpr = desc_q.dtype
+
+    n_m = sq // (2 * BLOCK_MQ)
+    n_work = n_m * batch * nheads
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_MQ, HEAD_DIM], desc_q.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout)
+    bar_q = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    bar_qfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    bar_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    bar_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    bar_kfree = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    bar_vfree = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    bar_turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(bar_q.index(i), count=1)
+        mbarrier.init(bar_qfree.index(i), count=1)
+        mbarrier.init(bar_turn.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bar_k.index(i), count=1)
+        mbarrier.init(bar_v.index(i), count=1)
+        mbarrier.init(bar_kfree.index(i), count=2)
+        mbarrier.init(bar_vfree.index(i), count=2)
+    # consumer 0 takes the first tensor-core turn
+    mbarrier.arrive(bar_turn.index(0))
+
+    consumer_args = (q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
+                     bar_vfree, bar_turn, Out, Lse, stride_ob, stride_om, stride_oh, stride_lb,
+                     stride_lh, sq, sk, nheads, n_m, n_work, lpt, qk_scale, CAUSAL)
+    gl.warp_specialize([
+        (_ws_consumer0, consumer_args),
+        (_ws_consumer1, consumer_args),
+        (_ws_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k,
+                        bar_v, bar_kfree, bar_vfree, sq, sk, nheads, group, n_m, n_work,
+                        lpt, CAUSAL)),
+    ], [4, 1], [232, 24])
