@@ -42,8 +42,6 @@ dense ``(B, S, H, D)`` contiguous inputs, ``D`` in {64, 128, 256} (``BLOCK_N`` =
 fp16/bf16, ``S`` multiples of the tiles, no optional feature but causal masking with ``sk >= sq`` (bottom-right), where only the
 tiles that cross a warpgroup's diagonal apply the mask.
 """
-import struct
-
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
@@ -52,76 +50,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
 LN2 = gl.constexpr(0.6931471805599453)
 
 
-def _f32(x: float) -> str:
-    """``x`` as a PTX float32 literal."""
-    return "0f%08X" % struct.unpack("<I", struct.pack("<f", x))[0]
-
-
-# 2^f on [-1/2, 1/2], degree 3, near-minimax in relative error (7.5e-5: a sixth of a bf16 ulp,
-# a seventh of an fp16 one)
-_EXP2_POLY = (0.9999280571937561, 0.6932609677314758, 0.2426111251115799, 0.0551716685295105)
-
-
-def _exp2_asm(pack: int, emulated: int) -> str:
-    """PTX for ``pack`` exponentials 2^x (x <= 0), ``emulated`` of them on the FMA pipe: with
-    ``r = round(x)`` taken from the low mantissa bits of ``x + 1.5 * 2^23``, ``2^x = 2^(x - r)``
-    (a polynomial) with ``r`` added to its exponent field.  ``x`` is clamped at -125 so that the
-    exponent stays normal (2^-125 for a masked score, 0 from ``ex2``: both vanish against the
-    row's maximum, whose term is 1)."""
-    magic, c0, c1, c2, c3 = (_f32(1.5 * 2 ** 23), *map(_f32, _EXP2_POLY))
-    lines = ["{", ".reg .f32 x, t, f, p;", ".reg .b32 e, b;"]
-    for i in range(pack):
-        out, x = f"${i}", f"${pack + i}"
-        if i >= emulated:
-            lines.append(f"ex2.approx.ftz.f32 {out}, {x};")
-            continue
-        lines += [f"max.ftz.f32 x, {x}, {_f32(-125.0)};",
-                  f"add.rn.ftz.f32 t, x, {magic};",
-                  f"sub.rn.ftz.f32 f, t, {magic};",
-                  "sub.rn.ftz.f32 f, x, f;",
-                  f"fma.rn.ftz.f32 p, f, {c3}, {c2};",
-                  f"fma.rn.ftz.f32 p, p, f, {c1};",
-                  f"fma.rn.ftz.f32 p, p, f, {c0};",
-                  "mov.b32 e, t;",
-                  "shl.b32 e, e, 23;",
-                  "mov.b32 b, p;",
-                  "add.s32 b, b, e;",
-                  f"mov.b32 {out}, b;"]
-    return "\n".join(lines + ["}"])
-
-
-# exponentials of a score tile in packs of 8, EXP2_EMU of them on the FMA pipe
-EXP2_PACK = gl.constexpr(8)
-_EXP2_ASM_1 = gl.constexpr(_exp2_asm(8, 1))
-_EXP2_ASM_2 = gl.constexpr(_exp2_asm(8, 2))
-_EXP2_ASM_3 = gl.constexpr(_exp2_asm(8, 3))
-_EXP2_ASM_4 = gl.constexpr(_exp2_asm(8, 4))
-
-
-@gluon.jit
-def _exp2_tile(x, EXP2_EMU: gl.constexpr):
-    """2^x of a score tile (x <= 0), ``EXP2_EMU`` of every 8 by a polynomial on the FMA pipe:
-    at d = 64 the 16-a-clock ``ex2`` unit is as busy as the tensor cores (docs/dev/tuning-log.md,
-    step 38)."""
-    if EXP2_EMU == 0:
-        b_y = gl.exp2(x)
-    else:
-        if EXP2_EMU == 1:
-            asm: gl.constexpr = _EXP2_ASM_1
-        elif EXP2_EMU == 2:
-            asm: gl.constexpr = _EXP2_ASM_2
-        elif EXP2_EMU == 3:
-            asm: gl.constexpr = _EXP2_ASM_3
-        else:
-            asm: gl.constexpr = _EXP2_ASM_4
-        b_y = gl.inline_asm_elementwise(asm, "=f,=f,=f,=f,=f,=f,=f,=f,f,f,f,f,f,f,f,f", [x],
-                                        dtype=gl.float32, is_pure=True, pack=EXP2_PACK)
-    return b_y
-
-
 @gluon.jit
 def _online_softmax(b_s, m_i, l_i, n0, o_m, o_n, qk_scale, shift,
-                    CAUSAL: gl.constexpr, masked, EXP2_EMU: gl.constexpr):
+                    CAUSAL: gl.constexpr, masked):
     """One online-softmax update for the score tile ``b_s`` (raw ``q.k``) of keys from ``n0``."""
     if CAUSAL:
         if masked:
@@ -130,7 +61,7 @@ def _online_softmax(b_s, m_i, l_i, n0, o_m, o_n, qk_scale, shift,
             b_s = gl.where(m_vis, b_s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(b_s, axis=1))                     # [BLOCK_M]
     b_alpha = gl.exp2((m_i - m_new) * qk_scale)                     # [BLOCK_M]
-    b_p = _exp2_tile(b_s * qk_scale - (m_new * qk_scale)[:, None], EXP2_EMU)  # [BLOCK_M, BLOCK_N]
+    b_p = gl.exp2(b_s * qk_scale - (m_new * qk_scale)[:, None])     # [BLOCK_M, BLOCK_N]
     l_i = l_i * b_alpha + gl.sum(b_p, axis=1)
     return b_p, m_new, l_i, b_alpha
 
@@ -220,8 +151,7 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
 @gluon.jit
 def _ws_consumer(i_wg, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
                  bar_vfree, bar_turn, Out, Lse, stride_ob, stride_om, stride_oh, stride_lb,
-                 stride_lh, sq, sk, nheads, n_m, n_work, lpt, qk_scale, causal,
-                 exp2_emu: gl.constexpr):
+                 stride_lh, sq, sk, nheads, n_m, n_work, lpt, qk_scale, causal):
     # partitions receive run-time values only: the tile shapes come from the buffers
     BLOCK_MQ: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
@@ -277,7 +207,7 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k, bar_v, b
             mbarrier.arrive(bar_kfree.index(i_s))
             mbarrier.arrive(bar_qfree.index(i_wg), pred=n_tiles == 1)
             b_p, m_i, l_i, b_alpha = _online_softmax(b_s, m_i, l_i, 0, o_m, o_n, qk_scale,
-                                                     shift, True, 0 >= n_full, exp2_emu)
+                                                     shift, True, 0 >= n_full)
             for j in range(0, n_tiles - 1):
                 i_st = (it + j) % STAGES
                 i_nx = (it + j + 1) % STAGES
@@ -298,7 +228,7 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k, bar_v, b
                 mbarrier.arrive(bar_qfree.index(i_wg), pred=j == n_tiles - 2)
                 b_p, m_i, l_i, b_alpha = _online_softmax(b_s, m_i, l_i, (j + 1) * BLOCK_N, o_m,
                                                          o_n, qk_scale, shift, True,
-                                                         j + 1 >= n_full, exp2_emu)
+                                                         j + 1 >= n_full)
                 b_acc, b_pv = warpgroup_mma_wait(num_outstanding=0, deps=(b_acc, b_pv))
                 mbarrier.arrive(bar_vfree.index(i_st))
                 b_acc = b_acc * gl.convert_layout(b_alpha, row_o)[:, None]
@@ -326,29 +256,26 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k, bar_v, b
 @gluon.jit
 def _ws_consumer0(q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree, bar_vfree,
                   bar_turn, Out, Lse, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, sq,
-                  sk, nheads, n_m, n_work, lpt, qk_scale, causal,
-                 exp2_emu: gl.constexpr):
+                  sk, nheads, n_m, n_work, lpt, qk_scale, causal):
     _ws_consumer(0, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
                  bar_vfree, bar_turn, Out, Lse, stride_ob, stride_om, stride_oh, stride_lb,
-                 stride_lh, sq, sk, nheads, n_m, n_work, lpt, qk_scale, causal, exp2_emu)
+                 stride_lh, sq, sk, nheads, n_m, n_work, lpt, qk_scale, causal)
 
 
 @gluon.jit
 def _ws_consumer1(q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree, bar_vfree,
                   bar_turn, Out, Lse, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, sq,
-                  sk, nheads, n_m, n_work, lpt, qk_scale, causal,
-                 exp2_emu: gl.constexpr):
+                  sk, nheads, n_m, n_work, lpt, qk_scale, causal):
     _ws_consumer(1, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
                  bar_vfree, bar_turn, Out, Lse, stride_ob, stride_om, stride_oh, stride_lb,
-                 stride_lh, sq, sk, nheads, n_m, n_work, lpt, qk_scale, causal, exp2_emu)
+                 stride_lh, sq, sk, nheads, n_m, n_work, lpt, qk_scale, causal)
 
 
 @gluon.jit
 def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, Out, Lse,
                          stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
                          batch, sq, sk, nheads, group, qk_scale, lpt,
-                         CAUSAL: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
-                         EXP2_EMU: gl.constexpr = 0):
+                         CAUSAL: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_MQ: gl.constexpr = desc_q.block_type.shape[0]   # rows of one consumer (64)
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[1]
     BLOCK_N: gl.constexpr = desc_k.block_type.shape[0]
@@ -379,17 +306,12 @@ def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, Out, Lse,
     # consumer 0 takes the first tensor-core turn
     mbarrier.arrive(bar_turn.index(0))
 
-    # the consumers' arguments are written out twice: a tuple bound to a name would turn the
-    # constexprs CAUSAL and EXP2_EMU into run-time values
+    consumer_args = (q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
+                     bar_vfree, bar_turn, Out, Lse, stride_ob, stride_om, stride_oh, stride_lb,
+                     stride_lh, sq, sk, nheads, n_m, n_work, lpt, qk_scale, CAUSAL)
     gl.warp_specialize([
-        (_ws_consumer0, (q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
-                         bar_vfree, bar_turn, Out, Lse, stride_ob, stride_om, stride_oh,
-                         stride_lb, stride_lh, sq, sk, nheads, n_m, n_work, lpt, qk_scale, CAUSAL,
-                         EXP2_EMU)),
-        (_ws_consumer1, (q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
-                         bar_vfree, bar_turn, Out, Lse, stride_ob, stride_om, stride_oh,
-                         stride_lb, stride_lh, sq, sk, nheads, n_m, n_work, lpt, qk_scale, CAUSAL,
-                         EXP2_EMU)),
+        (_ws_consumer0, consumer_args),
+        (_ws_consumer1, consumer_args),
         (_ws_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k,
                         bar_v, bar_kfree, bar_vfree, sq, sk, nheads, group, n_m, n_work,
                         lpt, CAUSAL)),
