@@ -5,6 +5,7 @@ import contextlib
 import datetime
 import io
 import json
+import os
 import sys
 import types
 from fractions import Fraction
@@ -718,6 +719,27 @@ def test_io_l2reuse_sweep_keeps_l2_between_kernels():
     assert modes == {"all", "none"}
     cmd = bench_io.ncu_command("ncu", "plan.json", "log.jsonl", False, "none")
     assert cmd[cmd.index("--cache-control") + 1] == "none"
+
+
+def test_io_pinned_tiles_select_the_portable_kernels(monkeypatch):
+    """A blocks-sweep case pins Triton tiles: its runs switch the Hopper kernels off (they have
+    tiles of their own) and its records carry the pinned tiles; an unpinned case leaves the
+    switch alone and, off sm_90, records the tuned Triton tiles."""
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    case = bench_io.Case("blocks", "flashtile", n=128, d=64, heads=2, batch=1, dtype="float32",
+                         fwd=(64, 32, 4, 2))
+    run = bench_io.Runner(case.impl, case.n, case.d, case.heads, case.batch, case.dtype,
+                          configs={"fwd": case.fwd}, device="cpu")
+    with run._context():
+        assert os.environ["FLASHTILE_SM90"] == "0"
+    assert "FLASHTILE_SM90" not in os.environ
+    assert bench_io.used_configs(case, "cpu", run)["fwd"] == [64, 32, 4, 2]
+    plain = bench_io.Case("fig2", "flashtile", n=128, d=64, heads=2, batch=1, dtype="float32")
+    run = bench_io.Runner(plain.impl, plain.n, plain.d, plain.heads, plain.batch, plain.dtype,
+                          device="cpu")
+    with run._context():
+        assert "FLASHTILE_SM90" not in os.environ
+    assert bench_io.used_configs(plain, "cpu", run) == bench_io.used_configs(plain, "cpu")
 
 
 def test_io_kernel_rows_sum_the_launches_of_a_chunked_pass():

@@ -266,7 +266,8 @@ def split_by_markers(kernels: Sequence[KernelRecord]) -> list[list[KernelRecord]
 # --------------------------------------------------------------------------- the model
 
 _FLASHTILE_KERNELS = {"attn_fwd_kernel": "fwd", "attn_bwd_dq_kernel": "dq",
-                      "attn_bwd_dkdv_kernel": "dkdv"}
+                      "attn_bwd_dkdv_kernel": "dkdv", "attn_fwd_sm90_kernel": "fwd",
+                      "attn_bwd_dkdv_sm90_kernel": "dkdv"}
 
 
 def problem_of(case: Case | dict) -> algorithms.Problem:
@@ -367,7 +368,9 @@ class Runner:
         if self.impl == "flashtile_chunked":
             stack.enter_context(env_set("FLASHTILE_BWD_CHUNK", "auto"))
         if self.impl.startswith("flashtile") and self.configs:
+            # pinned tiles are the portable Triton kernels' (the Hopper kernels have their own)
             from ..backends.triton.configs import KernelConfig, override
+            stack.enter_context(env_set("FLASHTILE_SM90", "0"))
             stack.enter_context(override(**{k: KernelConfig(*v) for k, v in self.configs.items()}))
         return stack
 
@@ -391,9 +394,10 @@ class Runner:
             return torch.autograd.grad(out, (self.q, self.k, self.v), self.do)
 
 
-def used_configs(case: Case, device: str = "cuda") -> dict:
-    """The (block_m, block_n, warps, stages) flashtile uses for ``case``: the pinned ones, or
-    the tuned defaults for the shape."""
+def used_configs(case: Case, device: str = "cuda", run: "Runner | None" = None) -> dict:
+    """The (block_m, block_n, warps, stages) flashtile uses for ``case``: the pinned ones (which
+    select the portable Triton kernels), the Hopper kernels' tiles where they take the call
+    (``run``'s inputs on an sm_90 GPU), or the tuned defaults for the shape."""
     import torch
     from ..backends.triton.configs import get_config
     out = {}
@@ -404,6 +408,15 @@ def used_configs(case: Case, device: str = "cuda") -> dict:
         else:
             c = get_config(pass_, case.d, False, _dtype(case.dtype), torch.device(device), case.n)
             out[pass_] = [c.block_m, c.block_n, c.num_warps, c.num_stages]
+    if run is not None and not run.configs and case.impl in ("flashtile", "flashtile_chunked"):
+        from ..backends.spec import AttnSpec
+        from ..backends.triton import launch_sm90 as sm90
+        spec = AttnSpec(softmax_scale=case.d ** -0.5)
+        warps = 3 * sm90.NUM_WARPS  # two consumer warpgroups and the producer's
+        if sm90.eligible(run.q, run.k, run.v, spec):
+            out["fwd"] = [sm90.BLOCK_M, sm90.block_n(case.d), warps, sm90.STAGES]
+        if sm90.bwd_eligible(run.q, run.k, run.v, run.do, run.k, run.v, spec):
+            out["dkdv"] = [sm90.BWD_BLOCK_M, sm90.BWD_BLOCK_N, warps, sm90.STAGES]
     return out
 
 
@@ -420,9 +433,10 @@ def run_worker(plan_path: str, log_path: str, device: str = "cuda") -> None:
             pinned = {k: getattr(case, k) for k in ("fwd", "dkdv", "dq") if getattr(case, k)}
             open_pass = None  # a pass between begin() and its logged entry
             try:
-                configs = used_configs(case, device) if case.impl.startswith("flashtile") else {}
                 run = Runner(case.impl, case.n, case.d, case.heads, case.batch, case.dtype,
                              case.density, case.sparse_block, pinned, device=device)
+                configs = (used_configs(case, device, run) if case.impl.startswith("flashtile")
+                           else {})
                 out = run.fwd()  # warm-up (compiles), outside the range
                 run.bwd(out)
                 out = run.fwd() if "fwd" not in case.passes else None
