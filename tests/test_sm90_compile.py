@@ -48,7 +48,8 @@ def emit(name, kernel, types, head_dim, causal):
         shared=k.metadata.shared, num_warps=k.metadata.num_warps,
         cubin_bytes=len(k.asm["cubin"]),
         ops={op: op in ptx for op in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg",
-                                      "mbarrier.try_wait")})))
+                                      "mbarrier.try_wait")},
+        tma_stores=ptx.count("cp.async.bulk.tensor.2d.global.shared"))))
 
 
 for dtype in (torch.bfloat16, torch.float16):
@@ -59,7 +60,8 @@ for dtype in (torch.bfloat16, torch.float16):
             q_layout, kv_layout = launch_sm90._layouts(head_dim, dtype)
             emit(f"fwd-{ty}", attn_fwd_sm90_kernel, dict(
                 desc_q=desc(ty, bq, head_dim, q_layout), desc_k=desc(ty, bn, head_dim, kv_layout),
-                desc_v=desc(ty, bn, head_dim, kv_layout), Out=f"*{ty}", Lse="*fp32",
+                desc_v=desc(ty, bn, head_dim, kv_layout),
+                desc_o=desc(ty, bq, head_dim, q_layout), Out=f"*{ty}", Lse="*fp32",
                 qk_scale="fp32"), head_dim, causal)
         for head_dim in (64, 128):
             bm, bn = launch_sm90.BWD_BLOCK_M, launch_sm90.BWD_BLOCK_N // 2
@@ -99,6 +101,8 @@ def test_sm90_forward_compiles_for_hopper_with_its_structure(compiled, variant):
     assert row["cubin_bytes"] > 0, "ptxas produced no binary"
     # Q (two 64-row halves) + STAGES K and V tiles (+ barriers), within the per-block limit
     rows = launch_sm90.BLOCK_M + 2 * launch_sm90.STAGES * launch_sm90.block_n(row["head_dim"])
+    if row["head_dim"] <= 128:
+        rows += launch_sm90.BLOCK_M  # the output tiles, stored by TMA
     tiles = rows * row["head_dim"] * 2
     assert tiles <= row["shared"] <= SMEM_LIMIT
     # 4 warps per consumer warpgroup, 2 consumers, 1 producer warp padded to a warpgroup
@@ -106,6 +110,8 @@ def test_sm90_forward_compiles_for_hopper_with_its_structure(compiled, variant):
     # asynchronous warpgroup matrix products, TMA loads, per-partition register budgets and the
     # producer/consumer handshakes are all in the code
     assert all(row["ops"].values()), row["ops"]
+    # each consumer stores its output tile by TMA, except at d = 256 (no room in shared memory)
+    assert row["tma_stores"] == (2 if row["head_dim"] <= 128 else 0)
 
 
 @pytest.mark.parametrize("variant", BWD_VARIANTS)

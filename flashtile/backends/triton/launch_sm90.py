@@ -238,7 +238,8 @@ def forward(q, k, v, spec: AttnSpec):
     q_layout, kv_layout = _layouts(head_dim, q.dtype)
     descs = dict(desc_q=(q, batch * sq, nheads * head_dim, BLOCK_M // 2, q_layout),
                  desc_k=(k, batch * sk, nheads_k * head_dim, tile_n, kv_layout),
-                 desc_v=(v, batch * sk, nheads_k * head_dim, tile_n, kv_layout))
+                 desc_v=(v, batch * sk, nheads_k * head_dim, tile_n, kv_layout),
+                 desc_o=(out, batch * sq, nheads * head_dim, BLOCK_M // 2, q_layout))
     _launch("fwd", device, (q.dtype, head_dim, spec.causal), grid, args, descs)
     return out, lse
 
