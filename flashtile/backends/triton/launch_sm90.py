@@ -226,9 +226,7 @@ def forward(q, k, v, spec: AttnSpec):
     device = q.device.index or 0
     # persistent: one CTA per SM, at most one per work item (row block, batch entry, head)
     grid = (min(sq // BLOCK_M * batch * nheads, _sm_count(device)),)
-    args = dict(Out=out, Lse=lse,
-                stride_ob=out.stride(0), stride_om=out.stride(1), stride_oh=out.stride(2),
-                stride_lb=lse.stride(0), stride_lh=lse.stride(1),
+    args = dict(Lse=lse, stride_lb=lse.stride(0), stride_lh=lse.stride(1),
                 batch=batch, sq=sq, sk=sk, nheads=nheads, group=nheads // nheads_k,
                 qk_scale=spec.softmax_scale * LOG2E, CAUSAL=spec.causal, STAGES=STAGES,
                 num_warps=NUM_WARPS,

@@ -13,12 +13,13 @@ For each visible key tile ``j`` of a consumer (base-2 scores, ``qk_scale = scale
     l     = l * alpha + rowsum(p_j)
     acc   = acc * alpha + p_j v_j                    # wgmma, p_j from registers, v_j from SMEM
 
-and at the end ``out = acc / l``, ``lse = ln(2) * (qk_scale * m + log2(l))``.  At d <= 128 a
-consumer writes ``out`` into a shared-memory tile of its own and leaves the global store to one
-TMA instruction it does not wait for (it waits only before reusing the tile, an item later):
-stored from registers, the 64 uncoalesced store instructions of each thread held up the
-consumer, and with it the other consumer's next turn (+4-18% at d = 128, most at N = 1K;
-docs/dev/tuning-log.md, step 39).  At d = 256 the tiles do not fit beside the rings: ``gl.store``.
+and at the end ``out = acc / l``, ``lse = ln(2) * (qk_scale * m + log2(l))``.  A consumer
+writes ``out`` into a shared-memory tile and leaves the global store to one TMA instruction:
+stored from registers, the scattered store instructions of each thread held up the consumer,
+and with it the other consumer's next turn (docs/dev/tuning-log.md, steps 39-40).  At d <= 128
+each consumer has a tile of its own and waits only before reusing it, an item later; at
+d = 256 two tiles do not fit beside Q and the rings, so the consumers share one, consumer 0
+first in every item, each handing it over (mbarrier ``bar_o``) once its store has read it.
 
 One step of a consumer, with ``p_j`` ready in registers::
 
@@ -155,8 +156,8 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
 
 @gluon.jit
 def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v,
-                 bar_kfree, bar_vfree, bar_turn, desc_o, Out, Lse, stride_ob, stride_om, stride_oh,
-                 stride_lb, stride_lh, sq, sk, nheads, n_m, n_work, lpt, qk_scale, causal):
+                 bar_kfree, bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk,
+                 nheads, n_m, n_work, lpt, qk_scale, causal):
     # partitions receive run-time values only: the tile shapes come from the buffers
     BLOCK_MQ: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
@@ -170,7 +171,7 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    O_TMA: gl.constexpr = HEAD_DIM <= 128  # the kernel's rule for o_smem
+    O_TILES: gl.constexpr = o_smem.shape[0]  # one per consumer, or one shared (d = 256)
 
     pid = gl.program_id(0)
     n_ctas = gl.num_programs(0)
@@ -180,8 +181,6 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
     bar_other = bar_turn.index(1 - i_wg)
     o_r = gl.arange(0, BLOCK_MQ, layout=row_s)
     o_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    o_ro = gl.arange(0, BLOCK_MQ, layout=row_o)
-    o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     it = 0  # K/V tiles consumed so far
     ts = 0  # tensor-core turns taken so far
     c = 0   # work items done so far
@@ -251,46 +250,50 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
             c += 1
 
             b_out = b_acc / gl.convert_layout(l_i, row_o)[:, None]            # [64, HEAD_DIM]
-            if O_TMA:
-                # through shared memory and one TMA store the consumer does not wait for (the
-                # other consumer's turn waits on this one's next Q·Kᵀ)
+            # through shared memory and one TMA store that the consumer does not wait for (the
+            # other consumer's next turn waits on this one's next Q·Kᵀ)
+            if O_TILES == 2:
                 o_tile = o_smem.index(i_wg)
-                tma.store_wait(pendings=0)  # the previous item's store has read this buffer
+                tma.store_wait(pendings=0)  # the previous item's store has read this tile
                 o_tile.store(b_out.to(dtype))
                 fence_async_shared()
                 tma.async_copy_shared_to_global(desc_o, [i_b * sq + mq0, i_h * HEAD_DIM], o_tile)
             else:
-                p_out = (Out + i_b.to(gl.int64) * stride_ob + i_h.to(gl.int64) * stride_oh
-                         + (mq0 + o_ro).to(gl.int64)[:, None] * stride_om + o_d[None, :])
-                gl.store(p_out, b_out.to(dtype))
+                # one tile for both consumers, consumer 0 first in every item: wait for the
+                # other's store to have read it, and hand it over once this one's has
+                o_tile = o_smem.index(0)
+                mbarrier.wait(bar_o.index(i_wg), ((c - 1) & 1) ^ (1 - i_wg), pred=c > 1 - i_wg)
+                o_tile.store(b_out.to(dtype))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(desc_o, [i_b * sq + mq0, i_h * HEAD_DIM], o_tile)
+                tma.store_wait(pendings=0)
+                mbarrier.arrive(bar_o.index(1 - i_wg))
             b_lse = (m_i * qk_scale + gl.log2(l_i)) * LN2
             gl.store(Lse + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh + o_m,
                      b_lse)
-    if O_TMA:
-        tma.store_wait(pendings=0)  # shared memory outlives the last store's reads
+    tma.store_wait(pendings=0)  # shared memory outlives the last store's reads
 
 
 @gluon.jit
 def _ws_consumer0(q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
-                  bar_vfree, bar_turn, desc_o, Out, Lse, stride_ob, stride_om, stride_oh,
-                  stride_lb, stride_lh, sq, sk, nheads, n_m, n_work, lpt, qk_scale, causal):
+                  bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
+                  n_m, n_work, lpt, qk_scale, causal):
     _ws_consumer(0, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
-                 bar_vfree, bar_turn, desc_o, Out, Lse, stride_ob, stride_om, stride_oh,
-                 stride_lb, stride_lh, sq, sk, nheads, n_m, n_work, lpt, qk_scale, causal)
+                 bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
+                 n_m, n_work, lpt, qk_scale, causal)
 
 
 @gluon.jit
 def _ws_consumer1(q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
-                  bar_vfree, bar_turn, desc_o, Out, Lse, stride_ob, stride_om, stride_oh,
-                  stride_lb, stride_lh, sq, sk, nheads, n_m, n_work, lpt, qk_scale, causal):
+                  bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
+                  n_m, n_work, lpt, qk_scale, causal):
     _ws_consumer(1, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
-                 bar_vfree, bar_turn, desc_o, Out, Lse, stride_ob, stride_om, stride_oh,
-                 stride_lb, stride_lh, sq, sk, nheads, n_m, n_work, lpt, qk_scale, causal)
+                 bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
+                 n_m, n_work, lpt, qk_scale, causal)
 
 
 @gluon.jit
-def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, desc_o, Out, Lse,
-                         stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, desc_o, Lse, stride_lb, stride_lh,
                          batch, sq, sk, nheads, group, qk_scale, lpt,
                          CAUSAL: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_MQ: gl.constexpr = desc_q.block_type.shape[0]   # rows of one consumer (64)
@@ -304,11 +307,9 @@ def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, desc_o, Out, Lse,
     q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_MQ, HEAD_DIM], desc_q.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout)
-    if HEAD_DIM <= 128:
-        # the consumers' output tiles, stored by TMA (at d = 256 they would not fit: gl.store)
-        o_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_MQ, HEAD_DIM], desc_o.layout)
-    else:
-        o_smem = q_smem
+    # the consumers' output tiles, stored by TMA; at d = 256 two would not fit beside the rings
+    O_TILES: gl.constexpr = 2 if HEAD_DIM <= 128 else 1
+    o_smem = gl.allocate_shared_memory(dtype, [O_TILES, BLOCK_MQ, HEAD_DIM], desc_o.layout)
     bar_q = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     bar_qfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     bar_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -316,10 +317,12 @@ def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, desc_o, Out, Lse,
     bar_kfree = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     bar_vfree = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     bar_turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    bar_o = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(bar_q.index(i), count=1)
         mbarrier.init(bar_qfree.index(i), count=1)
         mbarrier.init(bar_turn.index(i), count=1)
+        mbarrier.init(bar_o.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(bar_k.index(i), count=1)
         mbarrier.init(bar_v.index(i), count=1)
@@ -329,8 +332,8 @@ def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, desc_o, Out, Lse,
     mbarrier.arrive(bar_turn.index(0))
 
     consumer_args = (q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
-                     bar_vfree, bar_turn, desc_o, Out, Lse, stride_ob, stride_om, stride_oh,
-                     stride_lb, stride_lh, sq, sk, nheads, n_m, n_work, lpt, qk_scale, CAUSAL)
+                     bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
+                     n_m, n_work, lpt, qk_scale, CAUSAL)
     gl.warp_specialize([
         (_ws_consumer0, consumer_args),
         (_ws_consumer1, consumer_args),
