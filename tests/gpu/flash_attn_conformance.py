@@ -564,11 +564,17 @@ _BOOT = ("import os, sys; d = os.environ.get('FA_CONFORMANCE_PYDEPS'); "
 
 
 def _commit() -> str:
+    """HEAD's short hash, marked when tracked files differ from it (a copied tree whose git
+    metadata is older than its files reads as that older commit plus changes)."""
     try:
-        return subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
+        head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, check=True).stdout.strip()
+        changed = subprocess.run(["git", "-C", REPO, "status", "--porcelain",
+                                  "--untracked-files=no"],
+                                 capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return f"{head} + uncommitted changes" if changed else head
 
 
 def _test_functions(test_file: str) -> list[str]:
