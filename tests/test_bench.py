@@ -708,6 +708,28 @@ def _rows(table: str) -> list[list[str]]:
             if line.startswith("|")]
 
 
+def test_speed_rounds_keep_each_cases_median_and_rotate_the_order(tmp_path):
+    """--rounds 3: every case of a shape is timed three times, the cases interleaved and their
+    order rotated each round; each record keeps the median round's time and lists all three."""
+    cfg = speed.parse_args(TINY + ["--impl", "sdpa", "flashtile", "--mode", "fwd", "--causal", "0",
+                                   "--n", "128", "--rounds", "3", "--out", str(tmp_path / "r.json"),
+                                   "--no-plot", "--no-device-ceilings"])
+    order, script = [], iter([4.0, 1.0, 2.0, 8.0, 3.0, 6.0])
+
+    def timer(fn):
+        fn()
+        order.append(len(order))
+        return next(script)
+
+    recs = speed.run_speed(cfg, timer=timer, stdout=io.StringIO())
+    assert len(order) == 6 and [r["impl"] for r in recs] == ["sdpa", "flashtile"]
+    # round 0: sdpa 4, flashtile 1; round 1 (rotated): flashtile 2, sdpa 8; round 2: sdpa 3,
+    # flashtile 6
+    assert recs[0]["ms_rounds"] == [4.0, 8.0, 3.0] and recs[0]["ms"] == 4.0
+    assert recs[1]["ms_rounds"] == [1.0, 2.0, 6.0] and recs[1]["ms"] == 2.0
+    assert all(r["status"] == "ok" for r in recs)
+
+
 def test_io_l2reuse_sweep_keeps_l2_between_kernels():
     """The l2reuse sweep (flashtile with and without the chunked backward) runs under ncu with
     --cache-control none, the other sweeps with ncu's default (caches emptied per kernel)."""

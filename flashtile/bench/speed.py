@@ -100,6 +100,7 @@ class Config:
     ceilings: bool = True
     resume: bool = False
     threads: int | None = None
+    rounds: int = 1  # each shape's cases timed this many times, interleaved; the median kept
 
     def __getattr__(self, name: str):
         # cfg.impls, cfg.ns, cfg.warmup, ...: the preset's fields
@@ -154,6 +155,10 @@ def speed_parser() -> argparse.ArgumentParser:
                    help="warm-up time in ms (do_bench's warmup; default 25 on CUDA)")
     p.add_argument("--rep", type=float, default=None,
                    help="measured time in ms (do_bench's rep; default 100 on CUDA)")
+    p.add_argument("--rounds", type=positive_int, default=1,
+                   help="time every case of a shape this many times, the cases interleaved (their "
+                        "order rotated each round), and keep the median (default 1): steadier "
+                        "ratios where one timing can be disturbed")
     p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                    help="start no new shape after this many seconds (what ran is still written)")
     p.add_argument("--no-device-ceilings", dest="ceilings", action="store_false",
@@ -191,7 +196,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         device=device, preset=preset,
         out=a.out, plots=a.plots, batch=a.batch, heads=a.heads, seed=a.seed,
         plot=a.plot, progress=a.progress, time_limit=a.time_limit, raise_errors=a.raise_errors,
-        ceilings=a.ceilings, resume=a.resume, threads=a.threads,
+        ceilings=a.ceilings, resume=a.resume, threads=a.threads, rounds=a.rounds,
     )
 
 
@@ -353,20 +358,28 @@ def run_speed(cfg: Config, timer: Callable[[Callable], float] | None = None,
                 if cfg.raise_errors:
                     raise
                 inputs, input_failure = None, (classify_error(exc, True), first_line(exc))
-            for case in group:
-                progress.set_description(case.label())
-                if input_failure is None:
-                    rec = run_case(case, inputs, timer, env, cfg.raise_errors)
-                else:
-                    rec = make_record(env, **case_fields(case), status=input_failure[0],
-                                      error=f"making the inputs: {input_failure[1]}")
-                if rec["status"] == "error":
-                    progress.write(f"error: {case.label()}: {rec['error']}")
-                records.append(rec)
-                progress.update(1)
-                if is_fatal(rec["error"]):
-                    stop_reason = f"unrecoverable CUDA error in {case.label()}"
+            timings: dict[int, list[dict]] = {j: [] for j in range(len(group))}
+            for r in range(cfg.rounds if input_failure is None else 1):
+                # rotated each round, so that no case always follows the same one
+                for j in [(r + j) % len(group) for j in range(len(group))]:
+                    case = group[j]
+                    progress.set_description(case.label())
+                    if input_failure is None:
+                        rec = run_case(case, inputs, timer, env, cfg.raise_errors)
+                    else:
+                        rec = make_record(env, **case_fields(case), status=input_failure[0],
+                                          error=f"making the inputs: {input_failure[1]}")
+                    if rec["status"] == "error":
+                        progress.write(f"error: {case.label()}: {rec['error']}")
+                    timings[j].append(rec)
+                    if r == 0:
+                        progress.update(1)
+                    if is_fatal(rec["error"]):
+                        stop_reason = f"unrecoverable CUDA error in {case.label()}"
+                        break
+                if stop_reason is not None:
                     break
+            records += [_median_record(timings[j]) for j in range(len(group)) if timings[j]]
             del inputs
             reset_flex_cache()
             gc.collect()
@@ -395,6 +408,19 @@ def run_speed(cfg: Config, timer: Callable[[Callable], float] | None = None,
     log("wrote " + ", ".join(str(p) for p in written))
     return records
 
+
+
+def _median_record(recs: list[dict]) -> dict:
+    """One case's record over its rounds: the round with the median time among those that ran
+    (the lower middle one for an even count), with every round's ``ms`` under ``ms_rounds``; the
+    first round's record when none ran."""
+    ok = sorted((r for r in recs if r["status"] == "ok"), key=lambda r: r["ms"])
+    if not ok:
+        return recs[0]
+    rec = dict(ok[(len(ok) - 1) // 2])
+    if len(recs) > 1:
+        rec["ms_rounds"] = [r["ms"] for r in recs if r["status"] == "ok"]
+    return rec
 
 
 def main(argv: Sequence[str] | None = None) -> int:
