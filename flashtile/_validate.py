@@ -180,7 +180,7 @@ def check_qkv(q, k, v, layout_q: str, layout_kv: str, ndim: int, names=("q", "k"
 
 
 def spec(q, softmax_scale_, causal, window_size, softcap_, dropout_p, bottom_right=True,
-         scale_name="softmax_scale"):
+         scale_name="softmax_scale", deterministic=False):
     """The validated :class:`~flashtile.backends.spec.AttnSpec` of a dense or varlen call.
     ``q``: the query tensor, or its head dim as an int; ``scale_name`` names the scale argument
     in errors (``scale`` in the SDPA drop-in)."""
@@ -189,7 +189,8 @@ def spec(q, softmax_scale_, causal, window_size, softcap_, dropout_p, bottom_rig
     if causal:
         right = 0
     return AttnSpec(softmax_scale(softmax_scale_, head_dim_, scale_name), left, right,
-                    bottom_right, softcap(softcap_), dropout(dropout_p))
+                    bottom_right, softcap(softcap_), dropout(dropout_p),
+                    deterministic=bool(deterministic))
 
 
 def alibi(slopes, batch: int, nheads: int, device: torch.device):

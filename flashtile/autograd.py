@@ -33,9 +33,10 @@ from .backends.spec import AttnSpec
 from .rng import draw_seed
 
 
-def _spec(softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p):
+def _spec(softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p,
+          deterministic=False):
     return AttnSpec(float(softmax_scale), int(window_left), int(window_right), bool(bottom_right),
-                    float(softcap), float(dropout_p))
+                    float(softcap), float(dropout_p), deterministic=bool(deterministic))
 
 
 def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor], max_seqlen_q: int,
@@ -95,7 +96,8 @@ def _native_heads_first(name: str) -> bool:
 def _forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
              softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p,
              attn_bias, rng_seed, block_mask, block_m, block_n, block_table=None,
-             heads_first=False):
+             heads_first=False, deterministic=False):
+    # ``deterministic`` matters to the backward only (the forward never uses atomics)
     if cu_seqlens_q is not None:
         # the value checks run here, inside the op, so they hold eager and compiled alike
         if V.value_checks_enabled(q.device):
@@ -140,7 +142,7 @@ def _forward_body(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_
 def _backward_impl(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                    max_seqlen_k, softmax_scale, window_left, window_right, bottom_right, softcap,
                    dropout_p, attn_bias, rng_seed, block_mask, block_m, block_n, bias_grad,
-                   block_table=None, heads_first=False):
+                   block_table=None, heads_first=False, deterministic=False):
     """``(dq, dk, dv, dbias)``; ``dbias`` is an empty ``(0,)`` tensor unless ``bias_grad``.
 
     Paged ``k``/``v`` (``block_table``): the backward runs on the packed keys/values the call
@@ -150,7 +152,8 @@ def _backward_impl(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens
                                         cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                         window_left, window_right, bottom_right, softcap,
                                         dropout_p, attn_bias, rng_seed, block_mask, block_m,
-                                        block_n, bias_grad, block_table, heads_first)
+                                        block_n, bias_grad, block_table, heads_first,
+                                        deterministic)
     return dq, dk, dv, q.new_empty((0,)) if dbias is None else dbias
 
 
@@ -163,13 +166,14 @@ def _backward_eager(*args):
 def _backward_body(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                    max_seqlen_k, softmax_scale, window_left, window_right, bottom_right, softcap,
                    dropout_p, attn_bias, rng_seed, block_mask, block_m, block_n, bias_grad,
-                   block_table, heads_first):
+                   block_table, heads_first, deterministic=False):
     guarded = cu_seqlens_q is not None and not V.value_checks_enabled(q.device)
     if guarded:
         # the forward's guard (CUDA-graph capture): the same clamped indices
         cu_seqlens_q, cu_seqlens_k, block_table = V.varlen_guard(
             cu_seqlens_q, cu_seqlens_k, q.shape[0], k, max_seqlen_q, max_seqlen_k, block_table)
-    spec = _spec(softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p)
+    spec = _spec(softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p,
+                 deterministic)
     name = backends.select(q.device)
     impl = backends.get(name)
     kw = _kwargs(alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -208,7 +212,7 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor],
              bottom_right: bool, softcap: float, dropout_p: float, attn_bias: Optional[Tensor],
              rng_seed: Optional[Tensor], block_mask: Optional[Tensor], block_m: int,
              block_n: int, block_table: Optional[Tensor],
-             heads_first: bool) -> tuple[Tensor, Tensor]:
+             heads_first: bool, deterministic: bool) -> tuple[Tensor, Tensor]:
     out, lse = _forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                         max_seqlen_k, softmax_scale, window_left, window_right, bottom_right,
                         softcap, dropout_p, attn_bias, rng_seed, block_mask, block_m, block_n,
@@ -219,7 +223,7 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor],
 @attn_fwd.register_fake
 def _(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
       softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p, attn_bias,
-      rng_seed, block_mask, block_m, block_n, block_table, heads_first):
+      rng_seed, block_mask, block_m, block_n, block_table, heads_first, deterministic):
     # heads-first: PyTorch's CPU kernel allocates out with empty_like(q)
     out = torch.empty_like(q) if heads_first else q.new_empty(q.shape)
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q, max_seqlen_q, heads_first),
@@ -235,32 +239,34 @@ def attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tens
              softcap: float, dropout_p: float, attn_bias: Optional[Tensor],
              rng_seed: Optional[Tensor], block_mask: Optional[Tensor], block_m: int,
              block_n: int, bias_grad: bool, block_table: Optional[Tensor],
-             heads_first: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+             heads_first: bool, deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     dq, dk, dv, dbias = _backward_impl(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q,
                                        cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                        window_left, window_right, bottom_right, softcap,
                                        dropout_p, attn_bias, rng_seed, block_mask, block_m,
-                                       block_n, bias_grad, block_table, heads_first)
+                                       block_n, bias_grad, block_table, heads_first,
+                                       deterministic)
     return _as_promised(dq, q), _as_promised(dk, k), _as_promised(dv, v), dbias
 
 
 @attn_bwd.register_fake
 def _(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
       max_seqlen_k, softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p,
-      attn_bias, rng_seed, block_mask, block_m, block_n, bias_grad, block_table, heads_first):
+      attn_bias, rng_seed, block_mask, block_m, block_n, bias_grad, block_table, heads_first,
+      deterministic):
     dbias = attn_bias.new_empty(attn_bias.shape) if bias_grad else q.new_empty((0,))
     # the gradients come in their inputs' layouts (launch_bwd allocates them with empty_like)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
 
-_N_INPUTS = 21
+_N_INPUTS = 22
 _BIAS_INDEX = 14
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
      softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p, attn_bias,
-     rng_seed, block_mask, block_m, block_n, block_table, heads_first) = inputs
+     rng_seed, block_mask, block_m, block_n, block_table, heads_first, deterministic) = inputs
     out, lse = output
     # The dropout seed is saved next to the LSE: the backward regenerates the keep mask.
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
@@ -269,6 +275,7 @@ def _setup_context(ctx, inputs, output):
                   bottom_right, softcap, dropout_p)
     ctx.block = (block_m, block_n)
     ctx.heads_first = heads_first
+    ctx.deterministic = deterministic
     ctx.mark_non_differentiable(lse)
 
 
@@ -281,7 +288,7 @@ def _grads(ctx, dout, bwd):
     bias_grad = bool(attn_bias is not None and ctx.needs_input_grad[_BIAS_INDEX])
     dq, dk, dv, dbias = bwd(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                             *ctx.params, attn_bias, rng_seed, block_mask, *ctx.block, bias_grad,
-                            block_table, ctx.heads_first)
+                            block_table, ctx.heads_first, ctx.deterministic)
     grads = [None] * _N_INPUTS
     grads[0], grads[1], grads[2] = dq, dk, dv
     if bias_grad:
@@ -417,7 +424,8 @@ def attention(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
     args = (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
             int(max_seqlen_k), spec.softmax_scale, spec.window_left, spec.window_right,
             spec.bottom_right, spec.softcap, spec.dropout_p, attn_bias, rng_seed, block_mask,
-            int(block_size[0]), int(block_size[1]), block_table, bool(heads_first))
+            int(block_size[0]), int(block_size[1]), block_table, bool(heads_first),
+            spec.deterministic)
     if torch.compiler.is_compiling():
         return attn_fwd(*args)
     if functorch_active():  # torch.func transforms need setup_context and a vmap rule

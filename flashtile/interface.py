@@ -69,8 +69,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         softcap: if > 0, scores become ``softcap * tanh(scores / softcap)``.
         alibi_slopes: float32 ``(nheads,)`` or ``(batch, nheads)``; adds
             ``-slope * |i + seqlen_k - seqlen_q - j|`` to the scores.
-        deterministic: accepted for compatibility; the backward is always deterministic
-            (no atomics: two backward calls give bitwise-identical gradients).
+        deterministic: the backward's gradients bitwise reproducible.  The default backward
+            on Hopper (H100/H200) adds dQ with float32 atomics in no fixed order (its last
+            bits vary between calls); ``True``, or ``torch.use_deterministic_algorithms(True)``,
+            selects a backward without atomics (slower there).  Elsewhere the backward is
+            always deterministic.
         return_attn_probs: also return the log-sum-exp and, with dropout, the dropout pattern
             (testing only: ``S_dmask`` is an N x N tensor built on the device after the call).
 
@@ -95,7 +98,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     _check_qkv(q, k, v, "(batch, seqlen, nheads, headdim)", "(batch, seqlen_k, nheads_k, headdim)", 4)
     if k.shape[0] != q.shape[0]:
         raise V.FlashtileInputError(f"batch of q ({q.shape[0]}) and k/v ({k.shape[0]}) must match")
-    spec = _spec(q, softmax_scale, causal, window_size, softcap, dropout_p)
+    spec = _spec(q, softmax_scale, causal, window_size, softcap, dropout_p,
+                 deterministic=deterministic)
     slopes = V.alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
     seed = dropout_seed(spec, q.device)
     out, lse = attention(q, k, v, spec, alibi_slopes=slopes, rng_seed=seed)
@@ -177,7 +181,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     V.cu_seqlens("cu_seqlens_k", cu_seqlens_k, max_seqlen_k, "max_seqlen_k", q.device)
     if paged:
         V.block_table(block_table, batch, k, q.device)
-    spec = _spec(q, softmax_scale, causal, window_size, softcap, dropout_p)
+    spec = _spec(q, softmax_scale, causal, window_size, softcap, dropout_p,
+                 deterministic=deterministic)
     slopes = V.alibi(alibi_slopes, batch, q.shape[1], q.device)
     seed = dropout_seed(spec, q.device)
     out, lse = attention(q, k, v, spec, alibi_slopes=slopes, cu_seqlens_q=cu_seqlens_q,

@@ -212,7 +212,7 @@ def test_attention_ops_fake_layouts_match_the_real_ones(layout, path):
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_()) + tail
     with flashtile.use_backend("torch"):
         torch.library.opcheck(torch.ops.flashtile.attn_fwd.default,
-                              args + (None, heads_first))
+                              args + (None, heads_first, False))
         out, lse = A._forward(*args, None, heads_first)
         routed = torch_attention.aten_route(q, k, v, A._spec(0.25, window_left, 0, False,
                                                              0.0, 0.0),
@@ -220,7 +220,7 @@ def test_attention_ops_fake_layouts_match_the_real_ones(layout, path):
         assert routed == (path == "routed")
         torch.library.opcheck(torch.ops.flashtile.attn_bwd.default,
                               (do, q.detach(), k.detach(), v.detach(), out.detach(), lse)
-                              + tail + (False, None, heads_first))
+                              + tail + (False, None, heads_first, False))
 
 
 @pytest.mark.parametrize("layout", ["heads-first", "heads-first-strided"])

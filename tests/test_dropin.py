@@ -473,3 +473,36 @@ def test_vmap_dropout_follows_randomness_mode():
     assert_close("randomness='same': one mask", same[1:], same[:1].expand(2, -1, -1, -1), atol=0)
     diff = torch.vmap(f, randomness="different")(q[:1].expand(3, -1, -1, -1))
     assert not torch.equal(diff[0], diff[1]), "randomness='different' drew one mask"
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("packed", [False, True], ids=["func", "qkvpacked"])
+def test_deterministic_reaches_the_backward(compiled, packed, monkeypatch):
+    """flash-attn's ``deterministic`` reaches the backend's backward as ``spec.deterministic``
+    (on Hopper it selects the backward without atomics), through autograd and through the
+    compiled op alike; the gradients do not depend on it here."""
+    from flashtile import backends
+
+    impl = backends.get("torch")
+    seen = []
+    real = impl.backward
+    monkeypatch.setattr(impl, "backward",
+                        lambda *a, **kw: seen.append(a[6].deterministic) or real(*a, **kw))
+    qkv = torch.randn(1, 32, 3, 2, 16)
+
+    def run(qkv, deterministic):
+        if packed:
+            return flashtile.flash_attn_qkvpacked_func(qkv, causal=True,
+                                                       deterministic=deterministic)
+        q, k, v = qkv.unbind(2)
+        return flashtile.flash_attn_func(q, k, v, causal=True, deterministic=deterministic)
+
+    fn = torch.compile(run, fullgraph=True, dynamic=True) if compiled else run
+    grads = []
+    with flashtile.use_backend("torch"):
+        for deterministic in (False, True):
+            x = qkv.clone().requires_grad_()
+            fn(x, deterministic).sum().backward()
+            grads.append(x.grad)
+    assert seen == [False, True]
+    assert torch.equal(grads[0], grads[1])

@@ -1,4 +1,4 @@
-"""The Hopper forward kernel (Gluon) compiled for sm_90a on this CPU-only machine: Triton's own
+"""The Hopper forward and backward kernels (Gluon) compiled for sm_90a on this CPU-only machine: Triton's own
 compiler and ptxas run without a GPU, so a change that breaks the kernel's compilation, its
 shared-memory budget or its structure fails here and not first on the H100.  Its numerics are
 tested on the GPU (``tests/gpu/test_sm90_forward.py``).
@@ -19,26 +19,29 @@ SMEM_LIMIT = 227 * 1024  # per block on sm_90
 
 # Prints one JSON line per variant: what the compiled kernel is made of.
 _COMPILE = r'''
-import json
+import json, re
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from flashtile.backends.triton import launch_sm90
 from flashtile.backends.triton.kernels.attn_fwd_sm90 import attn_fwd_sm90_kernel
-from flashtile.backends.triton.kernels.attn_bwd_dkdv_sm90 import attn_bwd_dkdv_sm90_kernel
+from flashtile.backends.triton.kernels.attn_bwd_sm90 import attn_bwd_sm90_kernel
+from triton.experimental.gluon import language as gl
 
 
 def desc(ty, rows, head_dim, layout):
     return f"tensordesc<{ty}[{rows}, {head_dim}],{layout!r}>"
 
 
-def emit(name, kernel, types, head_dim, causal):
+def emit(name, kernel, types, head_dim, causal, **flags):
     # every other argument an integer, none equal to 1 (as the launcher specialises a call)
     names = kernel.arg_names
-    types = dict(types, CAUSAL="constexpr", STAGES="constexpr", num_warps="constexpr")
+    types = dict(types, CAUSAL="constexpr", STAGES="constexpr", num_warps="constexpr",
+                 **{flag: "constexpr" for flag in flags})
     types.update({n: "i32" for n in names if n not in types})
     constexprs = {(names.index("CAUSAL"),): causal, (names.index("STAGES"),): launch_sm90.STAGES,
                   (names.index("num_warps"),): launch_sm90.NUM_WARPS}
+    constexprs.update({(names.index(flag),): value for flag, value in flags.items()})
     src = GluonASTSource(kernel, {n: types[n] for n in names}, constexprs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": launch_sm90.NUM_WARPS})
@@ -49,7 +52,9 @@ def emit(name, kernel, types, head_dim, causal):
         cubin_bytes=len(k.asm["cubin"]),
         ops={op: op in ptx for op in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg",
                                       "mbarrier.try_wait")},
-        tma_stores=ptx.count("cp.async.bulk.tensor.2d.global.shared"))))
+        tma_stores=ptx.count("cp.async.bulk.tensor.2d.global.shared"),
+        tma_reductions=ptx.count("cp.reduce.async.bulk.tensor"),
+        atomics=len(re.findall(r"\s(?:atom|red)\.", ptx)))))
 
 
 for dtype in (torch.bfloat16, torch.float16):
@@ -67,11 +72,16 @@ for dtype in (torch.bfloat16, torch.float16):
             bm, bn = launch_sm90.BWD_BLOCK_M, launch_sm90.BWD_BLOCK_N // 2
             q_layout = launch_sm90._layout(bm, head_dim, dtype)
             kv_layout = launch_sm90._layout(bn, head_dim, dtype)
-            emit(f"dkdv-{ty}", attn_bwd_dkdv_sm90_kernel, dict(
-                desc_q=desc(ty, bm, head_dim, q_layout), desc_do=desc(ty, bm, head_dim, q_layout),
-                desc_k=desc(ty, bn, head_dim, kv_layout), desc_v=desc(ty, bn, head_dim, kv_layout),
-                DK=f"*{ty}", DV=f"*{ty}", LSE="*fp32", DELTA="*fp32", scale="fp32",
-                qk_scale="fp32"), head_dim, causal)
+            flat = f"tensordesc<fp32[{bm}],{launch_sm90._flat_layout()!r}>"
+            acc = f"tensordesc<fp32[{bm}, {head_dim // 2}],{launch_sm90._acc_layout(head_dim)!r}>"
+            for fused in (True, False):
+                emit(f"{'bwd' if fused else 'dkdv'}-{ty}", attn_bwd_sm90_kernel, dict(
+                    desc_q=desc(ty, bm, head_dim, q_layout),
+                    desc_do=desc(ty, bm, head_dim, q_layout),
+                    desc_k=desc(ty, bn, head_dim, kv_layout),
+                    desc_v=desc(ty, bn, head_dim, kv_layout), desc_lse=flat, desc_delta=flat,
+                    desc_dq=acc, DK=f"*{ty}", DV=f"*{ty}", scale="fp32", qk_scale="fp32"),
+                    head_dim, causal, DQ=fused)
 '''
 
 
@@ -89,8 +99,8 @@ def compiled() -> dict:
 
 VARIANTS = [f"fwd-{ty}-d{d}-{mode}" for ty in ("bf16", "fp16") for d in (64, 128, 256)
             for mode in ("full", "causal")]
-BWD_VARIANTS = [f"dkdv-{ty}-d{d}-{mode}" for ty in ("bf16", "fp16") for d in (64, 128)
-                for mode in ("full", "causal")]
+BWD_VARIANTS = [f"{kind}-{ty}-d{d}-{mode}" for kind in ("bwd", "dkdv") for ty in ("bf16", "fp16")
+                for d in (64, 128) for mode in ("full", "causal")]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -115,16 +125,29 @@ def test_sm90_forward_compiles_for_hopper_with_its_structure(compiled, variant):
 
 
 @pytest.mark.parametrize("variant", BWD_VARIANTS)
-def test_sm90_dkdv_compiles_for_hopper_with_its_structure(compiled, variant):
+def test_sm90_backward_compiles_for_hopper_with_its_structure(compiled, variant):
+    """``bwd``: the fused kernel (dQ added by TMA reductions); ``dkdv``: the deterministic
+    variant, which has no atomic or reduction instruction at all."""
     from flashtile.backends.triton import launch_sm90
 
     row = compiled[variant]
+    d = row["head_dim"]
     assert row["cubin_bytes"] > 0, "ptxas produced no binary"
-    # K and V of 128 keys + STAGES (Q, dO) tiles (+ barriers), within the per-block limit
-    rows = 2 * launch_sm90.BWD_BLOCK_N + 2 * launch_sm90.STAGES * launch_sm90.BWD_BLOCK_M
-    assert rows * row["head_dim"] * 2 <= row["shared"] <= SMEM_LIMIT
+    # K and V of 128 keys + STAGES (Q, dO) tiles (+ lse, delta, barriers)
+    tiles = (2 * launch_sm90.BWD_BLOCK_N + 2 * launch_sm90.STAGES * launch_sm90.BWD_BLOCK_M) * d * 2
+    if variant.startswith("bwd"):
+        # + two ds buffers [128 keys, BLOCK_M] and one float32 dq tile [BLOCK_M, D / 2] per
+        # consumer
+        tiles += 2 * launch_sm90.BWD_BLOCK_N * launch_sm90.BWD_BLOCK_M * 2
+        tiles += 2 * launch_sm90.BWD_BLOCK_M * d // 2 * 4
+    assert tiles <= row["shared"] <= SMEM_LIMIT
     assert row["num_warps"] == 12
     assert all(row["ops"].values()), row["ops"]
+    if variant.startswith("bwd"):
+        # one dq reduction in each consumer's loop and one after it
+        assert row["tma_reductions"] == 4 and row["atomics"] == 0
+    else:
+        assert row["tma_reductions"] == 0 and row["atomics"] == 0
 
 
 def _worst_over_mean(n_m, n_bh, sq, sk, n_ctas, lpt):
@@ -160,8 +183,10 @@ def test_sm90_causal_order_keeps_every_cta_near_the_mean(batch, heads, n):
 
 
 def test_sm90_launchers_pass_exactly_the_kernels_parameters(monkeypatch):
-    """``forward`` and ``dkdv`` hand each Gluon kernel every parameter it declares, by name, and
-    nothing else (a renamed or dropped parameter would otherwise first fail on an H100)."""
+    """``forward``, ``dkdv`` and ``fused_backward`` hand each Gluon kernel every parameter it
+    declares, by name, and nothing else (a renamed or dropped parameter would otherwise first
+    fail on an H100); the fused backward's prologue (a Triton kernel, interpreted here) writes
+    ``delta = rowsum(dO * O)`` and zeroes the accumulator that the dQ copy then reads."""
     import torch
 
     from flashtile.backends.spec import AttnSpec
@@ -169,15 +194,22 @@ def test_sm90_launchers_pass_exactly_the_kernels_parameters(monkeypatch):
 
     calls = []
     monkeypatch.setattr(launch_sm90, "_launch", lambda name, device, key, grid, args, descs:
-                        calls.append((name, {**args, **descs})))
+                        calls.append((name, key, {**args, **descs})))
     monkeypatch.setattr(launch_sm90, "_sm_count", lambda index: 132)
     for head_dim in (64, 128, 256):
-        q, k, v, do, dk, dv = (torch.zeros(2, 256, 4, head_dim, dtype=torch.bfloat16)
-                               for _ in range(6))
-        lse, delta = torch.zeros(2, 4, 256), torch.zeros(2, 4, 256)
+        q, k, v, do, out = (torch.randn(2, 128, 4, head_dim) for _ in range(5))
+        lse = torch.randn(2, 4, 128)
         spec = AttnSpec(softmax_scale=head_dim ** -0.5, window_right=0)
         launch_sm90.forward(q, k, v, spec)
+        if head_dim == 256:
+            continue
+        dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
+        delta = torch.full_like(lse, float("nan"))
         launch_sm90.dkdv(q, k, v, do, lse, delta, dk, dv, spec)
-    assert [name for name, _ in calls] == ["fwd", "dkdv"] * 3
-    for name, args in calls:
+        launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec)
+        torch.testing.assert_close(delta, (do * out).sum(-1).transpose(1, 2))
+        assert (dq == 0).all()  # the accumulator the (mocked) kernel did not add into
+    assert [(name, key[-1]) for name, key, _ in calls] == [
+        ("fwd", True), ("bwd", False), ("bwd", True)] * 2 + [("fwd", True)]
+    for name, _, args in calls:
         assert sorted(args) == sorted(launch_sm90._kernel(name).arg_names), name

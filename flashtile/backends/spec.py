@@ -86,6 +86,9 @@ class AttnSpec:
     # head_offset + h of nheads_total (0: the local count)
     head_offset: int = 0
     nheads_total: int = 0
+    # the backward's gradients bitwise reproducible (flash-attn's ``deterministic``): on Hopper
+    # the dQ kernel + dK/dV kernel instead of one kernel adding dQ with atomics
+    deterministic: bool = False
 
     @property
     def causal(self) -> bool:

@@ -195,15 +195,21 @@ def flashtile_chunked_context(device: torch.device):
         yield
 
 
-def _prepare_flashtile(inp: Inputs, causal: bool, scale: float) -> Prepared:
+def _prepare_flashtile(inp: Inputs, causal: bool, scale: float,
+                       deterministic: bool = False) -> Prepared:
     ft = flashtile_api()
     q, k, v = (t.detach().requires_grad_() for t in (inp.q, inp.k, inp.v))
+    kw = {"deterministic": True} if deterministic else {}
 
     def fn():
-        out = ft.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+        out = ft.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, **kw)
         return out[0] if isinstance(out, tuple) else out
 
     return Prepared(fn, (q, k, v), inp.dout)
+
+
+def _prepare_flashtile_deterministic(inp: Inputs, causal: bool, scale: float) -> Prepared:
+    return _prepare_flashtile(inp, causal, scale, deterministic=True)
 
 
 def bhnd(t: torch.Tensor) -> torch.Tensor:
@@ -289,6 +295,10 @@ IMPLS: dict[str, Impl] = {
     "flashtile_chunked": Impl(_prepare_flashtile, flashtile_chunked_context, peer=False,
                               description="flashtile with FLASHTILE_BWD_CHUNK=auto (backward in "
                                           "batch chunks that fit L2)"),
+    "flashtile_deterministic": Impl(_prepare_flashtile_deterministic, flashtile_context,
+                                    peer=False,
+                                    description="flashtile with deterministic=True (on Hopper "
+                                                "the backward without atomics)"),
     "sdpa": _SDPA_DEFAULT,
     "sdpa_default": _SDPA_DEFAULT,
     "sdpa_flash": Impl(_prepare_sdpa, _sdpa_context("FLASH_ATTENTION"),

@@ -1,5 +1,5 @@
-"""The Hopper (Gluon) forward kernel against a float64 reference, flash-attn's error rule, and
-the portable Triton kernel; skipped without an sm_90 GPU."""
+"""The Hopper (Gluon) forward and backward kernels against a float64 reference, flash-attn's
+error rule, and the portable Triton kernels; skipped without an sm_90 GPU."""
 import pytest
 import torch
 
@@ -151,17 +151,26 @@ def _grads(q, k, v, do, causal, dtype):
 
 BWD_CASES = [  # (batch, sq, sk, heads, heads_k, d, causal)
     ("d128", 2, 192, 256, 4, 4, 128, False),
-    ("d128-causal-gqa", 1, 384, 384, 4, 2, 128, True),
-    ("d64-causal-sk>sq", 2, 128, 384, 3, 3, 64, True),
-    ("d64-long-causal-gqa", 1, 1024, 1024, 2, 1, 64, True),
+    ("d128-causal-gqa", 1, 1152, 1152, 4, 2, 128, True),
+    ("d64", 2, 320, 256, 3, 3, 64, False),
+    ("d64-causal-sk>sq", 2, 128, 1280, 3, 3, 64, True),
+    ("d64-long-causal-gqa", 1, 2048, 2048, 2, 1, 64, True),
+    # more CTAs than SMs, several heads a CTA (GQA) and one query tile per CTA (sq = 64)
+    ("d128-many-ctas-gqa", 3, 64, 2048, 12, 3, 128, False),
+    # causal up to 1K keys: the two kernels even without deterministic=True (fused_pays)
+    ("d128-short-causal", 1, 384, 384, 4, 2, 128, True),
 ]
 
 
 @pytest.mark.parametrize("case", BWD_CASES, ids=[c[0] for c in BWD_CASES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_sm90_dkdv_matches_float64_reference(case, dtype, monkeypatch):
-    """dK and dV of the Hopper dK/dV kernel within 3x PyTorch's same-dtype error of float64
-    (flash-attn's rule for gradients); dQ (the Triton kernel's) bitwise as with the kernel off."""
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "deterministic"])
+def test_sm90_backward_matches_float64_reference(case, dtype, deterministic, monkeypatch):
+    """dQ, dK and dV of the Hopper backward within 3x PyTorch's same-dtype error of float64
+    (flash-attn's rule for gradients): by default the fused kernel (dQ added by TMA
+    reductions); causal up to 1K keys, and with ``deterministic=True``, the Triton dQ kernel and
+    the Gluon dK/dV kernel, whose gradients are bitwise equal from one call to the next.  dQ
+    as with the Hopper kernels off, within rounding."""
     _, batch, sq, sk, heads, heads_k, d, causal = case
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
     q = torch.randn(batch, sq, heads, d, device="cuda", dtype=dtype)
@@ -170,17 +179,31 @@ def test_sm90_dkdv_matches_float64_reference(case, dtype, monkeypatch):
     do = torch.randn(batch, sq, heads, d, device="cuda", dtype=dtype)
     spec = flashtile.backends.spec.AttnSpec(softmax_scale=d ** -0.5,
                                             window_right=0 if causal else -1)
-    assert launch_sm90.bwd_eligible(q, k, v, do, torch.empty_like(k), torch.empty_like(v), spec)
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    with poison_outputs():
-        flashtile.flash_attn_func(*leaves, causal=causal).backward(do)
-    got = [x.grad for x in leaves]
+    eligible = launch_sm90.bwd_eligible(q, k, v, do, torch.empty_like(k), torch.empty_like(v),
+                                        spec, deterministic)
+    assert eligible == (not deterministic or causal or d == 128)
+    fused_calls = []
+    real = launch_sm90.fused_backward
+    monkeypatch.setattr(launch_sm90, "fused_backward",
+                        lambda *a: fused_calls.append(1) or real(*a))
+
+    def grads():
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        with poison_outputs():
+            flashtile.flash_attn_func(*leaves, causal=causal,
+                                      deterministic=deterministic).backward(do)
+        return [x.grad for x in leaves]
+
+    got = grads()
+    assert len(fused_calls) == int(not deterministic and launch_sm90.fused_pays(sq, sk, causal))
     ref = _grads(q, k, v, do, causal, torch.float64)[1:]
     low = _grads(q, k, v, do, causal, dtype)[1:]
     for name, g, r, lo in zip(("dq", "dk", "dv"), got, ref, low):
         err = (g.double() - r).abs().max().item()
         base = (lo.double() - r).abs().max().item()
         assert torch.isfinite(g).all() and err <= 3 * base + 1e-4, (name, err, base)
+    if deterministic:
+        assert all(torch.equal(a, b) for a, b in zip(got, grads()))
     monkeypatch.setenv("FLASHTILE_SM90", "0")
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     flashtile.flash_attn_func(*leaves, causal=causal).backward(do)
@@ -188,3 +211,25 @@ def test_sm90_dkdv_matches_float64_reference(case, dtype, monkeypatch):
     # the forward differs with the switch (its lse too, in the last bits): dq within rounding
     assert (leaves[0].grad.double() - got[0].double()).abs().max().item() <= 3 * (
         (low[0].double() - ref[0]).abs().max().item()) + 1e-4
+
+
+def test_sm90_backward_follows_torch_deterministic_switch(monkeypatch):
+    """``torch.use_deterministic_algorithms(True)`` selects the backward without atomics, as
+    ``deterministic=True`` does."""
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    q, k, v, do = (torch.randn(1, 256, 2, 128, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(4))
+    calls = []
+    real = launch_sm90.fused_backward
+    monkeypatch.setattr(launch_sm90, "fused_backward", lambda *a: calls.append(1) or real(*a))
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        flashtile.flash_attn_func(*leaves).backward(do)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert calls == []
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    flashtile.flash_attn_func(*leaves).backward(do)
+    assert calls == [1]

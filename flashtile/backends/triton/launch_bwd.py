@@ -1,7 +1,11 @@
 """Allocation and grids of the backward kernels: dQ (which also writes ``delta``), then dK/dV.
 
 A plain backward launches these two kernels and nothing else: no preprocess pass, no fills,
-casts or copies.  The gradients are allocated in the layout of their inputs (``empty_like``),
+casts or copies.  On Hopper a call the Gluon kernel covers (``launch_sm90.bwd_eligible``) takes
+it instead: by default one kernel for all three gradients (``launch_sm90.fused_backward``, with
+a prologue for ``delta`` and a float32 dQ accumulator, and a copy into ``dq``); with
+``spec.deterministic`` or ``torch.use_deterministic_algorithms(True)``, the Triton dQ kernel
+then the Gluon dK/dV kernel (no atomics).  The gradients are allocated in the layout of their inputs (``empty_like``),
 so a ``q`` that is a transposed view (the SDPA layout) gets a ``dq`` that autograd hands to
 the caller's tensor without a copy.  The byte counts are in ``flashtile.reference.algorithms``.
 """
@@ -173,9 +177,12 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
     plain = (alibi_slopes is None and cu_seqlens_q is None and attn_bias is None
              and rng_seed is None and block_mask is None and dbias is None and grad_dtype is None
              and do.stride(-1) == 1 and plans_enabled())
-    # launch plans replay Triton launches only: a call the Hopper dK/dV kernel serves (its
-    # gradients shaped like k and v) runs the full path (the switch is read per call)
-    if not plain or launch_sm90.bwd_eligible(q, k, v, do, k, v, spec):
+    # launch plans replay Triton launches only: a call the Hopper kernel serves (its gradients
+    # shaped like k and v) runs the full path (the switch is read per call)
+    if not plain or launch_sm90.bwd_eligible(
+            q, k, v, do, k, v, spec,
+            _deterministic(spec) or not launch_sm90.fused_pays(q.shape[1], k.shape[1],
+                                                               spec.causal)):
         return _backward(do, q, k, v, out, lse, spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                          max_seqlen_q, max_seqlen_k, attn_bias, rng_seed, block_mask, block_size,
                          dbias, grad_dtype)
@@ -194,6 +201,12 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
     if plan is not None:
         _plans.put(key, plan)
     return grads
+
+
+def _deterministic(spec: AttnSpec) -> bool:
+    """Whether the call asked for bitwise-reproducible gradients (flash-attn's argument, or
+    PyTorch's global switch, read per call)."""
+    return spec.deterministic or torch.are_deterministic_algorithms_enabled()
 
 
 def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqlens_q=None,
@@ -288,9 +301,15 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
             bs_m=bs_m, bs_n=bs_n, HK=nheads_k, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=kv_cfg.num_warps, num_stages=kv_cfg.num_stages)
 
-    if not chunk:
+    deterministic = _deterministic(spec)
+    if (not chunk and not features and not deterministic and out.is_contiguous()
+            and launch_sm90.fused_pays(sq, sk, spec.causal)
+            and launch_sm90.bwd_eligible(q, k, v, do, dk, dv, spec)):
+        # Hopper: one Gluon kernel for dQ, dK and dV
+        launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec)
+    elif not chunk:
         launch_dq(0, batch)
-        if not features and launch_sm90.bwd_eligible(q, k, v, do, dk, dv, spec):
+        if not features and launch_sm90.bwd_eligible(q, k, v, do, dk, dv, spec, True):
             # Hopper: the warp-specialised dK/dV kernel (Gluon), reading the dQ kernel's delta
             launch_sm90.dkdv(q, k, v, do, lse, delta, dk, dv, spec)
         else:

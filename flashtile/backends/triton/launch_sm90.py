@@ -1,9 +1,11 @@
 """Launchers of the Hopper kernels (Gluon): the forward (``kernels/attn_fwd_sm90.py``) and the
-backward's dK/dV kernel (``kernels/attn_bwd_dkdv_sm90.py``, after the Triton dQ kernel).
+backward (``kernels/attn_bwd_sm90.py``): by default one kernel computing dQ, dK and dV
+(:func:`fused_backward`), in the deterministic backward only dK and dV after the Triton dQ
+kernel (:func:`dkdv`).
 
 On an sm_90 GPU (H100, H200) the calls they cover go to them; ``FLASHTILE_SM90=0`` sends them
-to the portable Triton kernels instead.  Both are faster than the Triton kernels on the shapes
-measured (docs/dev/tuning-log.md, steps 36-37).  A call they do not cover always takes the
+to the portable Triton kernels instead.  They are faster than the Triton kernels on the shapes
+measured (docs/dev/tuning-log.md, steps 36-41).  A call they do not cover always takes the
 Triton kernels, never a wrong result: ``eligible`` and ``bwd_eligible`` list the scopes.
 """
 from __future__ import annotations
@@ -21,8 +23,9 @@ BLOCK_M = 128
 BLOCK_N = 128  # keys per tile at d = 64 and 128
 NUM_WARPS = 4  # the first consumer; the kernel adds 4 + 1 worker warps
 STAGES = 2
-BWD_BLOCK_M = 64   # query rows per step of the dK/dV kernel
+BWD_BLOCK_M = 64   # query rows per step of the backward kernel
 BWD_BLOCK_N = 128  # keys per CTA (64 per consumer warpgroup)
+DELTA_ROWS = 64    # rows (b, s, h) per program of the fused backward's prologue
 
 
 def block_n(head_dim: int) -> int:
@@ -94,11 +97,12 @@ def _plain(spec: AttnSpec, sq: int, sk: int) -> bool:
     return not spec.causal or sk >= sq
 
 
-def bwd_eligible(q, k, v, do, dk, dv, spec: AttnSpec) -> bool:
-    """Whether the Hopper dK/dV kernel computes ``dk``, ``dv`` of this call: the forward's
-    conditions with ``D`` = 128 (or 64 with causal masking), ``Sq`` a multiple of 64 and ``Sk``
-    of 128, and ``do``, ``dk``, ``dv`` dense like ``q`` / ``k``.  The caller has ruled out every
-    optional tensor."""
+def bwd_eligible(q, k, v, do, dk, dv, spec: AttnSpec, deterministic: bool = False) -> bool:
+    """Whether the Hopper backward kernel serves this call: the forward's conditions with
+    ``D`` = 64 or 128, ``Sq`` a multiple of 64 and ``Sk`` of 128, and ``do``, ``dk``, ``dv``
+    dense like ``q`` / ``k``.  ``deterministic`` (the kernel computes dK and dV only, dQ comes
+    from the Triton kernel): ``D`` = 64 only with causal masking.  The caller has ruled out
+    every optional tensor."""
     if not (_dense(q, k, v, do) and dk.is_contiguous() and dv.is_contiguous()):
         return False
     if do.dtype != q.dtype or dk.dtype != q.dtype or dv.dtype != q.dtype:
@@ -107,12 +111,20 @@ def bwd_eligible(q, k, v, do, dk, dv, spec: AttnSpec) -> bool:
     sk, nheads_k = k.shape[1], k.shape[2]
     if head_dim not in (64, 128) or v.shape[-1] != head_dim or nheads % nheads_k:
         return False
-    if head_dim == 64 and not spec.causal:
-        # measured no faster than the Triton kernel there (0.96-1.00x the backward, H200)
+    if deterministic and head_dim == 64 and not spec.causal:
+        # dK/dV alone: measured no faster than the Triton kernel (0.96-1.00x the backward, H200)
         return False
     if sq == 0 or sk == 0 or batch == 0 or sq % BWD_BLOCK_M or sk % BWD_BLOCK_N:
         return False
     return _plain(spec, sq, sk)
+
+
+def fused_pays(sq: int, sk: int, causal: bool) -> bool:
+    """Whether the fused backward is the faster Hopper backward for these lengths: not with
+    causal masking up to 1K keys, where a CTA's 128 keys see few query tiles and the fused
+    kernel's prologue, copy and per-CTA tail weigh most (0.93-0.95x the two kernels on the
+    H100 at 1K, 1.02-1.05x at 2K: docs/dev/tuning-log.md, step 41)."""
+    return not (causal and sk <= 1024)
 
 
 @functools.lru_cache(maxsize=None)
@@ -169,8 +181,8 @@ def _kernel(name: str):
     if name == "fwd":
         from .kernels.attn_fwd_sm90 import attn_fwd_sm90_kernel
         return attn_fwd_sm90_kernel
-    from .kernels.attn_bwd_dkdv_sm90 import attn_bwd_dkdv_sm90_kernel
-    return attn_bwd_dkdv_sm90_kernel
+    from .kernels.attn_bwd_sm90 import attn_bwd_sm90_kernel
+    return attn_bwd_sm90_kernel
 
 
 @functools.lru_cache(maxsize=256)
@@ -200,20 +212,29 @@ def causal_order(n_m: int, n_bh: int, sq: int, sk: int, n_ctas: int,
     return int(default > 1.08 and worst(True) < default)
 
 
-def _descriptor(x, rows: int, cols: int, block_rows: int, layout, direct: bool):
-    """A TMA descriptor of ``x`` seen as a ``(rows, cols)`` row-major matrix.  For a direct
-    launch of a compiled variant (``direct``) the launcher reads only base, shape, strides and
-    padding, and ``eligible`` has already checked what the constructor asserts (alignment,
-    strides): the object is filled in directly (the constructor's checks cost ~10 us a call)."""
+def _descriptor(x, shape: list, block: list, layout, direct: bool):
+    """A TMA descriptor of the contiguous ``x`` seen as a row-major tensor of ``shape`` (one or
+    two dimensions), read and written in tiles of ``block``.  For a direct launch of a compiled
+    variant (``direct``) the launcher reads only base, shape, strides and padding, and
+    ``eligible`` has already checked what the constructor asserts (alignment, strides): the
+    object is filled in directly (the constructor's checks cost ~10 us a call)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    strides = [shape[1], 1] if len(shape) == 2 else [1]
     if not direct:
-        return TensorDescriptor(x.view(rows, cols), [rows, cols], [cols, 1],
-                                [block_rows, x.shape[-1]], layout)
+        return TensorDescriptor(x.view(shape), shape, strides, block, layout)
     desc = object.__new__(TensorDescriptor)
-    desc.base, desc.shape, desc.strides = x, [rows, cols], [cols, 1]
-    desc.block_shape, desc.layout, desc.padding = [block_rows, x.shape[-1]], layout, "zero"
+    desc.base, desc.shape, desc.strides = x, shape, strides
+    desc.block_shape, desc.layout, desc.padding = block, layout, "zero"
     return desc
+
+
+def _rows(x, block_rows: int, layout) -> tuple:
+    """``_descriptor`` arguments of a ``(B, S, H, D)`` tensor seen as ``(B * S, H * D)``, in
+    tiles of ``block_rows`` rows of one head: a tile never crosses a batch entry because ``S``
+    is a multiple of the tiles."""
+    batch, seq, heads, head_dim = x.shape
+    return x, [batch * seq, heads * head_dim], [block_rows, head_dim], layout
 
 
 def forward(q, k, v, spec: AttnSpec):
@@ -232,33 +253,78 @@ def forward(q, k, v, spec: AttnSpec):
                 num_warps=NUM_WARPS,
                 lpt=causal_order(sq // BLOCK_M, batch * nheads, sq, sk, grid[0], tile_n)
                 if spec.causal else 0)
-    # 2-D (B * S, H * D) views: a tile never crosses a batch because S is a tile multiple
     q_layout, kv_layout = _layouts(head_dim, q.dtype)
-    descs = dict(desc_q=(q, batch * sq, nheads * head_dim, BLOCK_M // 2, q_layout),
-                 desc_k=(k, batch * sk, nheads_k * head_dim, tile_n, kv_layout),
-                 desc_v=(v, batch * sk, nheads_k * head_dim, tile_n, kv_layout),
-                 desc_o=(out, batch * sq, nheads * head_dim, BLOCK_M // 2, q_layout))
+    descs = dict(desc_q=_rows(q, BLOCK_M // 2, q_layout), desc_k=_rows(k, tile_n, kv_layout),
+                 desc_v=_rows(v, tile_n, kv_layout), desc_o=_rows(out, BLOCK_M // 2, q_layout))
     _launch("fwd", device, (q.dtype, head_dim, spec.causal), grid, args, descs)
     return out, lse
 
 
-def dkdv(q, k, v, do, lse, delta, dk, dv, spec: AttnSpec) -> None:
-    """Fill ``dk``, ``dv`` (``bwd_eligible`` holds) from ``lse`` and the dQ kernel's ``delta``
-    (both float32 ``(B, H, Sq)``)."""
+@functools.lru_cache(maxsize=None)
+def _flat_layout():
+    """Shared-memory layout of a row of ``BWD_BLOCK_M`` float32 values (lse, delta)."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _acc_layout(head_dim: int):
+    """Shared-memory layout of a consumer's float32 dQ tile ``[BWD_BLOCK_M, D / 2]``."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for([BWD_BLOCK_M, head_dim // 2], gl.float32)
+
+
+def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec) -> None:
+    """Launch the backward kernel: with ``dq_acc`` (float32 like ``q``, zeroed) it also adds
+    dQ into it; without, dK and dV only."""
     batch, sq, nheads, head_dim = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
     device = q.device.index or 0
+    fused = dq_acc is not None
+    acc_tile = [BWD_BLOCK_M, head_dim // 2]
+    if fused:  # (B * Sq, H * D): a tile is half a head's columns of BWD_BLOCK_M rows
+        desc_dq = (dq_acc, [batch * sq, nheads * head_dim], acc_tile, _acc_layout(head_dim))
+    else:  # never read: a descriptor of one tile
+        desc_dq = (torch.empty(acc_tile, dtype=torch.float32, device=q.device), acc_tile,
+                   acc_tile, _acc_layout(head_dim))
     grid = (sk // BWD_BLOCK_N, batch * nheads_k)
-    args = dict(DK=dk, DV=dv, LSE=lse, DELTA=delta,
-                stride_kb=dk.stride(0), stride_kn=dk.stride(1), stride_kh=dk.stride(2),
-                stride_lb=lse.stride(0), stride_lh=lse.stride(1),
-                sq=sq, sk=sk, nheads_k=nheads_k, group=nheads // nheads_k,
-                scale=spec.softmax_scale, qk_scale=spec.softmax_scale * LOG2E,
-                CAUSAL=spec.causal, STAGES=STAGES, num_warps=NUM_WARPS)
+    args = dict(DK=dk, DV=dv, stride_kb=dk.stride(0), stride_kn=dk.stride(1),
+                stride_kh=dk.stride(2), sq=sq, sk=sk, nheads_k=nheads_k,
+                group=nheads // nheads_k, scale=spec.softmax_scale,
+                qk_scale=spec.softmax_scale * LOG2E, CAUSAL=spec.causal, DQ=fused,
+                STAGES=STAGES, num_warps=NUM_WARPS)
     q_layout = _layout(BWD_BLOCK_M, head_dim, q.dtype)
     kv_layout = _layout(BWD_BLOCK_N // 2, head_dim, q.dtype)
-    descs = dict(desc_q=(q, batch * sq, nheads * head_dim, BWD_BLOCK_M, q_layout),
-                 desc_do=(do, batch * sq, nheads * head_dim, BWD_BLOCK_M, q_layout),
-                 desc_k=(k, batch * sk, nheads_k * head_dim, BWD_BLOCK_N // 2, kv_layout),
-                 desc_v=(v, batch * sk, nheads_k * head_dim, BWD_BLOCK_N // 2, kv_layout))
-    _launch("dkdv", device, (q.dtype, head_dim, spec.causal), grid, args, descs)
+    flat = _flat_layout()
+    descs = dict(desc_q=_rows(q, BWD_BLOCK_M, q_layout), desc_do=_rows(do, BWD_BLOCK_M, q_layout),
+                 desc_k=_rows(k, BWD_BLOCK_N // 2, kv_layout),
+                 desc_v=_rows(v, BWD_BLOCK_N // 2, kv_layout),
+                 desc_lse=(lse, [lse.numel()], [BWD_BLOCK_M], flat),
+                 desc_delta=(delta, [delta.numel()], [BWD_BLOCK_M], flat), desc_dq=desc_dq)
+    _launch("bwd", device, (q.dtype, head_dim, spec.causal, fused), grid, args, descs)
+
+
+def dkdv(q, k, v, do, lse, delta, dk, dv, spec: AttnSpec) -> None:
+    """Fill ``dk``, ``dv`` (``bwd_eligible`` holds) from ``lse`` and the dQ kernel's ``delta``
+    (both contiguous float32 ``(B, H, Sq)``): the deterministic backward."""
+    _bwd(q, k, v, do, lse, delta, None, dk, dv, spec)
+
+
+def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec) -> None:
+    """Fill ``dq``, ``dk``, ``dv`` (``bwd_eligible`` holds; ``out`` contiguous; ``lse`` and the
+    buffer ``delta`` contiguous float32 ``(B, H, Sq)``): a prologue kernel computes ``delta``
+    and zeroes a float32 dQ accumulator, the backward kernel adds every dQ tile into it, and
+    one copy converts it into ``dq``."""
+    from .fastlaunch import launch
+    from .kernels.bwd import attn_bwd_delta_kernel
+
+    batch, sq, nheads, head_dim = q.shape
+    dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    rows = batch * sq * nheads
+    launch(attn_bwd_delta_kernel, (-(-rows // DELTA_ROWS),), O=out, DO=do, DELTA=delta,
+           DQ_ACC=dq_acc, n_rows=rows, seqlen_q=sq, nheads=nheads, HEAD_DIM=head_dim,
+           ROWS=DELTA_ROWS, num_warps=4)
+    _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec)
+    dq.copy_(dq_acc)

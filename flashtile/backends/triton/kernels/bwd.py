@@ -9,7 +9,8 @@ With ``p = exp2(s - lse2)`` (``s`` the base-2 score of forward, ``lse2 = log2(e)
     dS'   = dS * (1 - tanh(u)^2)            # only with softcap, u = scale * q.k / softcap
     dQ   += scale * dS' K ,   dK += scale * dS'^T Q
 
-Two kernels, no side kernels: the dQ kernel (grid over query tiles) runs first and computes
+Two kernels, no side kernels (the portable backward; on Hopper the default backward is one
+Gluon kernel after ``attn_bwd_delta_kernel``): the dQ kernel (grid over query tiles) runs first and computes
 ``delta`` for its rows in its prologue from the O and dO tiles it loads (O is read once, dO
 once, no separate preprocess pass re-reading both) and stores it; the dK/dV kernel (grid over
 key tiles) then reads it.  Both turn the saved natural-log ``lse`` into ``lse2 = log2(e) * lse``
@@ -339,3 +340,26 @@ def attn_bwd_dq_kernel(
     p_dq = tile_ptr(DQ, i_b, q_start, i_h, stride_dqb, stride_dqm, stride_dqh,
                     o_m, o_d)  # [BLOCK_M, BLOCK_D]
     tl.store(p_dq, (b_dq * scale).to(DQ.dtype.element_ty), mask=m_qd)
+
+
+@triton.jit
+def attn_bwd_delta_kernel(O, DO, DELTA, DQ_ACC, n_rows, seqlen_q, nheads,
+                          HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    """Prologue of the Hopper fused backward (``attn_bwd_sm90.py`` with ``DQ``), which has no
+    dQ kernel to compute ``delta`` in: ``delta = rowsum(dO * O)`` into ``DELTA`` (float32
+    ``(B, H, Sq)``) and the float32 dQ accumulator zeroed, for ``ROWS`` of the ``B * Sq * H``
+    rows of the contiguous ``(B, Sq, H, D)`` tensors ``O``, ``DO`` and ``DQ_ACC`` a program."""
+    i_r = tl.program_id(0)
+    o_r = i_r * ROWS + tl.arange(0, ROWS)                          # [ROWS] rows (b, s, h)
+    o_d = tl.arange(0, HEAD_DIM)                                   # [D]
+    m_r = o_r < n_rows
+    p = o_r.to(tl.int64)[:, None] * HEAD_DIM + o_d[None, :]        # [ROWS, D]
+    b_o = tl.load(O + p, mask=m_r[:, None], other=0.0).to(tl.float32)
+    b_do = tl.load(DO + p, mask=m_r[:, None], other=0.0).to(tl.float32)
+    tl.store(DQ_ACC + p, tl.zeros([ROWS, HEAD_DIM], tl.float32), mask=m_r[:, None])
+    b_delta = tl.sum(b_o * b_do, axis=1)                           # [ROWS]
+    # row (b * Sq + s) * H + h  ->  delta[b, h, s]
+    i_h = o_r % nheads
+    i_bs = o_r // nheads
+    p_delta = ((i_bs // seqlen_q) * nheads + i_h).to(tl.int64) * seqlen_q + i_bs % seqlen_q
+    tl.store(DELTA + p_delta, b_delta, mask=m_r)

@@ -1,0 +1,329 @@
+"""Hopper (sm_90) backward kernel in Gluon, warp-specialised like the forward
+(``attn_fwd_sm90.py``): a one-warp producer loads the CTA's 128 keys of K and V once and streams
+(Q, dO, lse, delta) tiles of ``BLOCK_M`` query rows by TMA into a ``STAGES``-deep ring; two
+consumer warpgroups own 64 keys each and take turns on the tensor cores.
+
+For the keys ``k``, ``v`` of a consumer and each query tile ``i`` that sees them (base-2 scores,
+``qk_scale = scale * log2(e)``, ``lse2 = log2(e) * lse``, ``delta = rowsum(dO * O)`` computed
+before the kernel)::
+
+    sᵀ  = k qᵢᵀ                          # [64, BLOCK_M], wgmma, both from SMEM
+    pᵀ  = exp2(qk_scale * sᵀ - lse2ᵢ)    # lse2 along the columns (the query rows)
+    dpᵀ = v dOᵢᵀ                         # [64, BLOCK_M], wgmma
+    dsᵀ = pᵀ * (dpᵀ - deltaᵢ)
+    dv += pᵀ dOᵢ ,   dk += dsᵀ qᵢ         # wgmma, pᵀ and dsᵀ from registers
+
+and at the end ``dk *= scale``.  With ``DQ`` the kernel also computes dQ (five matrix products
+per tile instead of the seven of a separate dQ kernel): both consumers write their dsᵀ to shared
+memory, and each computes ``dqᵢ[:, its half of D] = scale * dsᵢ k[:, half]`` over the CTA's 128
+keys and adds it to a float32 accumulator ``(B * Sq, H * D)`` with one TMA reduction
+(``cp.reduce.async.bulk``); the CTAs of a head add into the same rows in no fixed order, so dQ
+is not bitwise reproducible.  Without ``DQ`` (the deterministic backward: dQ comes from the
+Triton kernel) no atomics are used anywhere.  One step of a consumer::
+
+    wait    my turn; issue sᵀ and dpᵀ (two commit groups); arrive the other's turn
+    wait    group 1 -> pᵀ (masked on the tiles that cross the diagonal)
+    wait    group 2 -> dsᵀ (DQ: into shared memory)
+    wait    my turn; issue dv += pᵀ dO, dk += dsᵀ q (DQ: and the previous tile's dq);
+            arrive the other's turn
+    wait    all -> the (Q, dO) stage goes back to the producer (DQ: dq to the accumulator)
+
+so one consumer's exponentials run while the other's matrix products occupy the tensor cores.
+The dq product runs one tile late: by then the other consumer's half of that tile's ds is
+written (before its previous turn), so no consumer waits for the other's softmax.  The CTA's
+query heads (GQA: every head of its key/value head's group) and tiles are walked in one loop,
+dK and dV summed in registers.
+
+Scope (``launch_sm90.bwd_eligible`` checks it): dense contiguous ``(B, S, H, D)`` inputs,
+``D`` = 64 or 128, fp16/bf16, ``Sq`` a multiple of ``BLOCK_M``, ``Sk`` of 128, no optional
+feature but causal masking with ``sk >= sq``.
+"""
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """``global[coord tile] += src`` for a shared-memory tile: one asynchronous TMA reduction
+    (``cp.reduce.async.bulk.tensor``), committed like a TMA store (``tma.store_wait``)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle,
+                                              coord, src.handle)
+
+
+@gluon.jit
+def _query_tiles(n0, sq, shift, causal, BLOCK_M: gl.constexpr):
+    """First query tile that sees key ``n0`` and the number of tiles from it to the end."""
+    lo = 0
+    if causal:
+        # row m sees key n iff n <= m + shift
+        lo = gl.maximum(n0 - shift, 0) // BLOCK_M
+    return lo, sq // BLOCK_M - lo
+
+
+@gluon.jit
+def _dq_add(b_dq, desc_dq, dq_tile, row, col, scale):
+    """``dq_accumulator[row:, col:] += scale * b_dq`` (a ``[BLOCK_M, D / 2]`` float32 tile)
+    through this consumer's shared-memory tile ``dq_tile``."""
+    tma.store_wait(0)  # the previous reduction has read the tile
+    dq_tile.store(b_dq * scale)
+    fence_async_shared()
+    _tma_reduce_add(desc_dq, [row, col], dq_tile)
+
+
+@gluon.jit
+def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
+                  k_smem, v_smem, lse_smem, delta_smem, bar_kv, bar_qd, bar_free, sq, sk,
+                  nheads_k, group, causal):
+    STAGES: gl.constexpr = q_smem.shape[0]
+    BLOCK_M: gl.constexpr = q_smem.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.shape[2]
+    BLOCK_NW: gl.constexpr = desc_k.block_type.shape[0]   # keys of one consumer
+    i_n = gl.program_id(0)
+    i_bh = gl.program_id(1)
+    i_b = i_bh // nheads_k
+    i_hk = i_bh % nheads_k
+    n0 = i_n * 2 * BLOCK_NW
+    # the CTA's K and V: rows [0, 64) are consumer 0's keys, [64, 128) consumer 1's
+    mbarrier.expect(bar_kv, 2 * desc_k.block_type.nbytes + 2 * desc_v.block_type.nbytes)
+    for i in gl.static_range(2):
+        tma.async_copy_global_to_shared(desc_k, [i_b * sk + n0 + i * BLOCK_NW, i_hk * HEAD_DIM],
+                                        bar_kv, k_smem.slice(i * BLOCK_NW, BLOCK_NW))
+        tma.async_copy_global_to_shared(desc_v, [i_b * sk + n0 + i * BLOCK_NW, i_hk * HEAD_DIM],
+                                        bar_kv, v_smem.slice(i * BLOCK_NW, BLOCK_NW))
+    lo, n_m = _query_tiles(n0, sq, sk - sq, causal, BLOCK_M)
+    nbytes: gl.constexpr = (desc_q.block_type.nbytes + desc_do.block_type.nbytes
+                            + desc_lse.block_type.nbytes + desc_delta.block_type.nbytes)
+    for t in range(group * n_m):
+        i_h = i_hk * group + t // n_m
+        m0 = (lo + t % n_m) * BLOCK_M
+        i_s = t % STAGES
+        # stage i_s is free once both consumers' products of tile t - STAGES completed
+        mbarrier.wait(bar_free.index(i_s), ((t // STAGES) & 1) ^ 1, pred=t >= STAGES)
+        bar = bar_qd.index(i_s)
+        mbarrier.expect(bar, nbytes)
+        tma.async_copy_global_to_shared(desc_q, [i_b * sq + m0, i_h * HEAD_DIM], bar,
+                                        q_smem.index(i_s))
+        tma.async_copy_global_to_shared(desc_do, [i_b * sq + m0, i_h * HEAD_DIM], bar,
+                                        do_smem.index(i_s))
+        # lse and delta are (B, H, Sq) float32, seen flat
+        p_l = (i_b * nheads_k * group + i_h) * sq + m0
+        tma.async_copy_global_to_shared(desc_lse, [p_l], bar, lse_smem.index(i_s))
+        tma.async_copy_global_to_shared(desc_delta, [p_l], bar, delta_smem.index(i_s))
+
+
+@gluon.jit
+def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                  bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV,
+                  stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, group, scale, qk_scale,
+                  causal, DQ: gl.constexpr):
+    STAGES: gl.constexpr = q_smem.shape[0]
+    BLOCK_M: gl.constexpr = q_smem.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.shape[2]
+    BLOCK_NW: gl.constexpr = k_smem.shape[0] // 2
+    HALF_D: gl.constexpr = HEAD_DIM // 2
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    g_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    q_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    i_n = gl.program_id(0)
+    i_bh = gl.program_id(1)
+    i_b = i_bh // nheads_k
+    i_hk = i_bh % nheads_k
+    shift = sk - sq
+    n0 = i_n * 2 * BLOCK_NW
+    k0 = n0 + i_wg * BLOCK_NW                                   # this consumer's first key
+    k_tile = k_smem.slice(i_wg * BLOCK_NW, BLOCK_NW)            # [64, D] this consumer's keys
+    v_tile = v_smem.slice(i_wg * BLOCK_NW, BLOCK_NW)            # [64, D]
+    k_half = k_smem.slice(i_wg * HALF_D, HALF_D, dim=1)         # [128 keys, D / 2]
+    bar_mine = bar_turn.index(i_wg)
+    bar_other = bar_turn.index(1 - i_wg)
+    o_k = k0 + gl.arange(0, BLOCK_NW, layout=row_s)            # [64] keys
+    o_r = gl.arange(0, BLOCK_M, layout=col_s)                  # [BLOCK_M] rows of a tile
+    b_dk = gl.zeros([BLOCK_NW, HEAD_DIM], gl.float32, layout=g_layout)   # [64, D]
+    b_dv = gl.zeros([BLOCK_NW, HEAD_DIM], gl.float32, layout=g_layout)   # [64, D]
+    b_st = gl.zeros([BLOCK_NW, BLOCK_M], gl.float32, layout=s_layout)    # [64, BLOCK_M]
+    b_dpt = gl.zeros([BLOCK_NW, BLOCK_M], gl.float32, layout=s_layout)   # [64, BLOCK_M]
+    b_dq0 = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=q_layout)     # [BLOCK_M, D / 2]
+    dq_tile = dq_smem.index(i_wg)                                        # [BLOCK_M, D / 2]
+    dq_col = i_wg * HALF_D
+    m_prev = 0  # the previous tile's first row and head (its dq is added one step late)
+    h_prev = 0
+
+    lo, n_m = _query_tiles(n0, sq, shift, causal, BLOCK_M)
+    n_t = group * n_m
+    mbarrier.wait(bar_kv, 0)
+    for t in range(n_t):
+        i_h = i_hk * group + t // n_m
+        m0 = (lo + t % n_m) * BLOCK_M
+        i_s = t % STAGES
+        mbarrier.wait(bar_qd.index(i_s), (t // STAGES) & 1)
+        q_tile = q_smem.index(i_s)
+        do_tile = do_smem.index(i_s)
+        # turn 1: sᵀ = k qᵀ and dpᵀ = v dOᵀ
+        mbarrier.wait(bar_mine, 0)
+        b_st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), b_st, use_acc=False, is_async=True)
+        b_dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), b_dpt, use_acc=False,
+                              is_async=True)
+        mbarrier.arrive(bar_other)
+        b_st = warpgroup_mma_wait(num_outstanding=1, deps=(b_st,))
+        if causal:
+            # only tiles crossing this consumer's diagonal have invisible (row, key) pairs
+            if m0 + shift < k0 + BLOCK_NW - 1:
+                m_vis = o_k[:, None] <= (m0 + o_r + shift)[None, :]    # [64, BLOCK_M]
+                b_st = gl.where(m_vis, b_st, float("-inf"))
+        # lse and delta from shared memory (staged with Q and dO): read where they are used,
+        # they do not hold registers across the products
+        b_lse = lse_smem.index(i_s).load(col_s)                         # [BLOCK_M]
+        b_lse2 = gl.where(b_lse == float("-inf"), float("inf"), b_lse * LOG2E)
+        b_pt = gl.exp2(b_st * qk_scale - b_lse2[None, :])               # [64, BLOCK_M]
+        b_dpt = warpgroup_mma_wait(num_outstanding=0, deps=(b_dpt,))
+        b_delta = delta_smem.index(i_s).load(col_s)                     # [BLOCK_M]
+        b_dst = b_pt * (b_dpt - b_delta[None, :])                       # [64, BLOCK_M]
+        b_pa = gl.convert_layout(b_pt.to(dtype), a_layout)
+        b_dsa = gl.convert_layout(b_dst.to(dtype), a_layout)
+        i_d = t % 2
+        if DQ:
+            # this consumer's dsᵀ into the tile's ds buffer [128 keys, BLOCK_M], once both
+            # consumers' dq products of tile t - 2 (which read it) completed
+            mbarrier.wait(bar_dsfree.index(i_d), ((t // 2) & 1) ^ 1, pred=t >= 2)
+            ds_smem.index(i_d).slice(i_wg * BLOCK_NW, BLOCK_NW).store(b_dst.to(dtype))
+            fence_async_shared()
+            mbarrier.arrive(bar_ds.index(i_d))
+        # turn 2: dv += pᵀ dO, dk += dsᵀ q (and dq of tile t - 1)
+        mbarrier.wait(bar_mine, 1)
+        b_dv = warpgroup_mma(b_pa, do_tile, b_dv, is_async=True)
+        b_dk = warpgroup_mma(b_dsa, q_tile, b_dk, is_async=True)
+        if DQ:
+            # dq[:, my half] = ds k[:, my half] of tile t - 1.  At t = 0 the product reads a
+            # buffer no one has written yet and is discarded.
+            mbarrier.wait(bar_ds.index(1 - i_d), ((t - 1) // 2) & 1, pred=t > 0)
+            b_dq = warpgroup_mma(ds_smem.index(1 - i_d).permute((1, 0)), k_half, b_dq0,
+                                 use_acc=False, is_async=True)
+            mbarrier.arrive(bar_other)
+            b_dv, b_dk, b_dq, b_pa, b_dsa = warpgroup_mma_wait(
+                num_outstanding=0, deps=(b_dv, b_dk, b_dq, b_pa, b_dsa))
+            mbarrier.arrive(bar_free.index(i_s))
+            mbarrier.arrive(bar_dsfree.index(1 - i_d), pred=t > 0)
+            if t > 0:
+                _dq_add(b_dq, desc_dq, dq_tile, i_b * sq + m_prev, h_prev * HEAD_DIM + dq_col,
+                        scale)
+            m_prev = m0
+            h_prev = i_h
+        else:
+            mbarrier.arrive(bar_other)
+            b_dv, b_dk, b_pa, b_dsa = warpgroup_mma_wait(num_outstanding=0,
+                                                         deps=(b_dv, b_dk, b_pa, b_dsa))
+            mbarrier.arrive(bar_free.index(i_s))
+    if DQ:
+        # the last tile's dq (its ds buffer is complete once both consumers arrived on it)
+        i_d = (n_t - 1) % 2
+        mbarrier.wait(bar_ds.index(i_d), ((n_t - 1) // 2) & 1)
+        b_dq = warpgroup_mma(ds_smem.index(i_d).permute((1, 0)), k_half, b_dq0, use_acc=False,
+                             is_async=True)
+        b_dq = warpgroup_mma_wait(num_outstanding=0, deps=(b_dq,))
+        _dq_add(b_dq, desc_dq, dq_tile, i_b * sq + m_prev, h_prev * HEAD_DIM + dq_col, scale)
+        tma.store_wait(0)
+
+    o_kg = k0 + gl.arange(0, BLOCK_NW, layout=gl.SliceLayout(1, g_layout))
+    o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, g_layout))
+    p_g = (i_b.to(gl.int64) * stride_kb + i_hk.to(gl.int64) * stride_kh
+           + o_kg.to(gl.int64)[:, None] * stride_kn + o_d[None, :])     # [64, D]
+    gl.store(DK + p_g, (b_dk * scale).to(dtype))
+    gl.store(DV + p_g, b_dv.to(dtype))
+
+
+# A partition is a function of its own: one wrapper per consumer warpgroup.
+@gluon.jit
+def _bwd_consumer0(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                   bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV,
+                   stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, group, scale, qk_scale,
+                   causal, DQ: gl.constexpr):
+    _bwd_consumer(0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                  bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV,
+                  stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, group, scale, qk_scale,
+                  causal, DQ)
+
+
+@gluon.jit
+def _bwd_consumer1(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                   bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV,
+                   stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, group, scale, qk_scale,
+                   causal, DQ: gl.constexpr):
+    _bwd_consumer(1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                  bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV,
+                  stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, group, scale, qk_scale,
+                  causal, DQ)
+
+
+@gluon.jit
+def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, DK, DV,
+                         stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, group, scale,
+                         qk_scale, CAUSAL: gl.constexpr, DQ: gl.constexpr,
+                         STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """Grid ``(Sk / 128, B * Hk)``: 128 keys of one key/value head per CTA.  ``desc_dq`` is
+    the float32 dQ accumulator ``(B * Sq, H * D)`` in tiles of ``[BLOCK_M, D / 2]`` (read only
+    with ``DQ``); ``desc_lse`` and ``desc_delta`` are ``(B * H * Sq,)`` in tiles of ``BLOCK_M``."""
+    BLOCK_M: gl.constexpr = desc_q.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = desc_q.block_type.shape[1]
+    BLOCK_NW: gl.constexpr = desc_k.block_type.shape[0]
+    dtype: gl.constexpr = desc_q.dtype
+
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], desc_q.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], desc_do.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2 * BLOCK_NW, HEAD_DIM], desc_k.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2 * BLOCK_NW, HEAD_DIM], desc_v.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], desc_lse.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], desc_delta.layout)
+    # DQ only: two ds buffers (tile t is written while tile t - 1's is read) and one float32
+    # dq tile per consumer; without DQ they are one row each
+    DS_ROWS: gl.constexpr = 2 * BLOCK_NW if DQ else 8
+    DQ_ROWS: gl.constexpr = BLOCK_M if DQ else 8
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                                   rank=2)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, DS_ROWS, BLOCK_M], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, DQ_ROWS, HEAD_DIM // 2], desc_dq.layout)
+    bar_kv = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bar_qd = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    bar_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    bar_turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    bar_ds = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    bar_dsfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar_kv, count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(bar_turn.index(i), count=1)
+        mbarrier.init(bar_ds.index(i), count=2)
+        mbarrier.init(bar_dsfree.index(i), count=2)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bar_qd.index(i), count=1)
+        mbarrier.init(bar_free.index(i), count=2)
+    # consumer 0 takes the first tensor-core turn
+    mbarrier.arrive(bar_turn.index(0))
+
+    # literal argument tuples: a tuple bound to a name would turn DQ into a run-time value
+    gl.warp_specialize([
+        (_bwd_consumer0, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                          dq_smem, bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
+                          desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k,
+                          group, scale, qk_scale, CAUSAL, DQ)),
+        (_bwd_consumer1, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                          dq_smem, bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
+                          desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k,
+                          group, scale, qk_scale, CAUSAL, DQ)),
+        (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
+                         k_smem, v_smem, lse_smem, delta_smem, bar_kv, bar_qd, bar_free, sq, sk,
+                         nheads_k, group, CAUSAL)),
+    ], [4, 1], [232, 24])
