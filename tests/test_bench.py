@@ -731,11 +731,12 @@ def test_speed_rounds_keep_each_cases_median_and_rotate_the_order(tmp_path):
 
 
 def test_io_l2reuse_sweep_keeps_l2_between_kernels():
-    """The l2reuse sweep (flashtile with and without the chunked backward) runs under ncu with
-    --cache-control none, the other sweeps with ncu's default (caches emptied per kernel)."""
+    """The l2reuse sweep (flashtile's default backward, the deterministic one and the chunked
+    one) runs under ncu with --cache-control none, the other sweeps with ncu's default (caches
+    emptied per kernel)."""
     cases = bench_io.build_cases(["fig2", "l2reuse"], quick=True)
     reuse = [c for c in cases if c.sweep == "l2reuse"]
-    assert [c.impl for c in reuse] == ["flashtile", "flashtile_chunked"]
+    assert [c.impl for c in reuse] == ["flashtile", "flashtile_deterministic", "flashtile_chunked"]
     assert (reuse[0].n, reuse[0].d, reuse[0].heads, reuse[0].batch) == (1024, 64, 16, 64)
     modes = {bench_io.CACHE_CONTROL.get(c.sweep, "all") for c in cases}
     assert modes == {"all", "none"}

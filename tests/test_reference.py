@@ -311,6 +311,20 @@ def test_backward_counts_match_hand_count():
     assert dkdv.dram_read == 6 * 16
 
 
+def test_fused_backward_counts_match_hand_count():
+    """The one-kernel backward on SMALL (16 bytes a tensor, 32 bytes of float32 accumulator,
+    two key tiles that each see all 4 query rows)."""
+    delta, bwd, dq = alg.flashtile_backward_fused(SMALL, 2, 2)
+    assert [k.kernel for k in (delta, bwd, dq)] == ["delta", "bwd", "dq"]
+    assert (delta.tile_read, delta.tile_write) == (2 * 16, 16 + 32)  # O, dO; delta, zeroes
+    # K, V once; per key tile all of Q, dO, LSE and delta
+    assert bwd.tile_read == 2 * 16 + 2 * (16 + 16 + 16 + 16)
+    # dK, dV; per key tile a reduction of 4 rows x 2 float32 of dq
+    assert bwd.tile_write == 2 * 16 + 2 * 4 * 2 * 4
+    assert (bwd.dram_read, bwd.dram_write) == (6 * 16 + 32, 2 * 16 + 32)
+    assert (dq.tile_read, dq.tile_write) == (32, 16)
+
+
 def test_compulsory_matches_hand_count():
     assert alg.compulsory(SMALL, "fwd") == 3 * 16 + 16 + 16  # read Q K V, write O LSE
     assert alg.compulsory(SMALL, "bwd") == 5 * 16 + 16 + 3 * 16  # read Q K V O dO LSE, write dQ dK dV

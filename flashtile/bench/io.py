@@ -73,7 +73,9 @@ IMPLS = ("standard", "fa2", "cudnn", "flashtile")
 # at a time, so that the dK/dV kernel re-reads from L2 what the dQ kernel just read).  It only
 # shows when ncu keeps L2 between kernels: the l2reuse sweep runs with --cache-control none
 # (ncu's default, all, empties the caches before every profiled kernel).
-L2REUSE_IMPLS = ("flashtile", "flashtile_chunked")
+# flashtile_deterministic: the backward without atomics (on Hopper the Triton dQ kernel and the
+# Gluon dK/dV kernel instead of the one-kernel backward and its float32 dQ accumulator).
+L2REUSE_IMPLS = ("flashtile", "flashtile_deterministic", "flashtile_chunked")
 CACHE_CONTROL = {"l2reuse": "none"}  # per sweep; "all" otherwise
 FIG3_IMPLS = ("standard", "fa2", "cudnn", "flex", "flashtile", "flashtile_sparse")
 SWEEPS = ("fig2", "blocks", "sparse", "fig3", "l2reuse")
@@ -267,7 +269,11 @@ def split_by_markers(kernels: Sequence[KernelRecord]) -> list[list[KernelRecord]
 
 _FLASHTILE_KERNELS = {"attn_fwd_kernel": "fwd", "attn_bwd_dq_kernel": "dq",
                       "attn_bwd_dkdv_kernel": "dkdv", "attn_fwd_sm90_kernel": "fwd",
-                      "attn_bwd_dkdv_sm90_kernel": "dkdv"}
+                      "attn_bwd_sm90_kernel": "dkdv"}
+# the one-kernel backward (configs["fused"]): its prologue, the kernel and the accumulator's
+# conversion (PyTorch's copy kernel)
+_FUSED_KERNELS = {"attn_bwd_delta_kernel": "delta", "attn_bwd_sm90_kernel": "bwd"}
+_FUSED_PASSES = ("delta", "bwd", "dq")
 
 
 def problem_of(case: Case | dict) -> algorithms.Problem:
@@ -281,8 +287,12 @@ def model_kernels(case: dict, configs: dict) -> dict[str, algorithms.KernelIO]:
     """The model's kernels for a flashtile case with the tile configs the worker used."""
     p = problem_of(case)
     fwd = algorithms.flashtile_forward(p, *configs["fwd"][:2])
-    bwd = algorithms.flashtile_backward(p, tuple(configs["dkdv"][:2]), tuple(configs["dq"][:2]),
-                                        l2_reuse=case.get("impl") == "flashtile_chunked")
+    if configs.get("fused"):
+        bwd = algorithms.flashtile_backward_fused(p, *configs["dkdv"][:2])
+    else:
+        bwd = algorithms.flashtile_backward(p, tuple(configs["dkdv"][:2]),
+                                            tuple(configs["dq"][:2]),
+                                            l2_reuse=case.get("impl") == "flashtile_chunked")
     return {k.kernel: k for k in fwd + bwd}
 
 
@@ -386,7 +396,8 @@ class Runner:
                 return flashtile.block_sparse_attn_func(
                     self.q, self.k, self.v, self.mask,
                     block_size=(self.sparse_block, self.sparse_block))
-            return flashtile.flash_attn_func(self.q, self.k, self.v)
+            return flashtile.flash_attn_func(
+                self.q, self.k, self.v, deterministic=self.impl == "flashtile_deterministic")
 
     def bwd(self, out):
         import torch
@@ -408,15 +419,18 @@ def used_configs(case: Case, device: str = "cuda", run: "Runner | None" = None) 
         else:
             c = get_config(pass_, case.d, False, _dtype(case.dtype), torch.device(device), case.n)
             out[pass_] = [c.block_m, c.block_n, c.num_warps, c.num_stages]
-    if run is not None and not run.configs and case.impl in ("flashtile", "flashtile_chunked"):
+    if run is not None and not run.configs and case.impl.startswith("flashtile") \
+            and case.impl != "flashtile_sparse":
         from ..backends.spec import AttnSpec
         from ..backends.triton import launch_sm90 as sm90
         spec = AttnSpec(softmax_scale=case.d ** -0.5)
         warps = 3 * sm90.NUM_WARPS  # two consumer warpgroups and the producer's
         if sm90.eligible(run.q, run.k, run.v, spec):
             out["fwd"] = [sm90.BLOCK_M, sm90.block_n(case.d), warps, sm90.STAGES]
-        if sm90.bwd_eligible(run.q, run.k, run.v, run.do, run.k, run.v, spec):
+        deterministic = case.impl != "flashtile" or not sm90.fused_pays(case.n, case.n, False)
+        if sm90.bwd_eligible(run.q, run.k, run.v, run.do, run.k, run.v, spec, deterministic):
             out["dkdv"] = [sm90.BWD_BLOCK_M, sm90.BWD_BLOCK_N, warps, sm90.STAGES]
+            out["fused"] = not deterministic
     return out
 
 
@@ -556,11 +570,13 @@ def build_records(cases: Sequence[Case], entries: Sequence[dict],
             rec["block_m"], rec["block_n"] = main[0], main[1]
             rec["configs"] = configs
             model = model_kernels(base, configs)
-            names = ["fwd"] if pass_ == "fwd" else ["dq", "dkdv"]
+            names = (["fwd"] if pass_ == "fwd" else list(_FUSED_PASSES) if configs.get("fused")
+                     else ["dq", "dkdv"])
             rec["model_dram_bytes"] = algorithms.dram_bytes(p, [model[n] for n in names])
             rec["model_l2_bytes"] = sum(model[n].tile for n in names)
             for k in kernels:
-                m = model.get(_FLASHTILE_KERNELS.get(k["name"], ""))
+                kinds = _FUSED_KERNELS if configs.get("fused") and pass_ != "fwd" else {}
+                m = model.get(kinds.get(k["name"], _FLASHTILE_KERNELS.get(k["name"], "")))
                 if m is not None:
                     k["model_dram_bytes"], k["model_l2_bytes"] = m.dram, m.tile
         records.append(rec)

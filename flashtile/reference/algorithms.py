@@ -595,6 +595,29 @@ def flashtile_backward(p: Problem, dkdv: tuple[int, int], dq: tuple[int, int],
     return kernels
 
 
+ACC_BYTES = 4  # the float32 dQ accumulator of the one-kernel backward
+
+
+def flashtile_backward_fused(p: Problem, block_m: int = 64, block_n: int = 128) -> list[KernelIO]:
+    """The Hopper one-kernel backward (``attn_bwd_sm90.py`` with ``DQ``), in launch order:
+    ``delta`` (reads O and dO, writes delta and zeroes the float32 dQ accumulator), ``bwd``
+    (the dK/dV kernel's reads, plus one ``[block_m, d]`` float32 reduction into the accumulator
+    per visited (key tile, query tile); in DRAM the accumulator is read once and written back
+    once when it does not stay in the cache) and ``dq`` (the accumulator converted into dQ)."""
+    e, d, s = p.dtype_bytes, p.d, p.stat_bytes()
+    acc = p.q_bytes() // e * ACC_BYTES
+    delta = KernelIO("delta", 2 * p.q_bytes(), s + acc, 2 * p.q_bytes(), s + acc)
+    q_rows = _scaled(sum(query_rows_per_key_tile(p, block_m, block_n)), p.density)
+    read = 2 * p.kv_bytes() + 2 * _per_head(p) * q_rows * (d * e + STAT_BYTES)
+    reduce = _per_head(p) * q_rows * d * ACC_BYTES  # each tile's dq, read-modify-write in L2
+    dram = 2 * p.kv_bytes() + 2 * p.q_bytes() + 2 * s + acc
+    bwd = KernelIO("bwd", read, 2 * p.kv_bytes() + reduce, min(dram, read),
+                   2 * p.kv_bytes() + acc,
+                   2 * p.n * (d * e + STAT_BYTES) * (p.heads // p.hk), cdiv(p.nk, block_n))
+    copy = KernelIO("dq", acc, p.q_bytes(), acc, p.q_bytes())
+    return [delta, bwd, copy]
+
+
 def flashtile_kernels(p: Problem, fwd: tuple[int, int], dkdv: tuple[int, int],
                       dq: tuple[int, int], fused_delta: bool = True) -> dict[str, list[KernelIO]]:
     """``{"fwd": [...], "bwd": [...]}`` for the given ``(block_m, block_n)`` of each kernel."""
