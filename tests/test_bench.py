@@ -1670,6 +1670,34 @@ def _sample_records():
     return bench_io.build_records(cases, entries, groups, {"device": "test"})
 
 
+def test_fused_backward_records_use_the_one_kernel_model():
+    """A backward pass that ran the Hopper one-kernel backward (``configs["fused"]``) is set
+    against ``flashtile_backward_fused``: the record's model is its three kernels' sum, and the
+    prologue and the kernel carry their own model values (the conversion is PyTorch's copy)."""
+    def kernel(i, name, mb):
+        return bench_io.KernelRecord(i, name, {"dram__bytes_read.sum": mb * 1e6,
+                                               "dram__bytes_write.sum": mb * 1e6,
+                                               "lts__t_bytes.sum": 4 * mb * 1e6,
+                                               "gpu__time_duration.sum": 0.1})
+    configs = {"fwd": [128, 128, 12, 2], "dkdv": [64, 128, 12, 2], "dq": [128, 64, 8, 5],
+               "fused": True}
+    groups = [[kernel(1, "attn_bwd_delta_kernel", 260),
+               kernel(2, "attn_bwd_sm90_kernel", 660),
+               kernel(3, "void at::native::vectorized_elementwise_kernel<4>(int)", 190)]]
+    (rec,) = bench_io.build_records([bench_io.Case("fig2", "flashtile")],
+                                    [dict(index=0, pass_="bwd", configs=configs)], groups,
+                                    {"device": "test"})
+    p = algorithms.figure2_problem()
+    delta, bwd, dq = algorithms.flashtile_backward_fused(p, 64, 128)
+    assert rec["model_dram_bytes"] == algorithms.dram_bytes(p, [delta, bwd, dq])
+    assert rec["model_l2_bytes"] == delta.tile + bwd.tile + dq.tile
+    assert rec["dram_read_bytes"] == pytest.approx((260 + 660 + 190) * 1e6)
+    by_name = {k["name"]: k for k in rec["kernels"]}
+    assert by_name["attn_bwd_delta_kernel"]["model_dram_bytes"] == delta.dram
+    assert by_name["attn_bwd_sm90_kernel"]["model_l2_bytes"] == bwd.tile
+    assert "model_dram_bytes" not in by_name["vectorized_elementwise_kernel"]
+
+
 def test_records_carry_the_measured_sums_the_model_and_the_compulsory_bytes():
     fwd, bwd, failed = _sample_records()
     p = algorithms.figure2_problem()
