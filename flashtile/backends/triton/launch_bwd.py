@@ -5,8 +5,8 @@ casts or copies.  On Hopper a call the Gluon kernel covers (``launch_sm90.bwd_el
 it instead: by default one kernel for all three gradients (``launch_sm90.fused_backward``, with
 a prologue for ``delta`` and a float32 dQ accumulator, and a copy into ``dq``); with
 ``spec.deterministic`` or ``torch.use_deterministic_algorithms(True)``, the Triton dQ kernel
-then the Gluon dK/dV kernel (no atomics).  The gradients are allocated in the layout of their inputs (``empty_like``),
-so a ``q`` that is a transposed view (the SDPA layout) gets a ``dq`` that autograd hands to
+then the Gluon dK/dV kernel (no atomics).  The gradients are allocated in the layout of their
+inputs (``empty_like``), so a ``q`` that is a transposed view (the SDPA layout) gets a ``dq`` that autograd hands to
 the caller's tensor without a copy.  The byte counts are in ``flashtile.reference.algorithms``.
 """
 from __future__ import annotations
@@ -224,6 +224,16 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
     if do.stride(-1) != 1:
         do = do.contiguous()
     delta = empty(lse.shape, torch.float32, lse.device)  # written by the dQ kernel
+    features = (varlen or alibi_slopes is not None or attn_bias is not None
+                or rng_seed is not None or block_mask is not None or dbias is not None)
+    chunk = 0 if features else batch_chunk(batch, sq, sk, nheads, nheads_k, head_dim,
+                                           q.element_size(), q.device)
+    if (not chunk and not features and not _deterministic(spec) and out.is_contiguous()
+            and launch_sm90.fused_pays(sq, sk, spec.causal)
+            and launch_sm90.bwd_eligible(q, k, v, do, dk, dv, spec)):
+        # Hopper: one Gluon kernel for dQ, dK and dV (none of the Triton kernels' arguments)
+        launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec)
+        return dq, dk, dv
     group = nheads // nheads_k
     bd = block_d(head_dim)
     prec = dot_precision(q.dtype)
@@ -257,10 +267,6 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
     kv_bs = sparse_args(block_mask, block_size, sq, sk, spec, transpose=True)
     dq_st, o_st = seq_strides(dq, varlen), seq_strides(out, varlen)
     dk_st, dv_st = seq_strides(dk, varlen), seq_strides(dv, varlen)
-    features = (varlen or alibi is not None or bias is not None or seed is not None
-                or dq_bs[0] is not None or db_full is not None)
-    chunk = 0 if features else batch_chunk(batch, sq, sk, nheads, nheads_k, head_dim,
-                                           q.element_size(), q.device)
     dq_blocks, kv_blocks = _blocks(dq_cfg, dq_bs), _blocks(kv_cfg, kv_bs)
     # Batch entries [b0, b1) at a time (all of them unless chunked): dQ first, its prologue
     # writes delta, which the dK/dV kernel reads.  Chunked, the dK/dV kernel re-reads the Q, dO,
@@ -301,13 +307,7 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
             bs_m=bs_m, bs_n=bs_n, HK=nheads_k, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=kv_cfg.num_warps, num_stages=kv_cfg.num_stages)
 
-    deterministic = _deterministic(spec)
-    if (not chunk and not features and not deterministic and out.is_contiguous()
-            and launch_sm90.fused_pays(sq, sk, spec.causal)
-            and launch_sm90.bwd_eligible(q, k, v, do, dk, dv, spec)):
-        # Hopper: one Gluon kernel for dQ, dK and dV
-        launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec)
-    elif not chunk:
+    if not chunk:
         launch_dq(0, batch)
         if not features and launch_sm90.bwd_eligible(q, k, v, do, dk, dv, spec, True):
             # Hopper: the warp-specialised dK/dV kernel (Gluon), reading the dQ kernel's delta

@@ -17,7 +17,8 @@ import torch
 from ..spec import AttnSpec
 from .. import env_reader, interpreting
 from .args import LOG2E
-from .fastlaunch import INTERNALS_OK, empty, launch_hooks_set, recorder, run_direct
+from .fastlaunch import INTERNALS_OK, empty, launch, launch_hooks_set, recorder, run_direct
+from .kernels.bwd import attn_bwd_delta_kernel
 
 BLOCK_M = 128
 BLOCK_N = 128  # keys per tile at d = 64 and 128
@@ -156,8 +157,9 @@ def _int_key(args: dict) -> tuple:
 
 def _launch(kernel_name: str, device: int, key: tuple, grid: tuple, args: dict,
             descs: dict) -> None:
-    """Launch ``kernel_name`` (``fwd`` or ``dkdv``) on GPU ``device`` with ``args`` and the
-    tensor descriptors ``descs`` (name -> ``(tensor, rows, cols, block_rows, layout)``)."""
+    """Launch ``kernel_name`` (``fwd`` or ``bwd``) on GPU ``device`` with ``args`` and the
+    tensor descriptors ``descs`` (name -> :func:`_descriptor`'s ``(tensor, shape, block,
+    layout)``)."""
     key = (kernel_name, device, *key, _int_key(args))
     rec = recorder()
     if rec is not None:
@@ -317,9 +319,6 @@ def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec) -> 
     buffer ``delta`` contiguous float32 ``(B, H, Sq)``): a prologue kernel computes ``delta``
     and zeroes a float32 dQ accumulator, the backward kernel adds every dQ tile into it, and
     one copy converts it into ``dq``."""
-    from .fastlaunch import launch
-    from .kernels.bwd import attn_bwd_delta_kernel
-
     batch, sq, nheads, head_dim = q.shape
     dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     rows = batch * sq * nheads
