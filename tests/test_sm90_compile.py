@@ -201,7 +201,8 @@ def test_sm90_launchers_pass_exactly_the_kernels_parameters(monkeypatch):
     """``forward``, ``dkdv`` and ``fused_backward`` hand each Gluon kernel every parameter it
     declares, by name, and nothing else (a renamed or dropped parameter would otherwise first
     fail on an H100); the fused backward's prologue (a Triton kernel, interpreted here) writes
-    ``delta = rowsum(dO * O)`` and zeroes the accumulator that the dQ copy then reads."""
+    ``delta = rowsum(dO * O)``, a strided dO included, and zeroes the accumulator that the dQ
+    copy then reads."""
     import torch
 
     from flashtile.backends.spec import AttnSpec
@@ -213,6 +214,10 @@ def test_sm90_launchers_pass_exactly_the_kernels_parameters(monkeypatch):
     monkeypatch.setattr(launch_sm90, "_sm_count", lambda index: 132)
     for head_dim in (64, 128, 256):
         q, k, v, do, out = (torch.randn(2, 128, 4, head_dim) for _ in range(5))
+        if head_dim == 128:
+            # slices of a fused QKV projection, dO in the SDPA layout: read with their strides
+            q, k, v = torch.randn(2, 128, 3 * 4 * head_dim).view(2, 128, 12, head_dim).split(4, 2)
+            do = torch.randn(2, 4, 128, head_dim).transpose(1, 2)
         lse = torch.randn(2, 4, 128)
         spec = AttnSpec(softmax_scale=head_dim ** -0.5, window_right=0)
         launch_sm90.forward(q, k, v, spec)
@@ -228,3 +233,43 @@ def test_sm90_launchers_pass_exactly_the_kernels_parameters(monkeypatch):
         ("fwd", True), ("bwd", False), ("bwd", True)] * 2 + [("fwd", True)]
     for name, _, args in calls:
         assert sorted(args) == sorted(launch_sm90._kernel(name).arg_names), name
+
+
+def _layouts_of(batch, seq, heads, head_dim):
+    """(name, tensor) pairs of the (B, S, H, D) layouts callers hand the kernels."""
+    import torch
+
+    qkv = torch.randn(batch, seq, 3 * heads * head_dim)
+    return [
+        ("contiguous", torch.randn(batch, seq, heads, head_dim)),
+        ("fused-qkv-slice", qkv.view(batch, seq, 3 * heads, head_dim)[:, :, heads:2 * heads]),
+        ("sdpa-transposed", torch.randn(batch, heads, seq, head_dim).transpose(1, 2)),
+        ("sdpa-padded-rows",
+         torch.randn(batch, heads, seq, head_dim + 8)[..., :head_dim].transpose(1, 2)),
+    ]
+
+
+@pytest.mark.parametrize("batch,heads", [(2, 3), (1, 1), (1, 4), (3, 1)],
+                         ids=["b2h3", "b1h1", "b1h4", "b3h1"])
+def test_sm90_plan_addresses_every_row_of_each_layout(batch, heads):
+    """The 2-D view and tile coordinates ``launch_sm90._plan`` gives the TMA address exactly
+    the tensor's rows: view[b * rb + h * rh + s, h * ch : h * ch + D] is x[b, s, h] for every
+    layout it accepts, and layouts whose heads or rows it cannot walk are refused."""
+    import torch
+
+    from flashtile.backends.triton import launch_sm90
+
+    seq, head_dim = 8, 16
+    for name, x in _layouts_of(batch, seq, heads, head_dim):
+        plan = launch_sm90._plan(x)
+        assert plan is not None, name
+        shape, row_stride, (rb, rh, ch) = plan
+        view = torch.as_strided(x, shape, (row_stride, 1))  # from x's own first element
+        for b in range(batch):
+            for h in range(heads):
+                rows = view[b * rb + h * rh:b * rb + h * rh + seq, h * ch:h * ch + head_dim]
+                assert torch.equal(rows, x[b, :, h]), (name, b, h)
+    y = torch.randn(batch, seq, 2 * heads, head_dim)
+    every_other_head = y[:, :, ::2]
+    assert heads == 1 or launch_sm90._plan(every_other_head) is None
+    assert launch_sm90._plan(torch.randn(batch, seq, heads, 2 * head_dim)[..., ::2]) is None

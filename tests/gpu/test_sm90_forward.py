@@ -213,6 +213,53 @@ def test_sm90_backward_matches_float64_reference(case, dtype, deterministic, mon
         (low[0].double() - ref[0]).abs().max().item()) + 1e-4
 
 
+def _in_layout(x, layout):
+    """``x`` (B, S, H, D) as the same values in another memory layout a caller may hand in."""
+    if layout == "sdpa":  # (B, H, S, D) contiguous, transposed back
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+    batch, seq, heads, head_dim = x.shape  # a slice of a fused projection of 3 * H heads
+    fused = torch.randn(batch, seq, 3 * heads, head_dim, device=x.device, dtype=x.dtype)
+    fused[:, :, heads:2 * heads] = x
+    return fused[:, :, heads:2 * heads]
+
+
+@pytest.mark.parametrize("layout", ["sdpa", "fused-qkv"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "deterministic"])
+def test_sm90_kernels_read_strided_layouts(layout, causal, deterministic, monkeypatch):
+    """q, k, v (and dO) in the SDPA layout or as slices of a fused QKV projection, as models
+    hand them in, take the Hopper kernels (no copy) with outputs and gradients equal, within
+    rounding of the float32 sums, to those of contiguous inputs, and within 3x PyTorch's
+    same-dtype error of float64."""
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    batch, seq, heads, heads_k, d = 2, 1280, 4, 2, 128
+    q = torch.randn(batch, seq, heads, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, seq, heads_k, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(batch, seq, heads_k, d, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn(batch, seq, heads, d, device="cuda", dtype=torch.bfloat16)
+    names = []
+    real = launch_sm90._launch
+    monkeypatch.setattr(launch_sm90, "_launch", lambda name, *a: names.append(name) or real(
+        name, *a))
+
+    def run(q, k, v, do):
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        with poison_outputs():
+            out = flashtile.flash_attn_func(*leaves, causal=causal, deterministic=deterministic)
+            out.backward(do)
+        return [out] + [x.grad for x in leaves]
+
+    got = run(*(_in_layout(x, layout) for x in (q, k, v, do)))
+    assert names == ["fwd", "bwd"], names
+    dense = run(q, k, v, do)
+    ref = _grads(q, k, v, do, causal, torch.float64)
+    low = _grads(q, k, v, do, causal, torch.bfloat16)
+    for name, g, c, r, lo in zip(("out", "dq", "dk", "dv"), got, dense, ref, low):
+        base = (lo.double() - r).abs().max().item()
+        assert (g.double() - r).abs().max().item() <= 3 * base + 1e-4, name
+        assert (g.double() - c.double()).abs().max().item() <= 3 * base + 1e-4, name
+
+
 def test_sm90_backward_follows_torch_deterministic_switch(monkeypatch):
     """``torch.use_deterministic_algorithms(True)`` selects the backward without atomics, as
     ``deterministic=True`` does."""

@@ -57,25 +57,47 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _plan(x):
+    """How the TMA reads a ``(B, S, H, D)`` tensor whose rows are contiguous: ``(shape,
+    row_stride, (rb, rh, ch))`` of the 2-D view and of tile coordinates (the rows of head
+    ``h``, batch entry ``b`` start at row ``b * rb + h * rh``, column ``h * ch``), or None.
+    Two layouts qualify: heads side by side in a row of ``(b, s)`` (contiguous tensors, and
+    slices of a fused QKV projection: ``rb = S, rh = 0, ch = D``), and each head's rows
+    together (the ``(B, H, S, D)`` SDPA layout transposed: ``rb = H * S, rh = S, ch = 0``)."""
+    batch, seq, heads, head_dim = x.shape
+    s_b, s_s, s_h, s_d = x.stride()
+    if s_d != 1 and head_dim > 1:
+        return None
+    if ((heads == 1 or s_h == head_dim) and (batch == 1 or s_b == seq * s_s)
+            and s_s >= heads * head_dim):
+        return [batch * seq, heads * head_dim], s_s, (seq, 0, head_dim)
+    if s_h == seq * s_s and (batch == 1 or s_b == heads * s_h) and s_s >= head_dim:
+        return [batch * heads * seq, head_dim], s_s, (heads * seq, seq, 0)
+    return None
+
+
 def _dense(q, *tensors) -> bool:
     """The switch is on, ``q`` is a 4-D fp16/bf16 tensor on an sm_90 GPU, and ``q`` and
-    ``tensors`` are contiguous at 16-byte aligned addresses (all TMA reads)."""
+    ``tensors`` are in a layout the TMA reads (:func:`_plan`) at 16-byte aligned addresses
+    and row strides."""
     if not (enabled() and q.is_cuda and not interpreting() and _hopper(q.device.index or 0)):
         return False
     if q.dim() != 4 or q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if not (q.is_contiguous() and all(x.is_contiguous() for x in tensors)):
-        return False
-    address = q.data_ptr()
-    for x in tensors:
-        address |= x.data_ptr()
+    address = 0
+    for x in (q, *tensors):
+        plan = _plan(x)
+        if plan is None:
+            return False
+        address |= x.data_ptr() | (plan[1] * x.element_size())
     return not address & 15
 
 
 def eligible(q, k, v, spec: AttnSpec) -> bool:
-    """Dense contiguous fp16/bf16 ``(B, S, H, D)``, ``D`` in {64, 128, 256}, sequence lengths that
-    are multiples of the tiles, no softcap / window / dropout, causal only with ``sk >= sq``.  The
-    caller has already ruled out every optional tensor (ALiBi, bias, varlen, paging, sparsity)."""
+    """Dense fp16/bf16 ``(B, S, H, D)`` in a layout the TMA reads (:func:`_plan`; K and V alike),
+    ``D`` in {64, 128, 256}, sequence lengths that are multiples of the tiles, no softcap /
+    window / dropout, causal only with ``sk >= sq``.  The caller has already ruled out every
+    optional tensor (ALiBi, bias, varlen, paging, sparsity)."""
     if not _dense(q, k, v):
         return False
     batch, sq, nheads, head_dim = q.shape
@@ -84,7 +106,8 @@ def eligible(q, k, v, spec: AttnSpec) -> bool:
         return False
     if sq == 0 or sk == 0 or batch == 0 or sq % BLOCK_M or sk % block_n(head_dim):
         return False
-    return _plain(spec, sq, sk)
+    # K and V are walked with the same coordinates
+    return _plan(k)[2] == _plan(v)[2] and _plain(spec, sq, sk)
 
 
 def _plain(spec: AttnSpec, sq: int, sk: int) -> bool:
@@ -100,11 +123,13 @@ def _plain(spec: AttnSpec, sq: int, sk: int) -> bool:
 
 def bwd_eligible(q, k, v, do, dk, dv, spec: AttnSpec, deterministic: bool = False) -> bool:
     """Whether the Hopper backward kernel serves this call: the forward's conditions with
-    ``D`` = 64 or 128, ``Sq`` a multiple of 64 and ``Sk`` of 128, and ``do``, ``dk``, ``dv``
-    dense like ``q`` / ``k``.  ``deterministic`` (the kernel computes dK and dV only, dQ comes
-    from the Triton kernel): ``D`` = 64 only with causal masking.  The caller has ruled out
-    every optional tensor."""
-    if not (_dense(q, k, v, do) and dk.is_contiguous() and dv.is_contiguous()):
+    ``D`` = 64 or 128, ``Sq`` a multiple of 64 and ``Sk`` of 128, ``do`` in a layout the TMA
+    reads, ``dk`` and ``dv`` of one layout with contiguous rows.  ``deterministic`` (the kernel
+    computes dK and dV only, dQ comes from the Triton kernel): ``D`` = 64 only with causal
+    masking.  The caller has ruled out every optional tensor."""
+    if not (_dense(q, k, v, do) and _plan(k)[2] == _plan(v)[2]):
+        return False
+    if dk.stride() != dv.stride() or dk.stride(-1) != 1:  # stored with dK's strides
         return False
     if do.dtype != q.dtype or dk.dtype != q.dtype or dv.dtype != q.dtype:
         return False
@@ -158,8 +183,8 @@ def _int_key(args: dict) -> tuple:
 def _launch(kernel_name: str, device: int, key: tuple, grid: tuple, args: dict,
             descs: dict) -> None:
     """Launch ``kernel_name`` (``fwd`` or ``bwd``) on GPU ``device`` with ``args`` and the
-    tensor descriptors ``descs`` (name -> :func:`_descriptor`'s ``(tensor, shape, block,
-    layout)``)."""
+    tensor descriptors ``descs`` (name -> :func:`_descriptor`'s ``(tensor, shape, row_stride,
+    block, layout)``)."""
     key = (kernel_name, device, *key, _int_key(args))
     rec = recorder()
     if rec is not None:
@@ -214,29 +239,32 @@ def causal_order(n_m: int, n_bh: int, sq: int, sk: int, n_ctas: int,
     return int(default > 1.08 and worst(True) < default)
 
 
-def _descriptor(x, shape: list, block: list, layout, direct: bool):
-    """A TMA descriptor of the contiguous ``x`` seen as a row-major tensor of ``shape`` (one or
-    two dimensions), read and written in tiles of ``block``.  For a direct launch of a compiled
-    variant (``direct``) the launcher reads only base, shape, strides and padding, and
-    ``eligible`` has already checked what the constructor asserts (alignment, strides): the
-    object is filled in directly (the constructor's checks cost ~10 us a call)."""
+def _descriptor(x, shape: list, row_stride: int, block: list, layout, direct: bool):
+    """A TMA descriptor of ``x`` seen as a row-major tensor of ``shape`` (one or two
+    dimensions; rows ``row_stride`` elements apart), read and written in tiles of ``block``.
+    For a direct launch of a compiled variant (``direct``) the launcher reads only base, shape,
+    strides and padding, and ``eligible`` has already checked what the constructor asserts
+    (alignment, strides): the object is filled in directly (the constructor's checks cost
+    ~10 us a call)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    strides = [shape[1], 1] if len(shape) == 2 else [1]
+    strides = [row_stride, 1] if len(shape) == 2 else [1]
     if not direct:
-        return TensorDescriptor(x.view(shape), shape, strides, block, layout)
+        return TensorDescriptor(x, shape, strides, block, layout)
     desc = object.__new__(TensorDescriptor)
     desc.base, desc.shape, desc.strides = x, shape, strides
     desc.block_shape, desc.layout, desc.padding = block, layout, "zero"
     return desc
 
 
-def _rows(x, block_rows: int, layout) -> tuple:
-    """``_descriptor`` arguments of a ``(B, S, H, D)`` tensor seen as ``(B * S, H * D)``, in
-    tiles of ``block_rows`` rows of one head: a tile never crosses a batch entry because ``S``
-    is a multiple of the tiles."""
-    batch, seq, heads, head_dim = x.shape
-    return x, [batch * seq, heads * head_dim], [block_rows, head_dim], layout
+def _rows(x, block_rows: int, layout, prefix: str, args: dict) -> tuple:
+    """``_descriptor`` arguments of a ``(B, S, H, D)`` tensor in :func:`_plan`'s 2-D view, in
+    tiles of ``block_rows`` rows of one head (a tile never crosses a batch entry or a head:
+    ``S`` is a multiple of the tiles); its tile coordinates go into ``args`` as
+    ``{prefix}_rb``, ``{prefix}_rh``, ``{prefix}_ch``."""
+    shape, row_stride, (rb, rh, ch) = _plan(x)
+    args.update({f"{prefix}_rb": rb, f"{prefix}_rh": rh, f"{prefix}_ch": ch})
+    return x, shape, row_stride, [block_rows, x.shape[-1]], layout
 
 
 def forward(q, k, v, spec: AttnSpec):
@@ -256,8 +284,11 @@ def forward(q, k, v, spec: AttnSpec):
                 lpt=causal_order(sq // BLOCK_M, batch * nheads, sq, sk, grid[0], tile_n)
                 if spec.causal else 0)
     q_layout, kv_layout = _layouts(head_dim, q.dtype)
-    descs = dict(desc_q=_rows(q, BLOCK_M // 2, q_layout), desc_k=_rows(k, tile_n, kv_layout),
-                 desc_v=_rows(v, tile_n, kv_layout), desc_o=_rows(out, BLOCK_M // 2, q_layout))
+    descs = dict(desc_q=_rows(q, BLOCK_M // 2, q_layout, "q", args),
+                 desc_k=_rows(k, tile_n, kv_layout, "kv", args),
+                 desc_v=_rows(v, tile_n, kv_layout, "kv", args),
+                 desc_o=(out, [batch * sq, nheads * head_dim], nheads * head_dim,
+                         [BLOCK_M // 2, head_dim], q_layout))
     _launch("fwd", device, (q.dtype, head_dim, spec.causal), grid, args, descs)
     return out, lse
 
@@ -287,10 +318,11 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec) -> None:
     fused = dq_acc is not None
     acc_tile = [BWD_BLOCK_M, head_dim // 2]
     if fused:  # (B * Sq, H * D): a tile is half a head's columns of BWD_BLOCK_M rows
-        desc_dq = (dq_acc, [batch * sq, nheads * head_dim], acc_tile, _acc_layout(head_dim))
+        desc_dq = (dq_acc, [batch * sq, nheads * head_dim], nheads * head_dim, acc_tile,
+                   _acc_layout(head_dim))
     else:  # never read: a descriptor of one tile
         desc_dq = (torch.empty(acc_tile, dtype=torch.float32, device=q.device), acc_tile,
-                   acc_tile, _acc_layout(head_dim))
+                   acc_tile[1], acc_tile, _acc_layout(head_dim))
     grid = (sk // BWD_BLOCK_N, batch * nheads_k)
     args = dict(DK=dk, DV=dv, stride_kb=dk.stride(0), stride_kn=dk.stride(1),
                 stride_kh=dk.stride(2), sq=sq, sk=sk, nheads_k=nheads_k,
@@ -300,11 +332,12 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec) -> None:
     q_layout = _layout(BWD_BLOCK_M, head_dim, q.dtype)
     kv_layout = _layout(BWD_BLOCK_N // 2, head_dim, q.dtype)
     flat = _flat_layout()
-    descs = dict(desc_q=_rows(q, BWD_BLOCK_M, q_layout), desc_do=_rows(do, BWD_BLOCK_M, q_layout),
-                 desc_k=_rows(k, BWD_BLOCK_N // 2, kv_layout),
-                 desc_v=_rows(v, BWD_BLOCK_N // 2, kv_layout),
-                 desc_lse=(lse, [lse.numel()], [BWD_BLOCK_M], flat),
-                 desc_delta=(delta, [delta.numel()], [BWD_BLOCK_M], flat), desc_dq=desc_dq)
+    descs = dict(desc_q=_rows(q, BWD_BLOCK_M, q_layout, "q", args),
+                 desc_do=_rows(do, BWD_BLOCK_M, q_layout, "do", args),
+                 desc_k=_rows(k, BWD_BLOCK_N // 2, kv_layout, "kv", args),
+                 desc_v=_rows(v, BWD_BLOCK_N // 2, kv_layout, "kv", args),
+                 desc_lse=(lse, [lse.numel()], 1, [BWD_BLOCK_M], flat),
+                 desc_delta=(delta, [delta.numel()], 1, [BWD_BLOCK_M], flat), desc_dq=desc_dq)
     _launch("bwd", device, (q.dtype, head_dim, spec.causal, fused), grid, args, descs)
 
 
@@ -323,7 +356,8 @@ def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec) -> 
     dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     rows = batch * sq * nheads
     launch(attn_bwd_delta_kernel, (-(-rows // DELTA_ROWS),), O=out, DO=do, DELTA=delta,
-           DQ_ACC=dq_acc, n_rows=rows, seqlen_q=sq, nheads=nheads, HEAD_DIM=head_dim,
-           ROWS=DELTA_ROWS, num_warps=4)
+           DQ_ACC=dq_acc, stride_db=do.stride(0), stride_ds=do.stride(1), stride_dh=do.stride(2),
+           n_rows=rows, seqlen_q=sq, nheads=nheads, HEAD_DIM=head_dim, ROWS=DELTA_ROWS,
+           num_warps=4)
     _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec)
     dq.copy_(dq_acc)

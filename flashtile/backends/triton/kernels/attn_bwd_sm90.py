@@ -34,7 +34,8 @@ written (before its previous turn), so no consumer waits for the other's softmax
 query heads (GQA: every head of its key/value head's group) and tiles are walked in one loop,
 dK and dV summed in registers.
 
-Scope (``launch_sm90.bwd_eligible`` checks it): dense contiguous ``(B, S, H, D)`` inputs,
+Scope (``launch_sm90.bwd_eligible`` checks it): dense ``(B, S, H, D)`` inputs in a layout the
+TMA reads (the forward's, each with its own tile coordinates ``*_rb``, ``*_rh``, ``*_ch``),
 ``D`` = 64 or 128, fp16/bf16, ``Sq`` a multiple of ``BLOCK_M``, ``Sk`` of 128, no optional
 feature but causal masking with ``sk >= sq``.
 """
@@ -80,7 +81,8 @@ def _dq_add(b_dq, desc_dq, dq_tile, row, col, scale):
 @gluon.jit
 def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
                   k_smem, v_smem, lse_smem, delta_smem, bar_kv, bar_qd, bar_free, sq, sk,
-                  nheads_k, group, causal):
+                  nheads_k, group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch,
+                  causal):
     STAGES: gl.constexpr = q_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
@@ -92,11 +94,13 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
     n0 = i_n * 2 * BLOCK_NW
     # the CTA's K and V: rows [0, 64) are consumer 0's keys, [64, 128) consumer 1's
     mbarrier.expect(bar_kv, 2 * desc_k.block_type.nbytes + 2 * desc_v.block_type.nbytes)
+    # tile coordinates in the 2-D views of the descriptors (launch_sm90._plan)
+    row_k = i_b * kv_rb + i_hk * kv_rh + n0
     for i in gl.static_range(2):
-        tma.async_copy_global_to_shared(desc_k, [i_b * sk + n0 + i * BLOCK_NW, i_hk * HEAD_DIM],
-                                        bar_kv, k_smem.slice(i * BLOCK_NW, BLOCK_NW))
-        tma.async_copy_global_to_shared(desc_v, [i_b * sk + n0 + i * BLOCK_NW, i_hk * HEAD_DIM],
-                                        bar_kv, v_smem.slice(i * BLOCK_NW, BLOCK_NW))
+        tma.async_copy_global_to_shared(desc_k, [row_k + i * BLOCK_NW, i_hk * kv_ch], bar_kv,
+                                        k_smem.slice(i * BLOCK_NW, BLOCK_NW))
+        tma.async_copy_global_to_shared(desc_v, [row_k + i * BLOCK_NW, i_hk * kv_ch], bar_kv,
+                                        v_smem.slice(i * BLOCK_NW, BLOCK_NW))
     lo, n_m = _query_tiles(n0, sq, sk - sq, causal, BLOCK_M)
     nbytes: gl.constexpr = (desc_q.block_type.nbytes + desc_do.block_type.nbytes
                             + desc_lse.block_type.nbytes + desc_delta.block_type.nbytes)
@@ -108,10 +112,10 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
         mbarrier.wait(bar_free.index(i_s), ((t // STAGES) & 1) ^ 1, pred=t >= STAGES)
         bar = bar_qd.index(i_s)
         mbarrier.expect(bar, nbytes)
-        tma.async_copy_global_to_shared(desc_q, [i_b * sq + m0, i_h * HEAD_DIM], bar,
-                                        q_smem.index(i_s))
-        tma.async_copy_global_to_shared(desc_do, [i_b * sq + m0, i_h * HEAD_DIM], bar,
-                                        do_smem.index(i_s))
+        tma.async_copy_global_to_shared(desc_q, [i_b * q_rb + i_h * q_rh + m0, i_h * q_ch],
+                                        bar, q_smem.index(i_s))
+        tma.async_copy_global_to_shared(desc_do, [i_b * do_rb + i_h * do_rh + m0, i_h * do_ch],
+                                        bar, do_smem.index(i_s))
         # lse and delta are (B, H, Sq) float32, seen flat
         p_l = (i_b * nheads_k * group + i_h) * sq + m0
         tma.async_copy_global_to_shared(desc_lse, [p_l], bar, lse_smem.index(i_s))
@@ -271,8 +275,9 @@ def _bwd_consumer1(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sme
 
 @gluon.jit
 def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, DK, DV,
-                         stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, group, scale,
-                         qk_scale, CAUSAL: gl.constexpr, DQ: gl.constexpr,
+                         stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, group, q_rb, q_rh,
+                         q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, scale, qk_scale,
+                         CAUSAL: gl.constexpr, DQ: gl.constexpr,
                          STAGES: gl.constexpr, num_warps: gl.constexpr):
     """Grid ``(Sk / 128, B * Hk)``: 128 keys of one key/value head per CTA.  ``desc_dq`` is
     the float32 dQ accumulator ``(B * Sq, H * D)`` in tiles of ``[BLOCK_M, D / 2]`` (read only
@@ -325,5 +330,6 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
                           group, scale, qk_scale, CAUSAL, DQ)),
         (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
                          k_smem, v_smem, lse_smem, delta_smem, bar_kv, bar_qd, bar_free, sq, sk,
-                         nheads_k, group, CAUSAL)),
+                         nheads_k, group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh,
+                         kv_ch, CAUSAL)),
     ], [4, 1], [232, 24])

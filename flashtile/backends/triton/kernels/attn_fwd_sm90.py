@@ -44,9 +44,12 @@ producer fetches the next item's Q and first K while the consumers finish the cu
 ``ts`` tensor-core turns, ``c`` items).
 
 Scope (``launch_sm90.eligible`` checks it; every other call takes the portable Triton kernel):
-dense ``(B, S, H, D)`` contiguous inputs, ``D`` in {64, 128, 256} (``BLOCK_N`` = 64 keys at 256),
-fp16/bf16, ``S`` multiples of the tiles, no optional feature but causal masking with ``sk >= sq`` (bottom-right), where only the
-tiles that cross a warpgroup's diagonal apply the mask.
+dense ``(B, S, H, D)`` inputs in a layout the TMA reads (contiguous, slices of a fused QKV
+projection, or the ``(B, H, S, D)`` SDPA layout transposed: ``launch_sm90._plan``; the producer
+takes each tensor's tile coordinates from its ``*_rb``, ``*_rh``, ``*_ch``), ``D`` in
+{64, 128, 256} (``BLOCK_N`` = 64 keys at 256), fp16/bf16, ``S`` multiples of the tiles, no
+optional feature but causal masking with ``sk >= sq`` (bottom-right), where only the tiles that
+cross a warpgroup's diagonal apply the mask.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -103,7 +106,8 @@ def _n_tiles(i_m, sk, shift, causal, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexp
 
 @gluon.jit
 def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k, bar_v,
-                 bar_kfree, bar_vfree, sq, sk, nheads, group, n_m, n_work, lpt, causal):
+                 bar_kfree, bar_vfree, sq, sk, nheads, group, q_rb, q_rh, q_ch, kv_rb, kv_rh,
+                 kv_ch, n_m, n_work, lpt, causal):
     BLOCK_MQ: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     STAGES: gl.constexpr = k_smem.shape[0]
@@ -117,8 +121,9 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
                                       causal)
         if w < n_work:
             n_tiles = _n_tiles(i_m, sk, sk - sq, causal, 2 * BLOCK_MQ, BLOCK_N)
-            row_k = i_b * sk
-            col_k = (i_h // group) * HEAD_DIM
+            # tile coordinates in the 2-D views of the descriptors (launch_sm90._plan)
+            row_k = i_b * kv_rb + (i_h // group) * kv_rh
+            col_k = (i_h // group) * kv_ch
             # K_0 first, then Q: both are needed by the item's first Q·Kᵀ
             i_k = it % STAGES
             mbarrier.wait(bar_kfree.index(i_k), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
@@ -130,7 +135,8 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
                 mbarrier.wait(bar_qfree.index(i), (c & 1) ^ 1, pred=c > 0)
                 mbarrier.expect(bar_q.index(i), desc_q.block_type.nbytes)
                 tma.async_copy_global_to_shared(
-                    desc_q, [i_b * sq + i_m * 2 * BLOCK_MQ + i * BLOCK_MQ, i_h * HEAD_DIM],
+                    desc_q, [i_b * q_rb + i_h * q_rh + i_m * 2 * BLOCK_MQ + i * BLOCK_MQ,
+                             i_h * q_ch],
                     bar_q.index(i), q_smem.index(i))
             # K runs one tile ahead of V: a consumer's step issues Q·K_{t+1}ᵀ with P_t·V_t
             for t in range(n_tiles):
@@ -294,8 +300,9 @@ def _ws_consumer1(q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v
 
 @gluon.jit
 def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, desc_o, Lse, stride_lb, stride_lh,
-                         batch, sq, sk, nheads, group, qk_scale, lpt,
-                         CAUSAL: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                         batch, sq, sk, nheads, group, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch,
+                         qk_scale, lpt, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                         num_warps: gl.constexpr):
     BLOCK_MQ: gl.constexpr = desc_q.block_type.shape[0]   # rows of one consumer (64)
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[1]
     BLOCK_N: gl.constexpr = desc_k.block_type.shape[0]
@@ -338,6 +345,6 @@ def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, desc_o, Lse, stride_lb, stride_
         (_ws_consumer0, consumer_args),
         (_ws_consumer1, consumer_args),
         (_ws_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k,
-                        bar_v, bar_kfree, bar_vfree, sq, sk, nheads, group, n_m, n_work,
-                        lpt, CAUSAL)),
+                        bar_v, bar_kfree, bar_vfree, sq, sk, nheads, group, q_rb, q_rh, q_ch,
+                        kv_rb, kv_rh, kv_ch, n_m, n_work, lpt, CAUSAL)),
     ], [4, 1], [232, 24])
