@@ -1815,3 +1815,21 @@ def test_ncu_run_end_to_end_with_a_stand_in_profiler(tmp_path):
     assert [(r["impl"], r["pass"]) for r in records] == [("flashtile", "fwd"), ("flashtile", "bwd")]
     assert records[1]["dram_write_bytes"] == pytest.approx(138.52e6 + 268_500_992)
     assert records[0]["block_m"] == 16  # the interpreter's tiles, logged by the worker
+
+
+def test_train_run_times_each_step_and_reports_the_median(monkeypatch):
+    """bench train: every timed step gets its own wall time (the loss read waits for its
+    kernels); ``step_s`` is their median and ``tokens_per_s`` a step's tokens over it, so one
+    slow step does not move the result."""
+    pytest.importorskip("transformers")
+    from flashtile.bench import train
+    clock = iter([0.0, 1.0, 1.5, 2.0, 10.0, 10.5] + [11.0] * 50)  # step times 0.5, 0.5, 8, 0.5
+    monkeypatch.setattr(train.time, "perf_counter", lambda: next(clock))
+    rec = train.run_one("tiny", "sdpa", 64, steps=6, warmup=1, tokens_per_step=128,
+                        device=torch.device("cpu"))
+    monkeypatch.undo()
+    assert rec["status"] == "ok" and rec["steps"] == 6 and rec["batch"] == 2
+    assert rec["step_times_s"] == [1.0, 0.5, 0.5, 8.0, 0.5]
+    assert rec["step_s"] == 0.5
+    assert rec["tokens_per_s"] == 2 * 64 / 0.5
+    assert len(rec["losses"]) == 6 and all(x == x for x in rec["losses"])

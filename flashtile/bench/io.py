@@ -427,7 +427,8 @@ def used_configs(case: Case, device: str = "cuda", run: "Runner | None" = None) 
         warps = 3 * sm90.NUM_WARPS  # two consumer warpgroups and the producer's
         if sm90.eligible(run.q, run.k, run.v, spec):
             out["fwd"] = [sm90.BLOCK_M, sm90.block_n(case.d), warps, sm90.STAGES]
-        deterministic = case.impl != "flashtile" or not sm90.fused_pays(case.n, case.n, False)
+        deterministic = case.impl != "flashtile" or not sm90.fused_pays(case.n, case.n, False,
+                                                                          case.d)
         if sm90.bwd_eligible(run.q, run.k, run.v, run.do, run.k, run.v, spec, deterministic):
             out["dkdv"] = [sm90.BWD_BLOCK_M, sm90.BWD_BLOCK_N, warps, sm90.STAGES]
             out["fused"] = not deterministic

@@ -7,8 +7,8 @@ stream generated on the device from a fixed seed (no dataset download), AdamW, b
 one GPU.  Every implementation trains the same model from the same initial weights on the same
 batches, so loss curves must agree within bf16 noise (the model definition is unchanged).
 
-Measured per (model, implementation, context): tokens/s over timed steps after warm-up, peak
-memory, and the per-step loss; contexts an implementation cannot fit are recorded as
+Measured per (model, implementation, context): tokens/s over the median timed step after
+warm-up (``--timed-steps``, for the long contexts too), peak memory, and the per-step loss; contexts an implementation cannot fit are recorded as
 ``oom``.  Also: the longest GPT-2 small context each implementation trains (doubling until
 out of memory), with block-sparse flashtile (local + global blocks,
 ``flashtile.integrations.transformers.register_block_sparse``) at the longest one, and the
@@ -38,6 +38,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import time
 
 import torch
@@ -128,11 +129,14 @@ def _oom(e: BaseException) -> bool:
 def run_one(model: str, impl: str, context: int, steps: int, warmup: int, tokens_per_step: int,
             device, seed: int = 0, block_size: int = 128, lr: float = 6e-4,
             deadline: float | None = None, compile_model: bool = False) -> dict:
-    """Train ``steps`` steps (the first ``warmup`` untimed); returns the measurements."""
+    """Train ``steps`` steps (the first ``warmup`` untimed); returns the measurements.
+    Every step ends in a host read of its loss (which waits for the step's kernels), so each
+    timed step has a wall time of its own: ``step_s`` is their median (one step slowed by the
+    allocator or the host does not move it), ``tokens_per_s`` the tokens of a step over it."""
     batch = max(1, tokens_per_step // context)
     rec = dict(model=model, impl=impl, context=context, batch=batch, steps=0, status="ok",
                params_m=None,
-               losses=[], tokens_per_s=None, peak_mem_gib=None, step_s=None)
+               losses=[], tokens_per_s=None, peak_mem_gib=None, step_s=None, step_times_s=[])
     if impl == "sdpa_fa2" and device.type != "cuda":
         rec["status"] = "unavailable: SDPA's flash kernel needs a CUDA device"
         return rec
@@ -149,11 +153,11 @@ def run_one(model: str, impl: str, context: int, steps: int, warmup: int, tokens
         warm_lr = max(1, min(20, steps // 10))
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        timed_tokens, t0 = 0, None
+        t_last = None
         for step in range(steps):
             if step == warmup:
                 _sync(device)
-                t0 = time.perf_counter()
+                t_last = time.perf_counter()
             for group in opt.param_groups:
                 group["lr"] = lr * min(1.0, (step + 1) / warm_lr)
             ids = _batch(step, batch, context, vocab, device, seed)
@@ -167,15 +171,16 @@ def run_one(model: str, impl: str, context: int, steps: int, warmup: int, tokens
             rec["losses"].append(float(loss.detach()))  # one host read per step, all impls
             rec["steps"] = step + 1
             if step >= warmup:
-                timed_tokens += batch * context
+                now = time.perf_counter()
+                rec["step_times_s"].append(now - t_last)
+                t_last = now
             if deadline is not None and time.perf_counter() > deadline and step >= warmup:
                 rec["status"] = "ok (stopped early: budget)"
                 break
         _sync(device)
-        if t0 is not None and timed_tokens:
-            dt = time.perf_counter() - t0
-            rec["tokens_per_s"] = timed_tokens / dt
-            rec["step_s"] = dt / (rec["steps"] - warmup)
+        if rec["step_times_s"]:
+            rec["step_s"] = statistics.median(rec["step_times_s"])
+            rec["tokens_per_s"] = batch * context / rec["step_s"]
         if device.type == "cuda":
             rec["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     except Exception as e:  # noqa: BLE001 - out of memory is a result here
@@ -321,14 +326,15 @@ def run(args) -> dict:
         p["tokens_per_step"] = tps
         for impl in p["impls"]:
             for ctx in p["long_contexts"]:
-                r = go(lm, impl, ctx, p["warmup"] + 2, p["warmup"], "long")
+                r = go(lm, impl, ctx, p["warmup"] + p["timed_steps"], p["warmup"], "long")
                 if r is None or not r["status"].startswith("ok"):
                     break
         runs_long = [r for r in res["runs"] if r["kind"] == "long"]
         best = _longest(runs_long, "flashtile")
         if best is not None:
             for ctx in (best, 2 * best):
-                r = go(lm, "flashtile_bs", ctx, p["warmup"] + 2, p["warmup"], "long")
+                r = go(lm, "flashtile_bs", ctx, p["warmup"] + p["timed_steps"], p["warmup"],
+                       "long")
                 if r is None or not r["status"].startswith("ok"):
                     break
         p["tokens_per_step"] = saved

@@ -152,13 +152,15 @@ def _grads(q, k, v, do, causal, dtype):
 BWD_CASES = [  # (batch, sq, sk, heads, heads_k, d, causal)
     ("d128", 2, 192, 256, 4, 4, 128, False),
     ("d128-causal-gqa", 1, 1152, 1152, 4, 2, 128, True),
-    ("d64", 2, 320, 256, 3, 3, 64, False),
+    ("d64", 2, 320, 640, 3, 3, 64, False),
     ("d64-causal-sk>sq", 2, 128, 1280, 3, 3, 64, True),
     ("d64-long-causal-gqa", 1, 2048, 2048, 2, 1, 64, True),
     # more CTAs than SMs, several heads a CTA (GQA) and one query tile per CTA (sq = 64)
     ("d128-many-ctas-gqa", 3, 64, 2048, 12, 3, 128, False),
     # causal up to 1K keys: the two kernels even without deterministic=True (fused_pays)
     ("d128-short-causal", 1, 384, 384, 4, 2, 128, True),
+    # d = 64 up to 512 keys: the two kernels as well
+    ("d64-short", 2, 256, 512, 2, 2, 64, False),
 ]
 
 
@@ -195,7 +197,7 @@ def test_sm90_backward_matches_float64_reference(case, dtype, deterministic, mon
         return [x.grad for x in leaves]
 
     got = grads()
-    assert len(fused_calls) == int(not deterministic and launch_sm90.fused_pays(sq, sk, causal))
+    assert len(fused_calls) == int(not deterministic and launch_sm90.fused_pays(sq, sk, causal, d))
     ref = _grads(q, k, v, do, causal, torch.float64)[1:]
     low = _grads(q, k, v, do, causal, dtype)[1:]
     for name, g, r, lo in zip(("dq", "dk", "dv"), got, ref, low):

@@ -182,7 +182,7 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
     if not plain or launch_sm90.bwd_eligible(
             q, k, v, do, k, v, spec,
             _deterministic(spec) or not launch_sm90.fused_pays(q.shape[1], k.shape[1],
-                                                               spec.causal)):
+                                                               spec.causal, q.shape[-1])):
         return _backward(do, q, k, v, out, lse, spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                          max_seqlen_q, max_seqlen_k, attn_bias, rng_seed, block_mask, block_size,
                          dbias, grad_dtype)
@@ -229,7 +229,7 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
     chunk = 0 if features else batch_chunk(batch, sq, sk, nheads, nheads_k, head_dim,
                                            q.element_size(), q.device)
     if (not chunk and not features and not _deterministic(spec) and out.is_contiguous()
-            and launch_sm90.fused_pays(sq, sk, spec.causal)
+            and launch_sm90.fused_pays(sq, sk, spec.causal, head_dim)
             and launch_sm90.bwd_eligible(q, k, v, do, dk, dv, spec)):
         # Hopper: one Gluon kernel for dQ, dK and dV (none of the Triton kernels' arguments)
         launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec)

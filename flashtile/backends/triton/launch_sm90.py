@@ -145,12 +145,13 @@ def bwd_eligible(q, k, v, do, dk, dv, spec: AttnSpec, deterministic: bool = Fals
     return _plain(spec, sq, sk)
 
 
-def fused_pays(sq: int, sk: int, causal: bool) -> bool:
+def fused_pays(sq: int, sk: int, causal: bool, head_dim: int) -> bool:
     """Whether the fused backward is the faster Hopper backward for these lengths: not with
     causal masking up to 1K keys, where a CTA's 128 keys see few query tiles and the fused
     kernel's prologue, copy and per-CTA tail weigh most (0.93-0.95x the two kernels on the
-    H100 at 1K, 1.02-1.05x at 2K: docs/dev/tuning-log.md, step 41)."""
-    return not (causal and sk <= 1024)
+    H100 at 1K, 1.02-1.05x at 2K: docs/dev/tuning-log.md, step 41), nor at d = 64 up to 512
+    keys without it (0.96x there, 1.01-1.02x at d = 128: step 44)."""
+    return not (causal and sk <= 1024) and not (head_dim == 64 and sk <= 512)
 
 
 @functools.lru_cache(maxsize=None)
