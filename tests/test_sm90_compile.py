@@ -41,10 +41,11 @@ def desc(ty, rows, head_dim, layout):
 def emit(name, kernel, types, head_dim, causal, **flags):
     # every other argument an integer, none equal to 1 (as the launcher specialises a call)
     names = kernel.arg_names
-    types = dict(types, CAUSAL="constexpr", STAGES="constexpr", num_warps="constexpr",
-                 **{flag: "constexpr" for flag in flags})
+    mask = "MASKED" if "MASKED" in names else "CAUSAL"  # the forward masks any window
+    types = dict(types, STAGES="constexpr", num_warps="constexpr",
+                 **{flag: "constexpr" for flag in (mask, *flags)})
     types.update({n: "i32" for n in names if n not in types})
-    constexprs = {(names.index("CAUSAL"),): causal, (names.index("STAGES"),): launch_sm90.STAGES,
+    constexprs = {(names.index(mask),): causal, (names.index("STAGES"),): launch_sm90.STAGES,
                   (names.index("num_warps"),): launch_sm90.NUM_WARPS}
     constexprs.update({(names.index(flag),): value for flag, value in flags.items()})
     src = GluonASTSource(kernel, {n: types[n] for n in names}, constexprs)
@@ -273,3 +274,39 @@ def test_sm90_plan_addresses_every_row_of_each_layout(batch, heads):
     every_other_head = y[:, :, ::2]
     assert heads == 1 or launch_sm90._plan(every_other_head) is None
     assert launch_sm90._plan(torch.randn(batch, seq, heads, 2 * head_dim)[..., ::2]) is None
+
+
+@pytest.mark.parametrize("left,right,masked,wl,wr", [
+    (-1, -1, False, None, None), (-1, 0, True, None, 0), (100, 0, True, 100, 0),
+    (150, 37, True, 150, 37), (-1, 64, True, None, 64), (200, -1, True, 200, None)],
+    ids=["full", "causal", "local", "band", "right-only", "left-only"])
+def test_sm90_forward_takes_windows_and_passes_their_edges(monkeypatch, left, right, masked,
+                                                           wl, wr):
+    """Windows (bottom-right, ``sk >= sq``) are in the Hopper forward's scope, not in the
+    backward's; the launcher passes each edge, an edge no key reaches for a side without one
+    (``wl = sq + sk``, ``wr = sk``), and ``MASKED`` for any window (causal included)."""
+    import torch
+
+    from flashtile.backends.spec import AttnSpec
+    from flashtile.backends.triton import launch_sm90
+
+    calls = []
+    monkeypatch.setattr(launch_sm90, "_dense", lambda *tensors: True)
+    monkeypatch.setattr(launch_sm90, "_launch", lambda name, device, key, grid, args, descs:
+                        calls.append((key, args)))
+    monkeypatch.setattr(launch_sm90, "_sm_count", lambda index: 132)
+    sq, sk = 256, 384
+    q = torch.randn(1, sq, 2, 64)
+    k = v = torch.randn(1, sk, 2, 64)
+    spec = AttnSpec(softmax_scale=0.125, window_left=left, window_right=right)
+    assert launch_sm90.eligible(q, k, v, spec)
+    launch_sm90.forward(q, k, v, spec)
+    (key, args), = calls
+    assert key[-1] == masked and args["MASKED"] == masked
+    assert args["wl"] == (sq + sk if wl is None else wl)
+    assert args["wr"] == (sk if wr is None else wr)
+    # the backward kernel has no window; sk < sq is outside the forward's scope with one
+    assert launch_sm90.bwd_eligible(q, k, v, q, k, v, spec) == (left < 0 and right in (-1, 0))
+    assert launch_sm90.eligible(k, q[:, :128], q[:, :128], spec) == (not masked)
+    assert not launch_sm90.eligible(q, k, v, AttnSpec(softmax_scale=0.125, window_left=left,
+                                                      window_right=right, softcap=5.0))

@@ -96,8 +96,8 @@ def _dense(q, *tensors) -> bool:
 def eligible(q, k, v, spec: AttnSpec) -> bool:
     """Dense fp16/bf16 ``(B, S, H, D)`` in a layout the TMA reads (:func:`_plan`; K and V alike),
     ``D`` in {64, 128, 256}, sequence lengths that are multiples of the tiles, no softcap /
-    window / dropout, causal only with ``sk >= sq``.  The caller has already ruled out every
-    optional tensor (ALiBi, bias, varlen, paging, sparsity)."""
+    dropout, causal masking or a window only with ``sk >= sq`` (bottom-right).  The caller has
+    already ruled out every optional tensor (ALiBi, bias, varlen, paging, sparsity)."""
     if not _dense(q, k, v):
         return False
     batch, sq, nheads, head_dim = q.shape
@@ -107,18 +107,19 @@ def eligible(q, k, v, spec: AttnSpec) -> bool:
     if sq == 0 or sk == 0 or batch == 0 or sq % BLOCK_M or sk % block_n(head_dim):
         return False
     # K and V are walked with the same coordinates
-    return _plan(k)[2] == _plan(v)[2] and _plain(spec, sq, sk)
+    return _plan(k)[2] == _plan(v)[2] and _plain(spec, sq, sk, window=True)
 
 
-def _plain(spec: AttnSpec, sq: int, sk: int) -> bool:
-    """No optional feature in ``spec`` but causal masking with ``sk >= sq`` (bottom-right)."""
+def _plain(spec: AttnSpec, sq: int, sk: int, window: bool = False) -> bool:
+    """No optional feature in ``spec`` but causal masking (and with ``window``, any window)
+    with ``sk >= sq`` (bottom-right: every row then sees at least its diagonal key)."""
     if spec.softcap or spec.dropout_p or not spec.bottom_right:
         return False
     if spec.is_partial or spec.head_offset or spec.nheads_total:
         return False
-    if spec.window_left >= 0 or spec.window_right > 0:
+    if not window and (spec.window_left >= 0 or spec.window_right > 0):
         return False
-    return not spec.causal or sk >= sq
+    return not spec.has_window or sk >= sq
 
 
 def bwd_eligible(q, k, v, do, dk, dv, spec: AttnSpec, deterministic: bool = False) -> bool:
@@ -278,10 +279,14 @@ def forward(q, k, v, spec: AttnSpec):
     device = q.device.index or 0
     # persistent: one CTA per SM, at most one per work item (row block, batch entry, head)
     grid = (min(sq // BLOCK_M * batch * nheads, _sm_count(device)),)
+    masked = spec.has_window  # causal masking is the window (-1, 0)
+    # the window's edges, where -1 (no edge) becomes one no key reaches
+    wl = spec.window_left if spec.window_left >= 0 else sq + sk
+    wr = spec.window_right if spec.window_right >= 0 else sk
     args = dict(Lse=lse, stride_lb=lse.stride(0), stride_lh=lse.stride(1),
                 batch=batch, sq=sq, sk=sk, nheads=nheads, group=nheads // nheads_k,
-                qk_scale=spec.softmax_scale * LOG2E, CAUSAL=spec.causal, STAGES=STAGES,
-                num_warps=NUM_WARPS,
+                qk_scale=spec.softmax_scale * LOG2E, wl=wl, wr=wr, MASKED=masked,
+                STAGES=STAGES, num_warps=NUM_WARPS,
                 lpt=causal_order(sq // BLOCK_M, batch * nheads, sq, sk, grid[0], tile_n)
                 if spec.causal else 0)
     q_layout, kv_layout = _layouts(head_dim, q.dtype)
@@ -290,7 +295,7 @@ def forward(q, k, v, spec: AttnSpec):
                  desc_v=_rows(v, tile_n, kv_layout, "kv", args),
                  desc_o=(out, [batch * sq, nheads * head_dim], nheads * head_dim,
                          [BLOCK_M // 2, head_dim], q_layout))
-    _launch("fwd", device, (q.dtype, head_dim, spec.causal), grid, args, descs)
+    _launch("fwd", device, (q.dtype, head_dim, masked), grid, args, descs)
     return out, lse
 
 

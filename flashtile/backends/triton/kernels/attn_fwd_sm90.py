@@ -35,8 +35,9 @@ completed (group 1), V_j's after P_j·V_j (group 2), and the producer loads K on
 With one ring for both, the stage of tile j came back only after both consumers' P_j·V_j, which
 left the producer no time to fetch K_{j+2} before it was needed (docs/dev/tuning-log.md, step 36).
 
-Both consumers walk the same key tiles (for causal, those of the 128-row block's last row; the
-extra tile of the first consumer is masked), so their turns pair up one for one.
+Both consumers walk the same key tiles (those some row of the 128-row block sees: for causal
+masking up to the block's last row, so the extra tile of the first consumer is masked), so their
+turns pair up one for one.
 
 The grid is persistent: one CTA per SM walks the (row block, batch, head) work items
 ``w = k * G + (pid or G - 1 - pid)`` for rounds ``k`` (``_work_item`` gives their order).  The
@@ -48,8 +49,10 @@ dense ``(B, S, H, D)`` inputs in a layout the TMA reads (contiguous, slices of a
 projection, or the ``(B, H, S, D)`` SDPA layout transposed: ``launch_sm90._plan``; the producer
 takes each tensor's tile coordinates from its ``*_rb``, ``*_rh``, ``*_ch``), ``D`` in
 {64, 128, 256} (``BLOCK_N`` = 64 keys at 256), fp16/bf16, ``S`` multiples of the tiles, no
-optional feature but causal masking with ``sk >= sq`` (bottom-right), where only the tiles that
-cross a warpgroup's diagonal apply the mask.
+optional feature but a window with ``sk >= sq`` (``MASKED``): query ``i`` sees key ``j`` iff
+``-wl <= j - (i + sk - sq) <= wr`` (causal masking is ``wl`` = no edge, ``wr = 0``; the launcher
+passes an edge no key reaches for a side without one).  A block walks only the key tiles its
+rows see, and only the tiles that cross a warpgroup's edges apply the mask.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -60,17 +63,24 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def _online_softmax(b_s, m_i, l_i, n0, o_m, o_n, qk_scale, shift,
-                    CAUSAL: gl.constexpr, masked):
-    """One online-softmax update for the score tile ``b_s`` (raw ``q.k``) of keys from ``n0``."""
-    if CAUSAL:
+def _online_softmax(b_s, m_i, l_i, n0, o_m, o_n, qk_scale, shift, wl, wr,
+                    MASKED: gl.constexpr, masked):
+    """One online-softmax update for the score tile ``b_s`` (raw ``q.k``) of keys from ``n0``;
+    ``masked``: the tile crosses a row's window ``[o_m + shift - wl, o_m + shift + wr]``."""
+    if MASKED:
         if masked:
-            # key n0 + o_n is visible to query o_m iff n0 + o_n <= o_m + shift
-            m_vis = (n0 + o_n)[None, :] <= (o_m + shift)[:, None]  # [BLOCK_M, BLOCK_N]
-            b_s = gl.where(m_vis, b_s, float("-inf"))
+            # key n0 + o_n is visible to query o_m iff -wl <= n0 + o_n - (o_m + shift) <= wr
+            m_d = (n0 + o_n)[None, :] - (o_m + shift)[:, None]      # [BLOCK_M, BLOCK_N]
+            b_s = gl.where((m_d <= wr) & (m_d >= -wl), b_s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(b_s, axis=1))                     # [BLOCK_M]
-    b_alpha = gl.exp2((m_i - m_new) * qk_scale)                     # [BLOCK_M]
-    b_p = gl.exp2(b_s * qk_scale - (m_new * qk_scale)[:, None])     # [BLOCK_M, BLOCK_N]
+    m_ref = m_new
+    if MASKED:
+        if masked:
+            # a row that has seen no visible key yet (a window's first tiles) keeps m = -inf,
+            # and exp2(-inf - -inf) would be NaN: measured from 0, its p and alpha are 0
+            m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+    b_alpha = gl.exp2((m_i - m_ref) * qk_scale)                     # [BLOCK_M]
+    b_p = gl.exp2(b_s * qk_scale - (m_ref * qk_scale)[:, None])     # [BLOCK_M, BLOCK_N]
     l_i = l_i * b_alpha + gl.sum(b_p, axis=1)
     return b_p, m_new, l_i, b_alpha
 
@@ -97,17 +107,20 @@ def _work_item(k, pid, n_ctas, n_m, n_bh, nheads, lpt, causal):
 
 
 @gluon.jit
-def _n_tiles(i_m, sk, shift, causal, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _tile_range(i_m, sk, shift, wl, wr, masked, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Key tiles ``[lo, hi)`` that some row of row block ``i_m`` sees."""
+    lo = 0
     hi = sk
-    if causal:
-        hi = gl.minimum(sk, i_m * BLOCK_M + BLOCK_M + shift)
-    return gl.cdiv(hi, BLOCK_N)
+    if masked:
+        lo = gl.maximum(i_m * BLOCK_M + shift - wl, 0) // BLOCK_N
+        hi = gl.minimum(sk, i_m * BLOCK_M + BLOCK_M + shift + wr)
+    return lo, gl.cdiv(hi, BLOCK_N)
 
 
 @gluon.jit
 def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k, bar_v,
                  bar_kfree, bar_vfree, sq, sk, nheads, group, q_rb, q_rh, q_ch, kv_rb, kv_rh,
-                 kv_ch, n_m, n_work, lpt, causal):
+                 kv_ch, n_m, n_work, lpt, wl, wr, masked):
     BLOCK_MQ: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     STAGES: gl.constexpr = k_smem.shape[0]
@@ -118,11 +131,13 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
     c = 0   # work items loaded so far (Q phase)
     for k in range(gl.cdiv(n_work, n_ctas)):
         w, i_m, i_b, i_h = _work_item(k, pid, n_ctas, n_m, n_work // n_m, nheads, lpt,
-                                      causal)
+                                      masked)
         if w < n_work:
-            n_tiles = _n_tiles(i_m, sk, sk - sq, causal, 2 * BLOCK_MQ, BLOCK_N)
-            # tile coordinates in the 2-D views of the descriptors (launch_sm90._plan)
-            row_k = i_b * kv_rb + (i_h // group) * kv_rh
+            lo, hi = _tile_range(i_m, sk, sk - sq, wl, wr, masked, 2 * BLOCK_MQ, BLOCK_N)
+            n_tiles = hi - lo
+            # tile coordinates in the 2-D views of the descriptors (launch_sm90._plan), from
+            # the first key tile a row of the block sees
+            row_k = i_b * kv_rb + (i_h // group) * kv_rh + lo * BLOCK_N
             col_k = (i_h // group) * kv_ch
             # K_0 first, then Q: both are needed by the item's first Q·Kᵀ
             i_k = it % STAGES
@@ -163,7 +178,7 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
 @gluon.jit
 def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v,
                  bar_kfree, bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk,
-                 nheads, n_m, n_work, lpt, qk_scale, causal):
+                 nheads, n_m, n_work, lpt, qk_scale, wl, wr, masked):
     # partitions receive run-time values only: the tile shapes come from the buffers
     BLOCK_MQ: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
@@ -192,14 +207,18 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
     c = 0   # work items done so far
     for k in range(gl.cdiv(n_work, n_ctas)):
         w, i_m, i_b, i_h = _work_item(k, pid, n_ctas, n_m, n_work // n_m, nheads, lpt,
-                                      causal)
+                                      masked)
         if w < n_work:
-            n_tiles = _n_tiles(i_m, sk, shift, causal, 2 * BLOCK_MQ, BLOCK_N)
+            lo, hi = _tile_range(i_m, sk, shift, wl, wr, masked, 2 * BLOCK_MQ, BLOCK_N)
+            n_tiles = hi - lo
             mq0 = i_m * 2 * BLOCK_MQ + i_wg * BLOCK_MQ
-            # tiles from n_full on cross this warpgroup's diagonal and are masked
-            n_full = n_tiles
-            if causal:
-                n_full = (mq0 + shift + 1) // BLOCK_N
+            # tiles from n_full on cross the upper edge of this warpgroup's window (its
+            # diagonal when causal), tiles starting below lo_key its lower edge: both masked
+            n_full = hi
+            lo_key = 0
+            if masked:
+                n_full = (mq0 + shift + wr + 1) // BLOCK_N
+                lo_key = mq0 + BLOCK_MQ - 1 + shift - wl
             o_m = mq0 + o_r
             m_i = gl.full([BLOCK_MQ], float("-inf"), gl.float32, layout=row_s)
             l_i = gl.zeros([BLOCK_MQ], gl.float32, layout=row_s)
@@ -217,8 +236,9 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
             b_s = warpgroup_mma_wait(num_outstanding=0, deps=(b_s,))
             mbarrier.arrive(bar_kfree.index(i_s))
             mbarrier.arrive(bar_qfree.index(i_wg), pred=n_tiles == 1)
-            b_p, m_i, l_i, b_alpha = _online_softmax(b_s, m_i, l_i, 0, o_m, o_n, qk_scale,
-                                                     shift, True, 0 >= n_full)
+            b_p, m_i, l_i, b_alpha = _online_softmax(b_s, m_i, l_i, lo * BLOCK_N, o_m, o_n,
+                                                     qk_scale, shift, wl, wr, True,
+                                                     (lo >= n_full) | (lo * BLOCK_N < lo_key))
             for j in range(0, n_tiles - 1):
                 i_st = (it + j) % STAGES
                 i_nx = (it + j + 1) % STAGES
@@ -237,9 +257,10 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
                 # the item's last Q·Kᵀ: Q's buffer goes back (a predicate, not a branch, keeps
                 # the softmax below in this basic block, where ptxas overlaps it with P·V)
                 mbarrier.arrive(bar_qfree.index(i_wg), pred=j == n_tiles - 2)
-                b_p, m_i, l_i, b_alpha = _online_softmax(b_s, m_i, l_i, (j + 1) * BLOCK_N, o_m,
-                                                         o_n, qk_scale, shift, True,
-                                                         j + 1 >= n_full)
+                t = lo + j + 1
+                b_p, m_i, l_i, b_alpha = _online_softmax(b_s, m_i, l_i, t * BLOCK_N, o_m, o_n,
+                                                         qk_scale, shift, wl, wr, True,
+                                                         (t >= n_full) | (t * BLOCK_N < lo_key))
                 b_acc, b_pv = warpgroup_mma_wait(num_outstanding=0, deps=(b_acc, b_pv))
                 mbarrier.arrive(bar_vfree.index(i_st))
                 b_acc = b_acc * gl.convert_layout(b_alpha, row_o)[:, None]
@@ -283,25 +304,25 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
 @gluon.jit
 def _ws_consumer0(q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
                   bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
-                  n_m, n_work, lpt, qk_scale, causal):
+                  n_m, n_work, lpt, qk_scale, wl, wr, masked):
     _ws_consumer(0, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
                  bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
-                 n_m, n_work, lpt, qk_scale, causal)
+                 n_m, n_work, lpt, qk_scale, wl, wr, masked)
 
 
 @gluon.jit
 def _ws_consumer1(q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
                   bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
-                  n_m, n_work, lpt, qk_scale, causal):
+                  n_m, n_work, lpt, qk_scale, wl, wr, masked):
     _ws_consumer(1, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
                  bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
-                 n_m, n_work, lpt, qk_scale, causal)
+                 n_m, n_work, lpt, qk_scale, wl, wr, masked)
 
 
 @gluon.jit
 def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, desc_o, Lse, stride_lb, stride_lh,
                          batch, sq, sk, nheads, group, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch,
-                         qk_scale, lpt, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                         qk_scale, lpt, wl, wr, MASKED: gl.constexpr, STAGES: gl.constexpr,
                          num_warps: gl.constexpr):
     BLOCK_MQ: gl.constexpr = desc_q.block_type.shape[0]   # rows of one consumer (64)
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[1]
@@ -340,11 +361,11 @@ def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, desc_o, Lse, stride_lb, stride_
 
     consumer_args = (q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
                      bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
-                     n_m, n_work, lpt, qk_scale, CAUSAL)
+                     n_m, n_work, lpt, qk_scale, wl, wr, MASKED)
     gl.warp_specialize([
         (_ws_consumer0, consumer_args),
         (_ws_consumer1, consumer_args),
         (_ws_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k,
                         bar_v, bar_kfree, bar_vfree, sq, sk, nheads, group, q_rb, q_rh, q_ch,
-                        kv_rb, kv_rh, kv_ch, n_m, n_work, lpt, CAUSAL)),
+                        kv_rb, kv_rh, kv_ch, n_m, n_work, lpt, wl, wr, MASKED)),
     ], [4, 1], [232, 24])
