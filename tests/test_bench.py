@@ -1833,3 +1833,19 @@ def test_train_run_times_each_step_and_reports_the_median(monkeypatch):
     assert rec["step_s"] == 0.5
     assert rec["tokens_per_s"] == 2 * 64 / 0.5
     assert len(rec["losses"]) == 6 and all(x == x for x in rec["losses"])
+
+
+def test_train_stream_keeps_one_token_mapping_so_unigrams_are_learnable():
+    """bench train's synthetic batches draw Zipf ranks per batch but map ranks to tokens once
+    per seed: the most frequent token (rank 1, ~15% of draws at this vocabulary) is the same
+    token in every batch, so a model can learn the unigram statistics across steps."""
+    pytest.importorskip("transformers")
+    from flashtile.bench import train
+    common_tokens = set()
+    for step in range(4):
+        ids = train._batch(step, 4, 512, 512, torch.device("cpu"), seed=3)
+        assert ids.shape == (4, 512) and ids.dtype == torch.int64
+        common_tokens.add(int(torch.bincount(ids.flatten(), minlength=512).argmax()))
+    assert len(common_tokens) == 1
+    other = train._batch(0, 4, 512, 512, torch.device("cpu"), seed=4)
+    assert int(torch.bincount(other.flatten(), minlength=512).argmax()) not in common_tokens

@@ -104,13 +104,15 @@ def _context(impl: str):
 def _batch(step: int, batch: int, context: int, vocab: int, device, seed: int):
     """Synthetic text: Zipf-distributed tokens in which every sequence repeats a random
     motif (lengths 32..256), so both unigram statistics and copying (induction) can be
-    learnt.  Batch ``step`` depends only on ``(seed, step)``."""
+    learnt.  Batch ``step`` depends only on ``(seed, step)``; the token <-> rank mapping only
+    on ``seed`` (one mapping for the whole run: drawn per batch, it would leave no unigram
+    statistics to learn)."""
     g = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + step)
     ranks = torch.arange(1, vocab + 1, dtype=torch.float64)
     probs = (1.0 / ranks) / (1.0 / ranks).sum()
     motif = int(torch.randint(32, 257, (1,), generator=g))
     base = torch.multinomial(probs, batch * motif, replacement=True, generator=g)
-    perm = torch.randperm(vocab, generator=g)  # a fresh token <-> rank mapping per batch
+    perm = torch.randperm(vocab, generator=torch.Generator(device="cpu").manual_seed(seed))
     seqs = perm[base].view(batch, motif).repeat(1, math.ceil(context / motif))[:, :context]
     return seqs.contiguous().to(device, non_blocking=True)
 
