@@ -278,13 +278,15 @@ def test_sm90_plan_addresses_every_row_of_each_layout(batch, heads):
 
 @pytest.mark.parametrize("left,right,masked,wl,wr", [
     (-1, -1, False, None, None), (-1, 0, True, None, 0), (100, 0, True, 100, 0),
-    (150, 37, True, 150, 37), (-1, 64, True, None, 64), (200, -1, True, 200, None)],
-    ids=["full", "causal", "local", "band", "right-only", "left-only"])
+    (150, 37, True, 150, 37), (-1, 64, True, None, 64), (200, -1, True, 200, None),
+    (2 ** 40, 2 ** 31 - 8, True, None, None)],
+    ids=["full", "causal", "local", "band", "right-only", "left-only", "wider-than-int32"])
 def test_sm90_forward_takes_windows_and_passes_their_edges(monkeypatch, left, right, masked,
                                                            wl, wr):
     """Windows (bottom-right, ``sk >= sq``) are in the Hopper forward's scope, not in the
     backward's; the launcher passes each edge, an edge no key reaches for a side without one
-    (``wl = sq + sk``, ``wr = sk``), and ``MASKED`` for any window (causal included)."""
+    (``wl = sq + sk``, ``wr = sk``; wider edges are cut to it, so the kernel's int32 index sums
+    cannot overflow), and ``MASKED`` for any window (causal included)."""
     import torch
 
     from flashtile.backends.spec import AttnSpec

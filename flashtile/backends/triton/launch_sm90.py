@@ -280,9 +280,10 @@ def forward(q, k, v, spec: AttnSpec):
     # persistent: one CTA per SM, at most one per work item (row block, batch entry, head)
     grid = (min(sq // BLOCK_M * batch * nheads, _sm_count(device)),)
     masked = spec.has_window  # causal masking is the window (-1, 0)
-    # the window's edges, where -1 (no edge) becomes one no key reaches
-    wl = spec.window_left if spec.window_left >= 0 else sq + sk
-    wr = spec.window_right if spec.window_right >= 0 else sk
+    # the window's edges, where -1 (no edge) becomes one no key reaches; wider edges are cut
+    # to that one, which keeps the kernel's int32 index sums from overflowing
+    wl = min(spec.window_left, sq + sk) if spec.window_left >= 0 else sq + sk
+    wr = min(spec.window_right, sk) if spec.window_right >= 0 else sk
     args = dict(Lse=lse, stride_lb=lse.stride(0), stride_lh=lse.stride(1),
                 batch=batch, sq=sq, sk=sk, nheads=nheads, group=nheads // nheads_k,
                 qk_scale=spec.softmax_scale * LOG2E, wl=wl, wr=wr, MASKED=masked,
