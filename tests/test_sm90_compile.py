@@ -77,25 +77,32 @@ for dtype in (torch.bfloat16, torch.float16):
         for head_dim in (64, 128, 256):
             bq, bn = launch_sm90.BLOCK_M // 2, launch_sm90.block_n(head_dim)
             q_layout, kv_layout = launch_sm90._layouts(head_dim, dtype)
-            emit(f"fwd-{ty}", attn_fwd_sm90_kernel, dict(
-                desc_q=desc(ty, bq, head_dim, q_layout), desc_k=desc(ty, bn, head_dim, kv_layout),
-                desc_v=desc(ty, bn, head_dim, kv_layout),
-                desc_o=desc(ty, bq, head_dim, q_layout), Lse="*fp32",
-                qk_scale="fp32"), head_dim, causal)
+            for n_c in {2, launch_sm90.consumers(head_dim, causal)}:
+                emit(f"fwd{'' if n_c == 2 else n_c}-{ty}", attn_fwd_sm90_kernel, dict(
+                    desc_q=desc(ty, bq, head_dim, q_layout),
+                    desc_k=desc(ty, bn, head_dim, kv_layout),
+                    desc_v=desc(ty, bn, head_dim, kv_layout),
+                    desc_o=desc(ty, bq, head_dim, q_layout), Lse="*fp32",
+                    qk_scale="fp32"), head_dim, causal, CONSUMERS=n_c)
         for head_dim in (64, 128):
             bm, bn = launch_sm90.BWD_BLOCK_M, launch_sm90.BWD_BLOCK_N // 2
             q_layout = launch_sm90._layout(bm, head_dim, dtype)
             kv_layout = launch_sm90._layout(bn, head_dim, dtype)
             flat = f"tensordesc<fp32[{bm}],{launch_sm90._flat_layout()!r}>"
             acc = f"tensordesc<fp32[{bm}, {head_dim // 2}],{launch_sm90._acc_layout(head_dim)!r}>"
+            types = dict(desc_q=desc(ty, bm, head_dim, q_layout),
+                         desc_do=desc(ty, bm, head_dim, q_layout),
+                         desc_k=desc(ty, bn, head_dim, kv_layout),
+                         desc_v=desc(ty, bn, head_dim, kv_layout), desc_lse=flat,
+                         desc_delta=flat, desc_dq=acc, DK=f"*{ty}", DV=f"*{ty}", scale="fp32",
+                         qk_scale="fp32")
             for fused in (True, False):
-                emit(f"{'bwd' if fused else 'dkdv'}-{ty}", attn_bwd_sm90_kernel, dict(
-                    desc_q=desc(ty, bm, head_dim, q_layout),
-                    desc_do=desc(ty, bm, head_dim, q_layout),
-                    desc_k=desc(ty, bn, head_dim, kv_layout),
-                    desc_v=desc(ty, bn, head_dim, kv_layout), desc_lse=flat, desc_delta=flat,
-                    desc_dq=acc, DK=f"*{ty}", DV=f"*{ty}", scale="fp32", qk_scale="fp32"),
-                    head_dim, causal, DQ=fused)
+                kind = "bwd" if fused else "dkdv"
+                emit(f"{kind}-{ty}", attn_bwd_sm90_kernel, types, head_dim, causal, WINDOW=False,
+                     DQ=fused)
+                if causal:  # a window other than the causal one: "-causal" rows
+                    emit(f"{kind}w-{ty}", attn_bwd_sm90_kernel, types, head_dim, True,
+                         WINDOW=True, DQ=fused)
 '''
 
 
@@ -114,7 +121,9 @@ def compiled() -> dict:
 VARIANTS = [f"fwd-{ty}-d{d}-{mode}" for ty in ("bf16", "fp16") for d in (64, 128, 256)
             for mode in ("full", "causal")]
 BWD_VARIANTS = [f"{kind}-{ty}-d{d}-{mode}" for kind in ("bwd", "dkdv") for ty in ("bf16", "fp16")
-                for d in (64, 128) for mode in ("full", "causal")]
+                for d in (64, 128) for mode in ("full", "causal")] + [
+    f"{kind}w-{ty}-d{d}-causal" for kind in ("bwd", "dkdv") for ty in ("bf16", "fp16")
+    for d in (64, 128)]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -137,6 +146,24 @@ def test_sm90_forward_compiles_for_hopper_with_its_structure(compiled, variant):
     # each consumer (both partitions' code) stores its output tile by TMA
     assert row["tma_stores"] == 2
     assert row["spill_bytes"] <= SPILL_LIMIT
+
+
+@pytest.mark.parametrize("variant", ["fwd3-bf16-d64-full", "fwd3-fp16-d64-full"])
+def test_sm90_forward_with_three_consumers_compiles_without_spills(compiled, variant):
+    """d = 64 without masking: three consumer warpgroups at 160 registers a thread, each with
+    its own Q and output tile, and no spilled register."""
+    from flashtile.backends.triton import launch_sm90
+
+    row = compiled[variant]
+    assert row["cubin_bytes"] > 0, "ptxas produced no binary"
+    half = launch_sm90.BLOCK_M // 2
+    rows = 3 * half + 2 * launch_sm90.STAGES * launch_sm90.block_n(64) + 3 * half
+    assert rows * 64 * 2 <= row["shared"] <= SMEM_LIMIT
+    # 3 consumer warpgroups, 1 producer warp padded to a warpgroup
+    assert row["num_warps"] == 16
+    assert all(row["ops"].values()), row["ops"]
+    assert row["tma_stores"] == 3
+    assert row["spill_bytes"] == 0
 
 
 @pytest.mark.parametrize("variant", BWD_VARIANTS)
@@ -231,7 +258,7 @@ def test_sm90_launchers_pass_exactly_the_kernels_parameters(monkeypatch):
         torch.testing.assert_close(delta, (do * out).sum(-1).transpose(1, 2))
         assert (dq == 0).all()  # the accumulator the (mocked) kernel did not add into
     assert [(name, key[-1]) for name, key, _ in calls] == [
-        ("fwd", True), ("bwd", False), ("bwd", True)] * 2 + [("fwd", True)]
+        ("fwd", 2), ("bwd", False), ("bwd", True)] * 2 + [("fwd", 2)]
     for name, _, args in calls:
         assert sorted(args) == sorted(launch_sm90._kernel(name).arg_names), name
 
@@ -283,10 +310,10 @@ def test_sm90_plan_addresses_every_row_of_each_layout(batch, heads):
     ids=["full", "causal", "local", "band", "right-only", "left-only", "wider-than-int32"])
 def test_sm90_forward_takes_windows_and_passes_their_edges(monkeypatch, left, right, masked,
                                                            wl, wr):
-    """Windows (bottom-right, ``sk >= sq``) are in the Hopper forward's scope, not in the
-    backward's; the launcher passes each edge, an edge no key reaches for a side without one
-    (``wl = sq + sk``, ``wr = sk``; wider edges are cut to it, so the kernel's int32 index sums
-    cannot overflow), and ``MASKED`` for any window (causal included)."""
+    """Windows (bottom-right, ``sk >= sq``) are in the Hopper kernels' scope; the launchers pass
+    each edge, an edge no key reaches for a side without one (``wl = sq + sk``, ``wr = sk``;
+    wider edges are cut to it, so the kernels' int32 index sums cannot overflow), and
+    ``MASKED`` for any window (causal included)."""
     import torch
 
     from flashtile.backends.spec import AttnSpec
@@ -303,12 +330,20 @@ def test_sm90_forward_takes_windows_and_passes_their_edges(monkeypatch, left, ri
     spec = AttnSpec(softmax_scale=0.125, window_left=left, window_right=right)
     assert launch_sm90.eligible(q, k, v, spec)
     launch_sm90.forward(q, k, v, spec)
-    (key, args), = calls
-    assert key[-1] == masked and args["MASKED"] == masked
-    assert args["wl"] == (sq + sk if wl is None else wl)
-    assert args["wr"] == (sk if wr is None else wr)
-    # the backward kernel has no window; sk < sq is outside the forward's scope with one
-    assert launch_sm90.bwd_eligible(q, k, v, q, k, v, spec) == (left < 0 and right in (-1, 0))
+    assert launch_sm90.bwd_eligible(q, k, v, q, k, v, spec)
+    launch_sm90.dkdv(q, k, v, q, torch.zeros(1, 2, sq), torch.zeros(1, 2, sq), k, v, spec)
+    assert [key[0] for key, _ in calls] == [torch.float32] * 2
+    for key, args in calls:
+        assert key[2] == masked and args["MASKED"] == masked
+        assert args["wl"] == (sq + sk if wl is None else wl)
+        assert args["wr"] == (sk if wr is None else wr)
+    # the backward compiles a window's edge checks only where it is not the causal diagonal
+    (_, bwd_args), = [c for c in calls if "WINDOW" in c[1]]
+    window = masked and (wl is not None or wr != 0)
+    assert bwd_args["WINDOW"] == window and calls[1][0][3] == window
+    # sk < sq is outside the scope with a window
     assert launch_sm90.eligible(k, q[:, :128], q[:, :128], spec) == (not masked)
+    assert launch_sm90.bwd_eligible(k, q[:, :128], q[:, :128], k, q[:, :128], q[:, :128],
+                                    spec) == (not masked)
     assert not launch_sm90.eligible(q, k, v, AttnSpec(softmax_scale=0.125, window_left=left,
                                                       window_right=right, softcap=5.0))

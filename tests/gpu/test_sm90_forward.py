@@ -184,10 +184,11 @@ def test_sm90_forward_direct_launch_equals_first_launch():
     assert (out.double() - ref).abs().max().item() <= 2 * base + 1e-4
 
 
-def _grads(q, k, v, do, causal, dtype):
-    """(out, dq, dk, dv) of attention in ``dtype`` through autograd (bottom-right causal)."""
+def _grads(q, k, v, do, causal, dtype, window=(-1, -1)):
+    """(out, dq, dk, dv) of attention in ``dtype`` through autograd (bottom-right causal or
+    ``window``)."""
     leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
-    out, _ = _reference(*leaves, causal, dtype)
+    out, _ = _reference(*leaves, causal, dtype, window)
     out.backward(do.to(dtype))
     return [out] + [x.grad for x in leaves]
 
@@ -325,3 +326,84 @@ def test_sm90_backward_follows_torch_deterministic_switch(monkeypatch):
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     flashtile.flash_attn_func(*leaves).backward(do)
     assert calls == [1]
+
+
+WG3_CASES = [  # (batch, sq, sk, heads, heads_k): d = 64, no mask (three consumers)
+    ("one-partial-item", 2, 128, 128, 4, 4),
+    ("exact-items", 2, 384, 384, 4, 4),
+    ("partial-last-item", 2, 256, 512, 3, 1),
+    ("gqa-sk<sq", 3, 640, 256, 6, 2),
+    ("odd-heads-long", 1, 1152, 2048, 23, 23),
+]
+
+
+@pytest.mark.parametrize("case", WG3_CASES, ids=[c[0] for c in WG3_CASES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_sm90_forward_three_consumers_match_float64_reference(case, dtype, monkeypatch):
+    """d = 64 without masking runs three consumer warpgroups (192-row work items; a
+    sequence's last item may hold fewer rows, whose consumers store nothing): output within
+    2x PyTorch's same-dtype error of float64 and lse within 1e-3 on every row (the outputs
+    start as NaN, so a row no consumer stored fails)."""
+    _, batch, sq, sk, heads, heads_k = case
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    assert launch_sm90.consumers(64, False) == 3
+    q = torch.randn(batch, sq, heads, 64, device="cuda", dtype=dtype)
+    k = torch.randn(batch, sk, heads_k, 64, device="cuda", dtype=dtype)
+    v = torch.randn(batch, sk, heads_k, 64, device="cuda", dtype=dtype)
+    spec = flashtile.backends.spec.AttnSpec(softmax_scale=0.125)
+    assert launch_sm90.eligible(q, k, v, spec)
+    with poison_outputs():
+        out, lse = launch_sm90.forward(q, k, v, spec)
+    ref, ref_lse = _reference(q, k, v, False, torch.float64)
+    low, _ = _reference(q, k, v, False, dtype)
+    base = (low.double() - ref).abs().max().item()
+    assert torch.isfinite(out).all() and (out.double() - ref).abs().max().item() <= 2 * base + 1e-4
+    assert torch.isfinite(lse).all() and (lse.double() - ref_lse).abs().max().item() <= 1e-3
+
+
+BWD_WINDOW_CASES = [  # (batch, sq, sk, heads, heads_k, d, window_left, window_right)
+    ("d128-local-gqa", 1, 512, 512, 4, 2, 128, 100, 0),
+    ("d64-band-sk>sq", 2, 256, 640, 2, 2, 64, 150, 37),
+    # keys 0..835 are seen by no row: six CTAs walk no query tile (dK = dV = 0)
+    ("d128-left-only-unreached-keys", 1, 128, 1024, 2, 2, 128, 60, -1),
+    ("d64-diagonal", 1, 384, 384, 2, 1, 64, 0, 0),
+]
+
+
+@pytest.mark.parametrize("case", BWD_WINDOW_CASES, ids=[c[0] for c in BWD_WINDOW_CASES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "deterministic"])
+def test_sm90_backward_with_a_window_matches_float64_reference(case, dtype, deterministic,
+                                                                monkeypatch):
+    """Gradients of windowed attention through the Hopper backward (a CTA walks only the query
+    tiles that see its keys, possibly none) within 3x PyTorch's same-dtype error of float64."""
+    _, batch, sq, sk, heads, heads_k, d, left, right = case
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    q = torch.randn(batch, sq, heads, d, device="cuda", dtype=dtype)
+    k = torch.randn(batch, sk, heads_k, d, device="cuda", dtype=dtype)
+    v = torch.randn(batch, sk, heads_k, d, device="cuda", dtype=dtype)
+    do = torch.randn(batch, sq, heads, d, device="cuda", dtype=dtype)
+    spec = flashtile.backends.spec.AttnSpec(softmax_scale=d ** -0.5, window_left=left,
+                                            window_right=right)
+    # the two kernels where asked for, or where the fused one does not pay (fused_pays)
+    two = deterministic or not launch_sm90.fused_pays(sq, sk, spec.causal, d)
+    eligible = launch_sm90.bwd_eligible(q, k, v, do, torch.empty_like(k), torch.empty_like(v),
+                                        spec, two)
+    assert eligible == (not two or d == 128)
+    names = []
+    real = launch_sm90._launch
+    monkeypatch.setattr(launch_sm90, "_launch", lambda name, *a: names.append(name) or real(
+        name, *a))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    with poison_outputs():
+        out = flashtile.flash_attn_func(*leaves, window_size=(left, right),
+                                        deterministic=deterministic)
+        out.backward(do)
+    assert names == ["fwd", "bwd"] if eligible else names == ["fwd"], names
+    ref = _grads(q, k, v, do, False, torch.float64, (left, right))
+    low = _grads(q, k, v, do, False, dtype, (left, right))
+    for name, g, r, lo in zip(("out", "dq", "dk", "dv"), [out] + [x.grad for x in leaves],
+                              ref, low):
+        base = (lo.double() - r).abs().max().item()
+        assert torch.isfinite(g).all(), name
+        assert (g.double() - r).abs().max().item() <= 3 * base + 1e-4, name

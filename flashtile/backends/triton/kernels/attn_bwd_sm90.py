@@ -37,7 +37,9 @@ dK and dV summed in registers.
 Scope (``launch_sm90.bwd_eligible`` checks it): dense ``(B, S, H, D)`` inputs in a layout the
 TMA reads (the forward's, each with its own tile coordinates ``*_rb``, ``*_rh``, ``*_ch``),
 ``D`` = 64 or 128, fp16/bf16, ``Sq`` a multiple of ``BLOCK_M``, ``Sk`` of 128, no optional
-feature but causal masking with ``sk >= sq``.
+feature but a window with ``sk >= sq`` (``MASKED``, the forward's rule: query ``i`` sees key
+``j`` iff ``-wl <= j - (i + sk - sq) <= wr``; causal masking is the window (no edge, 0)).  A
+CTA walks only the query tiles that see one of its keys, possibly none.
 """
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -59,13 +61,22 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _query_tiles(n0, sq, shift, causal, BLOCK_M: gl.constexpr):
-    """First query tile that sees key ``n0`` and the number of tiles from it to the end."""
+def _query_tiles(n0, n_keys, sq, shift, wl, wr, masked, window, BLOCK_M: gl.constexpr):
+    """First query tile that sees one of the keys ``[n0, n0 + n_keys)`` and the number of tiles
+    from it on that do (0 where no row's window reaches them)."""
     lo = 0
-    if causal:
-        # row m sees key n iff n <= m + shift
-        lo = gl.maximum(n0 - shift, 0) // BLOCK_M
-    return lo, sq // BLOCK_M - lo
+    n_m = sq // BLOCK_M
+    if masked:
+        if window:
+            # row m sees key n iff -wl <= n - (m + shift) <= wr
+            lo = gl.maximum(n0 - shift - wr, 0) // BLOCK_M
+            hi = gl.minimum(n0 + n_keys - 1 - shift + wl + 1, sq)
+            n_m = gl.maximum(gl.cdiv(hi, BLOCK_M) - lo, 0)
+        else:
+            # causal: row m sees key n iff n <= m + shift (every key some row, as sk >= sq)
+            lo = gl.maximum(n0 - shift, 0) // BLOCK_M
+            n_m = sq // BLOCK_M - lo
+    return lo, n_m
 
 
 @gluon.jit
@@ -79,10 +90,22 @@ def _dq_add(b_dq, desc_dq, dq_tile, row, col, scale):
 
 
 @gluon.jit
+def _dq_last(n_t, bar_ds, ds_smem, k_half, b_dq0, desc_dq, dq_tile, row, col, scale):
+    """dq of a consumer's last tile (``n_t - 1``), added one step late like the others."""
+    i_d = (n_t - 1) % 2
+    mbarrier.wait(bar_ds.index(i_d), ((n_t - 1) // 2) & 1)
+    b_dq = warpgroup_mma(ds_smem.index(i_d).permute((1, 0)), k_half, b_dq0, use_acc=False,
+                         is_async=True)
+    b_dq = warpgroup_mma_wait(num_outstanding=0, deps=(b_dq,))
+    _dq_add(b_dq, desc_dq, dq_tile, row, col, scale)
+    tma.store_wait(0)
+
+
+@gluon.jit
 def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
                   k_smem, v_smem, lse_smem, delta_smem, bar_kv, bar_qd, bar_free, sq, sk,
                   nheads_k, group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch,
-                  causal):
+                  wl, wr, masked, window):
     STAGES: gl.constexpr = q_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
@@ -101,7 +124,7 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
                                         k_smem.slice(i * BLOCK_NW, BLOCK_NW))
         tma.async_copy_global_to_shared(desc_v, [row_k + i * BLOCK_NW, i_hk * kv_ch], bar_kv,
                                         v_smem.slice(i * BLOCK_NW, BLOCK_NW))
-    lo, n_m = _query_tiles(n0, sq, sk - sq, causal, BLOCK_M)
+    lo, n_m = _query_tiles(n0, 2 * BLOCK_NW, sq, sk - sq, wl, wr, masked, window, BLOCK_M)
     nbytes: gl.constexpr = (desc_q.block_type.nbytes + desc_do.block_type.nbytes
                             + desc_lse.block_type.nbytes + desc_delta.block_type.nbytes)
     for t in range(group * n_m):
@@ -126,7 +149,7 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
 def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                   bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV,
                   stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, group, scale, qk_scale,
-                  causal, DQ: gl.constexpr):
+                  wl, wr, masked, window, DQ: gl.constexpr):
     STAGES: gl.constexpr = q_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
@@ -167,7 +190,7 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
     m_prev = 0  # the previous tile's first row and head (its dq is added one step late)
     h_prev = 0
 
-    lo, n_m = _query_tiles(n0, sq, shift, causal, BLOCK_M)
+    lo, n_m = _query_tiles(n0, 2 * BLOCK_NW, sq, shift, wl, wr, masked, window, BLOCK_M)
     n_t = group * n_m
     mbarrier.wait(bar_kv, 0)
     for t in range(n_t):
@@ -184,10 +207,16 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
                               is_async=True)
         mbarrier.arrive(bar_other)
         b_st = warpgroup_mma_wait(num_outstanding=1, deps=(b_st,))
-        if causal:
-            # only tiles crossing this consumer's diagonal have invisible (row, key) pairs
-            if m0 + shift < k0 + BLOCK_NW - 1:
-                m_vis = o_k[:, None] <= (m0 + o_r + shift)[None, :]    # [64, BLOCK_M]
+        if masked:
+            # only tiles crossing an edge of this consumer's window (its diagonal when causal)
+            # have invisible (row, key) pairs; a row that sees none of its keys gets p = 0
+            # (``window``: edges other than the causal diagonal, two comparisons a pair)
+            if window:
+                if (m0 + shift + wr < k0 + BLOCK_NW - 1) | (k0 < m0 + BLOCK_M - 1 + shift - wl):
+                    m_d = o_k[:, None] - (m0 + o_r + shift)[None, :]     # [64, BLOCK_M]
+                    b_st = gl.where((m_d <= wr) & (m_d >= -wl), b_st, float("-inf"))
+            elif m0 + shift < k0 + BLOCK_NW - 1:
+                m_vis = o_k[:, None] <= (m0 + o_r + shift)[None, :]      # [64, BLOCK_M]
                 b_st = gl.where(m_vis, b_st, float("-inf"))
         # lse and delta from shared memory (staged with Q and dO): read where they are used,
         # they do not hold registers across the products
@@ -233,14 +262,15 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
                                                          deps=(b_dv, b_dk, b_pa, b_dsa))
             mbarrier.arrive(bar_free.index(i_s))
     if DQ:
-        # the last tile's dq (its ds buffer is complete once both consumers arrived on it)
-        i_d = (n_t - 1) % 2
-        mbarrier.wait(bar_ds.index(i_d), ((n_t - 1) // 2) & 1)
-        b_dq = warpgroup_mma(ds_smem.index(i_d).permute((1, 0)), k_half, b_dq0, use_acc=False,
-                             is_async=True)
-        b_dq = warpgroup_mma_wait(num_outstanding=0, deps=(b_dq,))
-        _dq_add(b_dq, desc_dq, dq_tile, i_b * sq + m_prev, h_prev * HEAD_DIM + dq_col, scale)
-        tma.store_wait(0)
+        # the last tile's dq (its ds buffer is complete once both consumers arrived on it);
+        # with a window, keys that no row's window reaches have no tile
+        if window:
+            if n_t > 0:
+                _dq_last(n_t, bar_ds, ds_smem, k_half, b_dq0, desc_dq, dq_tile,
+                         i_b * sq + m_prev, h_prev * HEAD_DIM + dq_col, scale)
+        else:
+            _dq_last(n_t, bar_ds, ds_smem, k_half, b_dq0, desc_dq, dq_tile, i_b * sq + m_prev,
+                     h_prev * HEAD_DIM + dq_col, scale)
 
     o_kg = k0 + gl.arange(0, BLOCK_NW, layout=gl.SliceLayout(1, g_layout))
     o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, g_layout))
@@ -255,29 +285,29 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
 def _bwd_consumer0(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                    bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV,
                    stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, group, scale, qk_scale,
-                   causal, DQ: gl.constexpr):
+                   wl, wr, masked, window, DQ: gl.constexpr):
     _bwd_consumer(0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                   bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV,
                   stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, group, scale, qk_scale,
-                  causal, DQ)
+                  wl, wr, masked, window, DQ)
 
 
 @gluon.jit
 def _bwd_consumer1(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                    bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV,
                    stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, group, scale, qk_scale,
-                   causal, DQ: gl.constexpr):
+                   wl, wr, masked, window, DQ: gl.constexpr):
     _bwd_consumer(1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                   bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV,
                   stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, group, scale, qk_scale,
-                  causal, DQ)
+                  wl, wr, masked, window, DQ)
 
 
 @gluon.jit
 def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, DK, DV,
                          stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, group, q_rb, q_rh,
                          q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, scale, qk_scale,
-                         CAUSAL: gl.constexpr, DQ: gl.constexpr,
+                         wl, wr, MASKED: gl.constexpr, WINDOW: gl.constexpr, DQ: gl.constexpr,
                          STAGES: gl.constexpr, num_warps: gl.constexpr):
     """Grid ``(Sk / 128, B * Hk)``: 128 keys of one key/value head per CTA.  ``desc_dq`` is
     the float32 dQ accumulator ``(B * Sq, H * D)`` in tiles of ``[BLOCK_M, D / 2]`` (read only
@@ -323,13 +353,13 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
         (_bwd_consumer0, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                           dq_smem, bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                           desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k,
-                          group, scale, qk_scale, CAUSAL, DQ)),
+                          group, scale, qk_scale, wl, wr, MASKED, WINDOW, DQ)),
         (_bwd_consumer1, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                           dq_smem, bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                           desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k,
-                          group, scale, qk_scale, CAUSAL, DQ)),
+                          group, scale, qk_scale, wl, wr, MASKED, WINDOW, DQ)),
         (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
                          k_smem, v_smem, lse_smem, delta_smem, bar_kv, bar_qd, bar_free, sq, sk,
                          nheads_k, group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh,
-                         kv_ch, CAUSAL)),
+                         kv_ch, wl, wr, MASKED, WINDOW)),
     ], [4, 1], [232, 24])

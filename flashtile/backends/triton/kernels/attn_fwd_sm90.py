@@ -121,6 +121,7 @@ def _tile_range(i_m, sk, shift, wl, wr, masked, BLOCK_M: gl.constexpr, BLOCK_N: 
 def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k, bar_v,
                  bar_kfree, bar_vfree, sq, sk, nheads, group, q_rb, q_rh, q_ch, kv_rb, kv_rh,
                  kv_ch, n_m, n_work, lpt, wl, wr, masked):
+    NC: gl.constexpr = q_smem.shape[0]   # consumer warpgroups
     BLOCK_MQ: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     STAGES: gl.constexpr = k_smem.shape[0]
@@ -133,7 +134,7 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
         w, i_m, i_b, i_h = _work_item(k, pid, n_ctas, n_m, n_work // n_m, nheads, lpt,
                                       masked)
         if w < n_work:
-            lo, hi = _tile_range(i_m, sk, sk - sq, wl, wr, masked, 2 * BLOCK_MQ, BLOCK_N)
+            lo, hi = _tile_range(i_m, sk, sk - sq, wl, wr, masked, NC * BLOCK_MQ, BLOCK_N)
             n_tiles = hi - lo
             # tile coordinates in the 2-D views of the descriptors (launch_sm90._plan), from
             # the first key tile a row of the block sees
@@ -145,12 +146,12 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
             mbarrier.expect(bar_k.index(i_k), desc_k.block_type.nbytes)
             tma.async_copy_global_to_shared(desc_k, [row_k, col_k], bar_k.index(i_k),
                                             k_smem.index(i_k))
-            for i in gl.static_range(2):
+            for i in gl.static_range(NC):
                 # consumer i's Q buffer is free once its last Q·Kᵀ of the previous item completed
                 mbarrier.wait(bar_qfree.index(i), (c & 1) ^ 1, pred=c > 0)
                 mbarrier.expect(bar_q.index(i), desc_q.block_type.nbytes)
                 tma.async_copy_global_to_shared(
-                    desc_q, [i_b * q_rb + i_h * q_rh + i_m * 2 * BLOCK_MQ + i * BLOCK_MQ,
+                    desc_q, [i_b * q_rb + i_h * q_rh + i_m * NC * BLOCK_MQ + i * BLOCK_MQ,
                              i_h * q_ch],
                     bar_q.index(i), q_smem.index(i))
             # K runs one tile ahead of V: a consumer's step issues Q·K_{t+1}ᵀ with P_t·V_t
@@ -193,13 +194,14 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     O_TILES: gl.constexpr = o_smem.shape[0]  # one per consumer, or one shared (d = 256)
+    NC: gl.constexpr = q_smem.shape[0]       # consumer warpgroups, taking turns in order
 
     pid = gl.program_id(0)
     n_ctas = gl.num_programs(0)
     shift = sk - sq
     q_tile = q_smem.index(i_wg)
     bar_mine = bar_turn.index(i_wg)
-    bar_other = bar_turn.index(1 - i_wg)
+    bar_other = bar_turn.index((i_wg + 1) % NC)
     o_r = gl.arange(0, BLOCK_MQ, layout=row_s)
     o_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     it = 0  # K/V tiles consumed so far
@@ -209,9 +211,9 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
         w, i_m, i_b, i_h = _work_item(k, pid, n_ctas, n_m, n_work // n_m, nheads, lpt,
                                       masked)
         if w < n_work:
-            lo, hi = _tile_range(i_m, sk, shift, wl, wr, masked, 2 * BLOCK_MQ, BLOCK_N)
+            lo, hi = _tile_range(i_m, sk, shift, wl, wr, masked, NC * BLOCK_MQ, BLOCK_N)
             n_tiles = hi - lo
-            mq0 = i_m * 2 * BLOCK_MQ + i_wg * BLOCK_MQ
+            mq0 = i_m * NC * BLOCK_MQ + i_wg * BLOCK_MQ
             # tiles from n_full on cross the upper edge of this warpgroup's window (its
             # diagonal when causal), tiles starting below lo_key its lower edge: both masked
             n_full = hi
@@ -279,12 +281,19 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
             b_out = b_acc / gl.convert_layout(l_i, row_o)[:, None]            # [64, HEAD_DIM]
             # through shared memory and one TMA store that the consumer does not wait for (the
             # other consumer's next turn waits on this one's next Q·Kᵀ)
-            if O_TILES == 2:
-                o_tile = o_smem.index(i_wg)
-                tma.store_wait(pendings=0)  # the previous item's store has read this tile
-                o_tile.store(b_out.to(dtype))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(desc_o, [i_b * sq + mq0, i_h * HEAD_DIM], o_tile)
+            # three consumers: the last block of a sequence may end before this one's rows,
+            # which then ran the turns on rows of no use and store nothing
+            live = True
+            if NC > 2:
+                live = mq0 < sq
+            if O_TILES > 1:
+                if live:
+                    o_tile = o_smem.index(i_wg)
+                    tma.store_wait(pendings=0)  # the previous item's store has read this tile
+                    o_tile.store(b_out.to(dtype))
+                    fence_async_shared()
+                    tma.async_copy_shared_to_global(desc_o, [i_b * sq + mq0, i_h * HEAD_DIM],
+                                                    o_tile)
             else:
                 # one tile for both consumers, consumer 0 first in every item: wait for the
                 # other's store to have read it, and hand it over once this one's has
@@ -296,8 +305,9 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
                 tma.store_wait(pendings=0)
                 mbarrier.arrive(bar_o.index(1 - i_wg))
             b_lse = (m_i * qk_scale + gl.log2(l_i)) * LN2
-            gl.store(Lse + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh + o_m,
-                     b_lse)
+            if live:
+                gl.store(Lse + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh
+                         + o_m, b_lse)
     tma.store_wait(pendings=0)  # shared memory outlives the last store's reads
 
 
@@ -320,52 +330,68 @@ def _ws_consumer1(q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v
 
 
 @gluon.jit
+def _ws_consumer2(q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
+                  bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
+                  n_m, n_work, lpt, qk_scale, wl, wr, masked):
+    _ws_consumer(2, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
+                 bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
+                 n_m, n_work, lpt, qk_scale, wl, wr, masked)
+
+
+@gluon.jit
 def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, desc_o, Lse, stride_lb, stride_lh,
                          batch, sq, sk, nheads, group, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch,
-                         qk_scale, lpt, wl, wr, MASKED: gl.constexpr, STAGES: gl.constexpr,
-                         num_warps: gl.constexpr):
+                         qk_scale, lpt, wl, wr, MASKED: gl.constexpr, CONSUMERS: gl.constexpr,
+                         STAGES: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_MQ: gl.constexpr = desc_q.block_type.shape[0]   # rows of one consumer (64)
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[1]
     BLOCK_N: gl.constexpr = desc_k.block_type.shape[0]
     dtype: gl.constexpr = desc_q.dtype
 
-    n_m = sq // (2 * BLOCK_MQ)
+    # a work item is CONSUMERS * 64 rows; with three consumers the last one of a sequence may
+    # hold fewer (its consumers past the end store nothing)
+    n_m = gl.cdiv(sq, CONSUMERS * BLOCK_MQ)
     n_work = n_m * batch * nheads
 
-    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_MQ, HEAD_DIM], desc_q.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_MQ, HEAD_DIM], desc_q.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout)
     # the consumers' output tiles, stored by TMA; at d = 256 two would not fit beside the rings
-    O_TILES: gl.constexpr = 2 if HEAD_DIM <= 128 else 1
+    O_TILES: gl.constexpr = CONSUMERS if HEAD_DIM <= 128 else 1
     o_smem = gl.allocate_shared_memory(dtype, [O_TILES, BLOCK_MQ, HEAD_DIM], desc_o.layout)
-    bar_q = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    bar_qfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    bar_q = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    bar_qfree = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     bar_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     bar_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     bar_kfree = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     bar_vfree = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    bar_turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    bar_turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     bar_o = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    for i in gl.static_range(CONSUMERS):
         mbarrier.init(bar_q.index(i), count=1)
         mbarrier.init(bar_qfree.index(i), count=1)
         mbarrier.init(bar_turn.index(i), count=1)
+    for i in gl.static_range(2):
         mbarrier.init(bar_o.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(bar_k.index(i), count=1)
         mbarrier.init(bar_v.index(i), count=1)
-        mbarrier.init(bar_kfree.index(i), count=2)
-        mbarrier.init(bar_vfree.index(i), count=2)
+        mbarrier.init(bar_kfree.index(i), count=CONSUMERS)
+        mbarrier.init(bar_vfree.index(i), count=CONSUMERS)
     # consumer 0 takes the first tensor-core turn
     mbarrier.arrive(bar_turn.index(0))
 
     consumer_args = (q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
                      bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
                      n_m, n_work, lpt, qk_scale, wl, wr, MASKED)
-    gl.warp_specialize([
-        (_ws_consumer0, consumer_args),
-        (_ws_consumer1, consumer_args),
-        (_ws_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k,
-                        bar_v, bar_kfree, bar_vfree, sq, sk, nheads, group, q_rb, q_rh, q_ch,
-                        kv_rb, kv_rh, kv_ch, n_m, n_work, lpt, wl, wr, MASKED)),
-    ], [4, 1], [232, 24])
+    producer_args = (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k,
+                     bar_v, bar_kfree, bar_vfree, sq, sk, nheads, group, q_rb, q_rh, q_ch, kv_rb,
+                     kv_rh, kv_ch, n_m, n_work, lpt, wl, wr, MASKED)
+    if CONSUMERS == 3:
+        # FlashAttention-3's split at d = 64: three consumers at 160 registers a thread
+        gl.warp_specialize([(_ws_consumer0, consumer_args), (_ws_consumer1, consumer_args),
+                            (_ws_consumer2, consumer_args), (_ws_producer, producer_args)],
+                           [4, 4, 1], [160, 160, 24])
+    else:
+        gl.warp_specialize([(_ws_consumer0, consumer_args), (_ws_consumer1, consumer_args),
+                            (_ws_producer, producer_args)], [4, 1], [232, 24])
