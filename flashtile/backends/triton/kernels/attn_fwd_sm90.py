@@ -1,7 +1,8 @@
 """Hopper (sm_90) forward kernel in Gluon, warp-specialised: a one-warp producer streams K/V
-tiles by TMA into a ``STAGES``-deep shared-memory ring; two consumer warpgroups own 64 query rows
-each and take turns on the tensor cores (ping-pong: while one issues its Q·Kᵀ and P·V, the other
-computes its softmax); within a warpgroup the next tile's Q·Kᵀ is issued before this tile's P·V,
+tiles by TMA into a ``STAGES``-deep shared-memory ring; ``CONSUMERS`` warpgroups (two; three at
+d = 64 without masking, at 160 registers a thread) own 64 query rows each and take turns on the
+tensor cores in order (ping-pong: while one issues its Q·Kᵀ and P·V, the others compute their
+softmax); within a warpgroup the next tile's Q·Kᵀ is issued before this tile's P·V,
 so the softmax of one tile overlaps the tensor cores working on the other.
 
 For each visible key tile ``j`` of a consumer (base-2 scores, ``qk_scale = scale * log2(e)``)::
@@ -35,9 +36,12 @@ completed (group 1), V_j's after P_j·V_j (group 2), and the producer loads K on
 With one ring for both, the stage of tile j came back only after both consumers' P_j·V_j, which
 left the producer no time to fetch K_{j+2} before it was needed (docs/dev/tuning-log.md, step 36).
 
-Both consumers walk the same key tiles (those some row of the 128-row block sees: for causal
-masking up to the block's last row, so the extra tile of the first consumer is masked), so their
-turns pair up one for one.
+All consumers walk the same key tiles (those some row of the ``CONSUMERS * 64``-row block sees:
+for causal masking up to the block's last row, so the extra tile of the first consumer is
+masked), so their turns pair up one for one.  With three consumers a sequence's last block may
+end before a consumer's rows (``S`` is a multiple of 128, never of 192): that consumer takes its
+turns on rows of the next head or past the tensor's end (TMA reads zeros there) and stores
+nothing.
 
 The grid is persistent: one CTA per SM walks the (row block, batch, head) work items
 ``w = k * G + (pid or G - 1 - pid)`` for rounds ``k`` (``_work_item`` gives their order).  The
