@@ -293,7 +293,8 @@ def forward(q, k, v, spec: AttnSpec):
     out = empty(q.shape, q.dtype, q.device)
     lse = empty((batch, nheads, sq), torch.float32, q.device)
     device = q.device.index or 0
-    masked = spec.has_window  # causal masking is the window (-1, 0)
+    window = _window(spec, sq, sk)
+    masked = window["MASKED"]  # causal masking is the window (-1, 0)
     n_c = consumers(head_dim, masked)
     block_m = n_c * (BLOCK_M // 2)
     n_m = -(-sq // block_m)
@@ -301,7 +302,7 @@ def forward(q, k, v, spec: AttnSpec):
     grid = (min(n_m * batch * nheads, _sm_count(device)),)
     args = dict(Lse=lse, stride_lb=lse.stride(0), stride_lh=lse.stride(1),
                 batch=batch, sq=sq, sk=sk, nheads=nheads, group=nheads // nheads_k,
-                qk_scale=spec.softmax_scale * LOG2E, **_window(spec, sq, sk),
+                qk_scale=spec.softmax_scale * LOG2E, **window,
                 STAGES=STAGES, num_warps=NUM_WARPS, CONSUMERS=n_c,
                 lpt=causal_order(n_m, batch * nheads, sq, sk, grid[0], tile_n, block_m)
                 if spec.causal else 0)
@@ -351,10 +352,9 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec) -> None:
                 stride_kh=dk.stride(2), sq=sq, sk=sk, nheads_k=nheads_k,
                 group=nheads // nheads_k, scale=spec.softmax_scale,
                 qk_scale=spec.softmax_scale * LOG2E, **window,
-                # edges other than the causal diagonal (which compiles to main's causal code)
+                # edges other than the causal diagonal (without, the causal-only code)
                 WINDOW=window["MASKED"] and (window["wl"] < sq + sk or window["wr"] != 0),
-                DQ=fused,
-                STAGES=STAGES, num_warps=NUM_WARPS)
+                DQ=fused, STAGES=STAGES, num_warps=NUM_WARPS)
     q_layout = _layout(BWD_BLOCK_M, head_dim, q.dtype)
     kv_layout = _layout(BWD_BLOCK_N // 2, head_dim, q.dtype)
     flat = _flat_layout()
@@ -364,8 +364,8 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec) -> None:
                  desc_v=_rows(v, BWD_BLOCK_N // 2, kv_layout, "kv", args),
                  desc_lse=(lse, [lse.numel()], 1, [BWD_BLOCK_M], flat),
                  desc_delta=(delta, [delta.numel()], 1, [BWD_BLOCK_M], flat), desc_dq=desc_dq)
-    _launch("bwd", device, (q.dtype, head_dim, spec.has_window, args["WINDOW"], fused), grid, args,
-            descs)
+    _launch("bwd", device, (q.dtype, head_dim, window["MASKED"], args["WINDOW"], fused), grid,
+            args, descs)
 
 
 def dkdv(q, k, v, do, lse, delta, dk, dv, spec: AttnSpec) -> None:

@@ -265,12 +265,12 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
             mbarrier.arrive(bar_free.index(i_s))
     if DQ:
         # the last tile's dq (its ds buffer is complete once both consumers arrived on it);
-        # with a window, keys that no row's window reaches have no tile
+        # with a window, keys that no row's window reaches have no tile (without, the check
+        # is the constant True)
+        has_tile = True
         if window:
-            if n_t > 0:
-                _dq_last(n_t, bar_ds, ds_smem, k_half, b_dq0, desc_dq, dq_tile,
-                         i_b * sq + m_prev, h_prev * HEAD_DIM + dq_col, scale)
-        else:
+            has_tile = n_t > 0
+        if has_tile:
             _dq_last(n_t, bar_ds, ds_smem, k_half, b_dq0, desc_dq, dq_tile, i_b * sq + m_prev,
                      h_prev * HEAD_DIM + dq_col, scale)
 
