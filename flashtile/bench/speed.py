@@ -16,6 +16,7 @@ launch plans off and on, and the short-sequence forwards where that host time sh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -455,7 +456,9 @@ def host_costs(rounds: int = HOST_ROUNDS) -> dict:
     """Microseconds per call on a tiny input (1 x 16 x 2 x 64 bf16, causal), where the GPU work
     is negligible, so this is the Python + launch cost: SDPA flash, flashtile's public forward
     and forward+backward, and the Triton forward launcher alone, each with direct launches off
-    (``triton_run``) and on (``direct``); forward+backward with launch plans off and on.
+    (``triton_run``) and on (``direct``); forward+backward with launch plans off and on; at 128
+    positions (``n128``: the Hopper kernels' path on sm_90), the public forward with launch
+    plans off and on, and SDPA without a backend chosen.
 
     The host's pace drifts between blocks of calls (on the H100 machine by up to 3x), so every
     measurement is a block of calls repeated over ``rounds`` rounds, all measurements one after
@@ -495,6 +498,16 @@ def host_costs(rounds: int = HOST_ROUNDS) -> dict:
     for plans in (False, True):
         cases[f"flashtile_fwd_bwd_us_direct_bwd_plans_{'on' if plans else 'off'}"] = (
             lambda: flashtile.flash_attn_func(qg, k, v, causal=True).backward(dout), 250,
+            lambda p=plans: launch_plans(p))
+    # 128 positions: on an H100 / H200 the Hopper kernels' path (its forward plans off / on),
+    # elsewhere the Triton kernels'; SDPA without a backend chosen beside it
+    q128 = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
+    qt128 = q128.transpose(1, 2)
+    cases["sdpa_default_fwd_us_n128"] = (lambda: sdpa(qt128, qt128, qt128, is_causal=True), 1000,
+                                         contextlib.nullcontext)
+    for plans in (False, True):
+        cases[f"flashtile_fwd_us_n128_plans_{'on' if plans else 'off'}"] = (
+            lambda: flashtile.flash_attn_func(q128, q128, q128, causal=True), 1000,
             lambda p=plans: launch_plans(p))
     names = list(cases)
     for name in names:  # warm-up: compiles, records the plans

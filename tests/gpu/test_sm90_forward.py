@@ -184,6 +184,39 @@ def test_sm90_forward_direct_launch_equals_first_launch():
     assert (out.double() - ref).abs().max().item() <= 2 * base + 1e-4
 
 
+def test_sm90_forward_plan_repeats_the_launch_with_the_new_tensors(monkeypatch):
+    """A call with the shapes, strides and alignment of an earlier direct launch (and its dtype,
+    device and spec) repeats it through a plan with its own tensors: bitwise the output of the
+    full launch path on the same inputs (whose outputs start as NaN); another stride, another
+    spec or the switch turned off find no plan."""
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    monkeypatch.setattr(launch_sm90, "_fwd_plans", type(launch_sm90._fwd_plans)())
+    spec = flashtile.backends.spec.AttnSpec(softmax_scale=0.125, window_right=0)
+    q, k, v = (torch.randn(2, 384, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    assert launch_sm90.planned_forward(q, k, v, spec) is None
+    launch_sm90.forward(q, k, v, spec)  # compiled (or found compiled), then launched directly
+    launch_sm90.forward(q, k, v, spec)
+    # the plan holds no tensor (nor a descriptor of one) of the call it was made from
+    (plan,) = launch_sm90._fwd_plans._plans.values()
+    assert not any(isinstance(x, torch.Tensor) or hasattr(x, "base") for x in plan.values)
+    q2, k2, v2 = (torch.randn_like(x) for x in (q, k, v))
+    planned = launch_sm90.planned_forward(q2, k2, v2, spec)
+    assert planned is not None
+    with poison_outputs():  # (plans are off while outputs are poisoned)
+        assert launch_sm90.planned_forward(q2, k2, v2, spec) is None
+        full = launch_sm90.forward(q2, k2, v2, spec)
+    assert torch.equal(planned[0], full[0]) and torch.equal(planned[1], full[1])
+    # the public function takes the plan: same bits again
+    assert torch.equal(flashtile.flash_attn_func(q2, k2, v2, softmax_scale=0.125, causal=True),
+                       full[0])
+    assert launch_sm90.planned_forward(q2, k2, v2, flashtile.backends.spec.AttnSpec(
+        softmax_scale=0.125)) is None
+    assert launch_sm90.planned_forward(q2.transpose(1, 2).contiguous().transpose(1, 2), k2, v2,
+                                       spec) is None
+    monkeypatch.setenv("FLASHTILE_SM90", "0")
+    assert launch_sm90.planned_forward(q2, k2, v2, spec) is None
+
+
 def _grads(q, k, v, do, causal, dtype, window=(-1, -1)):
     """(out, dq, dk, dv) of attention in ``dtype`` through autograd (bottom-right causal or
     ``window``)."""
@@ -287,6 +320,8 @@ def test_sm90_kernels_read_strided_layouts(layout, causal, deterministic, monkey
     real = launch_sm90._launch
     monkeypatch.setattr(launch_sm90, "_launch", lambda name, *a: names.append(name) or real(
         name, *a))
+    # no plan of an earlier call takes the forward past _launch
+    monkeypatch.setattr(launch_sm90, "_fwd_plans", type(launch_sm90._fwd_plans)())
 
     def run(q, k, v, do):
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
@@ -394,6 +429,8 @@ def test_sm90_backward_with_a_window_matches_float64_reference(case, dtype, dete
     real = launch_sm90._launch
     monkeypatch.setattr(launch_sm90, "_launch", lambda name, *a: names.append(name) or real(
         name, *a))
+    # no plan of an earlier call takes the forward past _launch
+    monkeypatch.setattr(launch_sm90, "_fwd_plans", type(launch_sm90._fwd_plans)())
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     with poison_outputs():
         out = flashtile.flash_attn_func(*leaves, window_size=(left, right),

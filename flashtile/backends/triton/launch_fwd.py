@@ -30,8 +30,12 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu
     no_feature = (alibi_slopes is None and cu_seqlens_q is None and attn_bias is None
                   and rng_seed is None and block_mask is None and block_table is None
                   and out_dtype is None)
-    if no_feature and launch_sm90.eligible(q, k, v, spec):
-        return launch_sm90.forward(q, k, v, spec)
+    if no_feature:
+        res = launch_sm90.planned_forward(q, k, v, spec)
+        if res is not None:
+            return res
+        if launch_sm90.eligible(q, k, v, spec):
+            return launch_sm90.forward(q, k, v, spec)
     if not (no_feature and plans_enabled()):
         return _forward(q, k, v, spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                         max_seqlen_k, attn_bias, rng_seed, block_mask, block_size, block_table,

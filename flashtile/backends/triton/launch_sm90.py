@@ -17,7 +17,8 @@ import torch
 from ..spec import AttnSpec
 from .. import env_reader, interpreting
 from .args import LOG2E
-from .fastlaunch import INTERNALS_OK, empty, launch, launch_hooks_set, recorder, run_direct
+from .fastlaunch import (INTERNALS_OK, PlanCache, _run, empty, launch, launch_hooks_set,
+                         plans_enabled, recorder, run_direct, signature)
 from .kernels.bwd import attn_bwd_delta_kernel
 
 BLOCK_M = 128
@@ -191,10 +192,11 @@ def _int_key(args: dict) -> tuple:
 
 
 def _launch(kernel_name: str, device: int, key: tuple, grid: tuple, args: dict,
-            descs: dict) -> None:
+            descs: dict):
     """Launch ``kernel_name`` (``fwd`` or ``bwd``) on GPU ``device`` with ``args`` and the
     tensor descriptors ``descs`` (name -> :func:`_descriptor`'s ``(tensor, shape, row_stride,
-    block, layout)``)."""
+    block, layout)``); ``(compiled kernel, arguments in signature order)`` when it launched a
+    compiled variant directly, else None."""
     key = (kernel_name, device, *key, _int_key(args))
     rec = recorder()
     if rec is not None:
@@ -205,12 +207,14 @@ def _launch(kernel_name: str, device: int, key: tuple, grid: tuple, args: dict,
     direct = compiled is not None and not launch_hooks_set()
     args.update({name: _descriptor(*d, direct) for name, d in descs.items()})
     kernel = _kernel(kernel_name)
-    if direct and run_direct(compiled, grid, list(map(args.__getitem__, kernel.arg_names)),
-                             device):
-        return
+    if direct:
+        values = list(map(args.__getitem__, kernel.arg_names))
+        if run_direct(compiled, grid, values, device):
+            return compiled, values
     compiled = kernel[grid](**args)
     if INTERNALS_OK and compiled is not None:
         _compiled[key] = compiled
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -285,6 +289,49 @@ def _window(spec: AttnSpec, sq: int, sk: int) -> dict:
                 wr=min(spec.window_right, sk) if spec.window_right >= 0 else sk)
 
 
+# Plans of forward launches: a call whose q, k, v have the shapes, strides and alignment of an
+# earlier direct launch's, with its dtype, device and spec, repeats that launch with its own
+# tensors (``eligible`` holds for it as it did for the earlier one), skipping the checks and the
+# argument building (docs/dev/tuning-log.md, step 50).
+_fwd_plans = PlanCache()
+_FWD_ROLES = ("desc_q", "desc_k", "desc_v", "desc_o")  # descriptors of q, k, v, out
+
+
+class _FwdPlan:
+    __slots__ = ("compiled", "grid", "values", "lse_at", "descs", "device")
+
+    def __init__(self, compiled, grid, values, descs, device):
+        names = _kernel("fwd").arg_names
+        self.compiled, self.grid, self.device = compiled, grid, device
+        self.values, self.lse_at = list(values), names.index("Lse")
+        # (position, role, shape, row stride, block, layout) of each descriptor
+        self.descs = tuple((names.index(n), r, *descs[n][1:]) for r, n in enumerate(_FWD_ROLES))
+        # the plan keeps no tensor of the call it was made from alive (every call fills them)
+        for at in (self.lse_at, *(d[0] for d in self.descs)):
+            self.values[at] = None
+
+
+def planned_forward(q, k, v, spec: AttnSpec):
+    """:func:`forward`'s ``(out, lse)`` through the plan of an earlier call like this one, or
+    None where there is none or plans are off (``fastlaunch.plans_enabled``; the caller then
+    checks :func:`eligible`)."""
+    if not plans_enabled():
+        return None
+    plan = _fwd_plans.get((signature(q, k, v), q.dtype, q.device, spec))
+    if (plan is None or not enabled() or interpreting() or recorder() is not None
+            or launch_hooks_set()):
+        return None
+    out = empty(q.shape, q.dtype, q.device)
+    lse = empty((q.shape[0], q.shape[2], q.shape[1]), torch.float32, q.device)
+    values = plan.values.copy()
+    values[plan.lse_at] = lse
+    tensors = (q, k, v, out)
+    for at, role, shape, row_stride, block, layout in plan.descs:
+        values[at] = _descriptor(tensors[role], shape, row_stride, block, layout, True)
+    _run(plan.compiled, plan.grid, values, plan.device)
+    return out, lse
+
+
 def forward(q, k, v, spec: AttnSpec):
     """``(out, lse)`` with the Triton forward's layouts: out like q, lse float32 ``(B, H, Sq)``."""
     batch, sq, nheads, head_dim = q.shape
@@ -312,7 +359,10 @@ def forward(q, k, v, spec: AttnSpec):
                  desc_v=_rows(v, tile_n, kv_layout, "kv", args),
                  desc_o=(out, [batch * sq, nheads * head_dim], nheads * head_dim,
                          [BLOCK_M // 2, head_dim], q_layout))
-    _launch("fwd", device, (q.dtype, head_dim, masked, n_c), grid, args, descs)
+    launched = _launch("fwd", device, (q.dtype, head_dim, masked, n_c), grid, args, descs)
+    if launched is not None:
+        _fwd_plans.put((signature(q, k, v), q.dtype, q.device, spec),
+                       _FwdPlan(launched[0], grid, launched[1], descs, device))
     return out, lse
 
 
