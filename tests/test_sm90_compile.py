@@ -49,8 +49,10 @@ def emit(name, kernel, types, head_dim, causal, **flags):
                   (names.index("num_warps"),): launch_sm90.NUM_WARPS}
     constexprs.update({(names.index(flag),): value for flag, value in flags.items()})
     src = GluonASTSource(kernel, {n: types[n] for n in names}, constexprs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": launch_sm90.NUM_WARPS})
+    options = {"num_warps": launch_sm90.NUM_WARPS}
+    if flags.get("CONSUMERS") == 1:  # two CTAs an SM: the launcher's register budget
+        options["maxnreg"] = 128
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     ptx = k.asm["ptx"]
     # ptxas's resource report of the same PTX: spilled registers (local memory) of the kernel
     with tempfile.TemporaryDirectory() as tmp:
@@ -68,7 +70,8 @@ def emit(name, kernel, types, head_dim, causal, **flags):
                                       "mbarrier.try_wait")},
         tma_stores=ptx.count("cp.async.bulk.tensor.2d.global.shared"),
         tma_reductions=ptx.count("cp.reduce.async.bulk.tensor"),
-        atomics=len(re.findall(r"\s(?:atom|red)\.", ptx)), spill_bytes=spills)))
+        atomics=len(re.findall(r"\s(?:atom|red)\.", ptx)), spill_bytes=spills,
+        maxnreg=int(re.search(r"\.maxnreg (\d+)", ptx).group(1)))))
 
 
 for dtype in (torch.bfloat16, torch.float16):
@@ -77,7 +80,7 @@ for dtype in (torch.bfloat16, torch.float16):
         for head_dim in (64, 128, 256):
             bq, bn = launch_sm90.BLOCK_M // 2, launch_sm90.block_n(head_dim)
             q_layout, kv_layout = launch_sm90._layouts(head_dim, dtype)
-            for n_c in {2, launch_sm90.consumers(head_dim, causal)}:
+            for n_c in {2, launch_sm90.consumers(head_dim, causal, 0)}:
                 emit(f"fwd{'' if n_c == 2 else n_c}-{ty}", attn_fwd_sm90_kernel, dict(
                     desc_q=desc(ty, bq, head_dim, q_layout),
                     desc_k=desc(ty, bn, head_dim, kv_layout),
@@ -166,6 +169,25 @@ def test_sm90_forward_with_three_consumers_compiles_without_spills(compiled, var
     assert row["spill_bytes"] == 0
 
 
+@pytest.mark.parametrize("variant", ["fwd1-bf16-d64-causal", "fwd1-fp16-d64-causal"])
+def test_sm90_forward_with_one_consumer_fits_two_ctas_an_sm(compiled, variant):
+    """d = 64 with masking over few keys: one consumer warpgroup and the producer, two CTAs an
+    SM: launched at 128 registers a thread (2 x 256 threads x 128 = the register file), half
+    the SM's shared memory at most, no spilled register."""
+    from flashtile.backends.triton import launch_sm90
+
+    row = compiled[variant]
+    assert row["cubin_bytes"] > 0, "ptxas produced no binary"
+    half = launch_sm90.BLOCK_M // 2
+    rows = half + 2 * launch_sm90.STAGES * launch_sm90.block_n(64) + half
+    assert rows * 64 * 2 <= row["shared"] and 2 * row["shared"] <= 228 * 1024
+    # 1 consumer warpgroup, 1 producer warp padded to a warpgroup
+    assert row["num_warps"] == 8 and 2 * 8 * 32 * row["maxnreg"] <= 65536
+    assert all(row["ops"].values()), row["ops"]
+    assert row["tma_stores"] == 1
+    assert row["spill_bytes"] == 0
+
+
 @pytest.mark.parametrize("variant", BWD_VARIANTS)
 def test_sm90_backward_compiles_for_hopper_with_its_structure(compiled, variant):
     """``bwd``: the fused kernel (dQ added by TMA reductions); ``dkdv``: the deterministic
@@ -191,6 +213,31 @@ def test_sm90_backward_compiles_for_hopper_with_its_structure(compiled, variant)
         assert row["tma_reductions"] == 4 and row["atomics"] == 0
     else:
         assert row["tma_reductions"] == 0 and row["atomics"] == 0
+
+
+@pytest.mark.parametrize("sq, sk, window, head_dim, expected", [
+    (1024, 1024, (-1, 0), 64, 1),     # causal 1K: 512 keys a row on average
+    (128, 512, (-1, 0), 64, 1),       # sk > sq: 448
+    (2048, 2048, (-1, 0), 64, 2),     # causal 2K: 1024
+    (8192, 8192, (255, 0), 64, 1),    # a 256-key window
+    (4096, 4096, (1023, 0), 64, 2),   # a 1024-key window
+    (1024, 1024, (-1, -1), 64, 3),    # no mask: three consumers
+    (1024, 1024, (-1, 0), 128, 2),
+    (1024, 1024, (-1, 0), 256, 2),
+], ids=["causal-1k", "causal-sk>sq", "causal-2k", "window-256", "window-1024", "full", "d128",
+        "d256"])
+def test_sm90_forward_consumer_count_follows_the_keys_a_row_sees(sq, sk, window, head_dim,
+                                                                  expected):
+    """The forward's consumer count: one (two CTAs an SM) for masked d = 64 calls whose rows see
+    few keys, where an item's first tile and epilogue weigh most; two otherwise; three at d = 64
+    without masking."""
+    from flashtile.backends.spec import AttnSpec
+    from flashtile.backends.triton import launch_sm90
+
+    spec = AttnSpec(softmax_scale=0.125, window_left=window[0], window_right=window[1])
+    w = launch_sm90._window(spec, sq, sk)
+    keys = launch_sm90._mean_keys(sq, sk, w["wl"], w["wr"])
+    assert launch_sm90.consumers(head_dim, w["MASKED"], keys) == expected
 
 
 def _worst_over_mean(n_m, n_bh, sq, sk, n_ctas, lpt):
@@ -257,10 +304,14 @@ def test_sm90_launchers_pass_exactly_the_kernels_parameters(monkeypatch):
         launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec)
         torch.testing.assert_close(delta, (do * out).sum(-1).transpose(1, 2))
         assert (dq == 0).all()  # the accumulator the (mocked) kernel did not add into
+    # (d = 64 causal over 128 keys: one consumer, two CTAs an SM)
     assert [(name, key[-1]) for name, key, _ in calls] == [
-        ("fwd", 2), ("bwd", False), ("bwd", True)] * 2 + [("fwd", 2)]
-    for name, _, args in calls:
-        assert sorted(args) == sorted(launch_sm90._kernel(name).arg_names), name
+        ("fwd", 1), ("bwd", False), ("bwd", True), ("fwd", 2), ("bwd", False), ("bwd", True),
+        ("fwd", 2)]
+    for name, key, args in calls:
+        # every parameter by name, and the launch option of the one-consumer forward
+        options = {"maxnreg"} if name == "fwd" and key[-1] == 1 else set()
+        assert sorted(args) == sorted([*launch_sm90._kernel(name).arg_names, *options]), name
 
 
 def _layouts_of(batch, seq, heads, head_dim):

@@ -38,6 +38,9 @@ CASES = [  # (batch, sq, sk, heads, heads_k, d, causal)
     ("d64-gqa", 1, 256, 512, 8, 2, 64, False),
     ("d64-causal-sk>sq", 2, 128, 512, 4, 4, 64, True),
     ("d128-long-causal", 1, 2048, 2048, 2, 1, 128, True),
+    # d = 64 causal: one consumer in two CTAs an SM up to ~768 keys a row on average (the
+    # cases above with 128-1024 keys), two consumers beyond
+    ("d64-long-causal", 1, 2048, 2048, 4, 2, 64, True),
     # more work items than SMs: each CTA of the persistent grid takes several, the last round
     # only some CTAs (barrier phases carried across items, the snake order, causal lengths)
     ("d64-causal-rounds", 4, 1024, 1024, 9, 3, 64, True),

@@ -39,12 +39,28 @@ def block_n(head_dim: int) -> int:
 _sm90_env = env_reader("FLASHTILE_SM90")
 
 
-def consumers(head_dim: int, masked: bool) -> int:
+ONE_CONSUMER_KEYS = 768  # mean keys a row sees up to which masked d = 64 takes one consumer
+
+
+def consumers(head_dim: int, masked: bool, keys: int = 1 << 30) -> int:
     """Consumer warpgroups of the forward: three (192-row work items, 160 registers a thread)
-    at d = 64 without masking, else two.  H100, bf16, B H32 d64 non-causal, 3 rounds: 1.07-1.11x
-    cuDNN at N = 2K-16K with three, 0.94-0.97x with two (equal at 1K); causal or windowed, the
-    masking code spills at 160 registers (772 bytes) and three ran at 0.36-0.48x cuDNN."""
+    at d = 64 without masking; one, in two CTAs an SM, at d = 64 with masking where a row sees
+    at most ``ONE_CONSUMER_KEYS`` keys on average (``keys``); else two.  H100, bf16, B H32 d64
+    non-causal, 3 rounds: 1.07-1.11x cuDNN at N = 2K-16K with three, 0.94-0.97x with two (equal
+    at 1K); causal or windowed, the masking code spills at 160 registers (772 bytes) and three
+    ran at 0.36-0.48x cuDNN.  Causal at 1K (4.5 key tiles an item), one consumer in two CTAs
+    an SM: 0.88-0.93x cuDNN against 0.81-0.86x with two (the other CTA's turns fill the
+    tensor cores through this one's first tile and epilogue); from 2K two are faster
+    (docs/dev/tuning-log.md, step 51)."""
+    if head_dim == 64 and masked and keys <= ONE_CONSUMER_KEYS:
+        return 1
     return 3 if head_dim == 64 and not masked else 2
+
+
+def _mean_keys(sq: int, sk: int, wl: int, wr: int) -> int:
+    """About how many keys a query row sees on average (bottom-right, edges as ``_window``
+    gives them): the causal triangle's mean, or the window's width."""
+    return min(sk, wl + wr + 1, sk - sq + (sq + 1) // 2 + wr)
 
 
 def enabled() -> bool:
@@ -342,17 +358,22 @@ def forward(q, k, v, spec: AttnSpec):
     device = q.device.index or 0
     window = _window(spec, sq, sk)
     masked = window["MASKED"]  # causal masking is the window (-1, 0)
-    n_c = consumers(head_dim, masked)
+    n_c = consumers(head_dim, masked, _mean_keys(sq, sk, window["wl"], window["wr"]))
     block_m = n_c * (BLOCK_M // 2)
     n_m = -(-sq // block_m)
-    # persistent: one CTA per SM, at most one per work item (row block, batch entry, head)
-    grid = (min(n_m * batch * nheads, _sm_count(device)),)
+    # persistent: one CTA per SM (two with one consumer: 128 registers a thread at launch, which
+    # the consumer raises to 232 and the producer lowers to 24), at most one per work item (row
+    # block, batch entry, head)
+    per_sm = 2 if n_c == 1 else 1
+    grid = (min(n_m * batch * nheads, per_sm * _sm_count(device)),)
     args = dict(Lse=lse, stride_lb=lse.stride(0), stride_lh=lse.stride(1),
                 batch=batch, sq=sq, sk=sk, nheads=nheads, group=nheads // nheads_k,
                 qk_scale=spec.softmax_scale * LOG2E, **window,
                 STAGES=STAGES, num_warps=NUM_WARPS, CONSUMERS=n_c,
                 lpt=causal_order(n_m, batch * nheads, sq, sk, grid[0], tile_n, block_m)
                 if spec.causal else 0)
+    if n_c == 1:
+        args["maxnreg"] = 128
     q_layout, kv_layout = _layouts(head_dim, q.dtype)
     descs = dict(desc_q=_rows(q, BLOCK_M // 2, q_layout, "q", args),
                  desc_k=_rows(k, tile_n, kv_layout, "kv", args),

@@ -1,7 +1,9 @@
 """Hopper (sm_90) forward kernel in Gluon, warp-specialised: a one-warp producer streams K/V
 tiles by TMA into a ``STAGES``-deep shared-memory ring; ``CONSUMERS`` warpgroups (two; three at
-d = 64 without masking, at 160 registers a thread) own 64 query rows each and take turns on the
-tensor cores in order (ping-pong: while one issues its Q·Kᵀ and P·V, the others compute their
+d = 64 without masking, at 160 registers a thread; one at d = 64 with masking over few keys,
+where two CTAs share an SM and their turns interleave without a barrier: the launcher caps the
+registers at 128 a thread, ``launch_sm90.consumers``) own 64 query rows each and take turns on
+the tensor cores in order (ping-pong: while one issues its Q·Kᵀ and P·V, the others compute their
 softmax); within a warpgroup the next tile's Q·Kᵀ is issued before this tile's P·V,
 so the softmax of one tile overlaps the tensor cores working on the other.
 
@@ -290,7 +292,7 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
             live = True
             if NC > 2:
                 live = mq0 < sq
-            if O_TILES > 1:
+            if O_TILES == NC:  # a tile of its own
                 if live:
                     o_tile = o_smem.index(i_wg)
                     tma.store_wait(pendings=0)  # the previous item's store has read this tile
@@ -361,7 +363,7 @@ def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, desc_o, Lse, stride_lb, stride_
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout)
     # the consumers' output tiles, stored by TMA; at d = 256 two would not fit beside the rings
-    O_TILES: gl.constexpr = CONSUMERS if HEAD_DIM <= 128 else 1
+    O_TILES: gl.constexpr = CONSUMERS if HEAD_DIM <= 128 else 1  # (one consumer: its own)
     o_smem = gl.allocate_shared_memory(dtype, [O_TILES, BLOCK_MQ, HEAD_DIM], desc_o.layout)
     bar_q = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     bar_qfree = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
@@ -396,6 +398,12 @@ def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, desc_o, Lse, stride_lb, stride_
         gl.warp_specialize([(_ws_consumer0, consumer_args), (_ws_consumer1, consumer_args),
                             (_ws_consumer2, consumer_args), (_ws_producer, producer_args)],
                            [4, 4, 1], [160, 160, 24])
+    elif CONSUMERS == 1:
+        # two CTAs an SM (the launcher's 128 registers a thread): the consumer takes 232, the
+        # producer 24, and the other CTA's turns fill the tensor cores through this one's
+        # first tile and epilogue
+        gl.warp_specialize([(_ws_consumer0, consumer_args), (_ws_producer, producer_args)],
+                           [1], [24])
     else:
         gl.warp_specialize([(_ws_consumer0, consumer_args), (_ws_consumer1, consumer_args),
                             (_ws_producer, producer_args)], [4, 1], [232, 24])
