@@ -272,6 +272,46 @@ def test_sm90_causal_order_keeps_every_cta_near_the_mean(batch, heads, n):
         assert _worst_over_mean(n_m, n_bh, n, n, 132, 0) > 1.08
 
 
+def _bwd_makespan(steps: list, n_bh: int, bh_group: int, n_sm: int = 132) -> int:
+    """When the last backward CTA ends if the GPU issues them in ``_cta_keys``' order (groups
+    of ``bh_group`` pairs, key block by key block) each to the SM that frees first."""
+    order = [w for g0 in range(0, n_bh, bh_group) for w in steps
+             for _ in range(min(bh_group, n_bh - g0))]
+    free = [0] * n_sm
+    for w in order:
+        free[free.index(min(free))] += w
+    return max(free)
+
+
+@pytest.mark.parametrize("batch,heads,n,head_dim", [
+    (16, 16, 1024, 128), (8, 16, 2048, 128), (4, 16, 4096, 128), (2, 16, 8192, 128),
+    (1, 16, 16384, 128), (8, 12, 2048, 128), (2, 32, 8192, 128), (1, 8, 4096, 128),
+    (3, 5, 2048, 128), (8, 32, 2048, 64)], ids=lambda x: str(x))
+def test_sm90_backward_group_order_shortens_the_causal_tail(batch, heads, n, head_dim):
+    """``bwd_group``: 1 without masking; with causal masking a group whose issue order ends
+    within 1% of the whole work's even share (or 1 where nothing does better), never later
+    than the plain order, Q, dO and dQ of a group within the L2 budget (or no more pairs than
+    the plain order has in flight); d = 64 keeps the plain order (measured no faster)."""
+    from flashtile.backends.triton import launch_sm90
+
+    n_bh, n_kb = batch * heads, n // launch_sm90.BWD_BLOCK_N
+    assert launch_sm90.bwd_group(n_bh, 1, n, n, head_dim, 2 * n, n, False, 132) == 1
+    g = launch_sm90.bwd_group(n_bh, 1, n, n, head_dim, 2 * n, 0, True, 132)
+    assert 1 <= g <= n_bh and (head_dim == 128 or g == 1)
+    # key block j sees the query tiles from its own rows on, plus the CTA's setup
+    steps = [(n - j * launch_sm90.BWD_BLOCK_N) // launch_sm90.BWD_BLOCK_M
+             + launch_sm90.BWD_CTA_SETUP for j in range(n_kb)]
+    share = sum(steps) * n_bh / 132
+    plain, chosen = _bwd_makespan(steps, n_bh, 1), _bwd_makespan(steps, n_bh, g)
+    assert chosen <= plain
+    if g > 1:
+        assert chosen < 0.99 * plain
+        assert (g * n * head_dim * 8 <= launch_sm90.BWD_GROUP_L2
+                or g <= -(-132 // n_kb) + 1)
+    if head_dim == 128 and n_bh * n_kb >= 2 * 132:  # two waves or more: ends near the share
+        assert chosen <= 1.03 * share
+
+
 def test_sm90_launchers_pass_exactly_the_kernels_parameters(monkeypatch):
     """``forward``, ``dkdv`` and ``fused_backward`` hand each Gluon kernel every parameter it
     declares, by name, and nothing else (a renamed or dropped parameter would otherwise first

@@ -295,6 +295,37 @@ def test_sm90_backward_matches_float64_reference(case, dtype, deterministic, mon
         (low[0].double() - ref[0]).abs().max().item()) + 1e-4
 
 
+@pytest.mark.parametrize("bh_group", [2, 3, 5], ids=lambda g: f"group{g}")
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "deterministic"])
+def test_sm90_backward_group_order_gives_the_plain_orders_gradients(bh_group, deterministic,
+                                                                    monkeypatch):
+    """The backward's CTAs issued in groups of (batch, head) pairs (``_cta_keys``; 7 pairs, so
+    the last group is partial): every CTA still takes exactly one key block of one pair, so dK
+    and dV are bitwise those of the plain order (each CTA owns its keys) and dQ equal within
+    the float32 accumulator's summation order (bitwise with ``deterministic=True``)."""
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    q, k, v, do = (torch.randn(7, 2048, 2, 64, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(4))
+    k, v = k[:, :, :1], v[:, :, :1]  # GQA: a CTA walks both query heads
+
+    def grads(group):
+        monkeypatch.setattr(launch_sm90, "bwd_group", lambda *a: group)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        with poison_outputs():
+            flashtile.flash_attn_func(*leaves, causal=True,
+                                      deterministic=deterministic).backward(do)
+        return [x.grad for x in leaves]
+
+    plain, grouped = grads(1), grads(bh_group)
+    assert all(torch.isfinite(g).all() for g in grouped)
+    assert torch.equal(plain[1], grouped[1]) and torch.equal(plain[2], grouped[2])
+    if deterministic:
+        assert torch.equal(plain[0], grouped[0])
+    else:
+        # a float32 sum in another order rounds to bf16 at most one unit (2^-7) apart
+        torch.testing.assert_close(grouped[0], plain[0], rtol=2 ** -7, atol=1e-3)
+
+
 def _in_layout(x, layout):
     """``x`` (B, S, H, D) as the same values in another memory layout a caller may hand in."""
     if layout == "sdpa":  # (B, H, S, D) contiguous, transposed back

@@ -11,6 +11,7 @@ Triton kernels, never a wrong result: ``eligible`` and ``bwd_eligible`` list the
 from __future__ import annotations
 
 import functools
+import heapq
 
 import torch
 
@@ -187,6 +188,60 @@ def _layout(rows: int, head_dim: int, dtype: torch.dtype):
 
     g_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], g_dtype)
+
+
+BWD_GROUP_L2 = 24 << 20  # bytes of Q, dO and dQ a group of backward CTAs may share through L2
+BWD_CTA_SETUP = 3        # a backward CTA's K/V load and dK/dV store, in steps of one query tile
+
+
+@functools.lru_cache(maxsize=256)
+def bwd_group(n_bh: int, group: int, sq: int, sk: int, head_dim: int, wl: int, wr: int,
+              masked: bool, n_sm: int) -> int:
+    """``bh_group`` of the backward kernel (``_cta_keys``): how many (batch, key/value head)
+    pairs issue their CTAs key block by key block together.  With causal masking key block
+    ``j``'s CTA walks ``(sq - 128 j) / 64`` query tiles, so in the plain order (1: a pair's
+    blocks, then the next pair's) the last pair's heaviest blocks start near the end and run
+    alone: the SMs idle for up to one heavy CTA (~6% at 1K-8K keys, B * N = 16K).  Each
+    candidate order is counted here as the GPU issues CTAs, to the SM that frees first (a
+    CTA's steps: its query tiles times the heads it walks, plus ``BWD_CTA_SETUP``); the
+    group's Q, dO and dQ stay within ``BWD_GROUP_L2`` (or within the pairs the plain order has
+    in flight).  1 unless a group finishes more than 1% sooner.  H100, bf16, B * N = 16K, H16,
+    causal, the backward against the plain order (5 interleaved rounds): d = 128 1.024-1.039x at
+    N = 1K-8K; d = 64 0.98-1.02x, so d = 64 keeps the plain order (docs/dev/tuning-log.md,
+    step 52)."""
+    if not masked or head_dim != 128:
+        return 1
+    n_kb = sk // BWD_BLOCK_N
+    shift, n_q = sk - sq, sq // BWD_BLOCK_M
+    steps = []
+    for j in range(n_kb):  # as _query_tiles counts them
+        n0 = j * BWD_BLOCK_N
+        lo = max(n0 - shift - wr, 0) // BWD_BLOCK_M
+        hi = min(n0 + BWD_BLOCK_N - 1 - shift + wl + 1, sq)
+        steps.append(group * min(max(-(-hi // BWD_BLOCK_M) - lo, 0), n_q) + BWD_CTA_SETUP)
+    per_sm = sum(steps) * n_bh / n_sm
+    if max(steps) < 0.03 * per_sm:  # the tail is short whatever the order
+        return 1
+
+    def makespan(g: int) -> int:
+        free = [0] * n_sm
+        for g0 in range(0, n_bh, g):
+            size = min(g, n_bh - g0)
+            for w in steps:
+                for _ in range(size):
+                    heapq.heappush(free, heapq.heappop(free) + w)
+        return max(free)
+
+    in_flight = -(-n_sm // n_kb) + 1
+    head_bytes = group * sq * head_dim * 8  # Q and dO (2 bytes each), dQ (float32)
+    best, best_time = 1, makespan(1)
+    g = 2
+    while g <= n_bh and (g * head_bytes <= BWD_GROUP_L2 or g <= in_flight):
+        t = makespan(g)
+        if t < best_time * 0.99 and (best == 1 or t < best_time):
+            best, best_time = g, t
+        g *= 2
+    return best
 
 
 def _layouts(head_dim: int, dtype: torch.dtype):
@@ -417,11 +472,14 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec) -> None:
     else:  # never read: a descriptor of one tile
         desc_dq = (torch.empty(acc_tile, dtype=torch.float32, device=q.device), acc_tile,
                    acc_tile[1], acc_tile, _acc_layout(head_dim))
-    grid = (sk // BWD_BLOCK_N, batch * nheads_k)
+    n_bh = batch * nheads_k
+    grid = (sk // BWD_BLOCK_N * n_bh,)
     window = _window(spec, sq, sk)
+    bh_group = bwd_group(n_bh, nheads // nheads_k, sq, sk, head_dim, window["wl"],
+                         window["wr"], window["MASKED"], _sm_count(device))
     args = dict(DK=dk, DV=dv, stride_kb=dk.stride(0), stride_kn=dk.stride(1),
-                stride_kh=dk.stride(2), sq=sq, sk=sk, nheads_k=nheads_k,
-                group=nheads // nheads_k, scale=spec.softmax_scale,
+                stride_kh=dk.stride(2), sq=sq, sk=sk, nheads_k=nheads_k, n_bh=n_bh,
+                bh_group=bh_group, group=nheads // nheads_k, scale=spec.softmax_scale,
                 qk_scale=spec.softmax_scale * LOG2E, **window,
                 # edges other than the causal diagonal (without, the causal-only code)
                 WINDOW=window["MASKED"] and (window["wl"] < sq + sk or window["wr"] != 0),

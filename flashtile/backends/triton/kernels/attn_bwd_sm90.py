@@ -82,6 +82,22 @@ def _query_tiles(n0, n_keys, sq, shift, wl, wr, masked, window, BLOCK_M: gl.cons
 
 
 @gluon.jit
+def _cta_keys(n_bh, bh_group):
+    """``(i_n, i_bh)``: the key block and the (batch, key/value head) of this CTA.  CTAs are
+    issued in groups of ``bh_group`` (batch, head) pairs, each group key block by key block
+    across its pairs: with causal masking a block's work falls with its index, so the heaviest
+    blocks of a group start first and its light ones fill the tail (``launch_sm90.bwd_group``
+    picks the group; with 1 the key blocks of one pair run in order, one pair after another)."""
+    sk_blocks = gl.num_programs(0) // n_bh
+    pid = gl.program_id(0)
+    per = sk_blocks * bh_group
+    g0 = (pid // per) * bh_group
+    size = gl.minimum(bh_group, n_bh - g0)
+    r = pid % per
+    return r // size, g0 + r % size
+
+
+@gluon.jit
 def _dq_add(b_dq, desc_dq, dq_tile, row, col, scale):
     """``dq_accumulator[row:, col:] += scale * b_dq`` (a ``[BLOCK_M, D / 2]`` float32 tile)
     through this consumer's shared-memory tile ``dq_tile``."""
@@ -106,14 +122,13 @@ def _dq_last(n_t, bar_ds, ds_smem, k_half, b_dq0, desc_dq, dq_tile, row, col, sc
 @gluon.jit
 def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
                   k_smem, v_smem, lse_smem, delta_smem, bar_kv, bar_qd, bar_free, sq, sk,
-                  nheads_k, group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch,
-                  wl, wr, masked, window):
+                  nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb,
+                  kv_rh, kv_ch, wl, wr, masked, window):
     STAGES: gl.constexpr = q_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     BLOCK_NW: gl.constexpr = desc_k.block_type.shape[0]   # keys of one consumer
-    i_n = gl.program_id(0)
-    i_bh = gl.program_id(1)
+    i_n, i_bh = _cta_keys(n_bh, bh_group)
     i_b = i_bh // nheads_k
     i_hk = i_bh % nheads_k
     n0 = i_n * 2 * BLOCK_NW
@@ -150,8 +165,8 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
 @gluon.jit
 def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                   bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV,
-                  stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, group, scale, qk_scale,
-                  wl, wr, masked, window, DQ: gl.constexpr):
+                  stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group, scale,
+                  qk_scale, wl, wr, masked, window, DQ: gl.constexpr):
     STAGES: gl.constexpr = q_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
@@ -168,8 +183,7 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    i_n = gl.program_id(0)
-    i_bh = gl.program_id(1)
+    i_n, i_bh = _cta_keys(n_bh, bh_group)
     i_b = i_bh // nheads_k
     i_hk = i_bh % nheads_k
     shift = sk - sq
@@ -286,34 +300,35 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
 @gluon.jit
 def _bwd_consumer0(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                    bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV,
-                   stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, group, scale, qk_scale,
-                   wl, wr, masked, window, DQ: gl.constexpr):
+                   stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group,
+                   scale, qk_scale, wl, wr, masked, window, DQ: gl.constexpr):
     _bwd_consumer(0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                   bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV,
-                  stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, group, scale, qk_scale,
-                  wl, wr, masked, window, DQ)
+                  stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group, scale,
+                  qk_scale, wl, wr, masked, window, DQ)
 
 
 @gluon.jit
 def _bwd_consumer1(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                    bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV,
-                   stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, group, scale, qk_scale,
-                   wl, wr, masked, window, DQ: gl.constexpr):
+                   stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group,
+                   scale, qk_scale, wl, wr, masked, window, DQ: gl.constexpr):
     _bwd_consumer(1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                   bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV,
-                  stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, group, scale, qk_scale,
-                  wl, wr, masked, window, DQ)
+                  stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group, scale,
+                  qk_scale, wl, wr, masked, window, DQ)
 
 
 @gluon.jit
 def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, DK, DV,
-                         stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, group, q_rb, q_rh,
-                         q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, scale, qk_scale,
-                         wl, wr, MASKED: gl.constexpr, WINDOW: gl.constexpr, DQ: gl.constexpr,
-                         STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """Grid ``(Sk / 128, B * Hk)``: 128 keys of one key/value head per CTA.  ``desc_dq`` is
-    the float32 dQ accumulator ``(B * Sq, H * D)`` in tiles of ``[BLOCK_M, D / 2]`` (read only
-    with ``DQ``); ``desc_lse`` and ``desc_delta`` are ``(B * H * Sq,)`` in tiles of ``BLOCK_M``."""
+                         stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group,
+                         group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch,
+                         scale, qk_scale, wl, wr, MASKED: gl.constexpr, WINDOW: gl.constexpr,
+                         DQ: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """Grid ``(Sk / 128 * B * Hk,)``: 128 keys of one key/value head per CTA (the ``n_bh = B *
+    Hk`` pairs in groups of ``bh_group``: ``_cta_keys``).  ``desc_dq`` is the float32 dQ
+    accumulator ``(B * Sq, H * D)`` in tiles of ``[BLOCK_M, D / 2]`` (read only with ``DQ``);
+    ``desc_lse`` and ``desc_delta`` are ``(B * H * Sq,)`` in tiles of ``BLOCK_M``."""
     BLOCK_M: gl.constexpr = desc_q.block_type.shape[0]
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[1]
     BLOCK_NW: gl.constexpr = desc_k.block_type.shape[0]
@@ -355,13 +370,13 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
         (_bwd_consumer0, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                           dq_smem, bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                           desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k,
-                          group, scale, qk_scale, wl, wr, MASKED, WINDOW, DQ)),
+                          n_bh, bh_group, group, scale, qk_scale, wl, wr, MASKED, WINDOW, DQ)),
         (_bwd_consumer1, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                           dq_smem, bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                           desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k,
-                          group, scale, qk_scale, wl, wr, MASKED, WINDOW, DQ)),
+                          n_bh, bh_group, group, scale, qk_scale, wl, wr, MASKED, WINDOW, DQ)),
         (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
                          k_smem, v_smem, lse_smem, delta_smem, bar_kv, bar_qd, bar_free, sq, sk,
-                         nheads_k, group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh,
-                         kv_ch, wl, wr, MASKED, WINDOW)),
+                         nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh,
+                         do_ch, kv_rb, kv_rh, kv_ch, wl, wr, MASKED, WINDOW)),
     ], [4, 1], [232, 24])
