@@ -97,15 +97,16 @@ for dtype in (torch.bfloat16, torch.float16):
                          desc_do=desc(ty, bm, head_dim, q_layout),
                          desc_k=desc(ty, bn, head_dim, kv_layout),
                          desc_v=desc(ty, bn, head_dim, kv_layout), desc_lse=flat,
-                         desc_delta=flat, desc_dq=acc, DK=f"*{ty}", DV=f"*{ty}", scale="fp32",
-                         qk_scale="fp32")
+                         desc_delta=flat, desc_dq=acc, DK=f"*{ty}", DV=f"*{ty}",
+                         Counter="*i32", scale="fp32", qk_scale="fp32")
             for fused in (True, False):
                 kind = "bwd" if fused else "dkdv"
+                persistent = launch_sm90.bwd_persistent(head_dim)
                 emit(f"{kind}-{ty}", attn_bwd_sm90_kernel, types, head_dim, causal, WINDOW=False,
-                     DQ=fused)
+                     DQ=fused, PERSISTENT=persistent)
                 if causal:  # a window other than the causal one: "-causal" rows
                     emit(f"{kind}w-{ty}", attn_bwd_sm90_kernel, types, head_dim, True,
-                         WINDOW=True, DQ=fused)
+                         WINDOW=True, DQ=fused, PERSISTENT=persistent)
 '''
 
 
@@ -191,7 +192,8 @@ def test_sm90_forward_with_one_consumer_fits_two_ctas_an_sm(compiled, variant):
 @pytest.mark.parametrize("variant", BWD_VARIANTS)
 def test_sm90_backward_compiles_for_hopper_with_its_structure(compiled, variant):
     """``bwd``: the fused kernel (dQ added by TMA reductions); ``dkdv``: the deterministic
-    variant, which has no atomic or reduction instruction at all."""
+    variant, which has no reduction instruction and no atomic but the persistent kernel's claims
+    of work items (an integer counter, which leaves the gradients bitwise reproducible)."""
     from flashtile.backends.triton import launch_sm90
 
     row = compiled[variant]
@@ -208,11 +210,13 @@ def test_sm90_backward_compiles_for_hopper_with_its_structure(compiled, variant)
     assert row["num_warps"] == 12
     assert all(row["ops"].values()), row["ops"]
     assert row["spill_bytes"] <= SPILL_LIMIT
+    # persistent (d = 64): the producer's two claims of a work item, its only atomics
+    claims = 2 if launch_sm90.bwd_persistent(d) else 0
     if variant.startswith("bwd"):
         # one dq reduction in each consumer's loop and one after it
-        assert row["tma_reductions"] == 4 and row["atomics"] == 0
+        assert row["tma_reductions"] == 4 and row["atomics"] == claims
     else:
-        assert row["tma_reductions"] == 0 and row["atomics"] == 0
+        assert row["tma_reductions"] == 0 and row["atomics"] == claims
 
 
 @pytest.mark.parametrize("sq, sk, window, head_dim, expected", [
@@ -273,7 +277,7 @@ def test_sm90_causal_order_keeps_every_cta_near_the_mean(batch, heads, n):
 
 
 def _bwd_makespan(steps: list, n_bh: int, bh_group: int, n_sm: int = 132) -> int:
-    """When the last backward CTA ends if the GPU issues them in ``_cta_keys``' order (groups
+    """When the last backward CTA ends if the GPU issues them in ``_item_keys``' order (groups
     of ``bh_group`` pairs, key block by key block) each to the SM that frees first."""
     order = [w for g0 in range(0, n_bh, bh_group) for w in steps
              for _ in range(min(bh_group, n_bh - g0))]
@@ -345,7 +349,8 @@ def test_sm90_launchers_pass_exactly_the_kernels_parameters(monkeypatch):
         torch.testing.assert_close(delta, (do * out).sum(-1).transpose(1, 2))
         assert (dq == 0).all()  # the accumulator the (mocked) kernel did not add into
     # (d = 64 causal over 128 keys: one consumer, two CTAs an SM)
-    assert [(name, key[-1]) for name, key, _ in calls] == [
+    # (the forward's consumer count; the backward's fused flag)
+    assert [(name, key[-1] if name == "fwd" else key[4]) for name, key, _ in calls] == [
         ("fwd", 1), ("bwd", False), ("bwd", True), ("fwd", 2), ("bwd", False), ("bwd", True),
         ("fwd", 2)]
     for name, key, args in calls:

@@ -237,6 +237,8 @@ BWD_CASES = [  # (batch, sq, sk, heads, heads_k, d, causal)
     ("d64-long-causal-gqa", 1, 2048, 2048, 2, 1, 64, True),
     # more CTAs than SMs, several heads a CTA (GQA) and one query tile per CTA (sq = 64)
     ("d128-many-ctas-gqa", 3, 64, 2048, 12, 3, 128, False),
+    # d = 64 runs persistent: more work items (144) than SMs, so a CTA takes several
+    ("d64-many-items-gqa", 3, 512, 2048, 12, 3, 64, False),
     # causal up to 1K keys: the two kernels even without deterministic=True (fused_pays)
     ("d128-short-causal", 1, 384, 384, 4, 2, 128, True),
     # d = 64 up to 512 keys: the two kernels as well
@@ -299,14 +301,15 @@ def test_sm90_backward_matches_float64_reference(case, dtype, deterministic, mon
 @pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "deterministic"])
 def test_sm90_backward_group_order_gives_the_plain_orders_gradients(bh_group, deterministic,
                                                                     monkeypatch):
-    """The backward's CTAs issued in groups of (batch, head) pairs (``_cta_keys``; 7 pairs, so
-    the last group is partial): every CTA still takes exactly one key block of one pair, so dK
-    and dV are bitwise those of the plain order (each CTA owns its keys) and dQ equal within
-    the float32 accumulator's summation order (bitwise with ``deterministic=True``)."""
+    """The backward's work items taken in groups of (batch, head) pairs (``_item_keys``; 7 * 2
+    pairs, so the last group is partial; 224 items, more than SMs, so the persistent d = 64
+    kernel's CTAs take several): every item is still one key block of one pair, so dK and dV
+    are bitwise those of the plain order (each item owns its keys) and dQ equal within the
+    float32 accumulator's summation order (bitwise with ``deterministic=True``)."""
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
-    q, k, v, do = (torch.randn(7, 2048, 2, 64, device="cuda", dtype=torch.bfloat16)
-                   for _ in range(4))
-    k, v = k[:, :, :1], v[:, :, :1]  # GQA: a CTA walks both query heads
+    q, do = (torch.randn(7, 2048, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    # GQA: an item walks both query heads of its key/value head
+    k, v = (torch.randn(7, 2048, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
 
     def grads(group):
         monkeypatch.setattr(launch_sm90, "bwd_group", lambda *a: group)

@@ -194,10 +194,21 @@ BWD_GROUP_L2 = 24 << 20  # bytes of Q, dO and dQ a group of backward CTAs may sh
 BWD_CTA_SETUP = 3        # a backward CTA's K/V load and dK/dV store, in steps of one query tile
 
 
+def bwd_persistent(head_dim: int) -> bool:
+    """Whether the backward kernel runs persistent (``PERSISTENT``: one CTA per SM claiming
+    work items, a CTA's K/V load, first turns and dK/dV stores overlapping the previous and next
+    items') rather than one CTA per item: at d = 64, where its consumers compile without
+    spills (H100, bf16, B * N = 16K, 2 x 3 rounds against one CTA per item: causal +1-6%,
+    non-causal +2-6% at N = 1K-4K, within +-2% from 8K).  At d = 128 the loop over items
+    leaves the consumers 280-376 bytes of spills and the backward 8-22% slower
+    (docs/dev/tuning-log.md, step 53)."""
+    return head_dim == 64
+
+
 @functools.lru_cache(maxsize=256)
 def bwd_group(n_bh: int, group: int, sq: int, sk: int, head_dim: int, wl: int, wr: int,
               masked: bool, n_sm: int) -> int:
-    """``bh_group`` of the backward kernel (``_cta_keys``): how many (batch, key/value head)
+    """``bh_group`` of the backward kernel (``_item_keys``): how many (batch, key/value head)
     pairs issue their CTAs key block by key block together.  With causal masking key block
     ``j``'s CTA walks ``(sq - 128 j) / 64`` query tiles, so in the plain order (1: a pair's
     blocks, then the next pair's) the last pair's heaviest blocks start near the end and run
@@ -473,17 +484,24 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec) -> None:
         desc_dq = (torch.empty(acc_tile, dtype=torch.float32, device=q.device), acc_tile,
                    acc_tile[1], acc_tile, _acc_layout(head_dim))
     n_bh = batch * nheads_k
-    grid = (sk // BWD_BLOCK_N * n_bh,)
+    n_sm = _sm_count(device)
+    n_items = sk // BWD_BLOCK_N * n_bh
+    persistent = bwd_persistent(head_dim)
+    # persistent: at most one CTA per SM, claiming work items from a counter zeroed here;
+    # else one CTA per item, and the kernel reads no counter (``dk`` stands in)
+    grid = (min(n_items, n_sm) if persistent else n_items,)
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if persistent else dk
     window = _window(spec, sq, sk)
     bh_group = bwd_group(n_bh, nheads // nheads_k, sq, sk, head_dim, window["wl"],
-                         window["wr"], window["MASKED"], _sm_count(device))
-    args = dict(DK=dk, DV=dv, stride_kb=dk.stride(0), stride_kn=dk.stride(1),
+                         window["wr"], window["MASKED"], n_sm)
+    args = dict(DK=dk, DV=dv, Counter=counter,
+                stride_kb=dk.stride(0), stride_kn=dk.stride(1),
                 stride_kh=dk.stride(2), sq=sq, sk=sk, nheads_k=nheads_k, n_bh=n_bh,
                 bh_group=bh_group, group=nheads // nheads_k, scale=spec.softmax_scale,
                 qk_scale=spec.softmax_scale * LOG2E, **window,
                 # edges other than the causal diagonal (without, the causal-only code)
                 WINDOW=window["MASKED"] and (window["wl"] < sq + sk or window["wr"] != 0),
-                DQ=fused, STAGES=STAGES, num_warps=NUM_WARPS)
+                DQ=fused, PERSISTENT=persistent, STAGES=STAGES, num_warps=NUM_WARPS)
     q_layout = _layout(BWD_BLOCK_M, head_dim, q.dtype)
     kv_layout = _layout(BWD_BLOCK_N // 2, head_dim, q.dtype)
     flat = _flat_layout()
@@ -493,8 +511,8 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec) -> None:
                  desc_v=_rows(v, BWD_BLOCK_N // 2, kv_layout, "kv", args),
                  desc_lse=(lse, [lse.numel()], 1, [BWD_BLOCK_M], flat),
                  desc_delta=(delta, [delta.numel()], 1, [BWD_BLOCK_M], flat), desc_dq=desc_dq)
-    _launch("bwd", device, (q.dtype, head_dim, window["MASKED"], args["WINDOW"], fused), grid,
-            args, descs)
+    _launch("bwd", device, (q.dtype, head_dim, window["MASKED"], args["WINDOW"], fused,
+                            persistent), grid, args, descs)
 
 
 def dkdv(q, k, v, do, lse, delta, dk, dv, spec: AttnSpec) -> None:

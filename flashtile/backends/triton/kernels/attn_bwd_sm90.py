@@ -1,5 +1,5 @@
 """Hopper (sm_90) backward kernel in Gluon, warp-specialised like the forward
-(``attn_fwd_sm90.py``): a one-warp producer loads the CTA's 128 keys of K and V once and streams
+(``attn_fwd_sm90.py``): a one-warp producer loads a work item's 128 keys of K and V once and streams
 (Q, dO, lse, delta) tiles of ``BLOCK_M`` query rows by TMA into a ``STAGES``-deep ring; two
 consumer warpgroups own 64 keys each and take turns on the tensor cores.
 
@@ -30,9 +30,18 @@ Triton kernel) no atomics are used anywhere.  One step of a consumer::
 
 so one consumer's exponentials run while the other's matrix products occupy the tensor cores.
 The dq product runs one tile late: by then the other consumer's half of that tile's ds is
-written (before its previous turn), so no consumer waits for the other's softmax.  The CTA's
-query heads (GQA: every head of its key/value head's group) and tiles are walked in one loop,
-dK and dV summed in registers.
+written (before its previous turn), so no consumer waits for the other's softmax.  A work
+item's query heads (GQA: every head of its key/value head's group) and tiles are walked in one
+loop, dK and dV summed in registers.
+
+A work item is 128 keys of one (batch, key/value head) pair, in the order of ``_item_keys``.
+Without ``PERSISTENT`` each CTA takes one (the grid has one CTA per item).  With it (d = 64,
+``launch_sm90.bwd_persistent``) the grid has one CTA per SM and the producer claims items from
+a counter (``_claim``) and passes each to the consumers through shared memory with the K/V
+barrier; the ring, ds buffers and turns run on across items, and the next item's K and V load
+while the consumers store the last one's dK and dV.  A CTA's own launch, K/V load, first turns
+and stores cost about three query tiles' time (docs/dev/tuning-log.md, step 52), a fifth of a
+causal item at 1K-2K keys.
 
 Scope (``launch_sm90.bwd_eligible`` checks it): dense ``(B, S, H, D)`` inputs in a layout the
 TMA reads (the forward's, each with its own tile coordinates ``*_rb``, ``*_rh``, ``*_ch``),
@@ -82,19 +91,30 @@ def _query_tiles(n0, n_keys, sq, shift, wl, wr, masked, window, BLOCK_M: gl.cons
 
 
 @gluon.jit
-def _cta_keys(n_bh, bh_group):
-    """``(i_n, i_bh)``: the key block and the (batch, key/value head) of this CTA.  CTAs are
-    issued in groups of ``bh_group`` (batch, head) pairs, each group key block by key block
-    across its pairs: with causal masking a block's work falls with its index, so the heaviest
-    blocks of a group start first and its light ones fill the tail (``launch_sm90.bwd_group``
-    picks the group; with 1 the key blocks of one pair run in order, one pair after another)."""
-    sk_blocks = gl.num_programs(0) // n_bh
-    pid = gl.program_id(0)
-    per = sk_blocks * bh_group
-    g0 = (pid // per) * bh_group
+def _item_keys(w, n_kb, n_bh, bh_group):
+    """``(i_n, i_bh)``: the key block and the (batch, key/value head) of work item ``w``.  Items
+    come in groups of ``bh_group`` (batch, head) pairs, each group key block by key block across
+    its pairs: with causal masking a block's work falls with its index, so the heaviest blocks
+    of a group are claimed first and its light ones fill the tail (``launch_sm90.bwd_group``
+    picks the group; with 1 the key blocks of one pair come in order, one pair after another)."""
+    per = n_kb * bh_group
+    g0 = (w // per) * bh_group
     size = gl.minimum(bh_group, n_bh - g0)
-    r = pid % per
+    r = w % per
     return r // size, g0 + r % size
+
+
+@gluon.jit
+def _claim(Counter):
+    """The next work item of this CTA: lane 0 of the (one-warp) producer adds 1 to the launch's
+    item counter and every lane gets the old value (``[1]``, one per lane: the same)."""
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    p_c = Counter + gl.zeros([1], gl.int32, layout=lay)
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 l, o; mov.u32 l, %laneid; setp.eq.u32 p, l, 0;"
+        " mov.u32 o, 0; @p atom.global.add.u32 o, [$1], 1;"
+        " shfl.sync.idx.b32 $0, o, 0, 0x1f, 0xffffffff; }",
+        "=r,l", [p_c], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -108,33 +128,45 @@ def _dq_add(b_dq, desc_dq, dq_tile, row, col, scale):
 
 
 @gluon.jit
-def _dq_last(n_t, bar_ds, ds_smem, k_half, b_dq0, desc_dq, dq_tile, row, col, scale):
-    """dq of a consumer's last tile (``n_t - 1``), added one step late like the others."""
-    i_d = (n_t - 1) % 2
-    mbarrier.wait(bar_ds.index(i_d), ((n_t - 1) // 2) & 1)
+def _dq_last(t_last, bar_ds, bar_dsfree, ds_smem, k_half, b_dq0, desc_dq, dq_tile, row, col,
+             scale):
+    """dq of an item's last tile (``t_last``, counted over the CTA's items), added one step late
+    like the others; its ds buffer goes back to the writers of tile ``t_last + 2``."""
+    i_d = t_last % 2
+    mbarrier.wait(bar_ds.index(i_d), (t_last // 2) & 1)
     b_dq = warpgroup_mma(ds_smem.index(i_d).permute((1, 0)), k_half, b_dq0, use_acc=False,
                          is_async=True)
     b_dq = warpgroup_mma_wait(num_outstanding=0, deps=(b_dq,))
+    mbarrier.arrive(bar_dsfree.index(i_d))
     _dq_add(b_dq, desc_dq, dq_tile, row, col, scale)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
-                  k_smem, v_smem, lse_smem, delta_smem, bar_kv, bar_qd, bar_free, sq, sk,
-                  nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb,
-                  kv_rh, kv_ch, wl, wr, masked, window):
+def _produce_item(w, c, t, b_w, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
+                  do_smem, k_smem, v_smem, lse_smem, delta_smem, item_smem, bar_kv, bar_kvfree,
+                  bar_qd, bar_free, sq, sk, nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch,
+                  do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl, wr, masked, window,
+                  PERSISTENT: gl.constexpr):
+    """Load work item ``w`` (the CTA's ``c``-th): its K and V, then its (Q, dO, lse, delta)
+    tiles into the ring from position ``t`` on; the ring position after them."""
     STAGES: gl.constexpr = q_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
-    HEAD_DIM: gl.constexpr = q_smem.shape[2]
     BLOCK_NW: gl.constexpr = desc_k.block_type.shape[0]   # keys of one consumer
-    i_n, i_bh = _cta_keys(n_bh, bh_group)
+    nbytes: gl.constexpr = (desc_q.block_type.nbytes + desc_do.block_type.nbytes
+                            + desc_lse.block_type.nbytes + desc_delta.block_type.nbytes)
+    i_n, i_bh = _item_keys(w, sk // (2 * BLOCK_NW), n_bh, bh_group)
     i_b = i_bh // nheads_k
     i_hk = i_bh % nheads_k
     n0 = i_n * 2 * BLOCK_NW
-    # the CTA's K and V: rows [0, 64) are consumer 0's keys, [64, 128) consumer 1's
+    if PERSISTENT:
+        # the consumers read the previous item's K and V to its last dq: then the slots are
+        # free; the item goes to the consumers with the arrival on bar_kv below
+        mbarrier.wait(bar_kvfree, (c & 1) ^ 1, pred=c > 0)
+        item_smem.store(b_w)
     mbarrier.expect(bar_kv, 2 * desc_k.block_type.nbytes + 2 * desc_v.block_type.nbytes)
-    # tile coordinates in the 2-D views of the descriptors (launch_sm90._plan)
+    # the item's K and V: rows [0, 64) are consumer 0's keys, [64, 128) consumer 1's (tile
+    # coordinates in the 2-D views of the descriptors: launch_sm90._plan)
     row_k = i_b * kv_rb + i_hk * kv_rh + n0
     for i in gl.static_range(2):
         tma.async_copy_global_to_shared(desc_k, [row_k + i * BLOCK_NW, i_hk * kv_ch], bar_kv,
@@ -142,31 +174,71 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
         tma.async_copy_global_to_shared(desc_v, [row_k + i * BLOCK_NW, i_hk * kv_ch], bar_kv,
                                         v_smem.slice(i * BLOCK_NW, BLOCK_NW))
     lo, n_m = _query_tiles(n0, 2 * BLOCK_NW, sq, sk - sq, wl, wr, masked, window, BLOCK_M)
-    nbytes: gl.constexpr = (desc_q.block_type.nbytes + desc_do.block_type.nbytes
-                            + desc_lse.block_type.nbytes + desc_delta.block_type.nbytes)
-    for t in range(group * n_m):
-        i_h = i_hk * group + t // n_m
-        m0 = (lo + t % n_m) * BLOCK_M
+    for j in range(group * n_m):
+        i_h = i_hk * group + j // n_m
+        m0 = (lo + j % n_m) * BLOCK_M
         i_s = t % STAGES
         # stage i_s is free once both consumers' products of tile t - STAGES completed
         mbarrier.wait(bar_free.index(i_s), ((t // STAGES) & 1) ^ 1, pred=t >= STAGES)
         bar = bar_qd.index(i_s)
         mbarrier.expect(bar, nbytes)
-        tma.async_copy_global_to_shared(desc_q, [i_b * q_rb + i_h * q_rh + m0, i_h * q_ch],
-                                        bar, q_smem.index(i_s))
+        tma.async_copy_global_to_shared(desc_q, [i_b * q_rb + i_h * q_rh + m0, i_h * q_ch], bar,
+                                        q_smem.index(i_s))
         tma.async_copy_global_to_shared(desc_do, [i_b * do_rb + i_h * do_rh + m0, i_h * do_ch],
                                         bar, do_smem.index(i_s))
         # lse and delta are (B, H, Sq) float32, seen flat
         p_l = (i_b * nheads_k * group + i_h) * sq + m0
         tma.async_copy_global_to_shared(desc_lse, [p_l], bar, lse_smem.index(i_s))
         tma.async_copy_global_to_shared(desc_delta, [p_l], bar, delta_smem.index(i_s))
+        t += 1
+    return t
 
 
 @gluon.jit
-def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                  bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV,
-                  stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group, scale,
-                  qk_scale, wl, wr, masked, window, DQ: gl.constexpr):
+def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
+                  k_smem, v_smem, lse_smem, delta_smem, item_smem, bar_kv, bar_kvfree, bar_qd,
+                  bar_free, Counter, sq, sk, nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch,
+                  do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl, wr, masked, window,
+                  PERSISTENT: gl.constexpr):
+    BLOCK_NW: gl.constexpr = desc_k.block_type.shape[0]
+    n_items = sk // (2 * BLOCK_NW) * n_bh
+    if PERSISTENT:
+        c = 0  # items of this CTA so far (K/V phase)
+        t = 0  # (Q, dO) tiles loaded so far, over the items (ring position and phase)
+        b_w = _claim(Counter)                                       # [1]
+        w = gl.max(b_w, axis=0)
+        while w < n_items:
+            t = _produce_item(w, c, t, b_w, desc_q, desc_do, desc_k, desc_v, desc_lse,
+                              desc_delta, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                              item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, sq, sk, nheads_k,
+                              n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch,
+                              kv_rb, kv_rh, kv_ch, wl, wr, masked, window, PERSISTENT)
+            c += 1
+            # claimed while the consumers still work on this item's last tiles
+            b_w = _claim(Counter)
+            w = gl.max(b_w, axis=0)
+        # no item left: the consumers read an index past the last one and stop
+        mbarrier.wait(bar_kvfree, (c & 1) ^ 1, pred=c > 0)
+        item_smem.store(b_w)
+        mbarrier.arrive(bar_kv)
+    else:
+        b_w = gl.full([1], 0, gl.int32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+        _produce_item(gl.program_id(0), 0, gl.to_tensor(0), b_w, desc_q, desc_do, desc_k,
+                      desc_v, desc_lse, desc_delta, q_smem, do_smem, k_smem, v_smem, lse_smem,
+                      delta_smem, item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, sq, sk,
+                      nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch,
+                      kv_rb, kv_rh, kv_ch, wl, wr, masked, window, PERSISTENT)
+
+
+@gluon.jit
+def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                  dq_smem, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK,
+                  DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group,
+                  scale, qk_scale, wl, wr, masked, window, DQ: gl.constexpr,
+                  PERSISTENT: gl.constexpr):
+    """Work item ``w`` of one consumer warpgroup, its tiles from ring position ``t`` on (K and V
+    already loaded): dK and dV of its 64 keys, and with ``DQ`` its adds into dQ; the ring
+    position after them."""
     STAGES: gl.constexpr = q_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
@@ -183,59 +255,62 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    i_n, i_bh = _cta_keys(n_bh, bh_group)
-    i_b = i_bh // nheads_k
-    i_hk = i_bh % nheads_k
     shift = sk - sq
-    n0 = i_n * 2 * BLOCK_NW
-    k0 = n0 + i_wg * BLOCK_NW                                   # this consumer's first key
+    n_kb = sk // (2 * BLOCK_NW)
     k_tile = k_smem.slice(i_wg * BLOCK_NW, BLOCK_NW)            # [64, D] this consumer's keys
     v_tile = v_smem.slice(i_wg * BLOCK_NW, BLOCK_NW)            # [64, D]
     k_half = k_smem.slice(i_wg * HALF_D, HALF_D, dim=1)         # [128 keys, D / 2]
     bar_mine = bar_turn.index(i_wg)
     bar_other = bar_turn.index(1 - i_wg)
-    o_k = k0 + gl.arange(0, BLOCK_NW, layout=row_s)            # [64] keys
     o_r = gl.arange(0, BLOCK_M, layout=col_s)                  # [BLOCK_M] rows of a tile
+    dq_tile = dq_smem.index(i_wg)                                        # [BLOCK_M, D / 2]
+    dq_col = i_wg * HALF_D
+
+    i_n, i_bh = _item_keys(w, n_kb, n_bh, bh_group)
+    i_b = i_bh // nheads_k
+    i_hk = i_bh % nheads_k
+    n0 = i_n * 2 * BLOCK_NW
+    k0 = n0 + i_wg * BLOCK_NW                                   # this consumer's first key
+    o_k = k0 + gl.arange(0, BLOCK_NW, layout=row_s)            # [64] keys
     b_dk = gl.zeros([BLOCK_NW, HEAD_DIM], gl.float32, layout=g_layout)   # [64, D]
     b_dv = gl.zeros([BLOCK_NW, HEAD_DIM], gl.float32, layout=g_layout)   # [64, D]
+    # per item, so that they are dead in the item's stores below
     b_st = gl.zeros([BLOCK_NW, BLOCK_M], gl.float32, layout=s_layout)    # [64, BLOCK_M]
     b_dpt = gl.zeros([BLOCK_NW, BLOCK_M], gl.float32, layout=s_layout)   # [64, BLOCK_M]
     b_dq0 = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=q_layout)     # [BLOCK_M, D / 2]
-    dq_tile = dq_smem.index(i_wg)                                        # [BLOCK_M, D / 2]
-    dq_col = i_wg * HALF_D
     m_prev = 0  # the previous tile's first row and head (its dq is added one step late)
     h_prev = 0
-
     lo, n_m = _query_tiles(n0, 2 * BLOCK_NW, sq, shift, wl, wr, masked, window, BLOCK_M)
     n_t = group * n_m
-    mbarrier.wait(bar_kv, 0)
-    for t in range(n_t):
-        i_h = i_hk * group + t // n_m
-        m0 = (lo + t % n_m) * BLOCK_M
+    for j in range(n_t):
+        i_h = i_hk * group + j // n_m
+        m0 = (lo + j % n_m) * BLOCK_M
         i_s = t % STAGES
         mbarrier.wait(bar_qd.index(i_s), (t // STAGES) & 1)
         q_tile = q_smem.index(i_s)
         do_tile = do_smem.index(i_s)
         # turn 1: sᵀ = k qᵀ and dpᵀ = v dOᵀ
         mbarrier.wait(bar_mine, 0)
-        b_st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), b_st, use_acc=False, is_async=True)
+        b_st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), b_st, use_acc=False,
+                             is_async=True)
         b_dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), b_dpt, use_acc=False,
                               is_async=True)
         mbarrier.arrive(bar_other)
         b_st = warpgroup_mma_wait(num_outstanding=1, deps=(b_st,))
         if masked:
-            # only tiles crossing an edge of this consumer's window (its diagonal when causal)
-            # have invisible (row, key) pairs; a row that sees none of its keys gets p = 0
-            # (``window``: edges other than the causal diagonal, two comparisons a pair)
+            # only tiles crossing an edge of this consumer's window (its diagonal when
+            # causal) have invisible (row, key) pairs; a row that sees none of its keys gets
+            # p = 0 (``window``: edges other than the causal diagonal, two comparisons a pair)
             if window:
-                if (m0 + shift + wr < k0 + BLOCK_NW - 1) | (k0 < m0 + BLOCK_M - 1 + shift - wl):
+                if ((m0 + shift + wr < k0 + BLOCK_NW - 1)
+                        | (k0 < m0 + BLOCK_M - 1 + shift - wl)):
                     m_d = o_k[:, None] - (m0 + o_r + shift)[None, :]     # [64, BLOCK_M]
                     b_st = gl.where((m_d <= wr) & (m_d >= -wl), b_st, float("-inf"))
             elif m0 + shift < k0 + BLOCK_NW - 1:
                 m_vis = o_k[:, None] <= (m0 + o_r + shift)[None, :]      # [64, BLOCK_M]
                 b_st = gl.where(m_vis, b_st, float("-inf"))
-        # lse and delta from shared memory (staged with Q and dO): read where they are used,
-        # they do not hold registers across the products
+        # lse and delta from shared memory (staged with Q and dO): read where they are
+        # used, they do not hold registers across the products
         b_lse = lse_smem.index(i_s).load(col_s)                         # [BLOCK_M]
         b_lse2 = gl.where(b_lse == float("-inf"), float("inf"), b_lse * LOG2E)
         b_pt = gl.exp2(b_st * qk_scale - b_lse2[None, :])               # [64, BLOCK_M]
@@ -257,19 +332,19 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
         b_dv = warpgroup_mma(b_pa, do_tile, b_dv, is_async=True)
         b_dk = warpgroup_mma(b_dsa, q_tile, b_dk, is_async=True)
         if DQ:
-            # dq[:, my half] = ds k[:, my half] of tile t - 1.  At t = 0 the product reads a
-            # buffer no one has written yet and is discarded.
-            mbarrier.wait(bar_ds.index(1 - i_d), ((t - 1) // 2) & 1, pred=t > 0)
+            # dq[:, my half] = ds k[:, my half] of tile t - 1.  On an item's first tile the
+            # product reads a buffer of the previous item (or none) and is discarded.
+            mbarrier.wait(bar_ds.index(1 - i_d), ((t - 1) // 2) & 1, pred=j > 0)
             b_dq = warpgroup_mma(ds_smem.index(1 - i_d).permute((1, 0)), k_half, b_dq0,
                                  use_acc=False, is_async=True)
             mbarrier.arrive(bar_other)
             b_dv, b_dk, b_dq, b_pa, b_dsa = warpgroup_mma_wait(
                 num_outstanding=0, deps=(b_dv, b_dk, b_dq, b_pa, b_dsa))
             mbarrier.arrive(bar_free.index(i_s))
-            mbarrier.arrive(bar_dsfree.index(1 - i_d), pred=t > 0)
-            if t > 0:
-                _dq_add(b_dq, desc_dq, dq_tile, i_b * sq + m_prev, h_prev * HEAD_DIM + dq_col,
-                        scale)
+            mbarrier.arrive(bar_dsfree.index(1 - i_d), pred=j > 0)
+            if j > 0:
+                _dq_add(b_dq, desc_dq, dq_tile, i_b * sq + m_prev,
+                        h_prev * HEAD_DIM + dq_col, scale)
             m_prev = m0
             h_prev = i_h
         else:
@@ -277,56 +352,99 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
             b_dv, b_dk, b_pa, b_dsa = warpgroup_mma_wait(num_outstanding=0,
                                                          deps=(b_dv, b_dk, b_pa, b_dsa))
             mbarrier.arrive(bar_free.index(i_s))
+        t += 1
     if DQ:
-        # the last tile's dq (its ds buffer is complete once both consumers arrived on it);
-        # with a window, keys that no row's window reaches have no tile (without, the check
-        # is the constant True)
+        # the last tile's dq (its ds buffer is complete once both consumers arrived on
+        # it); with a window, keys that no row's window reaches have no tile (without, the
+        # check is the constant True)
         has_tile = True
         if window:
             has_tile = n_t > 0
         if has_tile:
-            _dq_last(n_t, bar_ds, ds_smem, k_half, b_dq0, desc_dq, dq_tile, i_b * sq + m_prev,
-                     h_prev * HEAD_DIM + dq_col, scale)
-
+            _dq_last(t - 1, bar_ds, bar_dsfree, ds_smem, k_half, b_dq0, desc_dq, dq_tile,
+                     i_b * sq + m_prev, h_prev * HEAD_DIM + dq_col, scale)
+    if PERSISTENT:
+        # this consumer reads the item's K and V no more: the producer may load the next's
+        # while the stores below run
+        mbarrier.arrive(bar_kvfree)
     o_kg = k0 + gl.arange(0, BLOCK_NW, layout=gl.SliceLayout(1, g_layout))
     o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, g_layout))
     p_g = (i_b.to(gl.int64) * stride_kb + i_hk.to(gl.int64) * stride_kh
            + o_kg.to(gl.int64)[:, None] * stride_kn + o_d[None, :])     # [64, D]
     gl.store(DK + p_g, (b_dk * scale).to(dtype))
     gl.store(DV + p_g, b_dv.to(dtype))
+    return t
+
+
+@gluon.jit
+def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                  item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
+                  desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
+                  bh_group, group, scale, qk_scale, wl, wr, masked, window, DQ: gl.constexpr,
+                  PERSISTENT: gl.constexpr):
+    BLOCK_NW: gl.constexpr = k_smem.shape[0] // 2
+    if PERSISTENT:
+        n_items = sk // (2 * BLOCK_NW) * n_bh
+        w_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        c = 0  # items of this CTA so far (K/V phase)
+        t = 0  # tiles so far, over the items: ring stage, ds buffer and their phases
+        mbarrier.wait(bar_kv, 0)
+        w = gl.max(item_smem.load(w_layout), axis=0)
+        while w < n_items:
+            t = _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem,
+                              delta_smem, ds_smem, dq_smem, bar_kvfree, bar_qd, bar_free,
+                              bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb,
+                              stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group,
+                              scale, qk_scale, wl, wr, masked, window, DQ, PERSISTENT)
+            c += 1
+            mbarrier.wait(bar_kv, c & 1)
+            w = gl.max(item_smem.load(w_layout), axis=0)
+    else:
+        mbarrier.wait(bar_kv, 0)
+        _consume_item(i_wg, gl.program_id(0), gl.to_tensor(0), q_smem, do_smem, k_smem,
+                      v_smem, lse_smem, delta_smem, ds_smem, dq_smem, bar_kvfree, bar_qd,
+                      bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb,
+                      stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group, scale,
+                      qk_scale, wl, wr, masked, window, DQ, PERSISTENT)
 
 
 # A partition is a function of its own: one wrapper per consumer warpgroup.
 @gluon.jit
 def _bwd_consumer0(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                   bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV,
-                   stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group,
-                   scale, qk_scale, wl, wr, masked, window, DQ: gl.constexpr):
+                   item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
+                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
+                   bh_group, group, scale, qk_scale, wl, wr, masked, window, DQ: gl.constexpr,
+                   PERSISTENT: gl.constexpr):
     _bwd_consumer(0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                  bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV,
-                  stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group, scale,
-                  qk_scale, wl, wr, masked, window, DQ)
+                  item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
+                  desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
+                  bh_group, group, scale, qk_scale, wl, wr, masked, window, DQ, PERSISTENT)
 
 
 @gluon.jit
 def _bwd_consumer1(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                   bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV,
-                   stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group,
-                   scale, qk_scale, wl, wr, masked, window, DQ: gl.constexpr):
+                   item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
+                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
+                   bh_group, group, scale, qk_scale, wl, wr, masked, window, DQ: gl.constexpr,
+                   PERSISTENT: gl.constexpr):
     _bwd_consumer(1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                  bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV,
-                  stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group, scale,
-                  qk_scale, wl, wr, masked, window, DQ)
+                  item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
+                  desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
+                  bh_group, group, scale, qk_scale, wl, wr, masked, window, DQ, PERSISTENT)
 
 
 @gluon.jit
 def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, DK, DV,
-                         stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group,
-                         group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch,
-                         scale, qk_scale, wl, wr, MASKED: gl.constexpr, WINDOW: gl.constexpr,
-                         DQ: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """Grid ``(Sk / 128 * B * Hk,)``: 128 keys of one key/value head per CTA (the ``n_bh = B *
-    Hk`` pairs in groups of ``bh_group``: ``_cta_keys``).  ``desc_dq`` is the float32 dQ
+                         Counter, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
+                         bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh,
+                         kv_ch, scale, qk_scale, wl, wr, MASKED: gl.constexpr,
+                         WINDOW: gl.constexpr, DQ: gl.constexpr, PERSISTENT: gl.constexpr,
+                         STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """Persistent grid (at most one CTA per SM): a work item is 128 keys of one key/value head
+    (``Sk / 128 * n_bh`` items, ``n_bh = B * Hk``, in the order of ``_item_keys``), and a CTA's
+    producer claims the next from ``Counter`` (an int32 zero before the launch) as the last one
+    is drained, so items go to CTAs in order as they free, as the GPU issues CTAs, without a
+    CTA's launch, K/V load and first turns between two items.  ``desc_dq`` is the float32 dQ
     accumulator ``(B * Sq, H * D)`` in tiles of ``[BLOCK_M, D / 2]`` (read only with ``DQ``);
     ``desc_lse`` and ``desc_delta`` are ``(B * H * Sq,)`` in tiles of ``BLOCK_M``."""
     BLOCK_M: gl.constexpr = desc_q.block_type.shape[0]
@@ -348,13 +466,17 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
                                                    rank=2)
     ds_smem = gl.allocate_shared_memory(dtype, [2, DS_ROWS, BLOCK_M], ds_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, DQ_ROWS, HEAD_DIM // 2], desc_dq.layout)
+    # the current item's index, from the producer to the consumers
+    item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     bar_kv = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bar_kvfree = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     bar_qd = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     bar_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     bar_turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     bar_ds = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     bar_dsfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(bar_kv, count=1)
+    mbarrier.init(bar_kvfree, count=2)
     for i in gl.static_range(2):
         mbarrier.init(bar_turn.index(i), count=1)
         mbarrier.init(bar_ds.index(i), count=2)
@@ -368,15 +490,18 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
     # literal argument tuples: a tuple bound to a name would turn DQ into a run-time value
     gl.warp_specialize([
         (_bwd_consumer0, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
-                          dq_smem, bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
-                          desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k,
-                          n_bh, bh_group, group, scale, qk_scale, wl, wr, MASKED, WINDOW, DQ)),
+                          dq_smem, item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn,
+                          bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb, stride_kn, stride_kh,
+                          sq, sk, nheads_k, n_bh, bh_group, group, scale, qk_scale, wl, wr,
+                          MASKED, WINDOW, DQ, PERSISTENT)),
         (_bwd_consumer1, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
-                          dq_smem, bar_kv, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
-                          desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k,
-                          n_bh, bh_group, group, scale, qk_scale, wl, wr, MASKED, WINDOW, DQ)),
+                          dq_smem, item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn,
+                          bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb, stride_kn, stride_kh,
+                          sq, sk, nheads_k, n_bh, bh_group, group, scale, qk_scale, wl, wr,
+                          MASKED, WINDOW, DQ, PERSISTENT)),
         (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
-                         k_smem, v_smem, lse_smem, delta_smem, bar_kv, bar_qd, bar_free, sq, sk,
-                         nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh,
-                         do_ch, kv_rb, kv_rh, kv_ch, wl, wr, MASKED, WINDOW)),
+                         k_smem, v_smem, lse_smem, delta_smem, item_smem, bar_kv, bar_kvfree,
+                         bar_qd, bar_free, Counter, sq, sk, nheads_k, n_bh, bh_group, group,
+                         q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl, wr,
+                         MASKED, WINDOW, PERSISTENT)),
     ], [4, 1], [232, 24])
