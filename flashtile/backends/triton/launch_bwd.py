@@ -5,7 +5,7 @@ casts or copies.  On Hopper a call the Gluon kernel covers (``launch_sm90.bwd_el
 it instead: by default one kernel for all three gradients (``launch_sm90.fused_backward``, with
 a prologue for ``delta`` and a float32 dQ accumulator, and a copy into ``dq``); with
 ``spec.deterministic`` or ``torch.use_deterministic_algorithms(True)``, the Triton dQ kernel
-then the Gluon dK/dV kernel (no atomics).  The gradients are allocated in the layout of their
+then the Gluon dK/dV kernel (no floating-point atomics).  The gradients are allocated in the layout of their
 inputs (``empty_like``), so a ``q`` that is a transposed view (the SDPA layout) gets a ``dq`` that autograd hands to
 the caller's tensor without a copy.  The byte counts are in ``flashtile.reference.algorithms``.
 """

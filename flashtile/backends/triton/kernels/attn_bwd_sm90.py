@@ -19,7 +19,8 @@ memory, and each computes ``dqᵢ[:, its half of D] = scale * dsᵢ k[:, half]``
 keys and adds it to a float32 accumulator ``(B * Sq, H * D)`` with one TMA reduction
 (``cp.reduce.async.bulk``); the CTAs of a head add into the same rows in no fixed order, so dQ
 is not bitwise reproducible.  Without ``DQ`` (the deterministic backward: dQ comes from the
-Triton kernel) no atomics are used anywhere.  One step of a consumer::
+Triton kernel) no floating-point atomics are used (the persistent kernel claims its work items
+with an integer counter).  One step of a consumer::
 
     wait    my turn; issue sᵀ and dpᵀ (two commit groups); arrive the other's turn
     wait    group 1 -> pᵀ (masked on the tiles that cross the diagonal)
