@@ -239,10 +239,12 @@ BWD_CASES = [  # (batch, sq, sk, heads, heads_k, d, causal)
     ("d128-many-ctas-gqa", 3, 64, 2048, 12, 3, 128, False),
     # d = 64 runs persistent: more work items (144) than SMs, so a CTA takes several
     ("d64-many-items-gqa", 3, 512, 2048, 12, 3, 64, False),
-    # causal up to 1K keys: the two kernels even without deterministic=True (fused_pays)
+    # d = 128 causal up to 1K keys: the two kernels even without deterministic=True (fused_pays)
     ("d128-short-causal", 1, 384, 384, 4, 2, 128, True),
-    # d = 64 up to 512 keys: the two kernels as well
+    # d = 64 up to 512 keys without masking: the two kernels as well
     ("d64-short", 2, 256, 512, 2, 2, 64, False),
+    # d = 64 causal: the fused kernel at every length
+    ("d64-short-causal", 2, 384, 384, 4, 2, 64, True),
 ]
 
 

@@ -173,12 +173,16 @@ def bwd_eligible(q, k, v, do, dk, dv, spec: AttnSpec, deterministic: bool = Fals
 
 
 def fused_pays(sq: int, sk: int, causal: bool, head_dim: int) -> bool:
-    """Whether the fused backward is the faster Hopper backward for these lengths: not with
-    causal masking up to 1K keys, where a CTA's 128 keys see few query tiles and the fused
-    kernel's prologue, copy and per-CTA tail weigh most (0.93-0.95x the two kernels on the
-    H100 at 1K, 1.02-1.05x at 2K: docs/dev/tuning-log.md, step 41), nor at d = 64 up to 512
-    keys without it (0.96x there, 1.01-1.02x at d = 128: step 44)."""
-    return not (causal and sk <= 1024) and not (head_dim == 64 and sk <= 512)
+    """Whether the fused backward is the faster Hopper backward for these lengths.  At d = 128
+    not with causal masking up to 1K keys, where an item's 128 keys see few query tiles and the
+    fused kernel's prologue, copy and per-item tail weigh most (0.96x the two kernels at causal
+    1K, 0.99x at 512; H100, bf16, B * N = 16K).  At d = 64, whose kernel runs persistent
+    (:func:`bwd_persistent`), not without masking up to 512 keys (0.92x there), but with causal
+    masking at every length (1.11x at 1K, 1.12x at 512; before the persistent kernel 0.93-0.95x
+    at causal 1K).  docs/dev/tuning-log.md, steps 41, 44 and 54."""
+    if head_dim == 64:
+        return causal or sk > 512
+    return not (causal and sk <= 1024)
 
 
 @functools.lru_cache(maxsize=None)
