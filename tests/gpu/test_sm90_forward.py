@@ -220,6 +220,60 @@ def test_sm90_forward_plan_repeats_the_launch_with_the_new_tensors(monkeypatch):
     assert launch_sm90.planned_forward(q2, k2, v2, spec) is None
 
 
+@pytest.mark.parametrize("d,causal", [(64, True), (128, False)],
+                         ids=["d64-causal-persistent", "d128-full"])
+def test_sm90_backward_plan_repeats_the_launch_with_the_new_tensors(d, causal, monkeypatch):
+    """A backward with the shapes, strides and alignment of an earlier direct launch of the
+    fused kernel (and its dtype, device, spec and chunk setting) repeats it through a plan with
+    its own tensors: dK and dV bitwise those of the full path on the same inputs (whose outputs
+    start as NaN), dQ within the accumulator's summation order; the plan holds no tensor;
+    another spec, deterministic=True or the switch turned off find no plan."""
+    from flashtile.backends import triton as backend
+    from flashtile.backends.triton import launch_bwd
+
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    monkeypatch.setattr(launch_sm90, "_bwd_plans", type(launch_sm90._bwd_plans)())
+    spec = flashtile.backends.spec.AttnSpec(softmax_scale=0.125, window_right=0 if causal else -1)
+    setting = launch_bwd._chunk_env()
+
+    def inputs():
+        q, k, v, do = (torch.randn(2, 384, 4, d, device="cuda", dtype=torch.bfloat16)
+                       for _ in range(4))
+        out, lse = backend.forward(q, k, v, spec)
+        return do, q, k, v, out, lse.contiguous()
+
+    do, q, k, v, out, lse = inputs()
+    assert launch_sm90.planned_backward(q, k, v, out, do, lse, spec, setting) is None
+    backend.backward(do, q, k, v, out, lse, spec)  # compiled (or found), then launched directly
+    backend.backward(do, q, k, v, out, lse, spec)
+    (plan,) = launch_sm90._bwd_plans._plans.values()
+    assert not any(isinstance(x, torch.Tensor) or hasattr(x, "base") for x in plan.values)
+    do, q, k, v, out, lse = inputs()
+    planned = launch_sm90.planned_backward(q, k, v, out, do, lse, spec, setting)
+    assert planned is not None
+    with poison_outputs():  # (plans are off while outputs are poisoned)
+        assert launch_sm90.planned_backward(q, k, v, out, do, lse, spec, setting) is None
+        full = launch_bwd._backward(do, q, k, v, out, lse, spec)
+    assert all(torch.isfinite(g).all() for g in planned)
+    assert torch.equal(planned[1], full[1]) and torch.equal(planned[2], full[2])
+    # a float32 sum in another order rounds to bf16 at most one unit (2^-7) apart
+    torch.testing.assert_close(planned[0], full[0], rtol=2 ** -7, atol=1e-3)
+    # the backend's backward takes the plan: dK and dV bitwise again
+    again = backend.backward(do, q, k, v, out, lse, spec)
+    assert torch.equal(again[1], full[1]) and torch.equal(again[2], full[2])
+    other = flashtile.backends.spec.AttnSpec(softmax_scale=0.125, window_right=-1 if causal else 0)
+    assert launch_sm90.planned_backward(q, k, v, out, do, lse, other, setting) is None
+    calls = []
+    real = launch_sm90.planned_backward
+    monkeypatch.setattr(launch_sm90, "planned_backward", lambda *a: calls.append(1))
+    backend.backward(do, q, k, v, out, lse, flashtile.backends.spec.AttnSpec(
+        softmax_scale=0.125, window_right=0 if causal else -1, deterministic=True))
+    assert calls == []  # deterministic=True never asks for the fused kernel's plan
+    monkeypatch.setattr(launch_sm90, "planned_backward", real)
+    monkeypatch.setenv("FLASHTILE_SM90", "0")
+    assert launch_sm90.planned_backward(q, k, v, out, do, lse, spec, setting) is None
+
+
 def _grads(q, k, v, do, causal, dtype, window=(-1, -1)):
     """(out, dq, dk, dv) of attention in ``dtype`` through autograd (bottom-right causal or
     ``window``)."""
@@ -270,6 +324,8 @@ def test_sm90_backward_matches_float64_reference(case, dtype, deterministic, mon
     assert eligible == (not deterministic or causal or d == 128)
     fused_calls = []
     real = launch_sm90.fused_backward
+    # (no plan of an earlier test's call: each backward here takes the full path)
+    monkeypatch.setattr(launch_sm90, "_bwd_plans", type(launch_sm90._bwd_plans)())
     monkeypatch.setattr(launch_sm90, "fused_backward",
                         lambda *a: fused_calls.append(1) or real(*a))
 
@@ -388,6 +444,7 @@ def test_sm90_backward_follows_torch_deterministic_switch(monkeypatch):
                    for _ in range(4))
     calls = []
     real = launch_sm90.fused_backward
+    monkeypatch.setattr(launch_sm90, "_bwd_plans", type(launch_sm90._bwd_plans)())
     monkeypatch.setattr(launch_sm90, "fused_backward", lambda *a: calls.append(1) or real(*a))
     before = torch.are_deterministic_algorithms_enabled()
     try:

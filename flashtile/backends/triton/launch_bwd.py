@@ -5,9 +5,9 @@ casts or copies.  On Hopper a call the Gluon kernel covers (``launch_sm90.bwd_el
 it instead: by default one kernel for all three gradients (``launch_sm90.fused_backward``, with
 a prologue for ``delta`` and a float32 dQ accumulator, and a copy into ``dq``); with
 ``spec.deterministic`` or ``torch.use_deterministic_algorithms(True)``, the Triton dQ kernel
-then the Gluon dK/dV kernel (no floating-point atomics).  The gradients are allocated in the layout of their
-inputs (``empty_like``), so a ``q`` that is a transposed view (the SDPA layout) gets a ``dq`` that autograd hands to
-the caller's tensor without a copy.  The byte counts are in ``flashtile.reference.algorithms``.
+then the Gluon dK/dV kernel (no floating-point atomics).  The gradients are allocated in the
+layout of their inputs (``empty_like``), so a ``q`` that is a transposed view (the SDPA layout)
+gets a ``dq`` that autograd hands to the caller's tensor without a copy.  The byte counts are in ``flashtile.reference.algorithms``.
 """
 from __future__ import annotations
 
@@ -177,8 +177,13 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
     plain = (alibi_slopes is None and cu_seqlens_q is None and attn_bias is None
              and rng_seed is None and block_mask is None and dbias is None and grad_dtype is None
              and do.stride(-1) == 1 and plans_enabled())
+    if plain and not _deterministic(spec):
+        # the fused Hopper backward's own plan (the switch is read per call)
+        grads = launch_sm90.planned_backward(q, k, v, out, do, lse, spec, _chunk_env())
+        if grads is not None:
+            return grads
     # launch plans replay Triton launches only: a call the Hopper kernel serves (its gradients
-    # shaped like k and v) runs the full path (the switch is read per call)
+    # shaped like k and v) runs the full path
     if not plain or launch_sm90.bwd_eligible(
             q, k, v, do, k, v, spec,
             _deterministic(spec) or not launch_sm90.fused_pays(q.shape[1], k.shape[1],
@@ -231,8 +236,11 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
     if (not chunk and not features and not _deterministic(spec) and out.is_contiguous()
             and launch_sm90.fused_pays(sq, sk, spec.causal, head_dim)
             and launch_sm90.bwd_eligible(q, k, v, do, dk, dv, spec)):
-        # Hopper: one Gluon kernel for dQ, dK and dV (none of the Triton kernels' arguments)
-        launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec)
+        # Hopper: one Gluon kernel for dQ, dK and dV (none of the Triton kernels' arguments);
+        # a direct launch leaves a plan for the next call like this one (backward above)
+        key = (launch_sm90.bwd_plan_key(q, k, v, out, do, lse, spec, _chunk_env())
+               if plans_enabled() else None)
+        launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec, key)
         return dq, dk, dv
     group = nheads // nheads_k
     bd = block_d(head_dim)

@@ -18,8 +18,8 @@ import torch
 from ..spec import AttnSpec
 from .. import env_reader, interpreting
 from .args import LOG2E
-from .fastlaunch import (INTERNALS_OK, PlanCache, _run, empty, launch, launch_hooks_set,
-                         plans_enabled, recorder, run_direct, signature)
+from .fastlaunch import (INTERNALS_OK, PlanCache, _run, empty, empty_like, launch,
+                         launch_hooks_set, plans_enabled, recorder, run_direct, signature)
 from .kernels.bwd import attn_bwd_delta_kernel
 
 BLOCK_M = 128
@@ -473,9 +473,10 @@ def _acc_layout(head_dim: int):
     return gl.NVMMASharedLayout.get_default_for([BWD_BLOCK_M, head_dim // 2], gl.float32)
 
 
-def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec) -> None:
+def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec):
     """Launch the backward kernel: with ``dq_acc`` (float32 like ``q``, zeroed) it also adds
-    dQ into it; without, dK and dV only."""
+    dQ into it; without, dK and dV only.  ``(launch, grid, descriptors, persistent)`` when it
+    launched a compiled variant directly (what a plan repeats), else None."""
     batch, sq, nheads, head_dim = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
     device = q.device.index or 0
@@ -515,8 +516,9 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec) -> None:
                  desc_v=_rows(v, BWD_BLOCK_N // 2, kv_layout, "kv", args),
                  desc_lse=(lse, [lse.numel()], 1, [BWD_BLOCK_M], flat),
                  desc_delta=(delta, [delta.numel()], 1, [BWD_BLOCK_M], flat), desc_dq=desc_dq)
-    _launch("bwd", device, (q.dtype, head_dim, window["MASKED"], args["WINDOW"], fused,
-                            persistent), grid, args, descs)
+    launched = _launch("bwd", device, (q.dtype, head_dim, window["MASKED"], args["WINDOW"],
+                                       fused, persistent), grid, args, descs)
+    return (launched, grid, descs, persistent) if launched is not None else None
 
 
 def dkdv(q, k, v, do, lse, delta, dk, dv, spec: AttnSpec) -> None:
@@ -525,11 +527,9 @@ def dkdv(q, k, v, do, lse, delta, dk, dv, spec: AttnSpec) -> None:
     _bwd(q, k, v, do, lse, delta, None, dk, dv, spec)
 
 
-def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec) -> None:
-    """Fill ``dq``, ``dk``, ``dv`` (``bwd_eligible`` holds; ``out`` contiguous; ``lse`` and the
-    buffer ``delta`` contiguous float32 ``(B, H, Sq)``): a prologue kernel computes ``delta``
-    and zeroes a float32 dQ accumulator, the backward kernel adds every dQ tile into it, and
-    one copy converts it into ``dq``."""
+def _prologue(q, out, do, delta):
+    """The fused backward's prologue: ``delta = rowsum(dO * O)`` and a zeroed float32 dQ
+    accumulator like ``q``, which it returns."""
     batch, sq, nheads, head_dim = q.shape
     dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     rows = batch * sq * nheads
@@ -537,5 +537,75 @@ def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec) -> 
            DQ_ACC=dq_acc, stride_db=do.stride(0), stride_ds=do.stride(1), stride_dh=do.stride(2),
            n_rows=rows, seqlen_q=sq, nheads=nheads, HEAD_DIM=head_dim, ROWS=DELTA_ROWS,
            num_warps=4)
-    _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec)
+    return dq_acc
+
+
+def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec,
+                   plan_key=None) -> None:
+    """Fill ``dq``, ``dk``, ``dv`` (``bwd_eligible`` holds; ``out`` contiguous; ``lse`` and the
+    buffer ``delta`` contiguous float32 ``(B, H, Sq)``): a prologue kernel computes ``delta``
+    and zeroes a float32 dQ accumulator, the backward kernel adds every dQ tile into it, and
+    one copy converts it into ``dq``.  With ``plan_key`` (:func:`bwd_plan_key`) a direct
+    launch leaves a plan that :func:`planned_backward` repeats."""
+    dq_acc = _prologue(q, out, do, delta)
+    launched = _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec)
     dq.copy_(dq_acc)
+    if plan_key is not None and launched is not None:
+        _bwd_plans.put(plan_key, _BwdPlan(*launched, q.device.index or 0))
+
+
+# Plans of the fused backward: a call whose q, k, v, out, dO and lse have the shapes, strides
+# and alignment of an earlier direct launch's, with its dtype, device, spec and the launcher's
+# setting (``bwd_plan_key``), repeats the prologue, the kernel and the dQ copy with its own
+# tensors, skipping the eligibility checks and the argument building (docs/dev/tuning-log.md,
+# step 55).
+_bwd_plans = PlanCache()
+_BWD_ROLES = ("desc_q", "desc_do", "desc_k", "desc_v", "desc_lse", "desc_delta", "desc_dq")
+
+
+class _BwdPlan:
+    __slots__ = ("compiled", "grid", "values", "descs", "at", "persistent", "device")
+
+    def __init__(self, launched, grid, descs, persistent, device):
+        names = _kernel("bwd").arg_names
+        self.compiled, self.grid, self.device = launched[0], grid, device
+        self.persistent = persistent
+        self.values = list(launched[1])
+        # positions of DK, DV and Counter; (position, role, shape, row stride, block, layout)
+        # of each descriptor
+        self.at = tuple(names.index(n) for n in ("DK", "DV", "Counter"))
+        self.descs = tuple((names.index(n), r, *descs[n][1:]) for r, n in enumerate(_BWD_ROLES))
+        # the plan keeps no tensor of the call it was made from alive (every call fills them)
+        for at in (*self.at, *(d[0] for d in self.descs)):
+            self.values[at] = None
+
+
+def bwd_plan_key(q, k, v, out, do, lse, spec: AttnSpec, setting) -> tuple:
+    """The key of a fused backward's plan: the tensors' signatures, dtype, device, spec and
+    ``setting`` (what else the caller's choice of path reads)."""
+    return (signature(q, k, v, out, do, lse), q.dtype, q.device, spec, setting)
+
+
+def planned_backward(q, k, v, out, do, lse, spec: AttnSpec, setting):
+    """``(dq, dk, dv)`` of :func:`fused_backward` through the plan of an earlier call like this
+    one (``lse`` contiguous), or None where there is none or plans are off (the caller then
+    takes its full path)."""
+    if not plans_enabled():
+        return None
+    plan = _bwd_plans.get(bwd_plan_key(q, k, v, out, do, lse, spec, setting))
+    if (plan is None or not enabled() or interpreting() or recorder() is not None
+            or launch_hooks_set()):
+        return None
+    dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
+    delta = empty(lse.shape, torch.float32, lse.device)
+    dq_acc = _prologue(q, out, do, delta)
+    values = plan.values.copy()
+    values[plan.at[0]], values[plan.at[1]] = dk, dv
+    values[plan.at[2]] = (torch.zeros(1, dtype=torch.int32, device=q.device) if plan.persistent
+                          else dk)
+    tensors = (q, do, k, v, lse, delta, dq_acc)
+    for at, role, shape, row_stride, block, layout in plan.descs:
+        values[at] = _descriptor(tensors[role], shape, row_stride, block, layout, True)
+    _run(plan.compiled, plan.grid, values, plan.device)
+    dq.copy_(dq_acc)
+    return dq, dk, dv
