@@ -7,7 +7,8 @@ a prologue for ``delta`` and a float32 dQ accumulator, and a copy into ``dq``); 
 ``spec.deterministic`` or ``torch.use_deterministic_algorithms(True)``, the Triton dQ kernel
 then the Gluon dK/dV kernel (no floating-point atomics).  The gradients are allocated in the
 layout of their inputs (``empty_like``), so a ``q`` that is a transposed view (the SDPA layout)
-gets a ``dq`` that autograd hands to the caller's tensor without a copy.  The byte counts are in ``flashtile.reference.algorithms``.
+gets a ``dq`` that autograd hands to the caller's tensor without a copy.  The byte counts are
+in ``flashtile.reference.algorithms``.
 """
 from __future__ import annotations
 
