@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
@@ -34,8 +35,10 @@ from flashtile.backends.triton.kernels.attn_bwd_sm90 import attn_bwd_sm90_kernel
 from triton.experimental.gluon import language as gl
 
 
-def desc(ty, rows, head_dim, layout):
-    return f"tensordesc<{ty}[{rows}, {head_dim}],{layout!r}>"
+def desc(ty, rows, head_dim, dtype, ragged):
+    # a RAGGED launch's descriptors are 3-D: one tile of one sequence
+    layout = launch_sm90._layout(rows, head_dim, dtype, ragged)
+    return f"tensordesc<{ty}[{'1, ' if ragged else ''}{rows}, {head_dim}],{layout!r}>"
 
 
 def emit(name, kernel, types, head_dim, causal, **flags):
@@ -68,45 +71,46 @@ def emit(name, kernel, types, head_dim, causal, **flags):
         cubin_bytes=len(k.asm["cubin"]),
         ops={op: op in ptx for op in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg",
                                       "mbarrier.try_wait")},
-        tma_stores=ptx.count("cp.async.bulk.tensor.2d.global.shared"),
+        tma_stores=len(re.findall(r"cp\.async\.bulk\.tensor\.[23]d\.global\.shared", ptx)),
         tma_reductions=ptx.count("cp.reduce.async.bulk.tensor"),
         atomics=len(re.findall(r"\s(?:atom|red)\.", ptx)), spill_bytes=spills,
         maxnreg=int(re.search(r"\.maxnreg (\d+)", ptx).group(1)))))
 
 
-for dtype in (torch.bfloat16, torch.float16):
+# "r": RAGGED (lengths that are not multiples of the tiles), bf16 only
+for dtype, ragged in ((torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)):
     ty = "bf16" if dtype == torch.bfloat16 else "fp16"
+    r = "r" if ragged else ""
     for causal in (False, True):
         for head_dim in (64, 128, 256):
             bq, bn = launch_sm90.BLOCK_M // 2, launch_sm90.block_n(head_dim)
-            q_layout, kv_layout = launch_sm90._layouts(head_dim, dtype)
-            for n_c in {2, launch_sm90.consumers(head_dim, causal, 0)}:
-                emit(f"fwd{'' if n_c == 2 else n_c}-{ty}", attn_fwd_sm90_kernel, dict(
-                    desc_q=desc(ty, bq, head_dim, q_layout),
-                    desc_k=desc(ty, bn, head_dim, kv_layout),
-                    desc_v=desc(ty, bn, head_dim, kv_layout),
-                    desc_o=desc(ty, bq, head_dim, q_layout), Lse="*fp32",
+            for n_c in {2, launch_sm90.consumers(head_dim, causal, 0, ragged)}:
+                emit(f"fwd{'' if n_c == 2 else n_c}{r}-{ty}", attn_fwd_sm90_kernel, dict(
+                    desc_q=desc(ty, bq, head_dim, dtype, ragged),
+                    desc_k=desc(ty, bn, head_dim, dtype, ragged),
+                    desc_v=desc(ty, bn, head_dim, dtype, ragged),
+                    desc_o=desc(ty, bq, head_dim, dtype, ragged), Lse="*fp32",
                     qk_scale="fp32"), head_dim, causal, CONSUMERS=n_c)
         for head_dim in (64, 128):
-            bm, bn = launch_sm90.BWD_BLOCK_M, launch_sm90.BWD_BLOCK_N // 2
-            q_layout = launch_sm90._layout(bm, head_dim, dtype)
-            kv_layout = launch_sm90._layout(bn, head_dim, dtype)
+            # K/V tiles: each consumer's 64 keys, or with RAGGED both consumers' 128
+            bm, bn = launch_sm90.BWD_BLOCK_M, launch_sm90.BWD_BLOCK_N // (1 if ragged else 2)
             flat = f"tensordesc<fp32[{bm}],{launch_sm90._flat_layout()!r}>"
-            acc = f"tensordesc<fp32[{bm}, {head_dim // 2}],{launch_sm90._acc_layout(head_dim)!r}>"
-            types = dict(desc_q=desc(ty, bm, head_dim, q_layout),
-                         desc_do=desc(ty, bm, head_dim, q_layout),
-                         desc_k=desc(ty, bn, head_dim, kv_layout),
-                         desc_v=desc(ty, bn, head_dim, kv_layout), desc_lse=flat,
-                         desc_delta=flat, desc_dq=acc, DK=f"*{ty}", DV=f"*{ty}",
-                         Counter="*i32", scale="fp32", qk_scale="fp32")
+            types = dict(desc_q=desc(ty, bm, head_dim, dtype, ragged),
+                         desc_do=desc(ty, bm, head_dim, dtype, ragged),
+                         desc_k=desc(ty, bn, head_dim, dtype, ragged),
+                         desc_v=desc(ty, bn, head_dim, dtype, ragged), desc_lse=flat,
+                         desc_delta=flat, desc_dq=desc("fp32", bm, head_dim // 2, torch.float32,
+                                                       ragged),
+                         DK=f"*{ty}", DV=f"*{ty}", Counter="*i32", scale="fp32",
+                         qk_scale="fp32")
             for fused in (True, False):
-                kind = "bwd" if fused else "dkdv"
+                kind = ("bwd" if fused else "dkdv") + r
                 persistent = launch_sm90.bwd_persistent(head_dim)
                 emit(f"{kind}-{ty}", attn_bwd_sm90_kernel, types, head_dim, causal, WINDOW=False,
-                     DQ=fused, PERSISTENT=persistent)
-                if causal:  # a window other than the causal one: "-causal" rows
+                     DQ=fused, PERSISTENT=persistent, RAGGED=ragged)
+                if causal and not ragged:  # a window other than the causal one: "-causal"
                     emit(f"{kind}w-{ty}", attn_bwd_sm90_kernel, types, head_dim, True,
-                         WINDOW=True, DQ=fused, PERSISTENT=persistent)
+                         WINDOW=True, DQ=fused, PERSISTENT=persistent, RAGGED=ragged)
 '''
 
 
@@ -122,9 +126,11 @@ def compiled() -> dict:
     return {row["variant"]: row for row in rows}
 
 
-VARIANTS = [f"fwd-{ty}-d{d}-{mode}" for ty in ("bf16", "fp16") for d in (64, 128, 256)
-            for mode in ("full", "causal")]
-BWD_VARIANTS = [f"{kind}-{ty}-d{d}-{mode}" for kind in ("bwd", "dkdv") for ty in ("bf16", "fp16")
+# fwdr, bwdr, dkdvr: lengths that are not multiples of the tiles (3-D descriptors)
+VARIANTS = [f"fwd{r}-{ty}-d{d}-{mode}" for r, ty in (("", "bf16"), ("", "fp16"), ("r", "bf16"))
+            for d in (64, 128, 256) for mode in ("full", "causal")]
+BWD_VARIANTS = [f"{kind}{r}-{ty}-d{d}-{mode}" for kind in ("bwd", "dkdv")
+                for r, ty in (("", "bf16"), ("", "fp16"), ("r", "bf16"))
                 for d in (64, 128) for mode in ("full", "causal")] + [
     f"{kind}w-{ty}-d{d}-causal" for kind in ("bwd", "dkdv") for ty in ("bf16", "fp16")
     for d in (64, 128)]
@@ -170,7 +176,8 @@ def test_sm90_forward_with_three_consumers_compiles_without_spills(compiled, var
     assert row["spill_bytes"] == 0
 
 
-@pytest.mark.parametrize("variant", ["fwd1-bf16-d64-causal", "fwd1-fp16-d64-causal"])
+@pytest.mark.parametrize("variant", ["fwd1-bf16-d64-causal", "fwd1-fp16-d64-causal",
+                                     "fwd1r-bf16-d64-causal"])
 def test_sm90_forward_with_one_consumer_fits_two_ctas_an_sm(compiled, variant):
     """d = 64 with masking over few keys: one consumer warpgroup and the producer, two CTAs an
     SM: launched at 128 registers a thread (2 x 256 threads x 128 = the register file), half
@@ -348,15 +355,32 @@ def test_sm90_launchers_pass_exactly_the_kernels_parameters(monkeypatch):
         launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec)
         torch.testing.assert_close(delta, (do * out).sum(-1).transpose(1, 2))
         assert (dq == 0).all()  # the accumulator the (mocked) kernel did not add into
+    # lengths that are not multiples of the tiles (3-D descriptors, lse and delta padded)
+    q, do, out = (torch.randn(2, 100, 4, 128) for _ in range(3))
+    k, v = (torch.randn(2, 200, 2, 128) for _ in range(2))
+    lse = torch.randn(2, 4, 100)
+    spec = AttnSpec(softmax_scale=128 ** -0.5)
+    launch_sm90.forward(q, k, v, spec)
+    dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
+    delta = torch.full_like(lse, float("nan"))
+    launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec)
+    torch.testing.assert_close(delta, (do * out).sum(-1).transpose(1, 2))
     # (d = 64 causal over 128 keys: one consumer, two CTAs an SM)
-    # (the forward's consumer count; the backward's fused flag)
-    assert [(name, key[-1] if name == "fwd" else key[4]) for name, key, _ in calls] == [
-        ("fwd", 1), ("bwd", False), ("bwd", True), ("fwd", 2), ("bwd", False), ("bwd", True),
-        ("fwd", 2)]
+    # (the forward's consumer count and ragged flag; the backward's fused and ragged flags)
+    assert [key[3:5] if name == "fwd" else (key[4], key[6]) for name, key, _ in calls] == [
+        (1, False), (False, False), (True, False), (2, False), (False, False), (True, False),
+        (2, False), (2, True), (True, True)]
     for name, key, args in calls:
         # every parameter by name, and the launch option of the one-consumer forward
-        options = {"maxnreg"} if name == "fwd" and key[-1] == 1 else set()
+        options = {"maxnreg"} if name == "fwd" and key[3] == 1 else set()
         assert sorted(args) == sorted([*launch_sm90._kernel(name).arg_names, *options]), name
+        ragged = key[4] if name == "fwd" else key[6]
+        assert args.get("RAGGED", ragged) == ragged
+        # 3-D descriptors exactly for ragged lengths (lse and delta stay flat)
+        assert {len(args[n][1]) for n in args if n.startswith("desc_")
+                and n not in ("desc_lse", "desc_delta")} == {3 if ragged else 2}, name
+    (_, _, args), = [c for c in calls if c[0] == "bwd" and c[1][6]]
+    assert args["sq_pad"] == 128 and args["desc_lse"][0].shape == (2, 4, 128)
 
 
 def _layouts_of(batch, seq, heads, head_dim):
@@ -443,3 +467,52 @@ def test_sm90_forward_takes_windows_and_passes_their_edges(monkeypatch, left, ri
                                     spec) == (not masked)
     assert not launch_sm90.eligible(q, k, v, AttnSpec(softmax_scale=0.125, window_left=left,
                                                       window_right=right, softcap=5.0))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "sdpa", "fused-qkv"])
+@pytest.mark.parametrize("ragged", [False, True], ids=["aligned", "ragged"])
+def test_sm90_descriptor_coordinates_address_the_tensors_elements(layout, ragged):
+    """``launch_sm90._rows``: the coordinates the kernels compute for (batch entry, head, row,
+    column) (``{prefix}_rb``, ``_rh``, ``_ch``; ``kernels/attn_fwd_sm90._tma_load``) address
+    that element of the tensor, in the 2-D view of aligned lengths and in the 3-D view
+    ``(sequences, S, columns)`` of lengths that are not multiples of the tiles, whose middle
+    dimension is exactly the sequence (the TMA reads zeros past it)."""
+    from flashtile.backends.triton import launch_sm90
+
+    batch, seq, heads, d = 3, 5, 4, 64
+    if layout == "contiguous":
+        x = torch.randn(batch, seq, heads, d)
+    elif layout == "sdpa":
+        x = torch.randn(batch, heads, seq, d).transpose(1, 2)
+    else:  # the k slice of a fused (B, S, 3, H, D) projection
+        x = torch.randn(batch, seq, 3, heads, d)[:, :, 1]
+    args = {}
+    _, shape, strides, block, _ = launch_sm90._rows(x, 16, "x", args, ragged)
+    assert len(shape) == len(strides) == len(block) == (3 if ragged else 2)
+    assert block[-2:] == [16, d] and strides[-1] == 1
+    if ragged:
+        assert shape[1] == seq and block[0] == 1
+    base = x.storage_offset()
+    for b in range(batch):
+        for h in range(heads):
+            for m in (0, seq - 1):
+                for c in (0, d - 1):
+                    seq_at = b * args["x_rb"] + h * args["x_rh"]
+                    col = h * args["x_ch"] + c
+                    coords = [seq_at, m, col] if ragged else [seq_at + m, col]
+                    assert all(0 <= i < n for i, n in zip(coords, shape))
+                    offset = sum(i * st for i, st in zip(coords, strides))
+                    want = b * x.stride(0) + m * x.stride(1) + h * x.stride(2) + c
+                    assert base + offset == x.storage_offset() + want
+
+
+def test_sm90_backward_pads_lse_and_delta_to_whole_tiles():
+    """Ragged lengths: each head's lse and delta rows are padded to whole query tiles with
+    +inf and 0 (a last tile's rows past Sq then have p = 0 and delta = 0)."""
+    from flashtile.backends.triton import launch_sm90
+
+    lse, delta = torch.randn(2, 3, 70), torch.randn(2, 3, 70)
+    lse_p, delta_p = launch_sm90._pad_rows(lse, delta)
+    assert lse_p.shape == delta_p.shape == (2, 3, 128) and lse_p.is_contiguous()
+    assert torch.equal(lse_p[..., :70], lse) and torch.equal(delta_p[..., :70], delta)
+    assert torch.all(lse_p[..., 70:] == float("inf")) and torch.all(delta_p[..., 70:] == 0)

@@ -49,6 +49,15 @@ CASES = [  # (batch, sq, sk, heads, heads_k, d, causal)
     ("d256", 2, 256, 256, 4, 4, 256, False),
     ("d256-gqa-causal-sk>sq", 1, 256, 320, 4, 2, 256, True),
     ("d256-causal-rounds", 2, 1024, 1024, 40, 8, 256, True),
+    # lengths that are not multiples of the tiles: 3-D descriptors, the rows past a sequence
+    # read as zeros and not written, the keys past it masked in the first tile walked
+    ("d128-ragged", 2, 200, 333, 4, 4, 128, False),
+    ("d128-causal-ragged", 2, 300, 300, 4, 4, 128, True),
+    ("d64-ragged", 3, 1000, 1000, 4, 4, 64, False),
+    ("d64-causal-ragged-sk>sq", 2, 77, 1001, 4, 2, 64, True),
+    ("d64-long-causal-ragged", 1, 2047, 2047, 4, 2, 64, True),
+    ("d256-causal-ragged", 1, 250, 250, 4, 4, 256, True),
+    ("d64-one-row", 2, 1, 5, 2, 2, 64, False),
 ]
 
 
@@ -88,6 +97,9 @@ WINDOW_CASES = [  # (batch, sq, sk, heads, heads_k, d, window_left, window_right
     ("d256-local", 1, 512, 512, 4, 4, 256, 70, 0),
     # more work items than SMs, windows wider than a tile
     ("d128-local-rounds", 3, 1024, 1024, 23, 23, 128, 300, 0),
+    # a right edge past the diagonal reaches the keys past the end (masked) at lengths that
+    # are not multiples of the tiles
+    ("d128-band-ragged", 2, 300, 457, 4, 4, 128, 150, 37),
 ]
 
 
@@ -187,7 +199,8 @@ def test_sm90_forward_direct_launch_equals_first_launch():
     assert (out.double() - ref).abs().max().item() <= 2 * base + 1e-4
 
 
-def test_sm90_forward_plan_repeats_the_launch_with_the_new_tensors(monkeypatch):
+@pytest.mark.parametrize("seq", [384, 300], ids=["aligned", "ragged"])
+def test_sm90_forward_plan_repeats_the_launch_with_the_new_tensors(seq, monkeypatch):
     """A call with the shapes, strides and alignment of an earlier direct launch (and its dtype,
     device and spec) repeats it through a plan with its own tensors: bitwise the output of the
     full launch path on the same inputs (whose outputs start as NaN); another stride, another
@@ -195,7 +208,7 @@ def test_sm90_forward_plan_repeats_the_launch_with_the_new_tensors(monkeypatch):
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
     monkeypatch.setattr(launch_sm90, "_fwd_plans", type(launch_sm90._fwd_plans)())
     spec = flashtile.backends.spec.AttnSpec(softmax_scale=0.125, window_right=0)
-    q, k, v = (torch.randn(2, 384, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(2, seq, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     assert launch_sm90.planned_forward(q, k, v, spec) is None
     launch_sm90.forward(q, k, v, spec)  # compiled (or found compiled), then launched directly
     launch_sm90.forward(q, k, v, spec)
@@ -220,9 +233,9 @@ def test_sm90_forward_plan_repeats_the_launch_with_the_new_tensors(monkeypatch):
     assert launch_sm90.planned_forward(q2, k2, v2, spec) is None
 
 
-@pytest.mark.parametrize("d,causal", [(64, True), (128, False)],
-                         ids=["d64-causal-persistent", "d128-full"])
-def test_sm90_backward_plan_repeats_the_launch_with_the_new_tensors(d, causal, monkeypatch):
+@pytest.mark.parametrize("d,causal,seq", [(64, True, 384), (128, False, 384), (128, False, 300)],
+                         ids=["d64-causal-persistent", "d128-full", "d128-full-ragged"])
+def test_sm90_backward_plan_repeats_the_launch_with_the_new_tensors(d, causal, seq, monkeypatch):
     """A backward with the shapes, strides and alignment of an earlier direct launch of the
     fused kernel (and its dtype, device, spec and chunk setting) repeats it through a plan with
     its own tensors: dK and dV bitwise those of the full path on the same inputs (whose outputs
@@ -237,7 +250,7 @@ def test_sm90_backward_plan_repeats_the_launch_with_the_new_tensors(d, causal, m
     setting = launch_bwd._chunk_env()
 
     def inputs():
-        q, k, v, do = (torch.randn(2, 384, 4, d, device="cuda", dtype=torch.bfloat16)
+        q, k, v, do = (torch.randn(2, seq, 4, d, device="cuda", dtype=torch.bfloat16)
                        for _ in range(4))
         out, lse = backend.forward(q, k, v, spec)
         return do, q, k, v, out, lse.contiguous()
@@ -299,6 +312,11 @@ BWD_CASES = [  # (batch, sq, sk, heads, heads_k, d, causal)
     ("d64-short", 2, 256, 512, 2, 2, 64, False),
     # d = 64 causal: the fused kernel at every length
     ("d64-short-causal", 2, 384, 384, 4, 2, 64, True),
+    # lengths that are not multiples of the tiles (3-D descriptors, lse and delta padded)
+    ("d128-ragged", 2, 200, 333, 4, 4, 128, False),
+    ("d128-causal-ragged-gqa", 2, 1100, 1100, 4, 2, 128, True),
+    ("d64-ragged", 2, 700, 900, 3, 3, 64, False),
+    ("d64-causal-ragged-gqa", 2, 999, 999, 4, 2, 64, True),
 ]
 
 
@@ -498,6 +516,7 @@ BWD_WINDOW_CASES = [  # (batch, sq, sk, heads, heads_k, d, window_left, window_r
     # keys 0..835 are seen by no row: six CTAs walk no query tile (dK = dV = 0)
     ("d128-left-only-unreached-keys", 1, 128, 1024, 2, 2, 128, 60, -1),
     ("d64-diagonal", 1, 384, 384, 2, 1, 64, 0, 0),
+    ("d64-band-ragged", 2, 250, 601, 2, 2, 64, 150, 37),
 ]
 
 
@@ -540,3 +559,46 @@ def test_sm90_backward_with_a_window_matches_float64_reference(case, dtype, dete
         base = (lo.double() - r).abs().max().item()
         assert torch.isfinite(g).all(), name
         assert (g.double() - r).abs().max().item() <= 3 * base + 1e-4, name
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "sdpa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "deterministic"])
+def test_sm90_ragged_lengths_keep_sequences_apart(layout, causal, deterministic, monkeypatch):
+    """At lengths that are not multiples of the tiles the tiles of one sequence reach past its
+    end: the kernels read zeros there (3-D descriptors), not the next sequence.  With batch
+    entry 1 (contiguous layout: its rows follow entry 0's) or head 1 (SDPA layout: its rows
+    follow head 0's) all NaN, entry / head 0's output and gradients are finite and within
+    flash-attn's error rule of float64."""
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    batch, heads, sq, sk, d = 2, 2, 200, 333, 128
+
+    def make(s):
+        if layout == "contiguous":
+            return torch.randn(batch, s, heads, d, device="cuda", dtype=torch.bfloat16)
+        return torch.randn(batch, heads, s, d, device="cuda",
+                           dtype=torch.bfloat16).transpose(1, 2)
+    q, k, v, do = make(sq), make(sk), make(sk), make(sq)
+    poisoned = (slice(1, 2), slice(None)) if layout == "contiguous" else (slice(None),
+                                                                         slice(None), slice(1, 2))
+    for x in (q, k, v, do):
+        x[poisoned] = float("nan")
+    spec = flashtile.backends.spec.AttnSpec(softmax_scale=d ** -0.5,
+                                            window_right=0 if causal else -1)
+    assert launch_sm90.eligible(q, k, v, spec)
+    assert launch_sm90.bwd_eligible(q, k, v, do, torch.empty_like(k), torch.empty_like(v), spec,
+                                    deterministic)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    with poison_outputs():
+        out = flashtile.flash_attn_func(*leaves, causal=causal, deterministic=deterministic)
+        out.backward(do)
+    clean = (slice(0, 1), slice(None)) if layout == "contiguous" else (slice(None),
+                                                                      slice(None), slice(0, 1))
+    ref = _grads(*(x[clean] for x in (q, k, v, do)), causal, torch.float64)
+    low = _grads(*(x[clean] for x in (q, k, v, do)), causal, torch.bfloat16)
+    for name, g, r, lo in zip(("out", "dq", "dk", "dv"), [out] + [x.grad for x in leaves],
+                              ref, low):
+        g = g[clean]
+        base = (lo.double() - r).abs().max().item()
+        err = (g.double() - r).abs().max().item()
+        assert torch.isfinite(g).all() and err <= 3 * base + 1e-4, (name, err, base)

@@ -43,7 +43,7 @@ _sm90_env = env_reader("FLASHTILE_SM90")
 ONE_CONSUMER_KEYS = 768  # mean keys a row sees up to which masked d = 64 takes one consumer
 
 
-def consumers(head_dim: int, masked: bool, keys: int = 1 << 30) -> int:
+def consumers(head_dim: int, masked: bool, keys: int = 1 << 30, ragged: bool = False) -> int:
     """Consumer warpgroups of the forward: three (192-row work items, 160 registers a thread)
     at d = 64 without masking; one, in two CTAs an SM, at d = 64 with masking where a row sees
     at most ``ONE_CONSUMER_KEYS`` keys on average (``keys``); else two.  H100, bf16, B H32 d64
@@ -52,10 +52,12 @@ def consumers(head_dim: int, masked: bool, keys: int = 1 << 30) -> int:
     ran at 0.36-0.48x cuDNN.  Causal at 1K (4.5 key tiles an item), one consumer in two CTAs
     an SM: 0.88-0.93x cuDNN against 0.81-0.86x with two (the other CTA's turns fill the
     tensor cores through this one's first tile and epilogue); from 2K two are faster
-    (docs/dev/tuning-log.md, step 51)."""
+    (docs/dev/tuning-log.md, step 51).  Lengths that are not multiples of the tiles
+    (``ragged``) take two where they would take three: the three consumers' code for them
+    spills 768 bytes (compiled for sm_90a)."""
     if head_dim == 64 and masked and keys <= ONE_CONSUMER_KEYS:
         return 1
-    return 3 if head_dim == 64 and not masked else 2
+    return 3 if head_dim == 64 and not masked and not ragged else 2
 
 
 def _mean_keys(sq: int, sk: int, wl: int, wr: int) -> int:
@@ -121,16 +123,17 @@ def _dense(q, *tensors) -> bool:
 
 def eligible(q, k, v, spec: AttnSpec) -> bool:
     """Dense fp16/bf16 ``(B, S, H, D)`` in a layout the TMA reads (:func:`_plan`; K and V alike),
-    ``D`` in {64, 128, 256}, sequence lengths that are multiples of the tiles, no softcap /
-    dropout, causal masking or a window only with ``sk >= sq`` (bottom-right).  The caller has
-    already ruled out every optional tensor (ALiBi, bias, varlen, paging, sparsity)."""
+    ``D`` in {64, 128, 256}, any sequence lengths (not multiples of the tiles: 3-D descriptors,
+    :func:`_rows`), no softcap / dropout, causal masking or a window only with ``sk >= sq``
+    (bottom-right).  The caller has already ruled out every optional tensor (ALiBi, bias,
+    varlen, paging, sparsity)."""
     if not _dense(q, k, v):
         return False
     batch, sq, nheads, head_dim = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
     if head_dim not in (64, 128, 256) or v.shape[-1] != head_dim or nheads % nheads_k:
         return False
-    if sq == 0 or sk == 0 or batch == 0 or sq % BLOCK_M or sk % block_n(head_dim):
+    if sq == 0 or sk == 0 or batch == 0:
         return False
     # K and V are walked with the same coordinates
     return _plan(k)[2] == _plan(v)[2] and _plain(spec, sq, sk, window=True)
@@ -150,10 +153,10 @@ def _plain(spec: AttnSpec, sq: int, sk: int, window: bool = False) -> bool:
 
 def bwd_eligible(q, k, v, do, dk, dv, spec: AttnSpec, deterministic: bool = False) -> bool:
     """Whether the Hopper backward kernel serves this call: the forward's conditions with
-    ``D`` = 64 or 128, ``Sq`` a multiple of 64 and ``Sk`` of 128, ``do`` in a layout the TMA
-    reads, ``dk`` and ``dv`` of one layout with contiguous rows.  ``deterministic`` (the kernel
-    computes dK and dV only, dQ comes from the Triton kernel): ``D`` = 64 only with causal
-    masking.  The caller has ruled out every optional tensor."""
+    ``D`` = 64 or 128 (any lengths, as the forward's), ``do`` in a layout the TMA reads, ``dk``
+    and ``dv`` of one layout with contiguous rows.  ``deterministic`` (the kernel computes dK
+    and dV only, dQ comes from the Triton kernel): ``D`` = 64 only with causal masking.  The
+    caller has ruled out every optional tensor."""
     if not (_dense(q, k, v, do) and _plan(k)[2] == _plan(v)[2]):
         return False
     if dk.stride() != dv.stride() or dk.stride(-1) != 1:  # stored with dK's strides
@@ -167,7 +170,7 @@ def bwd_eligible(q, k, v, do, dk, dv, spec: AttnSpec, deterministic: bool = Fals
     if deterministic and head_dim == 64 and not spec.causal:
         # dK/dV alone: measured no faster than the Triton kernel (0.96-1.00x the backward, H200)
         return False
-    if sq == 0 or sk == 0 or batch == 0 or sq % BWD_BLOCK_M or sk % BWD_BLOCK_N:
+    if sq == 0 or sk == 0 or batch == 0:
         return False
     return _plain(spec, sq, sk, window=True)
 
@@ -186,12 +189,14 @@ def fused_pays(sq: int, sk: int, causal: bool, head_dim: int) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _layout(rows: int, head_dim: int, dtype: torch.dtype):
-    """Shared-memory layout of a ``[rows, head_dim]`` tile (building one costs host time)."""
+def _layout(rows: int, head_dim: int, dtype: torch.dtype, ragged: bool = False):
+    """Shared-memory layout of a ``[rows, head_dim]`` tile (building one costs host time); with
+    ``ragged`` of the same tile in a 3-D descriptor (``[1, rows, head_dim]``: :func:`_rows`)."""
     from triton.experimental.gluon import language as gl
 
-    g_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], g_dtype)
+    g_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}.get(dtype, gl.float32)
+    return gl.NVMMASharedLayout.get_default_for([1, rows, head_dim] if ragged
+                                                else [rows, head_dim], g_dtype)
 
 
 BWD_GROUP_L2 = 24 << 20  # bytes of Q, dO and dQ a group of backward CTAs may share through L2
@@ -226,8 +231,8 @@ def bwd_group(n_bh: int, group: int, sq: int, sk: int, head_dim: int, wl: int, w
     step 52)."""
     if not masked or head_dim != 128:
         return 1
-    n_kb = sk // BWD_BLOCK_N
-    shift, n_q = sk - sq, sq // BWD_BLOCK_M
+    n_kb = -(-sk // BWD_BLOCK_N)
+    shift, n_q = sk - sq, -(-sq // BWD_BLOCK_M)
     steps = []
     for j in range(n_kb):  # as _query_tiles counts them
         n0 = j * BWD_BLOCK_N
@@ -259,11 +264,6 @@ def bwd_group(n_bh: int, group: int, sq: int, sk: int, head_dim: int, wl: int, w
     return best
 
 
-def _layouts(head_dim: int, dtype: torch.dtype):
-    """Layouts of the forward's Q and K/V tiles."""
-    return (_layout(BLOCK_M // 2, head_dim, dtype), _layout(block_n(head_dim), head_dim, dtype))
-
-
 # Compiled variants of the kernels, for launches past ``JITFunction.run``: its argument binding
 # and specialisation key cost ~100 us of host time a call with tensor descriptors among the
 # arguments (docs/dev/tuning-log.md, step 36).  The key holds everything Triton specialises on
@@ -280,7 +280,7 @@ def _int_key(args: dict) -> tuple:
 def _launch(kernel_name: str, device: int, key: tuple, grid: tuple, args: dict,
             descs: dict):
     """Launch ``kernel_name`` (``fwd`` or ``bwd``) on GPU ``device`` with ``args`` and the
-    tensor descriptors ``descs`` (name -> :func:`_descriptor`'s ``(tensor, shape, row_stride,
+    tensor descriptors ``descs`` (name -> :func:`_descriptor`'s ``(tensor, shape, strides,
     block, layout)``); ``(compiled kernel, arguments in signature order)`` when it launched a
     compiled variant directly, else None."""
     key = (kernel_name, device, *key, _int_key(args))
@@ -339,16 +339,15 @@ def causal_order(n_m: int, n_bh: int, sq: int, sk: int, n_ctas: int,
     return int(default > 1.08 and worst(True) < default)
 
 
-def _descriptor(x, shape: list, row_stride: int, block: list, layout, direct: bool):
-    """A TMA descriptor of ``x`` seen as a row-major tensor of ``shape`` (one or two
-    dimensions; rows ``row_stride`` elements apart), read and written in tiles of ``block``.
+def _descriptor(x, shape: list, strides: list, block: list, layout, direct: bool):
+    """A TMA descriptor of ``x`` seen as a tensor of ``shape`` and ``strides`` (one to three
+    dimensions, the last contiguous), read and written in tiles of ``block``.
     For a direct launch of a compiled variant (``direct``) the launcher reads only base, shape,
     strides and padding, and ``eligible`` has already checked what the constructor asserts
     (alignment, strides): the object is filled in directly (the constructor's checks cost
     ~10 us a call)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    strides = [row_stride, 1] if len(shape) == 2 else [1]
     if not direct:
         return TensorDescriptor(x, shape, strides, block, layout)
     desc = object.__new__(TensorDescriptor)
@@ -357,14 +356,37 @@ def _descriptor(x, shape: list, row_stride: int, block: list, layout, direct: bo
     return desc
 
 
-def _rows(x, block_rows: int, layout, prefix: str, args: dict) -> tuple:
-    """``_descriptor`` arguments of a ``(B, S, H, D)`` tensor in :func:`_plan`'s 2-D view, in
-    tiles of ``block_rows`` rows of one head (a tile never crosses a batch entry or a head:
-    ``S`` is a multiple of the tiles); its tile coordinates go into ``args`` as
-    ``{prefix}_rb``, ``{prefix}_rh``, ``{prefix}_ch``."""
+def _rows(x, block_rows: int, prefix: str, args: dict, ragged: bool) -> tuple:
+    """``_descriptor`` arguments of a ``(B, S, H, D)`` tensor in tiles of ``block_rows`` rows of
+    one head; the coordinates of a head's sequence go into ``args`` as ``{prefix}_rb``,
+    ``{prefix}_rh`` (per batch entry, per head) and ``{prefix}_ch`` (its first column).
+    Without ``ragged`` (``S`` a multiple of the tiles) the descriptor is :func:`_plan`'s 2-D
+    view and a sequence's coordinate is its first row; with it the view is 3-D
+    ``(sequences, S, columns)`` (a sequence per batch entry, or per batch entry and head in the
+    SDPA layout) and the coordinate is the sequence's index: the TMA reads zeros past ``S``
+    and writes nothing there (``kernels/attn_fwd_sm90._tma_load``)."""
     shape, row_stride, (rb, rh, ch) = _plan(x)
+    seq, head_dim = x.shape[1], x.shape[-1]
+    if ragged:
+        shape, strides = [shape[0] // seq, seq, shape[1]], [seq * row_stride, row_stride, 1]
+        rb, rh, block = rb // seq, rh // seq, [1, block_rows, head_dim]
+    else:
+        strides, block = [row_stride, 1], [block_rows, head_dim]
     args.update({f"{prefix}_rb": rb, f"{prefix}_rh": rh, f"{prefix}_ch": ch})
-    return x, shape, row_stride, [block_rows, x.shape[-1]], layout
+    return x, shape, strides, block, _layout(block_rows, head_dim, x.dtype, ragged)
+
+
+def _out_rows(x, block_rows: int, cols: int, ragged: bool) -> tuple:
+    """``_descriptor`` arguments of a contiguous ``(B, S, H, D)`` output (or float32
+    accumulator) in tiles of ``block_rows`` rows and ``cols`` columns of one head, seen as
+    ``_rows`` sees it."""
+    batch, seq, nheads, head_dim = x.shape
+    width = nheads * head_dim
+    if ragged:
+        return (x, [batch, seq, width], [seq * width, width, 1], [1, block_rows, cols],
+                _layout(block_rows, cols, x.dtype, True))
+    return x, [batch * seq, width], [width, 1], [block_rows, cols], _layout(block_rows, cols,
+                                                                             x.dtype)
 
 
 def _window(spec: AttnSpec, sq: int, sk: int) -> dict:
@@ -390,7 +412,7 @@ class _FwdPlan:
         names = _kernel("fwd").arg_names
         self.compiled, self.grid, self.device = compiled, grid, device
         self.values, self.lse_at = list(values), names.index("Lse")
-        # (position, role, shape, row stride, block, layout) of each descriptor
+        # (position, role, shape, strides, block, layout) of each descriptor
         self.descs = tuple((names.index(n), r, *descs[n][1:]) for r, n in enumerate(_FWD_ROLES))
         # the plan keeps no tensor of the call it was made from alive (every call fills them)
         for at in (self.lse_at, *(d[0] for d in self.descs)):
@@ -412,8 +434,8 @@ def planned_forward(q, k, v, spec: AttnSpec):
     values = plan.values.copy()
     values[plan.lse_at] = lse
     tensors = (q, k, v, out)
-    for at, role, shape, row_stride, block, layout in plan.descs:
-        values[at] = _descriptor(tensors[role], shape, row_stride, block, layout, True)
+    for at, role, shape, strides, block, layout in plan.descs:
+        values[at] = _descriptor(tensors[role], shape, strides, block, layout, True)
     _run(plan.compiled, plan.grid, values, plan.device)
     return out, lse
 
@@ -428,7 +450,9 @@ def forward(q, k, v, spec: AttnSpec):
     device = q.device.index or 0
     window = _window(spec, sq, sk)
     masked = window["MASKED"]  # causal masking is the window (-1, 0)
-    n_c = consumers(head_dim, masked, _mean_keys(sq, sk, window["wl"], window["wr"]))
+    # lengths that are not multiples of the tiles: 3-D descriptors (_rows)
+    ragged = bool(sq % BLOCK_M or sk % tile_n)
+    n_c = consumers(head_dim, masked, _mean_keys(sq, sk, window["wl"], window["wr"]), ragged)
     block_m = n_c * (BLOCK_M // 2)
     n_m = -(-sq // block_m)
     # persistent: one CTA per SM (two with one consumer: 128 registers a thread at launch, which
@@ -444,13 +468,12 @@ def forward(q, k, v, spec: AttnSpec):
                 if spec.causal else 0)
     if n_c == 1:
         args["maxnreg"] = 128
-    q_layout, kv_layout = _layouts(head_dim, q.dtype)
-    descs = dict(desc_q=_rows(q, BLOCK_M // 2, q_layout, "q", args),
-                 desc_k=_rows(k, tile_n, kv_layout, "kv", args),
-                 desc_v=_rows(v, tile_n, kv_layout, "kv", args),
-                 desc_o=(out, [batch * sq, nheads * head_dim], nheads * head_dim,
-                         [BLOCK_M // 2, head_dim], q_layout))
-    launched = _launch("fwd", device, (q.dtype, head_dim, masked, n_c), grid, args, descs)
+    descs = dict(desc_q=_rows(q, BLOCK_M // 2, "q", args, ragged),
+                 desc_k=_rows(k, tile_n, "kv", args, ragged),
+                 desc_v=_rows(v, tile_n, "kv", args, ragged),
+                 desc_o=_out_rows(out, BLOCK_M // 2, head_dim, ragged))
+    launched = _launch("fwd", device, (q.dtype, head_dim, masked, n_c, ragged), grid, args,
+                       descs)
     if launched is not None:
         _fwd_plans.put((signature(q, k, v), q.dtype, q.device, spec),
                        _FwdPlan(launched[0], grid, launched[1], descs, device))
@@ -465,32 +488,25 @@ def _flat_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 
 
-@functools.lru_cache(maxsize=None)
-def _acc_layout(head_dim: int):
-    """Shared-memory layout of a consumer's float32 dQ tile ``[BWD_BLOCK_M, D / 2]``."""
-    from triton.experimental.gluon import language as gl
-
-    return gl.NVMMASharedLayout.get_default_for([BWD_BLOCK_M, head_dim // 2], gl.float32)
-
-
 def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec):
     """Launch the backward kernel: with ``dq_acc`` (float32 like ``q``, zeroed) it also adds
-    dQ into it; without, dK and dV only.  ``(launch, grid, descriptors, persistent)`` when it
-    launched a compiled variant directly (what a plan repeats), else None."""
+    dQ into it; without, dK and dV only.  ``(launch, grid, descriptors, persistent, ragged)``
+    when it launched a compiled variant directly (what a plan repeats), else None."""
     batch, sq, nheads, head_dim = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
     device = q.device.index or 0
     fused = dq_acc is not None
+    # lengths that are not multiples of the tiles: 3-D descriptors (_rows)
+    ragged = bool(sq % BWD_BLOCK_M or sk % BWD_BLOCK_N)
     acc_tile = [BWD_BLOCK_M, head_dim // 2]
-    if fused:  # (B * Sq, H * D): a tile is half a head's columns of BWD_BLOCK_M rows
-        desc_dq = (dq_acc, [batch * sq, nheads * head_dim], nheads * head_dim, acc_tile,
-                   _acc_layout(head_dim))
+    if fused:  # a tile is half a head's columns of BWD_BLOCK_M rows
+        desc_dq = _out_rows(dq_acc, BWD_BLOCK_M, head_dim // 2, ragged)
     else:  # never read: a descriptor of one tile
         desc_dq = (torch.empty(acc_tile, dtype=torch.float32, device=q.device), acc_tile,
-                   acc_tile[1], acc_tile, _acc_layout(head_dim))
+                   [acc_tile[1], 1], acc_tile, _layout(*acc_tile, torch.float32))
     n_bh = batch * nheads_k
     n_sm = _sm_count(device)
-    n_items = sk // BWD_BLOCK_N * n_bh
+    n_items = -(-sk // BWD_BLOCK_N) * n_bh
     persistent = bwd_persistent(head_dim)
     # persistent: at most one CTA per SM, claiming work items from a counter zeroed here;
     # else one CTA per item, and the kernel reads no counter (``dk`` stands in)
@@ -499,26 +515,38 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec):
     window = _window(spec, sq, sk)
     bh_group = bwd_group(n_bh, nheads // nheads_k, sq, sk, head_dim, window["wl"],
                          window["wr"], window["MASKED"], n_sm)
+    if ragged:  # the kernel reads whole tiles of lse and delta: padded (_pad_rows)
+        lse, delta = _pad_rows(lse, delta)
     args = dict(DK=dk, DV=dv, Counter=counter,
-                stride_kb=dk.stride(0), stride_kn=dk.stride(1),
-                stride_kh=dk.stride(2), sq=sq, sk=sk, nheads_k=nheads_k, n_bh=n_bh,
+                stride_kb=dk.stride(0), stride_kn=dk.stride(1), stride_kh=dk.stride(2),
+                sq=sq, sk=sk, sq_pad=lse.shape[-1], nheads_k=nheads_k, n_bh=n_bh,
                 bh_group=bh_group, group=nheads // nheads_k, scale=spec.softmax_scale,
                 qk_scale=spec.softmax_scale * LOG2E, **window,
                 # edges other than the causal diagonal (without, the causal-only code)
                 WINDOW=window["MASKED"] and (window["wl"] < sq + sk or window["wr"] != 0),
-                DQ=fused, PERSISTENT=persistent, STAGES=STAGES, num_warps=NUM_WARPS)
-    q_layout = _layout(BWD_BLOCK_M, head_dim, q.dtype)
-    kv_layout = _layout(BWD_BLOCK_N // 2, head_dim, q.dtype)
+                DQ=fused, PERSISTENT=persistent, RAGGED=ragged, STAGES=STAGES,
+                num_warps=NUM_WARPS)
     flat = _flat_layout()
-    descs = dict(desc_q=_rows(q, BWD_BLOCK_M, q_layout, "q", args),
-                 desc_do=_rows(do, BWD_BLOCK_M, q_layout, "do", args),
-                 desc_k=_rows(k, BWD_BLOCK_N // 2, kv_layout, "kv", args),
-                 desc_v=_rows(v, BWD_BLOCK_N // 2, kv_layout, "kv", args),
-                 desc_lse=(lse, [lse.numel()], 1, [BWD_BLOCK_M], flat),
-                 desc_delta=(delta, [delta.numel()], 1, [BWD_BLOCK_M], flat), desc_dq=desc_dq)
+    descs = dict(desc_q=_rows(q, BWD_BLOCK_M, "q", args, ragged),
+                 desc_do=_rows(do, BWD_BLOCK_M, "do", args, ragged),
+                 # with ragged one tile of both consumers' keys (the kernel's K/V buffer is one
+                 # allocation: a 3-D TMA cannot write into a slice of it)
+                 desc_k=_rows(k, BWD_BLOCK_N // (1 if ragged else 2), "kv", args, ragged),
+                 desc_v=_rows(v, BWD_BLOCK_N // (1 if ragged else 2), "kv", args, ragged),
+                 desc_lse=(lse, [lse.numel()], [1], [BWD_BLOCK_M], flat),
+                 desc_delta=(delta, [delta.numel()], [1], [BWD_BLOCK_M], flat), desc_dq=desc_dq)
     launched = _launch("bwd", device, (q.dtype, head_dim, window["MASKED"], args["WINDOW"],
-                                       fused, persistent), grid, args, descs)
-    return (launched, grid, descs, persistent) if launched is not None else None
+                                       fused, persistent, ragged), grid, args, descs)
+    return (launched, grid, descs, persistent, ragged) if launched is not None else None
+
+
+def _pad_rows(lse, delta):
+    """``lse`` and ``delta`` (float32 ``(B, H, Sq)``) with each head's rows padded to whole
+    tiles of ``BWD_BLOCK_M``: +inf and 0, so that a last tile's rows past ``Sq`` (zeros of q and
+    dO) have p = 0 and delta = 0, not the next head's values."""
+    pad = -lse.shape[-1] % BWD_BLOCK_M
+    return (torch.nn.functional.pad(lse, (0, pad), value=float("inf")),
+            torch.nn.functional.pad(delta, (0, pad), value=0.0))
 
 
 def dkdv(q, k, v, do, lse, delta, dk, dv, spec: AttnSpec) -> None:
@@ -564,14 +592,14 @@ _BWD_ROLES = ("desc_q", "desc_do", "desc_k", "desc_v", "desc_lse", "desc_delta",
 
 
 class _BwdPlan:
-    __slots__ = ("compiled", "grid", "values", "descs", "at", "persistent", "device")
+    __slots__ = ("compiled", "grid", "values", "descs", "at", "persistent", "ragged", "device")
 
-    def __init__(self, launched, grid, descs, persistent, device):
+    def __init__(self, launched, grid, descs, persistent, ragged, device):
         names = _kernel("bwd").arg_names
         self.compiled, self.grid, self.device = launched[0], grid, device
-        self.persistent = persistent
+        self.persistent, self.ragged = persistent, ragged
         self.values = list(launched[1])
-        # positions of DK, DV and Counter; (position, role, shape, row stride, block, layout)
+        # positions of DK, DV and Counter; (position, role, shape, strides, block, layout)
         # of each descriptor
         self.at = tuple(names.index(n) for n in ("DK", "DV", "Counter"))
         self.descs = tuple((names.index(n), r, *descs[n][1:]) for r, n in enumerate(_BWD_ROLES))
@@ -599,13 +627,15 @@ def planned_backward(q, k, v, out, do, lse, spec: AttnSpec, setting):
     dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
     delta = empty(lse.shape, torch.float32, lse.device)
     dq_acc = _prologue(q, out, do, delta)
+    if plan.ragged:
+        lse, delta = _pad_rows(lse, delta)
     values = plan.values.copy()
     values[plan.at[0]], values[plan.at[1]] = dk, dv
     values[plan.at[2]] = (torch.zeros(1, dtype=torch.int32, device=q.device) if plan.persistent
                           else dk)
     tensors = (q, do, k, v, lse, delta, dq_acc)
-    for at, role, shape, row_stride, block, layout in plan.descs:
-        values[at] = _descriptor(tensors[role], shape, row_stride, block, layout, True)
+    for at, role, shape, strides, block, layout in plan.descs:
+        values[at] = _descriptor(tensors[role], shape, strides, block, layout, True)
     _run(plan.compiled, plan.grid, values, plan.device)
     dq.copy_(dq_acc)
     return dq, dk, dv

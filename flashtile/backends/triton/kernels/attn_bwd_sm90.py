@@ -46,12 +46,19 @@ causal item at 1K-2K keys.
 
 Scope (``launch_sm90.bwd_eligible`` checks it): dense ``(B, S, H, D)`` inputs in a layout the
 TMA reads (the forward's, each with its own tile coordinates ``*_rb``, ``*_rh``, ``*_ch``),
-``D`` = 64 or 128, fp16/bf16, ``Sq`` a multiple of ``BLOCK_M``, ``Sk`` of 128, no optional
-feature but a window with ``sk >= sq`` (``MASKED``, the forward's rule: query ``i`` sees key
-``j`` iff ``-wl <= j - (i + sk - sq) <= wr``; causal masking is the window (no edge, 0)).  A
-CTA walks only the query tiles that see one of its keys, possibly none.  ``WINDOW`` marks a
-window other than the causal one: only then are both edges checked and empty CTAs guarded, so
-the causal code is what it was before windows (a 2-3% slower causal backward otherwise).
+``D`` = 64 or 128, fp16/bf16, any lengths, no optional feature but a window with
+``sk >= sq`` (``MASKED``, the forward's rule: query ``i`` sees key ``j`` iff
+``-wl <= j - (i + sk - sq) <= wr``; causal masking is the window (no edge, 0)).  A CTA walks
+only the query tiles that see one of its keys, possibly none.  ``WINDOW`` marks a window other
+than the causal one: only then are both edges checked and empty CTAs guarded, so the causal
+code is what it was before windows (a 2-3% slower causal backward otherwise).
+
+Lengths that are not multiples of the tiles (``RAGGED``): Q, dO, K, V and the dQ accumulator
+have 3-D descriptors (the forward's ``_tma_load``; K and V one 128-key tile), so a tile past the
+end of a sequence reads zeros and its dQ reduction writes nothing there; lse and delta come
+padded to whole tiles (+inf, 0: ``launch_sm90._pad_rows``), so those rows have p = 0.  Keys past
+``sk`` (zeros) score 0, and ``p`` is capped at 1 (``s <= lse``): with zero k and v their
+products add nothing, and their dK, dV are not stored.
 """
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -59,6 +66,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
+
+from .attn_fwd_sm90 import _tma_load
 
 LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -73,11 +82,22 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _query_tiles(n0, n_keys, sq, shift, wl, wr, masked, window, BLOCK_M: gl.constexpr):
+def _blocks(n, size, RAGGED: gl.constexpr):
+    """Blocks of ``size`` over ``n``: the last one partial with ``RAGGED`` (the aligned code is
+    left as it was: the rounding up alone cost the d = 128 kernel 4-20 more spill bytes)."""
+    if RAGGED:
+        return gl.cdiv(n, size)
+    else:
+        return n // size
+
+
+@gluon.jit
+def _query_tiles(n0, n_keys, sq, shift, wl, wr, masked, window, BLOCK_M: gl.constexpr,
+                 RAGGED: gl.constexpr):
     """First query tile that sees one of the keys ``[n0, n0 + n_keys)`` and the number of tiles
     from it on that do (0 where no row's window reaches them)."""
     lo = 0
-    n_m = sq // BLOCK_M
+    n_m = _blocks(sq, BLOCK_M, RAGGED)
     if masked:
         if window:
             # row m sees key n iff -wl <= n - (m + shift) <= wr
@@ -87,7 +107,7 @@ def _query_tiles(n0, n_keys, sq, shift, wl, wr, masked, window, BLOCK_M: gl.cons
         else:
             # causal: row m sees key n iff n <= m + shift (every key some row, as sk >= sq)
             lo = gl.maximum(n0 - shift, 0) // BLOCK_M
-            n_m = sq // BLOCK_M - lo
+            n_m = _blocks(sq, BLOCK_M, RAGGED) - lo
     return lo, n_m
 
 
@@ -119,18 +139,23 @@ def _claim(Counter):
 
 
 @gluon.jit
-def _dq_add(b_dq, desc_dq, dq_tile, row, col, scale):
-    """``dq_accumulator[row:, col:] += scale * b_dq`` (a ``[BLOCK_M, D / 2]`` float32 tile)
-    through this consumer's shared-memory tile ``dq_tile``."""
+def _dq_add(b_dq, desc_dq, dq_tile, base, row, col, scale, RAGGED: gl.constexpr):
+    """``dq_accumulator[row:, col:] += scale * b_dq`` (a ``[BLOCK_M, D / 2]`` float32 tile of
+    batch entry ``base``'s rows: ``_tma_load``'s coordinates) through this consumer's
+    shared-memory tile ``dq_tile``."""
     tma.store_wait(0)  # the previous reduction has read the tile
     dq_tile.store(b_dq * scale)
     fence_async_shared()
-    _tma_reduce_add(desc_dq, [row, col], dq_tile)
+    if RAGGED:  # rows past the sequence are not written
+        _tma_reduce_add(desc_dq, [base, row, col],
+                        dq_tile.reshape([1, dq_tile.shape[0], dq_tile.shape[1]]))
+    else:
+        _tma_reduce_add(desc_dq, [base + row, col], dq_tile)
 
 
 @gluon.jit
-def _dq_last(t_last, bar_ds, bar_dsfree, ds_smem, k_half, b_dq0, desc_dq, dq_tile, row, col,
-             scale):
+def _dq_last(t_last, bar_ds, bar_dsfree, ds_smem, k_half, b_dq0, desc_dq, dq_tile, base, row, col,
+             scale, RAGGED: gl.constexpr):
     """dq of an item's last tile (``t_last``, counted over the CTA's items), added one step late
     like the others; its ds buffer goes back to the writers of tile ``t_last + 2``."""
     i_d = t_last % 2
@@ -139,24 +164,28 @@ def _dq_last(t_last, bar_ds, bar_dsfree, ds_smem, k_half, b_dq0, desc_dq, dq_til
                          is_async=True)
     b_dq = warpgroup_mma_wait(num_outstanding=0, deps=(b_dq,))
     mbarrier.arrive(bar_dsfree.index(i_d))
-    _dq_add(b_dq, desc_dq, dq_tile, row, col, scale)
+    _dq_add(b_dq, desc_dq, dq_tile, base, row, col, scale, RAGGED)
     tma.store_wait(0)
 
 
 @gluon.jit
 def _produce_item(w, c, t, b_w, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
                   do_smem, k_smem, v_smem, lse_smem, delta_smem, item_smem, bar_kv, bar_kvfree,
-                  bar_qd, bar_free, sq, sk, nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch,
+                  bar_qd, bar_free, sq, sk, sq_pad, nheads_k, n_bh, bh_group, group, q_rb, q_rh,
+                  q_ch,
                   do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl, wr, masked, window,
-                  PERSISTENT: gl.constexpr):
+                  PERSISTENT: gl.constexpr, RAGGED: gl.constexpr):
     """Load work item ``w`` (the CTA's ``c``-th): its K and V, then its (Q, dO, lse, delta)
     tiles into the ring from position ``t`` on; the ring position after them."""
     STAGES: gl.constexpr = q_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
-    BLOCK_NW: gl.constexpr = desc_k.block_type.shape[0]   # keys of one consumer
+    BLOCK_NW: gl.constexpr = k_smem.shape[0] // 2   # keys of one consumer
+    # K/V tiles: one per consumer, or with RAGGED one 3-D tile of both (a 3-D TMA cannot
+    # write into a slice of the buffer)
+    KV_LOADS: gl.constexpr = 2 * BLOCK_NW // desc_k.block_type.shape[-2]
     nbytes: gl.constexpr = (desc_q.block_type.nbytes + desc_do.block_type.nbytes
                             + desc_lse.block_type.nbytes + desc_delta.block_type.nbytes)
-    i_n, i_bh = _item_keys(w, sk // (2 * BLOCK_NW), n_bh, bh_group)
+    i_n, i_bh = _item_keys(w, _blocks(sk, 2 * BLOCK_NW, RAGGED), n_bh, bh_group)
     i_b = i_bh // nheads_k
     i_hk = i_bh % nheads_k
     n0 = i_n * 2 * BLOCK_NW
@@ -165,16 +194,21 @@ def _produce_item(w, c, t, b_w, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_
         # free; the item goes to the consumers with the arrival on bar_kv below
         mbarrier.wait(bar_kvfree, (c & 1) ^ 1, pred=c > 0)
         item_smem.store(b_w)
-    mbarrier.expect(bar_kv, 2 * desc_k.block_type.nbytes + 2 * desc_v.block_type.nbytes)
-    # the item's K and V: rows [0, 64) are consumer 0's keys, [64, 128) consumer 1's (tile
-    # coordinates in the 2-D views of the descriptors: launch_sm90._plan)
-    row_k = i_b * kv_rb + i_hk * kv_rh + n0
-    for i in gl.static_range(2):
-        tma.async_copy_global_to_shared(desc_k, [row_k + i * BLOCK_NW, i_hk * kv_ch], bar_kv,
-                                        k_smem.slice(i * BLOCK_NW, BLOCK_NW))
-        tma.async_copy_global_to_shared(desc_v, [row_k + i * BLOCK_NW, i_hk * kv_ch], bar_kv,
-                                        v_smem.slice(i * BLOCK_NW, BLOCK_NW))
-    lo, n_m = _query_tiles(n0, 2 * BLOCK_NW, sq, sk - sq, wl, wr, masked, window, BLOCK_M)
+    mbarrier.expect(bar_kv, KV_LOADS * (desc_k.block_type.nbytes + desc_v.block_type.nbytes))
+    # the item's K and V: rows [0, 64) are consumer 0's keys, [64, 128) consumer 1's (the
+    # sequences' coordinates in the descriptors: launch_sm90._plan, _tma_load)
+    base_k = i_b * kv_rb + i_hk * kv_rh
+    if KV_LOADS == 1:
+        _tma_load(desc_k, base_k, n0, i_hk * kv_ch, bar_kv, k_smem)
+        _tma_load(desc_v, base_k, n0, i_hk * kv_ch, bar_kv, v_smem)
+    else:
+        for i in gl.static_range(2):
+            _tma_load(desc_k, base_k, n0 + i * BLOCK_NW, i_hk * kv_ch, bar_kv,
+                      k_smem.slice(i * BLOCK_NW, BLOCK_NW))
+            _tma_load(desc_v, base_k, n0 + i * BLOCK_NW, i_hk * kv_ch, bar_kv,
+                      v_smem.slice(i * BLOCK_NW, BLOCK_NW))
+    lo, n_m = _query_tiles(n0, 2 * BLOCK_NW, sq, sk - sq, wl, wr, masked, window, BLOCK_M,
+                           RAGGED)
     for j in range(group * n_m):
         i_h = i_hk * group + j // n_m
         m0 = (lo + j % n_m) * BLOCK_M
@@ -183,12 +217,11 @@ def _produce_item(w, c, t, b_w, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_
         mbarrier.wait(bar_free.index(i_s), ((t // STAGES) & 1) ^ 1, pred=t >= STAGES)
         bar = bar_qd.index(i_s)
         mbarrier.expect(bar, nbytes)
-        tma.async_copy_global_to_shared(desc_q, [i_b * q_rb + i_h * q_rh + m0, i_h * q_ch], bar,
-                                        q_smem.index(i_s))
-        tma.async_copy_global_to_shared(desc_do, [i_b * do_rb + i_h * do_rh + m0, i_h * do_ch],
-                                        bar, do_smem.index(i_s))
-        # lse and delta are (B, H, Sq) float32, seen flat
-        p_l = (i_b * nheads_k * group + i_h) * sq + m0
+        _tma_load(desc_q, i_b * q_rb + i_h * q_rh, m0, i_h * q_ch, bar, q_smem.index(i_s))
+        _tma_load(desc_do, i_b * do_rb + i_h * do_rh, m0, i_h * do_ch, bar, do_smem.index(i_s))
+        # lse and delta are (B, H, sq_pad) float32, seen flat (sq_pad = Sq, or with RAGGED
+        # padded to whole tiles: launch_sm90._bwd)
+        p_l = (i_b * nheads_k * group + i_h) * sq_pad + m0
         tma.async_copy_global_to_shared(desc_lse, [p_l], bar, lse_smem.index(i_s))
         tma.async_copy_global_to_shared(desc_delta, [p_l], bar, delta_smem.index(i_s))
         t += 1
@@ -198,11 +231,12 @@ def _produce_item(w, c, t, b_w, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_
 @gluon.jit
 def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
                   k_smem, v_smem, lse_smem, delta_smem, item_smem, bar_kv, bar_kvfree, bar_qd,
-                  bar_free, Counter, sq, sk, nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch,
+                  bar_free, Counter, sq, sk, sq_pad, nheads_k, n_bh, bh_group, group, q_rb, q_rh,
+                  q_ch,
                   do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl, wr, masked, window,
-                  PERSISTENT: gl.constexpr):
-    BLOCK_NW: gl.constexpr = desc_k.block_type.shape[0]
-    n_items = sk // (2 * BLOCK_NW) * n_bh
+                  PERSISTENT: gl.constexpr, RAGGED: gl.constexpr):
+    BLOCK_NW: gl.constexpr = k_smem.shape[0] // 2
+    n_items = _blocks(sk, 2 * BLOCK_NW, RAGGED) * n_bh
     if PERSISTENT:
         c = 0  # items of this CTA so far (K/V phase)
         t = 0  # (Q, dO) tiles loaded so far, over the items (ring position and phase)
@@ -211,9 +245,10 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
         while w < n_items:
             t = _produce_item(w, c, t, b_w, desc_q, desc_do, desc_k, desc_v, desc_lse,
                               desc_delta, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                              item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, sq, sk, nheads_k,
-                              n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch,
-                              kv_rb, kv_rh, kv_ch, wl, wr, masked, window, PERSISTENT)
+                              item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, sq, sk, sq_pad,
+                              nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh,
+                              do_ch, kv_rb, kv_rh, kv_ch, wl, wr, masked, window, PERSISTENT,
+                              RAGGED)
             c += 1
             # claimed while the consumers still work on this item's last tiles
             b_w = _claim(Counter)
@@ -226,9 +261,9 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
         b_w = gl.full([1], 0, gl.int32, layout=gl.BlockedLayout([1], [32], [1], [0]))
         _produce_item(gl.program_id(0), 0, gl.to_tensor(0), b_w, desc_q, desc_do, desc_k,
                       desc_v, desc_lse, desc_delta, q_smem, do_smem, k_smem, v_smem, lse_smem,
-                      delta_smem, item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, sq, sk,
+                      delta_smem, item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, sq, sk, sq_pad,
                       nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch,
-                      kv_rb, kv_rh, kv_ch, wl, wr, masked, window, PERSISTENT)
+                      kv_rb, kv_rh, kv_ch, wl, wr, masked, window, PERSISTENT, RAGGED)
 
 
 @gluon.jit
@@ -236,7 +271,7 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
                   dq_smem, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK,
                   DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group,
                   scale, qk_scale, wl, wr, masked, window, DQ: gl.constexpr,
-                  PERSISTENT: gl.constexpr):
+                  PERSISTENT: gl.constexpr, RAGGED: gl.constexpr):
     """Work item ``w`` of one consumer warpgroup, its tiles from ring position ``t`` on (K and V
     already loaded): dK and dV of its 64 keys, and with ``DQ`` its adds into dQ; the ring
     position after them."""
@@ -257,7 +292,7 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     shift = sk - sq
-    n_kb = sk // (2 * BLOCK_NW)
+    n_kb = _blocks(sk, 2 * BLOCK_NW, RAGGED)
     k_tile = k_smem.slice(i_wg * BLOCK_NW, BLOCK_NW)            # [64, D] this consumer's keys
     v_tile = v_smem.slice(i_wg * BLOCK_NW, BLOCK_NW)            # [64, D]
     k_half = k_smem.slice(i_wg * HALF_D, HALF_D, dim=1)         # [128 keys, D / 2]
@@ -272,6 +307,11 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
     i_hk = i_bh % nheads_k
     n0 = i_n * 2 * BLOCK_NW
     k0 = n0 + i_wg * BLOCK_NW                                   # this consumer's first key
+    # the rows of batch entry i_b in the dQ accumulator (_dq_add): i_b * sq, or with RAGGED
+    # (3-D) i_b; sq_rows is sq or 1
+    sq_rows = sq
+    if RAGGED:
+        sq_rows = 1
     o_k = k0 + gl.arange(0, BLOCK_NW, layout=row_s)            # [64] keys
     b_dk = gl.zeros([BLOCK_NW, HEAD_DIM], gl.float32, layout=g_layout)   # [64, D]
     b_dv = gl.zeros([BLOCK_NW, HEAD_DIM], gl.float32, layout=g_layout)   # [64, D]
@@ -281,7 +321,8 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
     b_dq0 = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=q_layout)     # [BLOCK_M, D / 2]
     m_prev = 0  # the previous tile's first row and head (its dq is added one step late)
     h_prev = 0
-    lo, n_m = _query_tiles(n0, 2 * BLOCK_NW, sq, shift, wl, wr, masked, window, BLOCK_M)
+    lo, n_m = _query_tiles(n0, 2 * BLOCK_NW, sq, shift, wl, wr, masked, window, BLOCK_M,
+                           RAGGED)
     n_t = group * n_m
     for j in range(n_t):
         i_h = i_hk * group + j // n_m
@@ -314,7 +355,14 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
         # used, they do not hold registers across the products
         b_lse = lse_smem.index(i_s).load(col_s)                         # [BLOCK_M]
         b_lse2 = gl.where(b_lse == float("-inf"), float("inf"), b_lse * LOG2E)
-        b_pt = gl.exp2(b_st * qk_scale - b_lse2[None, :])               # [64, BLOCK_M]
+        if RAGGED:
+            # p <= 1 (s <= lse): the keys from sk on (zeros: the TMA read past the sequence)
+            # are seen by rows whose window reaches them (without masking, every row); with
+            # p capped they add nothing (their k and v are zeros, their dK, dV not stored).
+            # Rows from sq on have zero q and dO, lse +inf and delta 0 (padding): p = 0
+            b_pt = gl.exp2(gl.minimum(b_st * qk_scale - b_lse2[None, :], 0.0))
+        else:
+            b_pt = gl.exp2(b_st * qk_scale - b_lse2[None, :])           # [64, BLOCK_M]
         b_dpt = warpgroup_mma_wait(num_outstanding=0, deps=(b_dpt,))
         b_delta = delta_smem.index(i_s).load(col_s)                     # [BLOCK_M]
         b_dst = b_pt * (b_dpt - b_delta[None, :])                       # [64, BLOCK_M]
@@ -344,8 +392,8 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
             mbarrier.arrive(bar_free.index(i_s))
             mbarrier.arrive(bar_dsfree.index(1 - i_d), pred=j > 0)
             if j > 0:
-                _dq_add(b_dq, desc_dq, dq_tile, i_b * sq + m_prev,
-                        h_prev * HEAD_DIM + dq_col, scale)
+                _dq_add(b_dq, desc_dq, dq_tile, i_b * sq_rows, m_prev,
+                        h_prev * HEAD_DIM + dq_col, scale, RAGGED)
             m_prev = m0
             h_prev = i_h
         else:
@@ -363,7 +411,7 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
             has_tile = n_t > 0
         if has_tile:
             _dq_last(t - 1, bar_ds, bar_dsfree, ds_smem, k_half, b_dq0, desc_dq, dq_tile,
-                     i_b * sq + m_prev, h_prev * HEAD_DIM + dq_col, scale)
+                     i_b * sq_rows, m_prev, h_prev * HEAD_DIM + dq_col, scale, RAGGED)
     if PERSISTENT:
         # this consumer reads the item's K and V no more: the producer may load the next's
         # while the stores below run
@@ -372,8 +420,13 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
     o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, g_layout))
     p_g = (i_b.to(gl.int64) * stride_kb + i_hk.to(gl.int64) * stride_kh
            + o_kg.to(gl.int64)[:, None] * stride_kn + o_d[None, :])     # [64, D]
-    gl.store(DK + p_g, (b_dk * scale).to(dtype))
-    gl.store(DV + p_g, b_dv.to(dtype))
+    if RAGGED:  # keys from sk on are no keys
+        m_k = (o_kg < sk)[:, None]
+        gl.store(DK + p_g, (b_dk * scale).to(dtype), mask=m_k)
+        gl.store(DV + p_g, b_dv.to(dtype), mask=m_k)
+    else:
+        gl.store(DK + p_g, (b_dk * scale).to(dtype))
+        gl.store(DV + p_g, b_dv.to(dtype))
     return t
 
 
@@ -382,10 +435,10 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
                   item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
                   bh_group, group, scale, qk_scale, wl, wr, masked, window, DQ: gl.constexpr,
-                  PERSISTENT: gl.constexpr):
+                  PERSISTENT: gl.constexpr, RAGGED: gl.constexpr):
     BLOCK_NW: gl.constexpr = k_smem.shape[0] // 2
     if PERSISTENT:
-        n_items = sk // (2 * BLOCK_NW) * n_bh
+        n_items = _blocks(sk, 2 * BLOCK_NW, RAGGED) * n_bh
         w_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         c = 0  # items of this CTA so far (K/V phase)
         t = 0  # tiles so far, over the items: ring stage, ds buffer and their phases
@@ -396,7 +449,7 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
                               delta_smem, ds_smem, dq_smem, bar_kvfree, bar_qd, bar_free,
                               bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb,
                               stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group,
-                              scale, qk_scale, wl, wr, masked, window, DQ, PERSISTENT)
+                              scale, qk_scale, wl, wr, masked, window, DQ, PERSISTENT, RAGGED)
             c += 1
             mbarrier.wait(bar_kv, c & 1)
             w = gl.max(item_smem.load(w_layout), axis=0)
@@ -406,7 +459,7 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
                       v_smem, lse_smem, delta_smem, ds_smem, dq_smem, bar_kvfree, bar_qd,
                       bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb,
                       stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group, scale,
-                      qk_scale, wl, wr, masked, window, DQ, PERSISTENT)
+                      qk_scale, wl, wr, masked, window, DQ, PERSISTENT, RAGGED)
 
 
 # A partition is a function of its own: one wrapper per consumer warpgroup.
@@ -415,11 +468,11 @@ def _bwd_consumer0(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sme
                    item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                    desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
                    bh_group, group, scale, qk_scale, wl, wr, masked, window, DQ: gl.constexpr,
-                   PERSISTENT: gl.constexpr):
+                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr):
     _bwd_consumer(0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                   item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
-                  bh_group, group, scale, qk_scale, wl, wr, masked, window, DQ, PERSISTENT)
+                  bh_group, group, scale, qk_scale, wl, wr, masked, window, DQ, PERSISTENT, RAGGED)
 
 
 @gluon.jit
@@ -427,36 +480,44 @@ def _bwd_consumer1(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sme
                    item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                    desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
                    bh_group, group, scale, qk_scale, wl, wr, masked, window, DQ: gl.constexpr,
-                   PERSISTENT: gl.constexpr):
+                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr):
     _bwd_consumer(1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                   item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
-                  bh_group, group, scale, qk_scale, wl, wr, masked, window, DQ, PERSISTENT)
+                  bh_group, group, scale, qk_scale, wl, wr, masked, window, DQ, PERSISTENT, RAGGED)
 
 
 @gluon.jit
 def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, DK, DV,
-                         Counter, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
+                         Counter, stride_kb, stride_kn, stride_kh, sq, sk, sq_pad, nheads_k, n_bh,
                          bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh,
                          kv_ch, scale, qk_scale, wl, wr, MASKED: gl.constexpr,
                          WINDOW: gl.constexpr, DQ: gl.constexpr, PERSISTENT: gl.constexpr,
-                         STAGES: gl.constexpr, num_warps: gl.constexpr):
+                         RAGGED: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     """Persistent grid (at most one CTA per SM): a work item is 128 keys of one key/value head
     (``Sk / 128 * n_bh`` items, ``n_bh = B * Hk``, in the order of ``_item_keys``), and a CTA's
     producer claims the next from ``Counter`` (an int32 zero before the launch) as the last one
     is drained, so items go to CTAs in order as they free, as the GPU issues CTAs, without a
     CTA's launch, K/V load and first turns between two items.  ``desc_dq`` is the float32 dQ
     accumulator ``(B * Sq, H * D)`` in tiles of ``[BLOCK_M, D / 2]`` (read only with ``DQ``);
-    ``desc_lse`` and ``desc_delta`` are ``(B * H * Sq,)`` in tiles of ``BLOCK_M``."""
-    BLOCK_M: gl.constexpr = desc_q.block_type.shape[0]
-    HEAD_DIM: gl.constexpr = desc_q.block_type.shape[1]
-    BLOCK_NW: gl.constexpr = desc_k.block_type.shape[0]
+    ``desc_lse`` and ``desc_delta`` are ``(B * H * sq_pad,)`` in tiles of ``BLOCK_M``: ``sq_pad``
+    is ``Sq``, or with ``RAGGED`` ``Sq`` padded to whole tiles (lse with +inf, delta with 0), so
+    that the rows of a last tile past ``Sq`` read p = 0 and delta = 0, not the next head's."""
+    BLOCK_M: gl.constexpr = desc_q.block_type.shape[-2]
+    HEAD_DIM: gl.constexpr = desc_q.block_type.shape[-1]
+    # keys of one consumer (a RAGGED K/V descriptor's tile holds both consumers')
+    BLOCK_NW: gl.constexpr = desc_k.block_type.shape[-2] // (2 if RAGGED else 1)
     dtype: gl.constexpr = desc_q.dtype
+    # the tiles' shared-memory layouts (a RAGGED descriptor's is the 3-D one of the same tile)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_NW, HEAD_DIM], dtype)
+    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM // 2],
+                                                                   gl.float32)
 
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], desc_q.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], desc_do.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [2 * BLOCK_NW, HEAD_DIM], desc_k.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2 * BLOCK_NW, HEAD_DIM], desc_v.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2 * BLOCK_NW, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2 * BLOCK_NW, HEAD_DIM], kv_layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], desc_lse.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], desc_delta.layout)
     # DQ only: two ds buffers (tile t is written while tile t - 1's is read) and one float32
@@ -466,7 +527,7 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                                    rank=2)
     ds_smem = gl.allocate_shared_memory(dtype, [2, DS_ROWS, BLOCK_M], ds_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, DQ_ROWS, HEAD_DIM // 2], desc_dq.layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, DQ_ROWS, HEAD_DIM // 2], dq_layout)
     # the current item's index, from the producer to the consumers
     item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     bar_kv = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -494,15 +555,15 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
                           dq_smem, item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn,
                           bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb, stride_kn, stride_kh,
                           sq, sk, nheads_k, n_bh, bh_group, group, scale, qk_scale, wl, wr,
-                          MASKED, WINDOW, DQ, PERSISTENT)),
+                          MASKED, WINDOW, DQ, PERSISTENT, RAGGED)),
         (_bwd_consumer1, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                           dq_smem, item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn,
                           bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb, stride_kn, stride_kh,
                           sq, sk, nheads_k, n_bh, bh_group, group, scale, qk_scale, wl, wr,
-                          MASKED, WINDOW, DQ, PERSISTENT)),
+                          MASKED, WINDOW, DQ, PERSISTENT, RAGGED)),
         (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
                          k_smem, v_smem, lse_smem, delta_smem, item_smem, bar_kv, bar_kvfree,
-                         bar_qd, bar_free, Counter, sq, sk, nheads_k, n_bh, bh_group, group,
+                         bar_qd, bar_free, Counter, sq, sk, sq_pad, nheads_k, n_bh, bh_group, group,
                          q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl, wr,
-                         MASKED, WINDOW, PERSISTENT)),
+                         MASKED, WINDOW, PERSISTENT, RAGGED)),
     ], [4, 1], [232, 24])

@@ -41,9 +41,9 @@ left the producer no time to fetch K_{j+2} before it was needed (docs/dev/tuning
 All consumers walk the same key tiles (those some row of the ``CONSUMERS * 64``-row block sees:
 for causal masking up to the block's last row, so the extra tile of the first consumer is
 masked), so their turns pair up one for one.  With three consumers a sequence's last block may
-end before a consumer's rows (``S`` is a multiple of 128, never of 192): that consumer takes its
-turns on rows of the next head or past the tensor's end (TMA reads zeros there) and stores
-nothing.
+end before a consumer's rows (three run only at lengths that are multiples of 128, never of
+192): that consumer takes its turns on rows of the next head or past the tensor's end (TMA
+reads zeros there) and stores nothing.
 
 The grid is persistent: one CTA per SM walks the (row block, batch, head) work items
 ``w = k * G + (pid or G - 1 - pid)`` for rounds ``k`` (``_work_item`` gives their order).  The
@@ -54,11 +54,19 @@ Scope (``launch_sm90.eligible`` checks it; every other call takes the portable T
 dense ``(B, S, H, D)`` inputs in a layout the TMA reads (contiguous, slices of a fused QKV
 projection, or the ``(B, H, S, D)`` SDPA layout transposed: ``launch_sm90._plan``; the producer
 takes each tensor's tile coordinates from its ``*_rb``, ``*_rh``, ``*_ch``), ``D`` in
-{64, 128, 256} (``BLOCK_N`` = 64 keys at 256), fp16/bf16, ``S`` multiples of the tiles, no
-optional feature but a window with ``sk >= sq`` (``MASKED``): query ``i`` sees key ``j`` iff
+{64, 128, 256} (``BLOCK_N`` = 64 keys at 256), fp16/bf16, any lengths, no optional feature but
+a window with ``sk >= sq`` (``MASKED``): query ``i`` sees key ``j`` iff
 ``-wl <= j - (i + sk - sq) <= wr`` (causal masking is ``wl`` = no edge, ``wr = 0``; the launcher
 passes an edge no key reaches for a side without one).  A block walks only the key tiles its
 rows see, and only the tiles that cross a warpgroup's edges apply the mask.
+
+Lengths that are not multiples of the tiles (``RAGGED``, from the descriptors' rank): the
+descriptors are 3-D, one sequence (a batch entry, or a batch entry and head) by ``S`` rows by
+its columns, so a tile that reaches past ``S`` reads zeros there, not the next sequence's rows,
+and the output's TMA store leaves those rows unwritten (the lse store is masked).  Zero keys
+still score 0: a work item whose last key tile holds the end walks that tile first
+(``_tile_order``), and only that first tile's softmax masks the keys from ``sk`` on, so the loop
+over whole tiles keeps its code.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -69,15 +77,48 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def _online_softmax(b_s, m_i, l_i, n0, o_m, o_n, qk_scale, shift, wl, wr,
-                    MASKED: gl.constexpr, masked):
+def _tma_load(desc, base, row, col, bar, smem):
+    """Load the tile at ``row`` of a sequence into ``smem`` (``[rows, D]``).  A 2-D descriptor
+    is the view of ``launch_sm90._plan`` and ``base`` the sequence's first row in it; a 3-D one
+    (``RAGGED``: lengths that are not multiples of the tiles) is ``(sequences, S, columns)``
+    and ``base`` the sequence's index, so rows past ``S`` read as zeros instead of the next
+    sequence's.  The rank is the descriptor's type: a constant in every partition (a flag
+    passed to a partition arrives as a run-time value)."""
+    RAGGED: gl.constexpr = len(desc.block_type.shape) == 3
+    if RAGGED:
+        tma.async_copy_global_to_shared(desc, [base, row, col], bar,
+                                        smem.reshape([1, smem.shape[0], smem.shape[1]]))
+    else:
+        tma.async_copy_global_to_shared(desc, [base + row, col], bar, smem)
+
+
+@gluon.jit
+def _tma_store(desc, base, row, col, smem):
+    """Store ``smem`` at ``row`` of a sequence (``_tma_load``'s coordinates); through a 3-D
+    descriptor the rows past ``S`` are not written."""
+    RAGGED: gl.constexpr = len(desc.block_type.shape) == 3
+    if RAGGED:
+        tma.async_copy_shared_to_global(desc, [base, row, col],
+                                        smem.reshape([1, smem.shape[0], smem.shape[1]]))
+    else:
+        tma.async_copy_shared_to_global(desc, [base + row, col], smem)
+
+
+@gluon.jit
+def _online_softmax(b_s, m_i, l_i, n0, o_m, o_n, qk_scale, shift, wl, wr, sk,
+                    MASKED: gl.constexpr, masked, RAGGED: gl.constexpr):
     """One online-softmax update for the score tile ``b_s`` (raw ``q.k``) of keys from ``n0``;
-    ``masked``: the tile crosses a row's window ``[o_m + shift - wl, o_m + shift + wr]``."""
+    ``masked``: the tile crosses a row's window ``[o_m + shift - wl, o_m + shift + wr]``.  With
+    ``RAGGED`` the keys from ``sk`` on (zeros: the TMA read past the sequence) are masked if
+    the tile holds them (a work item's first tile: ``_tile_order``)."""
     if MASKED:
         if masked:
             # key n0 + o_n is visible to query o_m iff -wl <= n0 + o_n - (o_m + shift) <= wr
             m_d = (n0 + o_n)[None, :] - (o_m + shift)[:, None]      # [BLOCK_M, BLOCK_N]
             b_s = gl.where((m_d <= wr) & (m_d >= -wl), b_s, float("-inf"))
+    if RAGGED:
+        if n0 + o_n.shape[0] > sk:
+            b_s = gl.where(((n0 + o_n) < sk)[None, :], b_s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(b_s, axis=1))                     # [BLOCK_M]
     m_ref = m_new
     if MASKED:
@@ -113,6 +154,25 @@ def _work_item(k, pid, n_ctas, n_m, n_bh, nheads, lpt, causal):
 
 
 @gluon.jit
+def _tile_order(lo, hi, sk, BLOCK_N: gl.constexpr):
+    """``rot`` of a work item's key tiles ``[lo, hi)`` when the keys are not a multiple of the
+    tiles (``RAGGED``): the ``u``-th tile walked is ``lo + (u + rot) % (hi - lo)``
+    (``_walk``).  Where the item's last tile holds the end of the keys (``rot = hi - lo - 1``)
+    it is walked first, so that only the first tile's softmax masks the keys past the end (the
+    order of the tiles does not change the result) and the loop runs on whole tiles (masking
+    the last tile in the loop spilled 160-672 bytes)."""
+    return gl.where(hi * BLOCK_N > sk, hi - lo - 1, 0)
+
+
+@gluon.jit
+def _walk(u, lo, hi, rot, RAGGED: gl.constexpr):
+    """The key tile walked ``u``-th among ``[lo, hi)`` (``_tile_order``)."""
+    if RAGGED:
+        u = (u + rot) % (hi - lo)
+    return lo + u
+
+
+@gluon.jit
 def _tile_range(i_m, sk, shift, wl, wr, masked, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Key tiles ``[lo, hi)`` that some row of row block ``i_m`` sees."""
     lo = 0
@@ -132,6 +192,7 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
+    RAGGED: gl.constexpr = len(desc_k.block_type.shape) == 3
     pid = gl.program_id(0)
     n_ctas = gl.num_programs(0)
     it = 0  # K/V tiles loaded so far (ring position and phase)
@@ -142,24 +203,25 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
         if w < n_work:
             lo, hi = _tile_range(i_m, sk, sk - sq, wl, wr, masked, NC * BLOCK_MQ, BLOCK_N)
             n_tiles = hi - lo
-            # tile coordinates in the 2-D views of the descriptors (launch_sm90._plan), from
-            # the first key tile a row of the block sees
-            row_k = i_b * kv_rb + (i_h // group) * kv_rh + lo * BLOCK_N
+            # the sequences' coordinates in the descriptors (launch_sm90._plan; _tma_load),
+            # from the first key tile a row of the block sees
+            base_k = i_b * kv_rb + (i_h // group) * kv_rh
             col_k = (i_h // group) * kv_ch
+            rot = 0
+            if RAGGED:
+                rot = _tile_order(lo, hi, sk, BLOCK_N)
             # K_0 first, then Q: both are needed by the item's first Q·Kᵀ
             i_k = it % STAGES
             mbarrier.wait(bar_kfree.index(i_k), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
             mbarrier.expect(bar_k.index(i_k), desc_k.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_k, [row_k, col_k], bar_k.index(i_k),
-                                            k_smem.index(i_k))
+            _tma_load(desc_k, base_k, _walk(0, lo, hi, rot, RAGGED) * BLOCK_N, col_k,
+                      bar_k.index(i_k), k_smem.index(i_k))
             for i in gl.static_range(NC):
                 # consumer i's Q buffer is free once its last Q·Kᵀ of the previous item completed
                 mbarrier.wait(bar_qfree.index(i), (c & 1) ^ 1, pred=c > 0)
                 mbarrier.expect(bar_q.index(i), desc_q.block_type.nbytes)
-                tma.async_copy_global_to_shared(
-                    desc_q, [i_b * q_rb + i_h * q_rh + i_m * NC * BLOCK_MQ + i * BLOCK_MQ,
-                             i_h * q_ch],
-                    bar_q.index(i), q_smem.index(i))
+                _tma_load(desc_q, i_b * q_rb + i_h * q_rh, i_m * NC * BLOCK_MQ + i * BLOCK_MQ,
+                          i_h * q_ch, bar_q.index(i), q_smem.index(i))
             # K runs one tile ahead of V: a consumer's step issues Q·K_{t+1}ᵀ with P_t·V_t
             for t in range(n_tiles):
                 if t + 1 < n_tiles:
@@ -169,15 +231,15 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
                     mbarrier.wait(bar_kfree.index(i_k), ((u // STAGES) & 1) ^ 1,
                                   pred=u >= STAGES)
                     mbarrier.expect(bar_k.index(i_k), desc_k.block_type.nbytes)
-                    tma.async_copy_global_to_shared(desc_k, [row_k + (t + 1) * BLOCK_N, col_k],
-                                                    bar_k.index(i_k), k_smem.index(i_k))
+                    _tma_load(desc_k, base_k, _walk(t + 1, lo, hi, rot, RAGGED) * BLOCK_N,
+                              col_k, bar_k.index(i_k), k_smem.index(i_k))
                 u = it + t
                 i_v = u % STAGES
                 # V stage i_v is free once both consumers' P_{u-STAGES}·V_{u-STAGES} completed
                 mbarrier.wait(bar_vfree.index(i_v), ((u // STAGES) & 1) ^ 1, pred=u >= STAGES)
                 mbarrier.expect(bar_v.index(i_v), desc_v.block_type.nbytes)
-                tma.async_copy_global_to_shared(desc_v, [row_k + t * BLOCK_N, col_k],
-                                                bar_v.index(i_v), v_smem.index(i_v))
+                _tma_load(desc_v, base_k, _walk(t, lo, hi, rot, RAGGED) * BLOCK_N, col_k,
+                          bar_v.index(i_v), v_smem.index(i_v))
             it += n_tiles
             c += 1
 
@@ -186,7 +248,8 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
 def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v,
                  bar_kfree, bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk,
                  nheads, n_m, n_work, lpt, qk_scale, wl, wr, masked):
-    # partitions receive run-time values only: the tile shapes come from the buffers
+    # partitions receive run-time values only: the tile shapes come from the buffers, RAGGED
+    # (_tma_load) from the output's descriptor
     BLOCK_MQ: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     STAGES: gl.constexpr = k_smem.shape[0]
@@ -201,6 +264,7 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     O_TILES: gl.constexpr = o_smem.shape[0]  # one per consumer, or one shared (d = 256)
     NC: gl.constexpr = q_smem.shape[0]       # consumer warpgroups, taking turns in order
+    RAGGED: gl.constexpr = len(desc_o.block_type.shape) == 3
 
     pid = gl.program_id(0)
     n_ctas = gl.num_programs(0)
@@ -219,6 +283,9 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
         if w < n_work:
             lo, hi = _tile_range(i_m, sk, shift, wl, wr, masked, NC * BLOCK_MQ, BLOCK_N)
             n_tiles = hi - lo
+            rot = 0
+            if RAGGED:
+                rot = _tile_order(lo, hi, sk, BLOCK_N)
             mq0 = i_m * NC * BLOCK_MQ + i_wg * BLOCK_MQ
             # tiles from n_full on cross the upper edge of this warpgroup's window (its
             # diagonal when causal), tiles starting below lo_key its lower edge: both masked
@@ -244,9 +311,12 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
             b_s = warpgroup_mma_wait(num_outstanding=0, deps=(b_s,))
             mbarrier.arrive(bar_kfree.index(i_s))
             mbarrier.arrive(bar_qfree.index(i_wg), pred=n_tiles == 1)
-            b_p, m_i, l_i, b_alpha = _online_softmax(b_s, m_i, l_i, lo * BLOCK_N, o_m, o_n,
-                                                     qk_scale, shift, wl, wr, True,
-                                                     (lo >= n_full) | (lo * BLOCK_N < lo_key))
+            # (with RAGGED the first tile walked may be the item's last: _tile_order)
+            t = _walk(0, lo, hi, rot, RAGGED)
+            b_p, m_i, l_i, b_alpha = _online_softmax(b_s, m_i, l_i, t * BLOCK_N, o_m, o_n,
+                                                     qk_scale, shift, wl, wr, sk, True,
+                                                     (t >= n_full) | (t * BLOCK_N < lo_key),
+                                                     RAGGED)
             for j in range(0, n_tiles - 1):
                 i_st = (it + j) % STAGES
                 i_nx = (it + j + 1) % STAGES
@@ -265,10 +335,12 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
                 # the item's last Q·Kᵀ: Q's buffer goes back (a predicate, not a branch, keeps
                 # the softmax below in this basic block, where ptxas overlaps it with P·V)
                 mbarrier.arrive(bar_qfree.index(i_wg), pred=j == n_tiles - 2)
-                t = lo + j + 1
+                t = _walk(j + 1, lo, hi, rot, RAGGED)
+                # (a whole tile: the keys past the end are in the first one walked)
                 b_p, m_i, l_i, b_alpha = _online_softmax(b_s, m_i, l_i, t * BLOCK_N, o_m, o_n,
-                                                         qk_scale, shift, wl, wr, True,
-                                                         (t >= n_full) | (t * BLOCK_N < lo_key))
+                                                         qk_scale, shift, wl, wr, sk, True,
+                                                         (t >= n_full) | (t * BLOCK_N < lo_key),
+                                                         False)
                 b_acc, b_pv = warpgroup_mma_wait(num_outstanding=0, deps=(b_acc, b_pv))
                 mbarrier.arrive(bar_vfree.index(i_st))
                 b_acc = b_acc * gl.convert_layout(b_alpha, row_o)[:, None]
@@ -292,14 +364,17 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
             live = True
             if NC > 2:
                 live = mq0 < sq
+            # (_tma_store's coordinates of the output, a contiguous (B, Sq, H, D))
+            o_base = i_b * sq
+            if RAGGED:
+                o_base = i_b
             if O_TILES == NC:  # a tile of its own
                 if live:
                     o_tile = o_smem.index(i_wg)
                     tma.store_wait(pendings=0)  # the previous item's store has read this tile
                     o_tile.store(b_out.to(dtype))
                     fence_async_shared()
-                    tma.async_copy_shared_to_global(desc_o, [i_b * sq + mq0, i_h * HEAD_DIM],
-                                                    o_tile)
+                    _tma_store(desc_o, o_base, mq0, i_h * HEAD_DIM, o_tile)
             else:
                 # one tile for both consumers, consumer 0 first in every item: wait for the
                 # other's store to have read it, and hand it over once this one's has
@@ -307,13 +382,16 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
                 mbarrier.wait(bar_o.index(i_wg), ((c - 1) & 1) ^ (1 - i_wg), pred=c > 1 - i_wg)
                 o_tile.store(b_out.to(dtype))
                 fence_async_shared()
-                tma.async_copy_shared_to_global(desc_o, [i_b * sq + mq0, i_h * HEAD_DIM], o_tile)
+                _tma_store(desc_o, o_base, mq0, i_h * HEAD_DIM, o_tile)
                 tma.store_wait(pendings=0)
                 mbarrier.arrive(bar_o.index(1 - i_wg))
             b_lse = (m_i * qk_scale + gl.log2(l_i)) * LN2
             if live:
-                gl.store(Lse + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh
-                         + o_m, b_lse)
+                p_lse = Lse + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh + o_m
+                if RAGGED:
+                    gl.store(p_lse, b_lse, mask=o_m < sq)
+                else:
+                    gl.store(p_lse, b_lse)
     tma.store_wait(pendings=0)  # shared memory outlives the last store's reads
 
 
@@ -349,22 +427,25 @@ def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, desc_o, Lse, stride_lb, stride_
                          batch, sq, sk, nheads, group, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch,
                          qk_scale, lpt, wl, wr, MASKED: gl.constexpr, CONSUMERS: gl.constexpr,
                          STAGES: gl.constexpr, num_warps: gl.constexpr):
-    BLOCK_MQ: gl.constexpr = desc_q.block_type.shape[0]   # rows of one consumer (64)
-    HEAD_DIM: gl.constexpr = desc_q.block_type.shape[1]
-    BLOCK_N: gl.constexpr = desc_k.block_type.shape[0]
+    BLOCK_MQ: gl.constexpr = desc_q.block_type.shape[-2]   # rows of one consumer (64)
+    HEAD_DIM: gl.constexpr = desc_q.block_type.shape[-1]
+    BLOCK_N: gl.constexpr = desc_k.block_type.shape[-2]
     dtype: gl.constexpr = desc_q.dtype
+    # the tiles' shared-memory layouts (a 3-D descriptor's is the 3-D one of the same tile)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_MQ, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
 
     # a work item is CONSUMERS * 64 rows; with three consumers the last one of a sequence may
     # hold fewer (its consumers past the end store nothing)
     n_m = gl.cdiv(sq, CONSUMERS * BLOCK_MQ)
     n_work = n_m * batch * nheads
 
-    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_MQ, HEAD_DIM], desc_q.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_MQ, HEAD_DIM], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     # the consumers' output tiles, stored by TMA; at d = 256 two would not fit beside the rings
     O_TILES: gl.constexpr = CONSUMERS if HEAD_DIM <= 128 else 1  # (one consumer: its own)
-    o_smem = gl.allocate_shared_memory(dtype, [O_TILES, BLOCK_MQ, HEAD_DIM], desc_o.layout)
+    o_smem = gl.allocate_shared_memory(dtype, [O_TILES, BLOCK_MQ, HEAD_DIM], q_layout)
     bar_q = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     bar_qfree = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     bar_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
