@@ -49,15 +49,18 @@ IMPLS = ("eager", "sdpa", "sdpa_fa2", "flashtile", "flashtile_bs")
 
 PRESETS = {
     # 200-step loss curves for GPT-2 small at 1K and 2K with every implementation, short
-    # timed runs at 4K and 8K (Table 2 rows for small, Table 4 analogue).
+    # timed runs at 4K and 8K (Table 2 rows for small, Table 4 analogue).  Timed runs take 16
+    # steps: on the lent H100 a quarter to a half of the steps (every implementation's, with
+    # the garbage collector off too) took 20-30% longer, and the median of 8 could land on
+    # them (docs/dev/tuning-log.md, step 57).
     "gpu-a": dict(models=["small"], impls=["eager", "sdpa", "sdpa_fa2", "flashtile"],
                   curve_contexts=[1024, 2048], curve_steps=200, contexts=[4096, 8192],
-                  timed_steps=8, warmup=2, tokens_per_step=16384, long=False, budget_s=450),
+                  timed_steps=16, warmup=2, tokens_per_step=16384, long=False, budget_s=450),
     # GPT-2 medium 1K..8K timed, and the longest GPT-2 small context of each implementation
     # (with block-sparse flashtile at the longest one).
     "gpu-b": dict(models=["medium"], impls=["eager", "sdpa", "sdpa_fa2", "flashtile"],
                   curve_contexts=[], curve_steps=0, contexts=[1024, 2048, 4096, 8192],
-                  timed_steps=6, warmup=2, tokens_per_step=16384, long=True,
+                  timed_steps=12, warmup=2, tokens_per_step=16384, long=True,
                   long_contexts=[16384, 32768, 65536, 131072], budget_s=520),
     # tiny model on the CPU: checks the whole pipeline (and the report) end to end.
     "cpu-dry": dict(models=["tiny"], impls=["eager", "sdpa", "flashtile"],
