@@ -129,10 +129,12 @@ def test_sm90_forward_with_a_window_matches_float64_reference(case, dtype, monke
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_sm90_forward_cuda_graph_replay_equals_eager(causal):
+@pytest.mark.parametrize("seq", [512, 500], ids=["aligned", "ragged"])
+def test_sm90_forward_cuda_graph_replay_equals_eager(causal, seq):
     """The persistent grid and the tensor descriptors made per call replay correctly from a
-    CUDA graph on new inputs copied into the captured buffers."""
-    shape = (2, 512, 8, 128)
+    CUDA graph on new inputs copied into the captured buffers (3-D descriptors at a length
+    that is not a multiple of the tiles)."""
+    shape = (2, seq, 8, 128)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     flashtile.flash_attn_func(q, k, v, causal=causal)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -150,10 +152,49 @@ def test_sm90_forward_under_compile_fullgraph_dynamic():
     """``torch.compile(fullgraph=True, dynamic=True)`` runs the same kernel as eager calls."""
     fn = torch.compile(lambda q, k, v: flashtile.flash_attn_func(q, k, v, causal=True),
                        fullgraph=True, dynamic=True)
-    for n in (256, 640):
+    for n in (256, 640, 300):  # (300: not a multiple of the tiles, 3-D descriptors)
         q, k, v = (torch.randn(2, n, 4, 64, device="cuda", dtype=torch.float16)
                    for _ in range(3))
         assert torch.equal(fn(q, k, v), flashtile.flash_attn_func(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize("d,causal", [(64, True), (128, False)], ids=["d64-causal", "d128"])
+def test_sm90_ragged_backward_cuda_graph_replay_equals_eager(d, causal):
+    """The backward at a length that is not a multiple of the tiles (its padded lse and delta,
+    the 3-D descriptors, the persistent counter at d = 64) replays from a CUDA graph on new
+    inputs: dK, dV bitwise those of an eager call, dQ within the accumulator's order."""
+    from flashtile.backends import triton as backend
+
+    spec = flashtile.backends.spec.AttnSpec(softmax_scale=d ** -0.5,
+                                            window_right=0 if causal else -1)
+    q, k, v, do = (torch.randn(2, 300, 4, d, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(4))
+    out, lse = backend.forward(q, k, v, spec)
+    lse = lse.contiguous()
+    backend.backward(do, q, k, v, out, lse, spec)  # compile outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm the plan on the capture's stream
+        backend.backward(do, q, k, v, out, lse, spec)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grads = backend.backward(do, q, k, v, out, lse, spec)
+    new_q, new_k, new_v, new_do = (torch.randn_like(x) for x in (q, k, v, do))
+    new_out, new_lse = backend.forward(new_q, new_k, new_v, spec)
+    for x, y in ((q, new_q), (k, new_k), (v, new_v), (do, new_do), (out, new_out),
+                 (lse, new_lse)):
+        x.copy_(y)
+    for g in grads:
+        g.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = backend.backward(new_do, new_q, new_k, new_v, new_out, new_lse.contiguous(), spec)
+    assert torch.equal(grads[1], eager[1]) and torch.equal(grads[2], eager[2])
+    ref = _grads(new_q, new_k, new_v, new_do, causal, torch.float64)[1]
+    low = _grads(new_q, new_k, new_v, new_do, causal, torch.bfloat16)[1]
+    base = (low.double() - ref).abs().max().item()
+    assert (grads[0].double() - ref).abs().max().item() <= 3 * base + 1e-4
 
 
 def test_sm90_forward_is_the_default_and_can_be_turned_off(monkeypatch):
