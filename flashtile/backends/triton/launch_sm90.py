@@ -419,24 +419,38 @@ class _FwdPlan:
             self.values[at] = None
 
 
-def planned_forward(q, k, v, spec: AttnSpec):
-    """:func:`forward`'s ``(out, lse)`` through the plan of an earlier call like this one, or
-    None where there is none or plans are off (``fastlaunch.plans_enabled``; the caller then
-    checks :func:`eligible`)."""
+def _plan_of(plans: PlanCache, key):
+    """The plan under ``key``, or None where there is none or a plan may not be used: plans
+    off (``fastlaunch.plans_enabled``), the Hopper kernels switched off, the interpreter, a
+    launch recorder or a profiler's launch hooks (which want Triton's own launch path)."""
     if not plans_enabled():
         return None
-    plan = _fwd_plans.get((signature(q, k, v), q.dtype, q.device, spec))
+    plan = plans.get(key())
     if (plan is None or not enabled() or interpreting() or recorder() is not None
             or launch_hooks_set()):
+        return None
+    return plan
+
+
+def _run_plan(plan, values: list, tensors: tuple) -> None:
+    """Launch ``plan`` with ``values`` (its argument values, the tensors of this call filled
+    in) and the descriptors of ``tensors`` (by role) rebuilt in place."""
+    for at, role, shape, strides, block, layout in plan.descs:
+        values[at] = _descriptor(tensors[role], shape, strides, block, layout, True)
+    _run(plan.compiled, plan.grid, values, plan.device)
+
+
+def planned_forward(q, k, v, spec: AttnSpec):
+    """:func:`forward`'s ``(out, lse)`` through the plan of an earlier call like this one, or
+    None where there is none or plans are off (the caller then checks :func:`eligible`)."""
+    plan = _plan_of(_fwd_plans, lambda: (signature(q, k, v), q.dtype, q.device, spec))
+    if plan is None:
         return None
     out = empty(q.shape, q.dtype, q.device)
     lse = empty((q.shape[0], q.shape[2], q.shape[1]), torch.float32, q.device)
     values = plan.values.copy()
     values[plan.lse_at] = lse
-    tensors = (q, k, v, out)
-    for at, role, shape, strides, block, layout in plan.descs:
-        values[at] = _descriptor(tensors[role], shape, strides, block, layout, True)
-    _run(plan.compiled, plan.grid, values, plan.device)
+    _run_plan(plan, values, (q, k, v, out))
     return out, lse
 
 
@@ -618,11 +632,8 @@ def planned_backward(q, k, v, out, do, lse, spec: AttnSpec, setting):
     """``(dq, dk, dv)`` of :func:`fused_backward` through the plan of an earlier call like this
     one (``lse`` contiguous), or None where there is none or plans are off (the caller then
     takes its full path)."""
-    if not plans_enabled():
-        return None
-    plan = _bwd_plans.get(bwd_plan_key(q, k, v, out, do, lse, spec, setting))
-    if (plan is None or not enabled() or interpreting() or recorder() is not None
-            or launch_hooks_set()):
+    plan = _plan_of(_bwd_plans, lambda: bwd_plan_key(q, k, v, out, do, lse, spec, setting))
+    if plan is None:
         return None
     dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
     delta = empty(lse.shape, torch.float32, lse.device)
@@ -633,9 +644,6 @@ def planned_backward(q, k, v, out, do, lse, spec: AttnSpec, setting):
     values[plan.at[0]], values[plan.at[1]] = dk, dv
     values[plan.at[2]] = (torch.zeros(1, dtype=torch.int32, device=q.device) if plan.persistent
                           else dk)
-    tensors = (q, do, k, v, lse, delta, dq_acc)
-    for at, role, shape, strides, block, layout in plan.descs:
-        values[at] = _descriptor(tensors[role], shape, strides, block, layout, True)
-    _run(plan.compiled, plan.grid, values, plan.device)
+    _run_plan(plan, values, (q, do, k, v, lse, delta, dq_acc))
     dq.copy_(dq_acc)
     return dq, dk, dv
