@@ -160,7 +160,7 @@ def _tile_order(lo, hi, sk, BLOCK_N: gl.constexpr):
     (``_walk``).  Where the item's last tile holds the end of the keys (``rot = hi - lo - 1``)
     it is walked first, so that only the first tile's softmax masks the keys past the end (the
     order of the tiles does not change the result) and the loop runs on whole tiles (masking
-    the last tile in the loop spilled 160-672 bytes)."""
+    the last tile in the loop spilled 68-476 bytes at d = 128 / 256, compiled for sm_90a)."""
     return gl.where(hi * BLOCK_N > sk, hi - lo - 1, 0)
 
 
