@@ -487,7 +487,7 @@ def test_sm90_descriptor_coordinates_address_the_tensors_elements(layout, ragged
     else:  # the k slice of a fused (B, S, 3, H, D) projection
         x = torch.randn(batch, seq, 3, heads, d)[:, :, 1]
     args = {}
-    _, shape, strides, block, _ = launch_sm90._rows(x, 16, "x", args, ragged)
+    _, shape, strides, block, _ = launch_sm90._rows(x, 16, ragged, "x", args)
     assert len(shape) == len(strides) == len(block) == (3 if ragged else 2)
     assert block[-2:] == [16, d] and strides[-1] == 1
     if ragged:

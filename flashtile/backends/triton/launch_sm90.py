@@ -356,37 +356,28 @@ def _descriptor(x, shape: list, strides: list, block: list, layout, direct: bool
     return desc
 
 
-def _rows(x, block_rows: int, prefix: str, args: dict, ragged: bool) -> tuple:
-    """``_descriptor`` arguments of a ``(B, S, H, D)`` tensor in tiles of ``block_rows`` rows of
-    one head; the coordinates of a head's sequence go into ``args`` as ``{prefix}_rb``,
-    ``{prefix}_rh`` (per batch entry, per head) and ``{prefix}_ch`` (its first column).
+def _rows(x, block_rows: int, ragged: bool, prefix: str = "", args: dict | None = None,
+          cols: int = 0) -> tuple:
+    """``_descriptor`` arguments of a ``(B, S, H, D)`` tensor in tiles of ``block_rows`` rows
+    and ``cols`` columns (default ``D``) of one head; with ``args`` the coordinates of a head's
+    sequence go into it as ``{prefix}_rb``, ``{prefix}_rh`` (per batch entry, per head) and
+    ``{prefix}_ch`` (its first column; a contiguous output's are ``S``, 0 and ``D``, which the
+    kernels assume).
     Without ``ragged`` (``S`` a multiple of the tiles) the descriptor is :func:`_plan`'s 2-D
     view and a sequence's coordinate is its first row; with it the view is 3-D
     ``(sequences, S, columns)`` (a sequence per batch entry, or per batch entry and head in the
     SDPA layout) and the coordinate is the sequence's index: the TMA reads zeros past ``S``
     and writes nothing there (``kernels/attn_fwd_sm90._tma_load``)."""
     shape, row_stride, (rb, rh, ch) = _plan(x)
-    seq, head_dim = x.shape[1], x.shape[-1]
+    seq, cols = x.shape[1], cols or x.shape[-1]
     if ragged:
         shape, strides = [shape[0] // seq, seq, shape[1]], [seq * row_stride, row_stride, 1]
-        rb, rh, block = rb // seq, rh // seq, [1, block_rows, head_dim]
+        rb, rh, block = rb // seq, rh // seq, [1, block_rows, cols]
     else:
-        strides, block = [row_stride, 1], [block_rows, head_dim]
-    args.update({f"{prefix}_rb": rb, f"{prefix}_rh": rh, f"{prefix}_ch": ch})
-    return x, shape, strides, block, _layout(block_rows, head_dim, x.dtype, ragged)
-
-
-def _out_rows(x, block_rows: int, cols: int, ragged: bool) -> tuple:
-    """``_descriptor`` arguments of a contiguous ``(B, S, H, D)`` output (or float32
-    accumulator) in tiles of ``block_rows`` rows and ``cols`` columns of one head, seen as
-    ``_rows`` sees it."""
-    batch, seq, nheads, head_dim = x.shape
-    width = nheads * head_dim
-    if ragged:
-        return (x, [batch, seq, width], [seq * width, width, 1], [1, block_rows, cols],
-                _layout(block_rows, cols, x.dtype, True))
-    return x, [batch * seq, width], [width, 1], [block_rows, cols], _layout(block_rows, cols,
-                                                                             x.dtype)
+        strides, block = [row_stride, 1], [block_rows, cols]
+    if args is not None:
+        args.update({f"{prefix}_rb": rb, f"{prefix}_rh": rh, f"{prefix}_ch": ch})
+    return x, shape, strides, block, _layout(block_rows, cols, x.dtype, ragged)
 
 
 def _window(spec: AttnSpec, sq: int, sk: int) -> dict:
@@ -482,10 +473,10 @@ def forward(q, k, v, spec: AttnSpec):
                 if spec.causal else 0)
     if n_c == 1:
         args["maxnreg"] = 128
-    descs = dict(desc_q=_rows(q, BLOCK_M // 2, "q", args, ragged),
-                 desc_k=_rows(k, tile_n, "kv", args, ragged),
-                 desc_v=_rows(v, tile_n, "kv", args, ragged),
-                 desc_o=_out_rows(out, BLOCK_M // 2, head_dim, ragged))
+    descs = dict(desc_q=_rows(q, BLOCK_M // 2, ragged, "q", args),
+                 desc_k=_rows(k, tile_n, ragged, "kv", args),
+                 desc_v=_rows(v, tile_n, ragged, "kv", args),
+                 desc_o=_rows(out, BLOCK_M // 2, ragged))
     launched = _launch("fwd", device, (q.dtype, head_dim, masked, n_c, ragged), grid, args,
                        descs)
     if launched is not None:
@@ -514,7 +505,7 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec):
     ragged = bool(sq % BWD_BLOCK_M or sk % BWD_BLOCK_N)
     acc_tile = [BWD_BLOCK_M, head_dim // 2]
     if fused:  # a tile is half a head's columns of BWD_BLOCK_M rows
-        desc_dq = _out_rows(dq_acc, BWD_BLOCK_M, head_dim // 2, ragged)
+        desc_dq = _rows(dq_acc, BWD_BLOCK_M, ragged, cols=head_dim // 2)
     else:  # never read: a descriptor of one tile
         desc_dq = (torch.empty(acc_tile, dtype=torch.float32, device=q.device), acc_tile,
                    [acc_tile[1], 1], acc_tile, _layout(*acc_tile, torch.float32))
@@ -541,12 +532,13 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec):
                 DQ=fused, PERSISTENT=persistent, RAGGED=ragged, STAGES=STAGES,
                 num_warps=NUM_WARPS)
     flat = _flat_layout()
-    descs = dict(desc_q=_rows(q, BWD_BLOCK_M, "q", args, ragged),
-                 desc_do=_rows(do, BWD_BLOCK_M, "do", args, ragged),
-                 # with ragged one tile of both consumers' keys (the kernel's K/V buffer is one
-                 # allocation: a 3-D TMA cannot write into a slice of it)
-                 desc_k=_rows(k, BWD_BLOCK_N // (1 if ragged else 2), "kv", args, ragged),
-                 desc_v=_rows(v, BWD_BLOCK_N // (1 if ragged else 2), "kv", args, ragged),
+    # K/V tiles: each consumer's keys, or with ragged one tile of both consumers' keys (the
+    # kernel's K/V buffer is one allocation: a 3-D TMA cannot write into a slice of it)
+    kv_rows = BWD_BLOCK_N if ragged else BWD_BLOCK_N // 2
+    descs = dict(desc_q=_rows(q, BWD_BLOCK_M, ragged, "q", args),
+                 desc_do=_rows(do, BWD_BLOCK_M, ragged, "do", args),
+                 desc_k=_rows(k, kv_rows, ragged, "kv", args),
+                 desc_v=_rows(v, kv_rows, ragged, "kv", args),
                  desc_lse=(lse, [lse.numel()], [1], [BWD_BLOCK_M], flat),
                  desc_delta=(delta, [delta.numel()], [1], [BWD_BLOCK_M], flat), desc_dq=desc_dq)
     launched = _launch("bwd", device, (q.dtype, head_dim, window["MASKED"], args["WINDOW"],
