@@ -77,20 +77,24 @@ def emit(name, kernel, types, head_dim, causal, **flags):
         maxnreg=int(re.search(r"\.maxnreg (\d+)", ptx).group(1)))))
 
 
-# "r": RAGGED (lengths that are not multiples of the tiles), bf16 only
-for dtype, ragged in ((torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)):
+# "r": RAGGED (lengths that are not multiples of the tiles), "k": a key mask (its ranges int32,
+# its rows uint8; without one the lse pointer stands in), bf16 only
+for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, False, False),
+                               (torch.bfloat16, True, False), (torch.bfloat16, False, True)):
     ty = "bf16" if dtype == torch.bfloat16 else "fp16"
-    r = "r" if ragged else ""
+    r = ("r" if ragged else "") + ("k" if keymask else "")
+    masks = dict(Ranges="*i32", KeyMask="*u8") if keymask else dict(Ranges="*fp32",
+                                                                     KeyMask="*fp32")
     for causal in (False, True):
         for head_dim in (64, 128, 256):
             bq, bn = launch_sm90.BLOCK_M // 2, launch_sm90.block_n(head_dim)
-            for n_c in {2, launch_sm90.consumers(head_dim, causal, 0, ragged)}:
+            for n_c in {2, launch_sm90.consumers(head_dim, causal, 0, ragged or keymask)}:
                 emit(f"fwd{'' if n_c == 2 else n_c}{r}-{ty}", attn_fwd_sm90_kernel, dict(
                     desc_q=desc(ty, bq, head_dim, dtype, ragged),
                     desc_k=desc(ty, bn, head_dim, dtype, ragged),
                     desc_v=desc(ty, bn, head_dim, dtype, ragged),
                     desc_o=desc(ty, bq, head_dim, dtype, ragged), Lse="*fp32",
-                    qk_scale="fp32"), head_dim, causal, CONSUMERS=n_c)
+                    qk_scale="fp32", **masks), head_dim, causal, CONSUMERS=n_c)
         for head_dim in (64, 128):
             # K/V tiles: each consumer's 64 keys, or with RAGGED both consumers' 128
             bm, bn = launch_sm90.BWD_BLOCK_M, launch_sm90.BWD_BLOCK_N // (1 if ragged else 2)
@@ -102,13 +106,14 @@ for dtype, ragged in ((torch.bfloat16, False), (torch.float16, False), (torch.bf
                          desc_delta=flat, desc_dq=desc("fp32", bm, head_dim // 2, torch.float32,
                                                        ragged),
                          DK=f"*{ty}", DV=f"*{ty}", Counter="*i32", scale="fp32",
-                         qk_scale="fp32")
-            for fused in (True, False):
+                         qk_scale="fp32", **masks)
+            # (a key mask: the fused kernel only)
+            for fused in (True, False) if not keymask else (True,):
                 kind = ("bwd" if fused else "dkdv") + r
                 persistent = launch_sm90.bwd_persistent(head_dim)
                 emit(f"{kind}-{ty}", attn_bwd_sm90_kernel, types, head_dim, causal, WINDOW=False,
                      DQ=fused, PERSISTENT=persistent, RAGGED=ragged)
-                if causal and not ragged:  # a window other than the causal one: "-causal"
+                if causal and not r:  # a window other than the causal one: "-causal"
                     emit(f"{kind}w-{ty}", attn_bwd_sm90_kernel, types, head_dim, True,
                          WINDOW=True, DQ=fused, PERSISTENT=persistent, RAGGED=ragged)
 '''
@@ -126,11 +131,14 @@ def compiled() -> dict:
     return {row["variant"]: row for row in rows}
 
 
-# fwdr, bwdr, dkdvr: lengths that are not multiples of the tiles (3-D descriptors)
-VARIANTS = [f"fwd{r}-{ty}-d{d}-{mode}" for r, ty in (("", "bf16"), ("", "fp16"), ("r", "bf16"))
+# fwdr, bwdr, dkdvr: lengths that are not multiples of the tiles (3-D descriptors); fwdk, bwdk:
+# a key mask
+VARIANTS = [f"fwd{r}-{ty}-d{d}-{mode}" for r, ty in (("", "bf16"), ("", "fp16"), ("r", "bf16"),
+                                                     ("k", "bf16"))
             for d in (64, 128, 256) for mode in ("full", "causal")]
 BWD_VARIANTS = [f"{kind}{r}-{ty}-d{d}-{mode}" for kind in ("bwd", "dkdv")
-                for r, ty in (("", "bf16"), ("", "fp16"), ("r", "bf16"))
+                for r, ty in (("", "bf16"), ("", "fp16"), ("r", "bf16"), ("k", "bf16"))
+                if not (kind == "dkdv" and r == "k")
                 for d in (64, 128) for mode in ("full", "causal")] + [
     f"{kind}w-{ty}-d{d}-causal" for kind in ("bwd", "dkdv") for ty in ("bf16", "fp16")
     for d in (64, 128)]
@@ -381,6 +389,150 @@ def test_sm90_launchers_pass_exactly_the_kernels_parameters(monkeypatch):
                 and n not in ("desc_lse", "desc_delta")} == {3 if ragged else 2}, name
     (_, _, args), = [c for c in calls if c[0] == "bwd" and c[1][6]]
     assert args["sq_pad"] == 128 and args["desc_lse"][0].shape == (2, 4, 128)
+
+
+def _key_mask_rows(sk: int = 300):
+    """A ``(3, 1, 1, sk)`` bool key mask: left padding, right padding with a hole, no key."""
+    import torch
+
+    mask = torch.ones(3, 1, 1, sk, dtype=torch.bool)
+    mask[0, ..., :37] = False                       # left-padded: keys [37, sk)
+    mask[1, ..., 200:] = False                      # right-padded, and key 5 hidden
+    mask[1, ..., 5] = False
+    mask[2] = False                                 # a row of padding only
+    return mask
+
+
+@pytest.mark.parametrize("case", ["padded", "random", "one-key", "empty", "broadcast-batch",
+                                  "strided-keys"])
+def test_sm90_key_ranges_summarise_each_rows_visible_keys(case):
+    """``launch_sm90.key_ranges`` (a Triton kernel, interpreted here) gives per batch entry the
+    first visible key, one past the last, and whether every key between them is visible,
+    against the same quantities computed in Python from the mask."""
+    import torch
+
+    from flashtile.backends.triton import launch_sm90
+
+    gen = torch.Generator().manual_seed(zlib_crc(case))
+    batch, sk = 3, 300
+    if case == "padded":
+        bias = _key_mask_rows()
+    elif case == "random":
+        bias = torch.rand(batch, 1, 1, sk, generator=gen) < 0.7
+    elif case == "one-key":
+        bias = torch.zeros(batch, 1, 1, sk, dtype=torch.bool)
+        bias[0, ..., 0] = bias[1, ..., sk - 1] = bias[2, ..., 150] = True
+    elif case == "empty":
+        bias = torch.zeros(batch, 1, 1, sk, dtype=torch.bool)
+    elif case == "broadcast-batch":
+        bias = torch.rand(1, 1, 1, sk, generator=gen) < 0.9
+    else:  # a mask sliced out of a wider one: keys 2 elements apart
+        bias = (torch.rand(batch, 1, 1, 2 * sk, generator=gen) < 0.8)[..., ::2]
+    mask = launch_sm90.key_mask(bias, batch, sk)
+    assert mask.dtype == torch.uint8 and mask.shape == (batch, sk) and mask.stride(1) == 1
+    ranges = torch.full((batch, 3), -7, dtype=torch.int32)
+    ranges.copy_(launch_sm90.key_ranges(mask))
+    for b in range(batch):
+        row = bias[b if bias.shape[0] > 1 else 0, 0, 0]
+        assert torch.equal(mask[b].bool(), row)
+        vis = row.nonzero().flatten().tolist()
+        lo, hi = (vis[0], vis[-1] + 1) if vis else (sk, 0)
+        full = int(len(vis) == max(hi - lo, 0))
+        assert ranges[b].tolist() == [lo, hi, full], (b, ranges[b])
+
+
+def zlib_crc(text: str) -> int:
+    import zlib
+
+    return zlib.crc32(text.encode())
+
+
+@pytest.mark.parametrize("shape,strides,expected", [
+    ((2, 1, 1, 64), None, True),
+    ((1, 1, 1, 64), None, True),                    # one row for the whole batch
+    ((2, 4, 5, 64), (64, 0, 0, 1), True),           # broadcast over heads and queries
+    ((2, 4, 1, 64), None, False),                   # a mask per head
+    ((2, 1, 5, 64), None, False),                   # a mask per query
+    ((2, 1, 1, 32), None, False),                   # not the keys' length
+], ids=["per-batch", "one-row", "expanded", "per-head", "per-query", "short"])
+def test_sm90_key_mask_accepts_masks_over_batch_and_keys_only(shape, strides, expected):
+    """``launch_sm90.key_mask`` takes a bool mask for the Hopper kernels only when it varies
+    along the batch and the keys alone (a padded batch); a float bias is never one."""
+    import torch
+
+    from flashtile.backends.triton import launch_sm90
+
+    bias = torch.ones(shape, dtype=torch.bool)
+    if strides is not None:
+        bias = torch.ones(shape[0], 1, 1, shape[3], dtype=torch.bool).expand(shape)
+        assert bias.stride() == strides
+    mask = launch_sm90.key_mask(bias, 2, 64)
+    assert (mask is not None) == expected
+    if expected:
+        assert mask.shape == (2, 64) and mask.dtype == torch.uint8
+    assert launch_sm90.key_mask(bias.float(), 2, 64) is None
+
+
+def test_sm90_key_mask_reaches_both_kernels(monkeypatch):
+    """A key mask goes to the forward and the fused backward kernel as its ranges and rows
+    (and its own compiled variant); a call without one passes the lse in their places."""
+    import torch
+
+    from flashtile.backends.spec import AttnSpec
+    from flashtile.backends.triton import launch_sm90
+
+    calls = []
+    monkeypatch.setattr(launch_sm90, "_launch", lambda name, device, key, grid, args, descs:
+                        calls.append((name, key, args)))
+    monkeypatch.setattr(launch_sm90, "_sm_count", lambda index: 132)
+    bias = _key_mask_rows(256)
+    q, do, out = (torch.randn(3, 256, 4, 64) for _ in range(3))
+    k, v = (torch.randn(3, 256, 2, 64) for _ in range(2))
+    lse = torch.randn(3, 4, 256)
+    spec = AttnSpec(softmax_scale=0.125)
+    mask, ranges = launch_sm90.key_mask_of(bias, 3, 256)
+    launch_sm90.forward(q, k, v, spec, (mask, ranges))
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    delta = torch.empty_like(lse)
+    launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec,
+                               key_mask=(mask, ranges))
+    launch_sm90.forward(q, k, v, spec)
+    expected = torch.tensor([[37, 256, 1], [0, 200, 0], [256, 0, 1]], dtype=torch.int32)
+    for name, key, args in calls[:2]:
+        assert key[-1] is True, name  # the key-mask variant
+        assert torch.equal(args["Ranges"], expected), name
+        assert args["KeyMask"] is mask and args["stride_mb"] == 256
+    # d = 64 without causal masking: two consumers with a key mask (three spill with its
+    # code), three without
+    assert calls[0][1][3] == 2 and calls[2][1][3] == 3
+    name, key, args = calls[2]
+    assert key[-1] is False and args["Ranges"] is args["Lse"] is args["KeyMask"]
+
+
+def test_sm90_key_mask_summary_is_reused_while_the_mask_is_unchanged(monkeypatch):
+    """``launch_sm90.key_mask_of`` summarises a mask once for the calls that pass it (every
+    layer of a padded batch, forward and backward), views of it included, and again after an
+    in-place change or for another mask."""
+    import torch
+
+    from flashtile.backends.triton import launch_sm90
+
+    monkeypatch.setattr(launch_sm90, "_key_masks", {})
+    summaries = []
+    real = launch_sm90.key_ranges
+    monkeypatch.setattr(launch_sm90, "key_ranges", lambda m: summaries.append(1) or real(m))
+    padding = torch.ones(2, 64, dtype=torch.bool)
+    padding[0, :10] = False
+    first = launch_sm90.key_mask_of(padding[:, None, None, :], 2, 64)
+    again = launch_sm90.key_mask_of(padding[:, None, None, :], 2, 64)   # a new view of it
+    assert len(summaries) == 1 and again[1] is first[1]
+    padding[1, 60:] = False                                             # changed in place
+    changed = launch_sm90.key_mask_of(padding[:, None, None, :], 2, 64)
+    assert len(summaries) == 2 and changed[1].tolist() == [[10, 64, 1], [0, 60, 1]]
+    other = torch.ones(2, 1, 1, 64, dtype=torch.bool)
+    assert launch_sm90.key_mask_of(other, 2, 64)[1].tolist() == [[0, 64, 1], [0, 64, 1]]
+    assert len(summaries) == 3
+    assert launch_sm90.key_mask_of(other.float(), 2, 64) is None
 
 
 def _layouts_of(batch, seq, heads, head_dim):

@@ -230,6 +230,17 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
     if do.stride(-1) != 1:
         do = do.contiguous()
     delta = empty(lse.shape, torch.float32, lse.device)  # written by the dQ kernel
+    if (attn_bias is not None and dbias is None and not varlen and alibi_slopes is None
+            and rng_seed is None and block_mask is None and grad_dtype is None
+            and not _deterministic(spec) and out.is_contiguous()
+            and launch_sm90.fused_pays(sq, sk, spec.causal, head_dim)
+            and launch_sm90.bwd_eligible(q, k, v, do, dk, dv, spec)):
+        # a padded batch's key mask: the fused Hopper backward reads it (launch_sm90.key_mask)
+        mask = launch_sm90.key_mask_of(attn_bias, batch, sk)
+        if mask is not None:
+            launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec,
+                                       key_mask=mask)
+            return dq, dk, dv
     features = (varlen or alibi_slopes is not None or attn_bias is not None
                 or rng_seed is not None or block_mask is not None or dbias is not None)
     chunk = 0 if features else batch_chunk(batch, sq, sk, nheads, nheads_k, head_dim,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import weakref
 
 import torch
 
@@ -21,6 +22,7 @@ from .args import LOG2E
 from .fastlaunch import (INTERNALS_OK, PlanCache, _run, empty, empty_like, launch,
                          launch_hooks_set, plans_enabled, recorder, run_direct, signature)
 from .kernels.bwd import attn_bwd_delta_kernel
+from .kernels.key_mask import key_mask_ranges_kernel
 
 BLOCK_M = 128
 BLOCK_N = 128  # keys per tile at d = 64 and 128
@@ -141,14 +143,86 @@ def eligible(q, k, v, spec: AttnSpec) -> bool:
 
 def _plain(spec: AttnSpec, sq: int, sk: int, window: bool = False) -> bool:
     """No optional feature in ``spec`` but causal masking (and with ``window``, any window)
-    with ``sk >= sq`` (bottom-right: every row then sees at least its diagonal key)."""
-    if spec.softcap or spec.dropout_p or not spec.bottom_right:
+    with ``sk >= sq`` (bottom-right: every row then sees at least its diagonal key).  A
+    top-left window (the SDPA drop-in's ``is_causal``) is the bottom-right one when
+    ``sq == sk``; without a window the alignment means nothing."""
+    if spec.softcap or spec.dropout_p:
+        return False
+    if not spec.bottom_right and spec.has_window and sq != sk:
         return False
     if spec.is_partial or spec.head_offset or spec.nheads_total:
         return False
     if not window and (spec.window_left >= 0 or spec.window_right > 0):
         return False
     return not spec.has_window or sk >= sq
+
+
+def key_mask(bias, batch: int, sk: int):
+    """The ``(B, Sk)`` uint8 view (contiguous keys) of ``bias`` where it is a key mask: a bool
+    attention mask that varies along the batch and the keys only (``(B|1, 1, 1, Sk)``, or
+    broadcast over heads and queries with stride 0: a padded batch's mask), else None.  The
+    Hopper kernels read such a mask (``kernels/key_mask.py``); any other mask or bias takes
+    the Triton kernels."""
+    if bias is None or bias.dtype != torch.bool or bias.dim() != 4 or bias.shape[-1] != sk:
+        return None
+    if bias.shape[0] not in (1, batch) or not all(bias.shape[d] == 1 or bias.stride(d) == 0
+                                                  for d in (1, 2)):
+        return None
+    rows = bias[:, 0, 0, :]
+    if rows.stride(-1) != 1 and sk > 1:
+        rows = rows.contiguous()
+    return rows.expand(batch, sk).view(torch.uint8)
+
+
+def key_ranges(mask):
+    """``(B, 3)`` int32: each batch entry's visible key range and whether the mask is that
+    range (``kernels/key_mask.py``), for the key mask ``mask`` (:func:`key_mask`)."""
+    batch, sk = mask.shape
+    ranges = empty((batch, 3), torch.int32, mask.device)
+    launch(key_mask_ranges_kernel, (batch,), MASK=mask, RANGES=ranges, stride_mb=mask.stride(0),
+           stride_mn=mask.stride(1), seqlen_k=sk, BLOCK=1024 if sk > 512 else 256, num_warps=4)
+    return ranges
+
+
+# Key masks summarised by earlier calls: a padded batch's one mask serves every layer's forward
+# and backward.  Key: the mask's address, shape and strides; value: (a weak reference to its
+# base tensor, its version counter, the uint8 view, the ranges).  The view holds the base
+# alive, so no other tensor takes its memory while the entry lives.
+_key_masks: dict = {}
+KEY_MASKS_KEPT = 8
+
+
+def key_mask_of(bias, batch: int, sk: int):
+    """``(view, ranges)`` of :func:`key_mask` and :func:`key_ranges` for ``bias``, or None
+    where it is not a key mask.  Reused while ``bias`` is unchanged (its version counter,
+    which every in-place write advances), except while a CUDA graph is captured: the capture
+    records the summary's kernel, so that a replay on new mask contents summarises them."""
+    capturing = bias.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not capturing:
+        key = (bias.data_ptr(), bias.shape, bias.stride(), batch)
+        hit = _key_masks.get(key)
+        base = bias if bias._base is None else bias._base
+        if hit is not None and hit[0]() is base and hit[1] == bias._version:
+            return hit[2], hit[3]
+    mask = key_mask(bias, batch, sk)
+    if mask is None:
+        return None
+    ranges = key_ranges(mask)
+    if not capturing:
+        if len(_key_masks) >= KEY_MASKS_KEPT:
+            _key_masks.clear()
+        _key_masks[key] = (weakref.ref(base), bias._version, mask, ranges)
+    return mask, ranges
+
+
+def _key_mask_args(key_mask, stand_in) -> dict:
+    """The kernels' key-mask arguments: the rows and ranges of ``key_mask`` (:func:`key_mask_of`),
+    or without one ``stand_in`` (a float32 tensor) in their place, which the kernels tell apart
+    by type."""
+    if key_mask is None:
+        return dict(Ranges=stand_in, KeyMask=stand_in, stride_mb=0)
+    mask, ranges = key_mask
+    return dict(Ranges=ranges, KeyMask=mask, stride_mb=mask.stride(0))
 
 
 def bwd_eligible(q, k, v, do, dk, dv, spec: AttnSpec, deterministic: bool = False) -> bool:
@@ -445,8 +519,10 @@ def planned_forward(q, k, v, spec: AttnSpec):
     return out, lse
 
 
-def forward(q, k, v, spec: AttnSpec):
-    """``(out, lse)`` with the Triton forward's layouts: out like q, lse float32 ``(B, H, Sq)``."""
+def forward(q, k, v, spec: AttnSpec, key_mask=None):
+    """``(out, lse)`` with the Triton forward's layouts: out like q, lse float32 ``(B, H, Sq)``;
+    ``key_mask``: :func:`key_mask_of`'s ``(view, ranges)`` of a key mask (a row that sees no
+    key outputs 0 and lse -inf)."""
     batch, sq, nheads, head_dim = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
     tile_n = block_n(head_dim)
@@ -457,7 +533,10 @@ def forward(q, k, v, spec: AttnSpec):
     masked = window["MASKED"]  # causal masking is the window (-1, 0)
     # lengths that are not multiples of the tiles: 3-D descriptors (_rows)
     ragged = bool(sq % BLOCK_M or sk % tile_n)
-    n_c = consumers(head_dim, masked, _mean_keys(sq, sk, window["wl"], window["wr"]), ragged)
+    keymask = key_mask is not None
+    # (with a key mask, two consumers where three would run: its code spills with three)
+    n_c = consumers(head_dim, masked, _mean_keys(sq, sk, window["wl"], window["wr"]),
+                    ragged or keymask)
     block_m = n_c * (BLOCK_M // 2)
     n_m = -(-sq // block_m)
     # persistent: one CTA per SM (two with one consumer: 128 registers a thread at launch, which
@@ -470,16 +549,16 @@ def forward(q, k, v, spec: AttnSpec):
                 qk_scale=spec.softmax_scale * LOG2E, **window,
                 STAGES=STAGES, num_warps=NUM_WARPS, CONSUMERS=n_c,
                 lpt=causal_order(n_m, batch * nheads, sq, sk, grid[0], tile_n, block_m)
-                if spec.causal else 0)
+                if spec.causal else 0, **_key_mask_args(key_mask, lse))
     if n_c == 1:
         args["maxnreg"] = 128
     descs = dict(desc_q=_rows(q, BLOCK_M // 2, ragged, "q", args),
                  desc_k=_rows(k, tile_n, ragged, "kv", args),
                  desc_v=_rows(v, tile_n, ragged, "kv", args),
                  desc_o=_rows(out, BLOCK_M // 2, ragged))
-    launched = _launch("fwd", device, (q.dtype, head_dim, masked, n_c, ragged), grid, args,
-                       descs)
-    if launched is not None:
+    launched = _launch("fwd", device, (q.dtype, head_dim, masked, n_c, ragged, keymask), grid,
+                       args, descs)
+    if launched is not None and not keymask:  # (a plan fills no key mask)
         _fwd_plans.put((signature(q, k, v), q.dtype, q.device, spec),
                        _FwdPlan(launched[0], grid, launched[1], descs, device))
     return out, lse
@@ -493,10 +572,11 @@ def _flat_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 
 
-def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec):
+def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None):
     """Launch the backward kernel: with ``dq_acc`` (float32 like ``q``, zeroed) it also adds
-    dQ into it; without, dK and dV only.  ``(launch, grid, descriptors, persistent, ragged)``
-    when it launched a compiled variant directly (what a plan repeats), else None."""
+    dQ into it; without, dK and dV only; ``key_mask`` as :func:`forward`'s.  ``(launch, grid,
+    descriptors, persistent, ragged)`` when it launched a compiled variant directly (what a
+    plan repeats), else None."""
     batch, sq, nheads, head_dim = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
     device = q.device.index or 0
@@ -530,7 +610,7 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec):
                 # edges other than the causal diagonal (without, the causal-only code)
                 WINDOW=window["MASKED"] and (window["wl"] < sq + sk or window["wr"] != 0),
                 DQ=fused, PERSISTENT=persistent, RAGGED=ragged, STAGES=STAGES,
-                num_warps=NUM_WARPS)
+                num_warps=NUM_WARPS, **_key_mask_args(key_mask, lse))
     flat = _flat_layout()
     # K/V tiles: each consumer's keys, or with ragged one tile of both consumers' keys (the
     # kernel's K/V buffer is one allocation: a 3-D TMA cannot write into a slice of it)
@@ -542,7 +622,8 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec):
                  desc_lse=(lse, [lse.numel()], [1], [BWD_BLOCK_M], flat),
                  desc_delta=(delta, [delta.numel()], [1], [BWD_BLOCK_M], flat), desc_dq=desc_dq)
     launched = _launch("bwd", device, (q.dtype, head_dim, window["MASKED"], args["WINDOW"],
-                                       fused, persistent, ragged), grid, args, descs)
+                                       fused, persistent, ragged, key_mask is not None), grid,
+                       args, descs)
     return (launched, grid, descs, persistent, ragged) if launched is not None else None
 
 
@@ -575,14 +656,15 @@ def _prologue(q, out, do, delta):
 
 
 def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec,
-                   plan_key=None) -> None:
+                   plan_key=None, key_mask=None) -> None:
     """Fill ``dq``, ``dk``, ``dv`` (``bwd_eligible`` holds; ``out`` contiguous; ``lse`` and the
     buffer ``delta`` contiguous float32 ``(B, H, Sq)``): a prologue kernel computes ``delta``
     and zeroes a float32 dQ accumulator, the backward kernel adds every dQ tile into it, and
-    one copy converts it into ``dq``.  With ``plan_key`` (:func:`bwd_plan_key`) a direct
-    launch leaves a plan that :func:`planned_backward` repeats."""
+    one copy converts it into ``dq``.  With ``plan_key`` (:func:`bwd_plan_key`; not with a
+    key mask) a direct launch leaves a plan that :func:`planned_backward` repeats;
+    ``key_mask`` as :func:`forward`'s."""
     dq_acc = _prologue(q, out, do, delta)
-    launched = _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec)
+    launched = _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec, key_mask)
     dq.copy_(dq_acc)
     if plan_key is not None and launched is not None:
         _bwd_plans.put(plan_key, _BwdPlan(*launched, q.device.index or 0))

@@ -67,7 +67,7 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .attn_fwd_sm90 import _tma_load
+from .attn_fwd_sm90 import _key_range, _key_visible, _tma_load
 
 LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -92,10 +92,11 @@ def _blocks(n, size, RAGGED: gl.constexpr):
 
 
 @gluon.jit
-def _query_tiles(n0, n_keys, sq, shift, wl, wr, masked, window, BLOCK_M: gl.constexpr,
-                 RAGGED: gl.constexpr):
+def _query_tiles(n0, n_keys, sq, shift, wl, wr, masked, window, Ranges, i_b,
+                 BLOCK_M: gl.constexpr, RAGGED: gl.constexpr):
     """First query tile that sees one of the keys ``[n0, n0 + n_keys)`` and the number of tiles
-    from it on that do (0 where no row's window reaches them)."""
+    from it on that do (0 where no row's window reaches them, or where a key mask hides all of
+    them: ``Ranges`` int32, ``kernels/key_mask.py``)."""
     lo = 0
     n_m = _blocks(sq, BLOCK_M, RAGGED)
     if masked:
@@ -108,6 +109,10 @@ def _query_tiles(n0, n_keys, sq, shift, wl, wr, masked, window, BLOCK_M: gl.cons
             # causal: row m sees key n iff n <= m + shift (every key some row, as sk >= sq)
             lo = gl.maximum(n0 - shift, 0) // BLOCK_M
             n_m = _blocks(sq, BLOCK_M, RAGGED) - lo
+    if Ranges.dtype.element_ty == gl.int32:
+        # batch entry i_b's visible keys are within [Ranges[i_b, 0], Ranges[i_b, 1])
+        dead = (n0 >= gl.load(Ranges + i_b * 3 + 1)) | (n0 + n_keys <= gl.load(Ranges + i_b * 3))
+        n_m = gl.where(dead, 0, n_m)
     return lo, n_m
 
 
@@ -173,7 +178,7 @@ def _produce_item(w, c, t, b_w, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_
                   do_smem, k_smem, v_smem, lse_smem, delta_smem, item_smem, bar_kv, bar_kvfree,
                   bar_qd, bar_free, sq, sk, sq_pad, nheads_k, n_bh, bh_group, group, q_rb, q_rh,
                   q_ch,
-                  do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl, wr, masked, window,
+                  do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl, wr, masked, window, Ranges,
                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr):
     """Load work item ``w`` (the CTA's ``c``-th): its K and V, then its (Q, dO, lse, delta)
     tiles into the ring from position ``t`` on; the ring position after them."""
@@ -207,8 +212,8 @@ def _produce_item(w, c, t, b_w, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_
                       k_smem.slice(i * BLOCK_NW, BLOCK_NW))
             _tma_load(desc_v, base_k, n0 + i * BLOCK_NW, i_hk * kv_ch, bar_kv,
                       v_smem.slice(i * BLOCK_NW, BLOCK_NW))
-    lo, n_m = _query_tiles(n0, 2 * BLOCK_NW, sq, sk - sq, wl, wr, masked, window, BLOCK_M,
-                           RAGGED)
+    lo, n_m = _query_tiles(n0, 2 * BLOCK_NW, sq, sk - sq, wl, wr, masked, window, Ranges, i_b,
+                           BLOCK_M, RAGGED)
     for j in range(group * n_m):
         i_h = i_hk * group + j // n_m
         m0 = (lo + j % n_m) * BLOCK_M
@@ -233,7 +238,7 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
                   k_smem, v_smem, lse_smem, delta_smem, item_smem, bar_kv, bar_kvfree, bar_qd,
                   bar_free, Counter, sq, sk, sq_pad, nheads_k, n_bh, bh_group, group, q_rb, q_rh,
                   q_ch,
-                  do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl, wr, masked, window,
+                  do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl, wr, masked, window, Ranges,
                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr):
     BLOCK_NW: gl.constexpr = k_smem.shape[0] // 2
     n_items = _blocks(sk, 2 * BLOCK_NW, RAGGED) * n_bh
@@ -247,7 +252,8 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
                               desc_delta, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                               item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, sq, sk, sq_pad,
                               nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh,
-                              do_ch, kv_rb, kv_rh, kv_ch, wl, wr, masked, window, PERSISTENT,
+                              do_ch, kv_rb, kv_rh, kv_ch, wl, wr, masked, window, Ranges,
+                              PERSISTENT,
                               RAGGED)
             c += 1
             # claimed while the consumers still work on this item's last tiles
@@ -263,14 +269,15 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
                       desc_v, desc_lse, desc_delta, q_smem, do_smem, k_smem, v_smem, lse_smem,
                       delta_smem, item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, sq, sk, sq_pad,
                       nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch,
-                      kv_rb, kv_rh, kv_ch, wl, wr, masked, window, PERSISTENT, RAGGED)
+                      kv_rb, kv_rh, kv_ch, wl, wr, masked, window, Ranges, PERSISTENT, RAGGED)
 
 
 @gluon.jit
 def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                   dq_smem, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK,
                   DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group,
-                  scale, qk_scale, wl, wr, masked, window, DQ: gl.constexpr,
+                  scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb,
+                  DQ: gl.constexpr,
                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr):
     """Work item ``w`` of one consumer warpgroup, its tiles from ring position ``t`` on (K and V
     already loaded): dK and dV of its 64 keys, and with ``DQ`` its adds into dQ; the ring
@@ -321,9 +328,18 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
     b_dq0 = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=q_layout)     # [BLOCK_M, D / 2]
     m_prev = 0  # the previous tile's first row and head (its dq is added one step late)
     h_prev = 0
-    lo, n_m = _query_tiles(n0, 2 * BLOCK_NW, sq, shift, wl, wr, masked, window, BLOCK_M,
-                           RAGGED)
+    lo, n_m = _query_tiles(n0, 2 * BLOCK_NW, sq, shift, wl, wr, masked, window, Ranges, i_b,
+                           BLOCK_M, RAGGED)
     n_t = group * n_m
+    # a key mask (Ranges int32, kernels/key_mask.py): this consumer's keys that it hides,
+    # masked on every tile where some are (kpart)
+    KEYMASK: gl.constexpr = Ranges.dtype.element_ty == gl.int32
+    kpart = False
+    b_kvis = o_k >= 0                                                    # [64]
+    if KEYMASK:
+        k_range = _key_range(Ranges, KeyMask, i_b, stride_mb)
+        kpart = (k0 < k_range[0]) | (k0 + BLOCK_NW > k_range[1]) | (k_range[2] == 0)
+        b_kvis = _key_visible(o_k, k_range)
     for j in range(n_t):
         i_h = i_hk * group + j // n_m
         m0 = (lo + j % n_m) * BLOCK_M
@@ -351,6 +367,9 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
             elif m0 + shift < k0 + BLOCK_NW - 1:
                 m_vis = o_k[:, None] <= (m0 + o_r + shift)[None, :]      # [64, BLOCK_M]
                 b_st = gl.where(m_vis, b_st, float("-inf"))
+        if KEYMASK:
+            if kpart:
+                b_st = gl.where(b_kvis[:, None], b_st, float("-inf"))
         # lse and delta from shared memory (staged with Q and dO): read where they are
         # used, they do not hold registers across the products
         b_lse = lse_smem.index(i_s).load(col_s)                         # [BLOCK_M]
@@ -407,7 +426,7 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
         # it); with a window, keys that no row's window reaches have no tile (without, the
         # check is the constant True)
         has_tile = True
-        if window:
+        if window or KEYMASK:  # (a key mask may hide all of the item's keys)
             has_tile = n_t > 0
         if has_tile:
             _dq_last(t - 1, bar_ds, bar_dsfree, ds_smem, k_half, b_dq0, desc_dq, dq_tile,
@@ -434,7 +453,8 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
 def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                   item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
-                  bh_group, group, scale, qk_scale, wl, wr, masked, window, DQ: gl.constexpr,
+                  bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
+                  stride_mb, DQ: gl.constexpr,
                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr):
     BLOCK_NW: gl.constexpr = k_smem.shape[0] // 2
     if PERSISTENT:
@@ -449,7 +469,8 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
                               delta_smem, ds_smem, dq_smem, bar_kvfree, bar_qd, bar_free,
                               bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb,
                               stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group,
-                              scale, qk_scale, wl, wr, masked, window, DQ, PERSISTENT, RAGGED)
+                              scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb,
+                              DQ, PERSISTENT, RAGGED)
             c += 1
             mbarrier.wait(bar_kv, c & 1)
             w = gl.max(item_smem.load(w_layout), axis=0)
@@ -459,7 +480,8 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
                       v_smem, lse_smem, delta_smem, ds_smem, dq_smem, bar_kvfree, bar_qd,
                       bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb,
                       stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group, scale,
-                      qk_scale, wl, wr, masked, window, DQ, PERSISTENT, RAGGED)
+                      qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb, DQ,
+                      PERSISTENT, RAGGED)
 
 
 # A partition is a function of its own: one wrapper per consumer warpgroup.
@@ -467,33 +489,38 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
 def _bwd_consumer0(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                    item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                    desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
-                   bh_group, group, scale, qk_scale, wl, wr, masked, window, DQ: gl.constexpr,
+                   bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
+                   stride_mb, DQ: gl.constexpr,
                    PERSISTENT: gl.constexpr, RAGGED: gl.constexpr):
     _bwd_consumer(0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                   item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
-                  bh_group, group, scale, qk_scale, wl, wr, masked, window, DQ, PERSISTENT, RAGGED)
+                  bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
+                  stride_mb, DQ, PERSISTENT, RAGGED)
 
 
 @gluon.jit
 def _bwd_consumer1(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                    item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                    desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
-                   bh_group, group, scale, qk_scale, wl, wr, masked, window, DQ: gl.constexpr,
+                   bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
+                   stride_mb, DQ: gl.constexpr,
                    PERSISTENT: gl.constexpr, RAGGED: gl.constexpr):
     _bwd_consumer(1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                   item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
-                  bh_group, group, scale, qk_scale, wl, wr, masked, window, DQ, PERSISTENT, RAGGED)
+                  bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
+                  stride_mb, DQ, PERSISTENT, RAGGED)
 
 
 @gluon.jit
 def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, DK, DV,
                          Counter, stride_kb, stride_kn, stride_kh, sq, sk, sq_pad, nheads_k, n_bh,
                          bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh,
-                         kv_ch, scale, qk_scale, wl, wr, MASKED: gl.constexpr,
-                         WINDOW: gl.constexpr, DQ: gl.constexpr, PERSISTENT: gl.constexpr,
-                         RAGGED: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                         kv_ch, scale, qk_scale, wl, wr, Ranges, KeyMask, stride_mb,
+                         MASKED: gl.constexpr, WINDOW: gl.constexpr, DQ: gl.constexpr,
+                         PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, STAGES: gl.constexpr,
+                         num_warps: gl.constexpr):
     """Persistent grid (at most one CTA per SM): a work item is 128 keys of one key/value head
     (``Sk / 128 * n_bh`` items, ``n_bh = B * Hk``, in the order of ``_item_keys``), and a CTA's
     producer claims the next from ``Counter`` (an int32 zero before the launch) as the last one
@@ -555,15 +582,15 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
                           dq_smem, item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn,
                           bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb, stride_kn, stride_kh,
                           sq, sk, nheads_k, n_bh, bh_group, group, scale, qk_scale, wl, wr,
-                          MASKED, WINDOW, DQ, PERSISTENT, RAGGED)),
+                          MASKED, WINDOW, Ranges, KeyMask, stride_mb, DQ, PERSISTENT, RAGGED)),
         (_bwd_consumer1, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                           dq_smem, item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn,
                           bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb, stride_kn, stride_kh,
                           sq, sk, nheads_k, n_bh, bh_group, group, scale, qk_scale, wl, wr,
-                          MASKED, WINDOW, DQ, PERSISTENT, RAGGED)),
+                          MASKED, WINDOW, Ranges, KeyMask, stride_mb, DQ, PERSISTENT, RAGGED)),
         (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
                          k_smem, v_smem, lse_smem, delta_smem, item_smem, bar_kv, bar_kvfree,
                          bar_qd, bar_free, Counter, sq, sk, sq_pad, nheads_k, n_bh, bh_group, group,
                          q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl, wr,
-                         MASKED, WINDOW, PERSISTENT, RAGGED)),
+                         MASKED, WINDOW, Ranges, PERSISTENT, RAGGED)),
     ], [4, 1], [232, 24])

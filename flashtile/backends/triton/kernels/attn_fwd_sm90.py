@@ -106,30 +106,76 @@ def _tma_store(desc, base, row, col, smem):
 
 @gluon.jit
 def _online_softmax(b_s, m_i, l_i, n0, o_m, o_n, qk_scale, shift, wl, wr, sk,
-                    MASKED: gl.constexpr, masked, RAGGED: gl.constexpr):
+                    MASKED: gl.constexpr, masked, RAGGED: gl.constexpr, km, k_range,
+                    KEYMASK: gl.constexpr):
     """One online-softmax update for the score tile ``b_s`` (raw ``q.k``) of keys from ``n0``;
     ``masked``: the tile crosses a row's window ``[o_m + shift - wl, o_m + shift + wr]``.  With
     ``RAGGED`` the keys from ``sk`` on (zeros: the TMA read past the sequence) are masked if
-    the tile holds them (a work item's first tile: ``_tile_order``)."""
+    the tile holds them (a work item's first tile: ``_tile_order``).  With ``KEYMASK``, ``km``:
+    the tile is not inside the batch entry's visible key range ``k_range`` (``_key_range``),
+    whose keys it then masks."""
     if MASKED:
         if masked:
             # key n0 + o_n is visible to query o_m iff -wl <= n0 + o_n - (o_m + shift) <= wr
             m_d = (n0 + o_n)[None, :] - (o_m + shift)[:, None]      # [BLOCK_M, BLOCK_N]
             b_s = gl.where((m_d <= wr) & (m_d >= -wl), b_s, float("-inf"))
+    if KEYMASK:
+        if km:
+            b_s = gl.where(_key_visible(n0 + o_n, k_range)[None, :], b_s, float("-inf"))
     if RAGGED:
         if n0 + o_n.shape[0] > sk:
             b_s = gl.where(((n0 + o_n) < sk)[None, :], b_s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(b_s, axis=1))                     # [BLOCK_M]
     m_ref = m_new
-    if MASKED:
-        if masked:
-            # a row that has seen no visible key yet (a window's first tiles) keeps m = -inf,
-            # and exp2(-inf - -inf) would be NaN: measured from 0, its p and alpha are 0
+    if MASKED or KEYMASK:
+        if masked | km:
+            # a row that has seen no visible key yet (a window's first tiles, keys masked)
+            # keeps m = -inf, and exp2(-inf - -inf) would be NaN: measured from 0, its p and
+            # alpha are 0
             m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
     b_alpha = gl.exp2((m_i - m_ref) * qk_scale)                     # [BLOCK_M]
     b_p = gl.exp2(b_s * qk_scale - (m_ref * qk_scale)[:, None])     # [BLOCK_M, BLOCK_N]
     l_i = l_i * b_alpha + gl.sum(b_p, axis=1)
     return b_p, m_new, l_i, b_alpha
+
+
+@gluon.jit
+def _key_range(Ranges, KeyMask, i_b, stride_mb):
+    """Batch entry ``i_b``'s keys under a key mask (``kernels/key_mask.py``): ``(lo, hi, full,
+    mask row)``.  A key outside ``[lo, hi)`` is invisible, one inside it visible when ``full``
+    (the visible keys are a range) or when its mask element is set."""
+    p_r = Ranges + i_b * 3
+    return (gl.load(p_r), gl.load(p_r + 1), gl.load(p_r + 2),
+            KeyMask + i_b.to(gl.int64) * stride_mb)
+
+
+@gluon.jit
+def _key_tiles(lo, hi, k_range, BLOCK_N: gl.constexpr):
+    """The key tiles ``[lo, hi)`` narrowed to those holding a key of the visible range
+    (``_key_range``); where none is left, tile ``lo`` alone, all of its keys masked (a row
+    that sees no key: output 0, lse -inf)."""
+    lo_k = gl.maximum(lo, k_range[0] // BLOCK_N)
+    hi_k = gl.minimum(hi, gl.cdiv(k_range[1], BLOCK_N))
+    empty = hi_k <= lo_k
+    return gl.where(empty, lo, lo_k), gl.where(empty, lo + 1, hi_k)
+
+
+@gluon.jit
+def _key_masked(t, k_range, BLOCK_N: gl.constexpr):
+    """Whether key tile ``t`` needs the key mask: it crosses an edge of the visible range, or
+    the range has holes."""
+    return (t * BLOCK_N < k_range[0]) | (t * BLOCK_N + BLOCK_N > k_range[1]) | (k_range[2] == 0)
+
+
+@gluon.jit
+def _key_visible(o_k, k_range):
+    """Which keys ``o_k`` (``[n]``) are visible under the key mask (``_key_range``; the mask
+    row's keys are contiguous)."""
+    k_lo, k_hi, k_full, p_km = k_range
+    b_vis = (o_k >= k_lo) & (o_k < k_hi)                              # [n]
+    if k_full == 0:  # holes in the range: the mask's own elements (inside the range only)
+        b_vis = b_vis & (gl.load(p_km + o_k, mask=b_vis, other=0) != 0)
+    return b_vis
 
 
 @gluon.jit
@@ -186,13 +232,15 @@ def _tile_range(i_m, sk, shift, wl, wr, masked, BLOCK_M: gl.constexpr, BLOCK_N: 
 @gluon.jit
 def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k, bar_v,
                  bar_kfree, bar_vfree, sq, sk, nheads, group, q_rb, q_rh, q_ch, kv_rb, kv_rh,
-                 kv_ch, n_m, n_work, lpt, wl, wr, masked):
+                 kv_ch, n_m, n_work, lpt, wl, wr, masked, Ranges, KeyMask, stride_mb):
     NC: gl.constexpr = q_smem.shape[0]   # consumer warpgroups
     BLOCK_MQ: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     RAGGED: gl.constexpr = len(desc_k.block_type.shape) == 3
+    # a key mask's ranges are int32 (without one the lse pointer stands in)
+    KEYMASK: gl.constexpr = Ranges.dtype.element_ty == gl.int32
     pid = gl.program_id(0)
     n_ctas = gl.num_programs(0)
     it = 0  # K/V tiles loaded so far (ring position and phase)
@@ -202,6 +250,9 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
                                       masked)
         if w < n_work:
             lo, hi = _tile_range(i_m, sk, sk - sq, wl, wr, masked, NC * BLOCK_MQ, BLOCK_N)
+            if KEYMASK:  # only the tiles of the batch entry's visible keys
+                lo, hi = _key_tiles(lo, hi, _key_range(Ranges, KeyMask, i_b, stride_mb),
+                                    BLOCK_N)
             n_tiles = hi - lo
             # the sequences' coordinates in the descriptors (launch_sm90._plan; _tma_load),
             # from the first key tile a row of the block sees
@@ -247,7 +298,7 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
 @gluon.jit
 def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v,
                  bar_kfree, bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk,
-                 nheads, n_m, n_work, lpt, qk_scale, wl, wr, masked):
+                 nheads, n_m, n_work, lpt, qk_scale, wl, wr, masked, Ranges, KeyMask, stride_mb):
     # partitions receive run-time values only: the tile shapes come from the buffers, RAGGED
     # (_tma_load) from the output's descriptor
     BLOCK_MQ: gl.constexpr = q_smem.shape[1]
@@ -265,6 +316,7 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
     O_TILES: gl.constexpr = o_smem.shape[0]  # one per consumer, or one shared (d = 256)
     NC: gl.constexpr = q_smem.shape[0]       # consumer warpgroups, taking turns in order
     RAGGED: gl.constexpr = len(desc_o.block_type.shape) == 3
+    KEYMASK: gl.constexpr = Ranges.dtype.element_ty == gl.int32  # (the producer's)
 
     pid = gl.program_id(0)
     n_ctas = gl.num_programs(0)
@@ -282,6 +334,10 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
                                       masked)
         if w < n_work:
             lo, hi = _tile_range(i_m, sk, shift, wl, wr, masked, NC * BLOCK_MQ, BLOCK_N)
+            k_range = (0, 0, 0, Ranges)
+            if KEYMASK:
+                k_range = _key_range(Ranges, KeyMask, i_b, stride_mb)
+                lo, hi = _key_tiles(lo, hi, k_range, BLOCK_N)
             n_tiles = hi - lo
             rot = 0
             if RAGGED:
@@ -313,10 +369,13 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
             mbarrier.arrive(bar_qfree.index(i_wg), pred=n_tiles == 1)
             # (with RAGGED the first tile walked may be the item's last: _tile_order)
             t = _walk(0, lo, hi, rot, RAGGED)
+            km = False
+            if KEYMASK:
+                km = _key_masked(t, k_range, BLOCK_N)
             b_p, m_i, l_i, b_alpha = _online_softmax(b_s, m_i, l_i, t * BLOCK_N, o_m, o_n,
                                                      qk_scale, shift, wl, wr, sk, True,
                                                      (t >= n_full) | (t * BLOCK_N < lo_key),
-                                                     RAGGED)
+                                                     RAGGED, km, k_range, KEYMASK)
             for j in range(0, n_tiles - 1):
                 i_st = (it + j) % STAGES
                 i_nx = (it + j + 1) % STAGES
@@ -336,11 +395,13 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
                 # the softmax below in this basic block, where ptxas overlaps it with P·V)
                 mbarrier.arrive(bar_qfree.index(i_wg), pred=j == n_tiles - 2)
                 t = _walk(j + 1, lo, hi, rot, RAGGED)
+                if KEYMASK:
+                    km = _key_masked(t, k_range, BLOCK_N)
                 # (a whole tile: the keys past the end are in the first one walked)
                 b_p, m_i, l_i, b_alpha = _online_softmax(b_s, m_i, l_i, t * BLOCK_N, o_m, o_n,
                                                          qk_scale, shift, wl, wr, sk, True,
                                                          (t >= n_full) | (t * BLOCK_N < lo_key),
-                                                         False)
+                                                         False, km, k_range, KEYMASK)
                 b_acc, b_pv = warpgroup_mma_wait(num_outstanding=0, deps=(b_acc, b_pv))
                 mbarrier.arrive(bar_vfree.index(i_st))
                 b_acc = b_acc * gl.convert_layout(b_alpha, row_o)[:, None]
@@ -356,7 +417,10 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
             ts += n_tiles + 1
             c += 1
 
-            b_out = b_acc / gl.convert_layout(l_i, row_o)[:, None]            # [64, HEAD_DIM]
+            b_l = l_i
+            if KEYMASK:  # a row that sees no key (l = 0, acc = 0) outputs 0 (lse -inf)
+                b_l = gl.where(l_i == 0.0, 1.0, l_i)
+            b_out = b_acc / gl.convert_layout(b_l, row_o)[:, None]            # [64, HEAD_DIM]
             # through shared memory and one TMA store that the consumer does not wait for (the
             # other consumer's next turn waits on this one's next Q·Kᵀ)
             # three consumers: the last block of a sequence may end before this one's rows,
@@ -398,35 +462,39 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
 @gluon.jit
 def _ws_consumer0(q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
                   bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
-                  n_m, n_work, lpt, qk_scale, wl, wr, masked):
+                  n_m, n_work, lpt, qk_scale, wl, wr, masked, Ranges, KeyMask, stride_mb):
     _ws_consumer(0, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
                  bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
-                 n_m, n_work, lpt, qk_scale, wl, wr, masked)
+                 n_m, n_work, lpt, qk_scale, wl, wr, masked, Ranges, KeyMask, stride_mb)
 
 
 @gluon.jit
 def _ws_consumer1(q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
                   bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
-                  n_m, n_work, lpt, qk_scale, wl, wr, masked):
+                  n_m, n_work, lpt, qk_scale, wl, wr, masked, Ranges, KeyMask, stride_mb):
     _ws_consumer(1, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
                  bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
-                 n_m, n_work, lpt, qk_scale, wl, wr, masked)
+                 n_m, n_work, lpt, qk_scale, wl, wr, masked, Ranges, KeyMask, stride_mb)
 
 
 @gluon.jit
 def _ws_consumer2(q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
                   bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
-                  n_m, n_work, lpt, qk_scale, wl, wr, masked):
+                  n_m, n_work, lpt, qk_scale, wl, wr, masked, Ranges, KeyMask, stride_mb):
     _ws_consumer(2, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
                  bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
-                 n_m, n_work, lpt, qk_scale, wl, wr, masked)
+                 n_m, n_work, lpt, qk_scale, wl, wr, masked, Ranges, KeyMask, stride_mb)
 
 
 @gluon.jit
 def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, desc_o, Lse, stride_lb, stride_lh,
                          batch, sq, sk, nheads, group, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch,
-                         qk_scale, lpt, wl, wr, MASKED: gl.constexpr, CONSUMERS: gl.constexpr,
-                         STAGES: gl.constexpr, num_warps: gl.constexpr):
+                         qk_scale, lpt, wl, wr, Ranges, KeyMask, stride_mb,
+                         MASKED: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
+                         num_warps: gl.constexpr):
+    """``Ranges`` (int32 ``(B, 3)``) and ``KeyMask`` (uint8 ``(B, Sk)``, rows ``stride_mb`` apart,
+    contiguous keys): a key mask (``kernels/key_mask.py``), or without one the lse pointer in
+    both places (the kernel tells them apart by ``Ranges``' element type)."""
     BLOCK_MQ: gl.constexpr = desc_q.block_type.shape[-2]   # rows of one consumer (64)
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[-1]
     BLOCK_N: gl.constexpr = desc_k.block_type.shape[-2]
@@ -470,10 +538,10 @@ def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, desc_o, Lse, stride_lb, stride_
 
     consumer_args = (q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
                      bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
-                     n_m, n_work, lpt, qk_scale, wl, wr, MASKED)
+                     n_m, n_work, lpt, qk_scale, wl, wr, MASKED, Ranges, KeyMask, stride_mb)
     producer_args = (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k,
                      bar_v, bar_kfree, bar_vfree, sq, sk, nheads, group, q_rb, q_rh, q_ch, kv_rb,
-                     kv_rh, kv_ch, n_m, n_work, lpt, wl, wr, MASKED)
+                     kv_rh, kv_ch, n_m, n_work, lpt, wl, wr, MASKED, Ranges, KeyMask, stride_mb)
     if CONSUMERS == 3:
         # FlashAttention-3's split at d = 64: three consumers at 160 registers a thread
         gl.warp_specialize([(_ws_consumer0, consumer_args), (_ws_consumer1, consumer_args),

@@ -1,0 +1,211 @@
+"""Key masks (a padded batch's ``(B, 1, 1, Sk)`` bool mask) on the Hopper (Gluon) kernels:
+forward and fused backward against a float64 reference under flash-attn's error rule, the
+rows that see no key, and the launches they take; skipped without an sm_90 GPU."""
+import pytest
+import torch
+
+import flashtile
+from flashtile.autograd import attention
+from flashtile.backends.spec import AttnSpec
+from flashtile.backends.triton import launch_sm90
+from flashtile.backends.triton.fastlaunch import poison_outputs
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs an sm_90 GPU")
+
+
+def _mask(kind: str, batch: int, sk: int, gen: torch.Generator) -> torch.Tensor:
+    """A ``(B|1, 1, 1, sk)`` bool key mask of ``kind``."""
+    mask = torch.ones(batch, 1, 1, sk, dtype=torch.bool)
+    pads = (torch.arange(batch) * sk // (2 * max(batch - 1, 1))).tolist()
+    if kind == "left":  # generation-style: row b padded by up to half the keys on the left
+        for b, p in enumerate(pads):
+            mask[b, ..., :p] = False
+    elif kind == "right":
+        for b, p in enumerate(pads):
+            mask[b, ..., sk - p:] = False
+    elif kind == "holes":  # not a range: every key read from the mask
+        mask = torch.rand(batch, 1, 1, sk, generator=gen) < 0.7
+    elif kind == "empty-row":  # batch entry 0 sees no key at all, entry 1 only key 0
+        mask[0] = False
+        mask[1, ..., 1:] = False
+    elif kind == "broadcast":  # one row for the whole batch
+        mask = torch.rand(1, 1, 1, sk, generator=gen) < 0.9
+    return mask.cuda()
+
+
+def _reference(q, k, v, mask, causal, dtype):
+    """(out, lse) of masked attention of ``(B, S, H, D)`` inputs in ``dtype`` (bottom-right
+    causal); a row that sees no key outputs 0, lse -inf."""
+    qh, kh, vh = (x.to(dtype).transpose(1, 2) for x in (q, k, v))
+    group = qh.shape[1] // kh.shape[1]
+    kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
+    s = (qh @ kh.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    vis = mask.expand(q.shape[0], 1, q.shape[1], k.shape[1])
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        vis = vis & (j <= i + sk - sq)
+    s = s.masked_fill(~vis, float("-inf"))
+    seen = vis.any(-1, keepdim=True)
+    # a row with no key: softmax of zeros, then multiplied by 0 (finite gradients)
+    p = torch.softmax(torch.where(seen, s, 0.0), -1) * seen
+    lse = torch.logsumexp(s.float() if dtype != torch.float64 else s, -1)
+    return (p @ vh).transpose(1, 2), lse
+
+
+CASES = [  # (batch, sq, sk, heads, heads_k, d, causal, mask)
+    ("d64-causal-left", 4, 1024, 1024, 4, 4, 64, True, "left"),
+    ("d64-causal-right-gqa", 3, 512, 512, 4, 2, 64, True, "right"),
+    ("d64-holes", 2, 640, 640, 3, 3, 64, False, "holes"),
+    ("d64-long-causal-left", 2, 2048, 2048, 4, 2, 64, True, "left"),
+    ("d128-left", 3, 384, 384, 4, 4, 128, False, "left"),
+    ("d128-causal-right", 2, 1280, 1280, 4, 4, 128, True, "right"),
+    ("d128-causal-holes-gqa", 2, 1152, 1152, 4, 2, 128, True, "holes"),
+    ("d128-empty-row", 2, 256, 256, 2, 2, 128, False, "empty-row"),
+    ("d64-causal-empty-row", 2, 384, 384, 2, 2, 64, True, "empty-row"),
+    ("d128-broadcast-sk>sq", 2, 128, 512, 4, 4, 128, True, "broadcast"),
+    # lengths that are not multiples of the tiles
+    ("d128-causal-left-ragged", 3, 1000, 1000, 4, 4, 128, True, "left"),
+    ("d64-right-ragged", 2, 333, 777, 4, 2, 64, False, "right"),
+    ("d256-causal-left", 2, 512, 512, 4, 4, 256, True, "left"),
+]
+
+
+def _inputs(case, dtype):
+    _, batch, sq, sk, heads, heads_k, d, causal, kind = case
+    gen = torch.Generator().manual_seed(sum(map(ord, case[0])))
+    q = torch.randn(batch, sq, heads, d, device="cuda", dtype=dtype)
+    k = torch.randn(batch, sk, heads_k, d, device="cuda", dtype=dtype)
+    v = torch.randn(batch, sk, heads_k, d, device="cuda", dtype=dtype)
+    do = torch.randn(batch, sq, heads, d, device="cuda", dtype=dtype)
+    return q, k, v, do, _mask(kind, batch, sk, gen), causal
+
+
+def _spy(monkeypatch, name):
+    """The ``key_mask`` argument of each call of ``launch_sm90.<name>``."""
+    calls = []
+    real = getattr(launch_sm90, name)
+    monkeypatch.setattr(launch_sm90, name, lambda *a, **kw: calls.append(kw.get("key_mask"))
+                        or real(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_sm90_key_mask_forward_matches_float64_reference(case, dtype, monkeypatch):
+    """The Hopper forward with a key mask: output within 2x PyTorch's same-dtype error of
+    float64, lse within 1e-3, a row that sees no key 0 with lse -inf; the same as the
+    portable Triton kernel's within that error."""
+    q, k, v, do, mask, causal = _inputs(case, dtype)
+    d = q.shape[-1]
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    spec = AttnSpec(softmax_scale=d ** -0.5, window_right=0 if causal else -1)
+    calls = _spy(monkeypatch, "forward")
+    with poison_outputs():
+        out, lse = attention(q, k, v, spec, attn_bias=mask)
+    assert len(calls) == 1 and calls[0] is not None  # the Hopper kernel, with the key mask
+    ref, ref_lse = _reference(q, k, v, mask, causal, torch.float64)
+    low, _ = _reference(q, k, v, mask, causal, dtype)
+    err = (out.double() - ref).abs().max().item()
+    base = (low.double() - ref).abs().max().item()
+    assert torch.isfinite(out).all() and err <= 2 * base + 1e-4, (err, base)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen) and (lse[~seen] == float("-inf")).all()
+    assert (lse[seen].double() - ref_lse[seen]).abs().max().item() <= 1e-3
+    monkeypatch.setenv("FLASHTILE_SM90", "0")
+    portable, _ = attention(q, k, v, spec, attn_bias=mask)
+    assert (portable.double() - ref).abs().max().item() <= 2 * base + 1e-4
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[6] != 256],
+                         ids=[c[0] for c in CASES if c[6] != 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_sm90_key_mask_backward_matches_float64_reference(case, dtype, monkeypatch):
+    """dQ, dK and dV with a key mask within 3x PyTorch's same-dtype error of float64: the
+    fused Hopper backward where it serves the lengths (``fused_pays``), hidden keys and rows
+    that see no key with zero gradients."""
+    q, k, v, do, mask, causal = _inputs(case, dtype)
+    _, _, sq, sk, _, _, d, _, _ = case
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    spec = AttnSpec(softmax_scale=d ** -0.5, window_right=0 if causal else -1)
+    calls = _spy(monkeypatch, "fused_backward")
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    with poison_outputs():
+        out, _ = attention(*leaves, spec, attn_bias=mask)
+        out.backward(do)
+    got = [x.grad for x in leaves]
+    assert len(calls) == int(launch_sm90.fused_pays(sq, sk, causal, d))
+    assert all(c is not None for c in calls)
+    ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    _reference(*ref_leaves, mask, causal, torch.float64)[0].backward(do.double())
+    low_leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    _reference(*low_leaves, mask, causal, dtype)[0].backward(do)
+    for name, g, r, lo in zip(("dq", "dk", "dv"), got, ref_leaves, low_leaves):
+        err = (g.double() - r.grad).abs().max().item()
+        base = (lo.grad.double() - r.grad).abs().max().item()
+        assert torch.isfinite(g).all() and err <= 3 * base + 1e-4, (name, err, base)
+    # hidden keys get no gradient
+    hidden = ~mask.expand(q.shape[0], 1, 1, sk)[:, 0, 0]               # [B, Sk]
+    assert (got[1][hidden] == 0).all() and (got[2][hidden] == 0).all()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_key_mask_under_cuda_graphs_and_compile(causal):
+    """A CUDA-graph replay of the forward and backward with a key mask (its range summary
+    inside the capture) on new inputs and a new mask: output, dK and dV bitwise those of eager
+    calls, dQ within the accumulator's order; ``torch.compile(fullgraph=True, dynamic=True)``
+    gives the eager output."""
+    from flashtile.backends import triton as backend
+
+    gen = torch.Generator().manual_seed(5)
+    spec = AttnSpec(softmax_scale=0.125, window_right=0 if causal else -1)
+    q, k, v, do = (torch.randn(2, 1000, 4, 64, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(4))
+    mask = _mask("left", 2, 1000, gen)
+    out, lse = backend.forward(q, k, v, spec, attn_bias=mask)
+    lse = lse.contiguous()
+    backend.backward(do, q, k, v, out, lse, spec, attn_bias=mask)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out2, _ = backend.forward(q, k, v, spec, attn_bias=mask)
+        grads = backend.backward(do, q, k, v, out, lse, spec, attn_bias=mask)
+    new = [torch.randn_like(x) for x in (q, k, v, do)] + [_mask("right", 2, 1000, gen)]
+    new_out, new_lse = backend.forward(*new[:3], spec, attn_bias=new[4])
+    for x, y in zip((q, k, v, do, mask, out, lse), (*new, new_out, new_lse)):
+        x.copy_(y)
+    for g in (out2, *grads):
+        g.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out2, new_out)
+    eager = backend.backward(new[3], *new[:3], new_out, new_lse.contiguous(), spec,
+                             attn_bias=new[4])
+    assert torch.equal(grads[1], eager[1]) and torch.equal(grads[2], eager[2])
+    ref_leaves = [x.detach().double().requires_grad_() for x in new[:3]]
+    _reference(*ref_leaves, new[4], causal, torch.float64)[0].backward(new[3].double())
+    low_leaves = [x.detach().clone().requires_grad_() for x in new[:3]]
+    _reference(*low_leaves, new[4], causal, torch.bfloat16)[0].backward(new[3])
+    base = (low_leaves[0].grad.double() - ref_leaves[0].grad).abs().max().item()
+    assert (grads[0].double() - ref_leaves[0].grad).abs().max().item() <= 3 * base + 1e-4
+    compiled = torch.compile(lambda q, k, v, m: attention(q, k, v, spec, attn_bias=m)[0],
+                             fullgraph=True, dynamic=True)
+    assert torch.equal(compiled(*new[:3], new[4]), new_out)
+
+
+def test_sm90_sdpa_drop_in_takes_the_hopper_forward(monkeypatch):
+    """The SDPA drop-in (``(B, H, S, D)``, top-left ``is_causal``) reaches the Hopper forward:
+    with a ``(B, 1, 1, S)`` bool mask (as the key mask), and with ``is_causal`` at ``L == S``
+    (where top-left is bottom-right); within 2x PyTorch's same-dtype error of float64."""
+    q, k, v = (torch.randn(2, 4, 512, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    mask = _mask("left", 2, 512, torch.Generator().manual_seed(1))
+    calls = _spy(monkeypatch, "forward")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for kw in (dict(attn_mask=mask), dict(is_causal=True)):
+        got = flashtile.scaled_dot_product_attention(q, k, v, **kw)
+        ref = sdpa(q.double(), k.double(), v.double(), **kw)
+        base = (sdpa(q, k, v, **kw).double() - ref).abs().max().item()
+        assert (got.double() - ref).abs().max().item() <= 2 * base + 1e-4, kw
+    assert len(calls) == 2 and calls[0] is not None and calls[1] is None
