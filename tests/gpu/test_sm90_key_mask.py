@@ -209,3 +209,49 @@ def test_sm90_sdpa_drop_in_takes_the_hopper_forward(monkeypatch):
         base = (sdpa(q, k, v, **kw).double() - ref).abs().max().item()
         assert (got.double() - ref).abs().max().item() <= 2 * base + 1e-4, kw
     assert len(calls) == 2 and calls[0] is not None and calls[1] is None
+
+
+@pytest.mark.parametrize("d,causal,seq", [(64, True, 1024), (128, False, 700)],
+                         ids=["d64-causal", "d128-ragged"])
+def test_sm90_key_mask_plans_repeat_the_launch_with_new_masks(d, causal, seq, monkeypatch):
+    """A masked call like an earlier one (shapes, strides, alignment, the mask view's too)
+    repeats the forward and fused backward through their plans with its own tensors and mask:
+    output, lse, dK and dV bitwise those of the full launch path (outputs poisoned, plans
+    off), dQ within 3x PyTorch's same-dtype error of float64; the plans hold no tensor."""
+    from flashtile.backends import triton as backend
+
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    monkeypatch.setattr(launch_sm90, "_fwd_plans", type(launch_sm90._fwd_plans)())
+    monkeypatch.setattr(launch_sm90, "_bwd_plans", type(launch_sm90._bwd_plans)())
+    gen = torch.Generator().manual_seed(d)
+    spec = AttnSpec(softmax_scale=d ** -0.5, window_right=0 if causal else -1)
+
+    def call(q, k, v, do, mask):
+        out, lse = backend.forward(q, k, v, spec, attn_bias=mask)
+        return (out, lse, *backend.backward(do, q, k, v, out, lse.contiguous(), spec,
+                                            attn_bias=mask))
+
+    def inputs(kind):
+        return [torch.randn(2, seq, 4, d, device="cuda", dtype=torch.bfloat16)
+                for _ in range(4)] + [_mask(kind, 2, seq, gen)]
+
+    call(*inputs("left"))  # compiled, launched directly: leaves the plans
+    call(*inputs("left"))
+    for plans in (launch_sm90._fwd_plans, launch_sm90._bwd_plans):
+        (plan,) = plans._plans.values()
+        assert not any(isinstance(x, torch.Tensor) or hasattr(x, "base") for x in plan.values)
+    used = _spy(monkeypatch, "planned_forward"), _spy(monkeypatch, "planned_backward")
+    new = inputs("holes")  # the same signature, other contents
+    planned = call(*new)
+    assert all(len(c) == 1 for c in used)
+    with poison_outputs():
+        full = call(*new)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), planned, full):
+        if name != "dq":
+            assert torch.equal(a, b), name
+    ref_leaves = [x.detach().double().requires_grad_() for x in new[:3]]
+    _reference(*ref_leaves, new[4], causal, torch.float64)[0].backward(new[3].double())
+    low_leaves = [x.detach().clone().requires_grad_() for x in new[:3]]
+    _reference(*low_leaves, new[4], causal, torch.bfloat16)[0].backward(new[3])
+    base = (low_leaves[0].grad.double() - ref_leaves[0].grad).abs().max().item()
+    assert (planned[2].double() - ref_leaves[0].grad).abs().max().item() <= 3 * base + 1e-4

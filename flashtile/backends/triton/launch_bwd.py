@@ -183,6 +183,16 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
         grads = launch_sm90.planned_backward(q, k, v, out, do, lse, spec, _chunk_env())
         if grads is not None:
             return grads
+    if (attn_bias is not None and dbias is None and alibi_slopes is None and cu_seqlens_q is None
+            and rng_seed is None and block_mask is None and grad_dtype is None
+            and do.stride(-1) == 1 and q.dim() == 4 and not _deterministic(spec)
+            and launch_sm90.on_hopper(q)):
+        # a key mask's plan (the forward has summarised the mask: launch_sm90.key_mask_of)
+        mask = launch_sm90.key_mask_of(attn_bias, q.shape[0], k.shape[1])
+        if mask is not None:
+            grads = launch_sm90.planned_backward(q, k, v, out, do, lse, spec, _chunk_env(), mask)
+            if grads is not None:
+                return grads
     # launch plans replay Triton launches only: a call the Hopper kernel serves (its gradients
     # shaped like k and v) runs the full path
     if not plain or launch_sm90.bwd_eligible(
@@ -238,7 +248,9 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
         # a padded batch's key mask: the fused Hopper backward reads it (launch_sm90.key_mask)
         mask = launch_sm90.key_mask_of(attn_bias, batch, sk)
         if mask is not None:
-            launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec,
+            key = (launch_sm90.bwd_plan_key(q, k, v, out, do, lse, spec, _chunk_env(), mask)
+                   if plans_enabled() else None)
+            launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec, key,
                                        key_mask=mask)
             return dq, dk, dv
     features = (varlen or alibi_slopes is not None or attn_bias is not None

@@ -38,11 +38,16 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu
             return launch_sm90.forward(q, k, v, spec)
     elif (attn_bias is not None and alibi_slopes is None and cu_seqlens_q is None
           and rng_seed is None and block_mask is None and block_table is None
-          and out_dtype is None and launch_sm90.eligible(q, k, v, spec)):
-        # a padded batch's key mask: the Hopper kernels read it (launch_sm90.key_mask)
+          and out_dtype is None and q.dim() == 4 and launch_sm90.on_hopper(q)):
+        # a padded batch's key mask: the Hopper kernels read it (launch_sm90.key_mask), through
+        # the plan of an earlier call like this one where there is one
         mask = launch_sm90.key_mask_of(attn_bias, q.shape[0], k.shape[1])
         if mask is not None:
-            return launch_sm90.forward(q, k, v, spec, key_mask=mask)
+            res = launch_sm90.planned_forward(q, k, v, spec, mask)
+            if res is not None:
+                return res
+            if launch_sm90.eligible(q, k, v, spec):
+                return launch_sm90.forward(q, k, v, spec, key_mask=mask)
     if not (no_feature and plans_enabled()):
         return _forward(q, k, v, spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                         max_seqlen_k, attn_bias, rng_seed, block_mask, block_size, block_table,

@@ -106,11 +106,16 @@ def _plan(x):
     return None
 
 
+def on_hopper(q) -> bool:
+    """The switch is on and ``q`` is on an sm_90 GPU (not the interpreter)."""
+    return enabled() and q.is_cuda and not interpreting() and _hopper(q.device.index or 0)
+
+
 def _dense(q, *tensors) -> bool:
     """The switch is on, ``q`` is a 4-D fp16/bf16 tensor on an sm_90 GPU, and ``q`` and
     ``tensors`` are in a layout the TMA reads (:func:`_plan`) at 16-byte aligned addresses
     and row strides."""
-    if not (enabled() and q.is_cuda and not interpreting() and _hopper(q.device.index or 0)):
+    if not on_hopper(q):
         return False
     if q.dim() != 4 or q.dtype not in (torch.float16, torch.bfloat16):
         return False
@@ -471,17 +476,30 @@ _FWD_ROLES = ("desc_q", "desc_k", "desc_v", "desc_o")  # descriptors of q, k, v,
 
 
 class _FwdPlan:
-    __slots__ = ("compiled", "grid", "values", "lse_at", "descs", "device")
+    __slots__ = ("compiled", "grid", "values", "lse_at", "mask_at", "descs", "device")
 
     def __init__(self, compiled, grid, values, descs, device):
         names = _kernel("fwd").arg_names
         self.compiled, self.grid, self.device = compiled, grid, device
         self.values, self.lse_at = list(values), names.index("Lse")
+        self.mask_at = (names.index("KeyMask"), names.index("Ranges"))
         # (position, role, shape, strides, block, layout) of each descriptor
         self.descs = tuple((names.index(n), r, *descs[n][1:]) for r, n in enumerate(_FWD_ROLES))
         # the plan keeps no tensor of the call it was made from alive (every call fills them)
-        for at in (self.lse_at, *(d[0] for d in self.descs)):
+        for at in (self.lse_at, *self.mask_at, *(d[0] for d in self.descs)):
             self.values[at] = None
+
+
+def _mask_key(key_mask):
+    """What a plan's launch depends on in a key mask (:func:`key_mask_of`): its view's shape,
+    strides and alignment (the ranges are always ``(B, 3)`` int32)."""
+    return None if key_mask is None else signature(key_mask[0])
+
+
+def _fill_mask(values: list, mask_at: tuple, key_mask, stand_in) -> None:
+    """Put ``key_mask``'s view and ranges (or ``stand_in`` in both places) into a plan's
+    argument values."""
+    values[mask_at[0]], values[mask_at[1]] = key_mask or (stand_in, stand_in)
 
 
 def _plan_of(plans: PlanCache, key):
@@ -505,16 +523,19 @@ def _run_plan(plan, values: list, tensors: tuple) -> None:
     _run(plan.compiled, plan.grid, values, plan.device)
 
 
-def planned_forward(q, k, v, spec: AttnSpec):
-    """:func:`forward`'s ``(out, lse)`` through the plan of an earlier call like this one, or
-    None where there is none or plans are off (the caller then checks :func:`eligible`)."""
-    plan = _plan_of(_fwd_plans, lambda: (signature(q, k, v), q.dtype, q.device, spec))
+def planned_forward(q, k, v, spec: AttnSpec, key_mask=None):
+    """:func:`forward`'s ``(out, lse)`` through the plan of an earlier call like this one (its
+    key mask's view alike), or None where there is none or plans are off (the caller then
+    checks :func:`eligible`)."""
+    plan = _plan_of(_fwd_plans, lambda: (signature(q, k, v), q.dtype, q.device, spec,
+                                         _mask_key(key_mask)))
     if plan is None:
         return None
     out = empty(q.shape, q.dtype, q.device)
     lse = empty((q.shape[0], q.shape[2], q.shape[1]), torch.float32, q.device)
     values = plan.values.copy()
     values[plan.lse_at] = lse
+    _fill_mask(values, plan.mask_at, key_mask, lse)
     _run_plan(plan, values, (q, k, v, out))
     return out, lse
 
@@ -558,8 +579,8 @@ def forward(q, k, v, spec: AttnSpec, key_mask=None):
                  desc_o=_rows(out, BLOCK_M // 2, ragged))
     launched = _launch("fwd", device, (q.dtype, head_dim, masked, n_c, ragged, keymask), grid,
                        args, descs)
-    if launched is not None and not keymask:  # (a plan fills no key mask)
-        _fwd_plans.put((signature(q, k, v), q.dtype, q.device, spec),
+    if launched is not None:
+        _fwd_plans.put((signature(q, k, v), q.dtype, q.device, spec, _mask_key(key_mask)),
                        _FwdPlan(launched[0], grid, launched[1], descs, device))
     return out, lse
 
@@ -660,9 +681,9 @@ def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec,
     """Fill ``dq``, ``dk``, ``dv`` (``bwd_eligible`` holds; ``out`` contiguous; ``lse`` and the
     buffer ``delta`` contiguous float32 ``(B, H, Sq)``): a prologue kernel computes ``delta``
     and zeroes a float32 dQ accumulator, the backward kernel adds every dQ tile into it, and
-    one copy converts it into ``dq``.  With ``plan_key`` (:func:`bwd_plan_key`; not with a
-    key mask) a direct launch leaves a plan that :func:`planned_backward` repeats;
-    ``key_mask`` as :func:`forward`'s."""
+    one copy converts it into ``dq``.  With ``plan_key`` (:func:`bwd_plan_key`) a direct
+    launch leaves a plan that :func:`planned_backward` repeats; ``key_mask`` as
+    :func:`forward`'s."""
     dq_acc = _prologue(q, out, do, delta)
     launched = _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec, key_mask)
     dq.copy_(dq_acc)
@@ -680,7 +701,8 @@ _BWD_ROLES = ("desc_q", "desc_do", "desc_k", "desc_v", "desc_lse", "desc_delta",
 
 
 class _BwdPlan:
-    __slots__ = ("compiled", "grid", "values", "descs", "at", "persistent", "ragged", "device")
+    __slots__ = ("compiled", "grid", "values", "descs", "at", "mask_at", "persistent", "ragged",
+                 "device")
 
     def __init__(self, launched, grid, descs, persistent, ragged, device):
         names = _kernel("bwd").arg_names
@@ -690,23 +712,27 @@ class _BwdPlan:
         # positions of DK, DV and Counter; (position, role, shape, strides, block, layout)
         # of each descriptor
         self.at = tuple(names.index(n) for n in ("DK", "DV", "Counter"))
+        self.mask_at = (names.index("KeyMask"), names.index("Ranges"))
         self.descs = tuple((names.index(n), r, *descs[n][1:]) for r, n in enumerate(_BWD_ROLES))
         # the plan keeps no tensor of the call it was made from alive (every call fills them)
-        for at in (*self.at, *(d[0] for d in self.descs)):
+        for at in (*self.at, *self.mask_at, *(d[0] for d in self.descs)):
             self.values[at] = None
 
 
-def bwd_plan_key(q, k, v, out, do, lse, spec: AttnSpec, setting) -> tuple:
-    """The key of a fused backward's plan: the tensors' signatures, dtype, device, spec and
-    ``setting`` (what else the caller's choice of path reads)."""
-    return (signature(q, k, v, out, do, lse), q.dtype, q.device, spec, setting)
+def bwd_plan_key(q, k, v, out, do, lse, spec: AttnSpec, setting, key_mask=None) -> tuple:
+    """The key of a fused backward's plan: the tensors' signatures, dtype, device, spec,
+    ``setting`` (what else the caller's choice of path reads) and the key mask's view's
+    signature."""
+    return (signature(q, k, v, out, do, lse), q.dtype, q.device, spec, setting,
+            _mask_key(key_mask))
 
 
-def planned_backward(q, k, v, out, do, lse, spec: AttnSpec, setting):
+def planned_backward(q, k, v, out, do, lse, spec: AttnSpec, setting, key_mask=None):
     """``(dq, dk, dv)`` of :func:`fused_backward` through the plan of an earlier call like this
-    one (``lse`` contiguous), or None where there is none or plans are off (the caller then
-    takes its full path)."""
-    plan = _plan_of(_bwd_plans, lambda: bwd_plan_key(q, k, v, out, do, lse, spec, setting))
+    one (``lse`` contiguous; ``key_mask`` as :func:`forward`'s), or None where there is none or
+    plans are off (the caller then takes its full path)."""
+    plan = _plan_of(_bwd_plans, lambda: bwd_plan_key(q, k, v, out, do, lse, spec, setting,
+                                                      key_mask))
     if plan is None:
         return None
     dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
@@ -718,6 +744,7 @@ def planned_backward(q, k, v, out, do, lse, spec: AttnSpec, setting):
     values[plan.at[0]], values[plan.at[1]] = dk, dv
     values[plan.at[2]] = (torch.zeros(1, dtype=torch.int32, device=q.device) if plan.persistent
                           else dk)
+    _fill_mask(values, plan.mask_at, key_mask, lse)
     _run_plan(plan, values, (q, do, k, v, lse, delta, dq_acc))
     dq.copy_(dq_acc)
     return dq, dk, dv
