@@ -1300,7 +1300,9 @@ def test_variants_cpu_end_to_end(tmp_path, capsys):
                        ("window", "flashtile", "dense"), ("window", "flashtile", "window"),
                        ("window", "sdpa", "dense"), ("window", "sdpa", "window"),
                        ("varlen", "flashtile", "padded"), ("varlen", "flashtile", "varlen"),
-                       ("varlen", "flashtile", "varlen_paged")}
+                       ("varlen", "flashtile", "varlen_paged"), ("padding", "flashtile", "dense"),
+                       ("padding", "flashtile", "key_mask"), ("padding", "sdpa", "dense"),
+                       ("padding", "sdpa", "key_mask")}
     assert {r["mode"] for r in records} == {"fwd", "fwd_bwd"}
 
     sparse = by[("sparse", "flashtile", "block_sparse")]
@@ -1322,6 +1324,10 @@ def test_variants_cpu_end_to_end(tmp_path, capsys):
     paged = by[("varlen", "flashtile", "varlen_paged")]
     assert {r["causal"] for r in paged} == {False, True} and all(r["status"] == "ok" for r in paged)
     assert all(r["detail"]["page_size"] == bench_variants.PAGE_SIZE for r in paged)
+    padding = by[("padding", "flashtile", "key_mask")] + by[("padding", "sdpa", "key_mask")]
+    assert sorted({r["param"] for r in padding}) == [1 / 8, 1 / 4, 1 / 2]
+    assert all(r["detail"]["padded_keys"] == [int(r["param"] * 128)] for r in padding)
+    assert {r["causal"] for r in padding} == {False, True}
     assert list(common.read_results(merged)) == ["variants"]
 
     title, *table = capsys.readouterr().out.splitlines()
@@ -1329,10 +1335,11 @@ def test_variants_cpu_end_to_end(tmp_path, capsys):
     rows = _rows("\n".join(table))
     assert rows[0] == ["sweep", "variant", "param", "causal", "mode", "flashtile ms",
                        "flashtile /ref", "sdpa ms", "sdpa /ref"]
-    assert len(rows) == 2 + len({bench_variants.variant_key(r)[3:7] for r in records})
+    assert len(rows) == 2 + len({(r["sweep"], *bench_variants.variant_key(r)[3:7])
+                                 for r in records})
     if report.have_matplotlib():
-        assert sorted(p.name for p in out.glob("*.png")) == ["sparse.png", "varlen.png",
-                                                            "window.png"]
+        assert sorted(p.name for p in out.glob("*.png")) == ["padding.png", "sparse.png",
+                                                            "varlen.png", "window.png"]
 
     assert cli.main(["variants"] + VARIANTS_TINY + [
         "--sweeps", "window", "--impl", "sdpa", "--windows", "16", "--mode", "fwd", "--no-plot",
@@ -1347,7 +1354,8 @@ def test_variants_parse_args_defaults():
     gpu = bench_variants.parse_args(["--device", "cuda"])
     assert (gpu.n, gpu.batch, gpu.heads, gpu.d, gpu.dtype, gpu.block_size) == (
         8192, 2, 16, 128, "bf16", 128)
-    assert gpu.sweeps == ("sparse", "window", "varlen") and gpu.impls == ("flashtile", "sdpa")
+    assert gpu.sweeps == ("sparse", "window", "varlen", "padding")
+    assert gpu.impls == ("flashtile", "sdpa")
     assert gpu.modes == ("fwd", "fwd_bwd") and (gpu.warmup, gpu.rep) == (25, 100)
     assert [float(x) for x in gpu.densities] == [1, 0.5, 0.25, 0.125, 0.0625]
     assert gpu.window_sizes() == (256, 1024, 4096, 8192)
@@ -1420,6 +1428,16 @@ def test_variants_useful_pairs(n):
     assert V.varlen_pairs([3, 5], False) == 34 and V.varlen_pairs([3, 5], True) == 17
 
 
+def test_variants_padding_masks_hide_each_rows_first_keys():
+    """The padding sweep's rows: row r of B padded by f * N * (r + 1) / B keys on the left, the
+    bool key mask hiding exactly those."""
+    V = bench_variants
+    assert V.pad_lengths(128, 4, Fraction(1, 2)) == [16, 32, 48, 64]
+    mask = V.key_padding_mask(8, [0, 3], "cpu")
+    assert mask.shape == (2, 1, 1, 8) and mask.dtype == torch.bool
+    assert mask[:, 0, 0].tolist() == [[True] * 8, [False] * 3 + [True] * 5]
+
+
 def test_variants_useful_flops_scale_with_the_mode():
     pairs = bench_variants.dense_pairs(1024, False)
     fwd = bench_variants._useful_flops(pairs, 16, 128, "fwd")
@@ -1446,8 +1464,9 @@ def test_variants_plan_flex_only_on_cuda_and_references_first(device):
     plan = bench_variants.build_plan(cfg)
     flex = {c.sweep for c in plan if c.impl == "flex"}
     assert flex == (set() if device == "cpu" else {"sparse", "window"})
-    assert {c.sweep for c in plan if c.impl == "sdpa"} == {"window"}
-    for sweep, reference in (("sparse", "dense"), ("window", "dense"), ("varlen", "padded")):
+    assert {c.sweep for c in plan if c.impl == "sdpa"} == {"window", "padding"}
+    for sweep, reference in (("sparse", "dense"), ("window", "dense"), ("varlen", "padded"),
+                             ("padding", "dense")):
         for impl in {c.impl for c in plan if c.sweep == sweep}:
             for causal in {c.causal for c in plan if c.sweep == sweep and c.impl == impl}:
                 cases = [c for c in plan if (c.sweep, c.impl, c.causal) == (sweep, impl, causal)]

@@ -1,4 +1,5 @@
-"""Variant benchmarks: block-sparse density, sliding window and varlen, each against its dense call.
+"""Variant benchmarks: block-sparse density, sliding window, varlen and padded batches, each
+against its dense call.
 
 Run it as ``python -m flashtile.bench variants [flags]`` (or ``flashtile bench variants``)::
 
@@ -22,9 +23,17 @@ Sweeps (``--sweeps``, all by default), on one shared ``(B, N, H, d)`` input set:
     longest through ``flash_attn_func``; non-causal and causal.  ``varlen_paged`` is the packed
     call with the keys / values in a paged pool (``block_table``, pages of ``PAGE_SIZE`` = 256
     slots in random order).
+``padding``
+    a padded batch: row ``r`` of ``B`` padded on the left by ``f * N * (r + 1) / B`` keys for
+    pad fractions f = 1/8, 1/4, 1/2 (``--pad-fractions``), the padding given as a
+    ``(B, 1, 1, N)`` bool key mask (how transformers and SDPA callers pass it), against the
+    same call without a mask; non-causal and causal.  flashtile runs
+    ``flashtile.autograd.attention`` with the mask as ``attn_bias`` (what the transformers
+    integration calls); ``sdpa`` gets the mask, combined with the causal mask into a
+    ``(B, 1, N, N)`` one when causal (``attn_mask`` cannot be combined with ``is_causal``).
 
 Peers: ``sdpa`` (PyTorch's default SDPA dispatch) runs the window sweep with a dense bool mask,
-against its own ``is_causal=True`` call; ``flex`` (``--flex``; CUDA only, skipped on CPU) runs the
+against its own ``is_causal=True`` call, and the padding sweep; ``flex`` (``--flex``; CUDA only, skipped on CPU) runs the
 sparse and window sweeps as ``torch.compile(flex_attention)`` with a ``create_block_mask`` block
 mask (the same random blocks, or the band), against its own unmasked / causal call.
 
@@ -34,9 +43,9 @@ default) with ``flashtile.bench``'s timers and its error classification.  A reco
     {sweep, impl, mode, variant, param, causal, dtype, d, n, batch, heads, ms, tflops,
      ratio_vs_dense, status, error, detail, device, torch, triton, date}
 
-``variant`` is ``dense``, ``block_sparse``, ``window``, ``varlen``, ``varlen_paged`` or
-``padded``; ``param`` the
-measured density, the window ``w``, or the mean sequence length (None for ``dense``).
+``variant`` is ``dense``, ``block_sparse``, ``window``, ``varlen``, ``varlen_paged``, ``padded``
+or ``key_mask``; ``param`` the measured density, the window ``w``, the mean sequence length, or
+the pad fraction (None for ``dense``).
 ``ratio_vs_dense`` is ``ms`` over the ``ms`` of the reference call of the same sweep, impl, mode
 and causal setting: the dense non-causal call for ``block_sparse``, the dense causal call for
 ``window``, the padded call for ``varlen`` (1.0 on the references themselves).  Below 1 is faster
@@ -55,11 +64,12 @@ pairs:
 * window ``(w, 0)``: ``B * (N * (w + 1/2) - w * (w + 1) / 2)`` for ``w < N`` (the band, diagonal
   at half weight as for causal; ``w >= N`` is the causal count ``B * N^2 / 2``);
 * varlen and padded: the sum over the sequences of ``len^2`` (halved when causal); the padded
-  call gets no credit for its padding.
+  call gets no credit for its padding;
+* key_mask: the same over the rows' unpadded lengths (queries of padding count nothing).
 
 The run merges its records into the device's results file (``benchmarks/results/<device>.json``,
-entry ``variants``), prints a table, and draws ``sparse.png``, ``window.png`` and ``varlen.png``
-into ``--plots`` unless ``--no-plot``.
+entry ``variants``), prints a table, and draws ``sparse.png``, ``window.png``, ``varlen.png`` and
+``padding.png`` into ``--plots`` unless ``--no-plot``.
 """
 from __future__ import annotations
 
@@ -87,14 +97,15 @@ __all__ = [
 RECORD_KEYS = ("sweep", "impl", "mode", "variant", "param", "causal", "dtype", "d", "n", "batch",
                "heads", "ms", "tflops", "ratio_vs_dense", "status", "error", "detail", "device",
                "torch", "triton", "date")
-SWEEPS = ("sparse", "window", "varlen")
+SWEEPS = ("sparse", "window", "varlen", "padding")
 # page size of the paged-KV varlen variant (flash-attn's paged KV needs multiples of 256)
 PAGE_SIZE = 256
 IMPLS = ("flashtile", "sdpa", "flex")
 KEY = "variants"  # the entry of the results file that holds the variants records
 DENSITIES = (Fraction(1), Fraction(1, 2), Fraction(1, 4), Fraction(1, 8), Fraction(1, 16))
+PAD_FRACTIONS = (Fraction(1, 8), Fraction(1, 4), Fraction(1, 2))
 # the reference variant of each sweep (the sweep's causal setting picks its dense call)
-_REFERENCE = {"sparse": "dense", "window": "dense", "varlen": "padded"}
+_REFERENCE = {"sparse": "dense", "window": "dense", "varlen": "padded", "padding": "dense"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -137,6 +148,7 @@ class VariantsConfig(common.RunOptions):
     dtype: str = "bf16"
     block_size: int = 128
     densities: tuple[Fraction, ...] = DENSITIES
+    pad_fractions: tuple[Fraction, ...] = PAD_FRACTIONS
     windows: tuple[int, ...] | None = None
     varlen_mean: int | None = None
     varlen_tokens: int | None = None
@@ -165,6 +177,9 @@ class VariantsConfig(common.RunOptions):
             bad("block_size", f"{self.block_size} must be a multiple of 16 and at most n={self.n}")
         if not self.densities or any(not 0 < x <= 1 for x in self.densities):
             bad("densities", f"each must be in (0, 1], got {[str(x) for x in self.densities]}")
+        if not self.pad_fractions or any(not 0 < x < 1 for x in self.pad_fractions):
+            bad("pad_fractions", f"each must be in (0, 1), got "
+                                 f"{[str(x) for x in self.pad_fractions]}")
         if self.windows is not None and (not self.windows or
                                          any(not 0 < w <= self.n for w in self.windows)):
             bad("windows", f"each must be in [1, n={self.n}], got {list(self.windows)}")
@@ -188,15 +203,20 @@ class VariantsConfig(common.RunOptions):
         return self.varlen_tokens if self.varlen_tokens is not None else self.batch * self.n
 
 
-def _density(text: str) -> Fraction:
-    """``"0.5"``, ``"1/8"`` -> Fraction in (0, 1]."""
+def _density(text: str, what: str = "density", one: bool = True) -> Fraction:
+    """``"0.5"``, ``"1/8"`` -> Fraction in (0, 1] (``one``: 1 allowed)."""
     try:
         value = Fraction(str(text).strip())
     except (ValueError, ZeroDivisionError):
         raise argparse.ArgumentTypeError(f"not a number: {text!r} (e.g. 0.25 or 1/4)") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"density {text!r} is not in (0, 1]")
+    if not (0 < value <= 1 if one else 0 < value < 1):
+        raise argparse.ArgumentTypeError(f"{what} {text!r} is not in (0, {1 if one else '1)'}"
+                                         f"{']' if one else ''}")
     return value
+
+
+def _pad_fraction(text: str) -> Fraction:
+    return _density(text, "pad fraction", one=False)
 
 
 def variants_parser() -> argparse.ArgumentParser:
@@ -224,6 +244,9 @@ def variants_parser() -> argparse.ArgumentParser:
                    help="block-sparse block size, a multiple of 16 (default 128 on CUDA)")
     p.add_argument("--densities", nargs="+", type=_density, default=None, metavar="X",
                    help="target block densities (default 1 1/2 1/4 1/8 1/16)")
+    p.add_argument("--pad-fractions", nargs="+", type=_pad_fraction, default=None, metavar="F",
+                   help="padding sweep: row r of B padded by F * N * (r + 1) / B keys "
+                        "(default 1/8 1/4 1/2)")
     p.add_argument("--windows", nargs="+", type=common.parse_seqlen, default=None, metavar="W",
                    help="window sizes w of window_size=(w, 0) (default N/32 N/8 N/2 N)")
     p.add_argument("--varlen-mean", type=common.parse_seqlen, default=None, metavar="M",
@@ -265,6 +288,8 @@ def parse_args(argv: Sequence[str] | None = None) -> VariantsConfig:
             d=pick(a.d, sizes.d), dtype=pick(a.dtype, sizes.dtype),
             block_size=pick(a.block_size, sizes.block_size),
             densities=tuple(dict.fromkeys(a.densities)) if a.densities else DENSITIES,
+            pad_fractions=(tuple(dict.fromkeys(a.pad_fractions)) if a.pad_fractions
+                           else PAD_FRACTIONS),
             windows=tuple(dict.fromkeys(a.windows)) if a.windows else None,
             varlen_mean=a.varlen_mean, varlen_tokens=a.varlen_tokens,
             warmup=pick(a.warmup, sizes.warmup), rep=pick(a.rep, sizes.rep), out=a.out,
@@ -300,6 +325,12 @@ def block_pairs(blocks: torch.Tensor, n: int, block_size: int) -> int:
 
 def varlen_pairs(lengths: Sequence[int], causal: bool) -> Fraction:
     return sum((dense_pairs(s, causal) for s in lengths), Fraction(0))
+
+
+def pad_lengths(n: int, batch: int, fraction: Fraction) -> list[int]:
+    """Padded keys of each row of the padding sweep: row ``r`` gets ``fraction * n * (r + 1) /
+    batch`` (rounded down)."""
+    return [int(fraction * n * (r + 1) / batch) for r in range(batch)]
 
 
 def _useful_flops(pairs: Fraction, heads: int, d: int, mode: str) -> int:
@@ -462,6 +493,40 @@ def _prepare_varlen_paged(causal: bool, page_size: int, seed: int) -> Callable[[
     return prepare
 
 
+def key_padding_mask(n: int, pads: Sequence[int], device) -> torch.Tensor:
+    """``(B, 1, 1, n)`` bool: row ``r`` hides its first ``pads[r]`` keys (left padding)."""
+    keys = torch.arange(n, device=device)
+    return (keys[None, :] >= torch.tensor(pads, device=device)[:, None])[:, None, None, :]
+
+
+def _prepare_key_mask_flashtile(pads: list[int], causal: bool) -> Callable[[Inputs], Prepared]:
+    def prepare(inp: Inputs) -> Prepared:
+        from ..autograd import attention
+        from ..backends.spec import AttnSpec
+
+        mask = key_padding_mask(inp.n, pads, inp.device)
+        spec = AttnSpec(softmax_scale=inp.d ** -0.5, window_right=0 if causal else -1)
+        q, k, v = _leaves(inp)
+
+        def fn():
+            return attention(q, k, v, spec, attn_bias=mask)[0]
+        return Prepared(fn, (q, k, v), inp.dout)
+    return prepare
+
+
+def _prepare_key_mask_sdpa(pads: list[int], causal: bool) -> Callable[[Inputs], Prepared]:
+    def prepare(inp: Inputs) -> Prepared:
+        mask = key_padding_mask(inp.n, pads, inp.device)
+        if causal:
+            mask = mask & torch.ones(inp.n, inp.n, dtype=torch.bool, device=inp.device).tril()
+        q, k, v = (common.bhnd(t).requires_grad_() for t in (inp.q, inp.k, inp.v))
+
+        def fn():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=inp.d ** -0.5)
+        return Prepared(fn, (q, k, v), common.bhnd(inp.dout))
+    return prepare
+
+
 def _prepare_padded(causal: bool) -> Callable[[VarlenData], Prepared]:
     return lambda data: _prepare_dense_flashtile(causal)(data.padded)
 
@@ -606,6 +671,20 @@ def build_plan(cfg: VariantsConfig) -> list[VariantCase]:
             add("varlen", "flashtile", "varlen_paged", mean, causal, "varlen", pairs,
                 _prepare_varlen_paged(causal, PAGE_SIZE, cfg.seed),
                 dict(detail, page_size=PAGE_SIZE))
+    if "padding" in cfg.sweeps:
+        for impl in (i for i in impls if i in ("flashtile", "sdpa")):
+            for causal in (False, True):
+                dense = (_prepare_dense_flashtile(causal) if impl == "flashtile"
+                         else _prepare_dense_sdpa(causal))
+                add("padding", impl, "dense", None, causal, "dense", b * dense_pairs(n, causal),
+                    dense)
+                for frac in cfg.pad_fractions:
+                    pads = pad_lengths(n, b, frac)
+                    pairs = varlen_pairs([n - p for p in pads], causal)
+                    prepare = (_prepare_key_mask_flashtile if impl == "flashtile"
+                               else _prepare_key_mask_sdpa)(pads, causal)
+                    add("padding", impl, "key_mask", float(frac), causal, "dense", pairs,
+                        prepare, {"target": float(frac), "padded_keys": pads})
     return plan
 
 
@@ -813,8 +892,9 @@ def _line_plot(ax, sel: list[dict], variant: str, x_label: str, ref_label: str) 
 
 def plot(records: list[dict], out_dir: Path | str) -> list[Path]:
     """``sparse.png`` (time / dense time against the measured density, with the proportional
-    line), ``window.png`` (time / causal time against w) and ``varlen.png`` (ms of packed and
-    padded calls), per device and shape (prefixed with them when there are several)."""
+    line), ``window.png`` (time / causal time against w), ``varlen.png`` (ms of packed and
+    padded calls) and ``padding.png`` (time / unmasked time against the pad fraction), per
+    device and shape (prefixed with them when there are several)."""
     recs = [r for r in records if "variant" in r]
     if not recs or not report.have_matplotlib():
         return []
@@ -843,6 +923,9 @@ def plot(records: list[dict], out_dir: Path | str) -> list[Path]:
             elif sweep == "window":
                 _line_plot(ax, sweep_recs, "window", "window w (window_size=(w, 0))", "causal")
                 title = "sliding window, causal"
+            elif sweep == "padding":
+                _padding_plot(ax, sweep_recs)
+                title = "padded batch (key mask) vs no mask"
             else:
                 _varlen_bars(ax, sweep_recs)
                 title = "varlen (packed) vs padded"
@@ -854,6 +937,28 @@ def plot(records: list[dict], out_dir: Path | str) -> list[Path]:
             fig.savefig(path, dpi=120)
             paths.append(path)
     return paths
+
+
+def _padding_plot(ax, sel: list[dict]) -> None:
+    """Time over the same implementation's unmasked call against the pad fraction, per
+    implementation, mode and causal setting."""
+    for impl in report.ordered((r["impl"] for r in sel), IMPLS):
+        for mode in report.ordered((r["mode"] for r in sel), list(common.MODES)):
+            for causal in (False, True):
+                pts = {r["param"]: r["ratio_vs_dense"] for r in sel
+                       if (r["impl"], r["mode"], r["causal"], r["variant"]) ==
+                       (impl, mode, causal, "key_mask") and r["status"] == "ok"
+                       and r.get("ratio_vs_dense")}
+                if pts:
+                    xs = sorted(pts)
+                    ax.plot(xs, [pts[x] for x in xs], marker="o",
+                            linestyle="-" if causal else "--",
+                            label=f"{impl} {mode}{' causal' if causal else ''}")
+    ax.axhline(1.0, color="gray", linestyle=":", linewidth=1)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("pad fraction f (row r padded by f * N * (r + 1) / B keys)")
+    ax.set_ylabel("time / unmasked time")
+    ax.grid(alpha=0.3)
 
 
 def _varlen_bars(ax, sel: list[dict]) -> None:
