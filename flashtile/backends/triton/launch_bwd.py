@@ -243,9 +243,10 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
     if (attn_bias is not None and dbias is None and not varlen and alibi_slopes is None
             and rng_seed is None and block_mask is None and grad_dtype is None
             and not _deterministic(spec) and out.is_contiguous()
-            and launch_sm90.fused_pays(sq, sk, spec.causal, head_dim)
             and launch_sm90.bwd_eligible(q, k, v, do, dk, dv, spec)):
-        # a padded batch's key mask: the fused Hopper backward reads it (launch_sm90.key_mask)
+        # a padded batch's key mask: the fused Hopper backward reads it (launch_sm90.key_mask),
+        # at every length (where plain calls take the Triton dQ and Gluon dK/dV kernels,
+        # fused_pays, a masked call would otherwise take the Triton kernels alone)
         mask = launch_sm90.key_mask_of(attn_bias, batch, sk)
         if mask is not None:
             key = (launch_sm90.bwd_plan_key(q, k, v, out, do, lse, spec, _chunk_env(), mask)
