@@ -88,6 +88,9 @@ CASES = [  # (batch, sq, sk, heads, heads_k, d, causal, mask)
     ("d128-causal-left-ragged", 3, 1000, 1000, 4, 4, 128, True, "left"),
     ("d64-right-ragged", 2, 333, 777, 4, 2, 64, False, "right"),
     ("d256-causal-left", 2, 512, 512, 4, 4, 256, True, "left"),
+    # a decoding step and a few new tokens against a left-padded cache (transformers' generate)
+    ("d64-decode-left-gqa", 3, 1, 333, 4, 2, 64, True, "left"),
+    ("d128-chunk-left", 3, 5, 700, 4, 4, 128, True, "left"),
 ]
 
 
