@@ -183,16 +183,15 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
         grads = launch_sm90.planned_backward(q, k, v, out, do, lse, spec, _chunk_env())
         if grads is not None:
             return grads
-    if (attn_bias is not None and dbias is None and alibi_slopes is None and cu_seqlens_q is None
-            and rng_seed is None and block_mask is None and grad_dtype is None
-            and do.stride(-1) == 1 and q.dim() == 4 and not _deterministic(spec)
-            and launch_sm90.on_hopper(q)):
+    mask = None
+    if do.stride(-1) == 1:
+        mask = _key_mask(q, k, spec, attn_bias, dbias, alibi_slopes, cu_seqlens_q, rng_seed,
+                         block_mask, grad_dtype)
+    if mask is not None:
         # a key mask's plan (the forward has summarised the mask: launch_sm90.key_mask_of)
-        mask = launch_sm90.key_mask_of(attn_bias, q.shape[0], k.shape[1])
-        if mask is not None:
-            grads = launch_sm90.planned_backward(q, k, v, out, do, lse, spec, _chunk_env(), mask)
-            if grads is not None:
-                return grads
+        grads = launch_sm90.planned_backward(q, k, v, out, do, lse, spec, _chunk_env(), mask)
+        if grads is not None:
+            return grads
     # launch plans replay Triton launches only: a call the Hopper kernel serves (its gradients
     # shaped like k and v) runs the full path
     if not plain or launch_sm90.bwd_eligible(
@@ -219,6 +218,19 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
     return grads
 
 
+def _key_mask(q, k, spec: AttnSpec, attn_bias, dbias, alibi_slopes, cu_seqlens_q, rng_seed,
+              block_mask, grad_dtype):
+    """``launch_sm90.key_mask_of`` of a dense call on a Hopper GPU whose one optional input is
+    a bool key mask (no bias gradient) and that does not ask for deterministic gradients, else
+    None."""
+    if (attn_bias is None or dbias is not None or alibi_slopes is not None
+            or cu_seqlens_q is not None or rng_seed is not None or block_mask is not None
+            or grad_dtype is not None or q.dim() != 4 or _deterministic(spec)
+            or not launch_sm90.on_hopper(q)):
+        return None
+    return launch_sm90.key_mask_of(attn_bias, q.shape[0], k.shape[1])
+
+
 def _deterministic(spec: AttnSpec) -> bool:
     """Whether the call asked for bitwise-reproducible gradients (flash-attn's argument, or
     PyTorch's global switch, read per call)."""
@@ -240,20 +252,18 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
     if do.stride(-1) != 1:
         do = do.contiguous()
     delta = empty(lse.shape, torch.float32, lse.device)  # written by the dQ kernel
-    if (attn_bias is not None and dbias is None and not varlen and alibi_slopes is None
-            and rng_seed is None and block_mask is None and grad_dtype is None
-            and not _deterministic(spec) and out.is_contiguous()
+    mask = _key_mask(q, k, spec, attn_bias, dbias, alibi_slopes, cu_seqlens_q, rng_seed,
+                     block_mask, grad_dtype)
+    if (mask is not None and out.is_contiguous()
             and launch_sm90.bwd_eligible(q, k, v, do, dk, dv, spec)):
         # a padded batch's key mask: the fused Hopper backward reads it (launch_sm90.key_mask),
         # at every length (where plain calls take the Triton dQ and Gluon dK/dV kernels,
         # fused_pays, a masked call would otherwise take the Triton kernels alone)
-        mask = launch_sm90.key_mask_of(attn_bias, batch, sk)
-        if mask is not None:
-            key = (launch_sm90.bwd_plan_key(q, k, v, out, do, lse, spec, _chunk_env(), mask)
-                   if plans_enabled() else None)
-            launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec, key,
-                                       key_mask=mask)
-            return dq, dk, dv
+        key = (launch_sm90.bwd_plan_key(q, k, v, out, do, lse, spec, _chunk_env(), mask)
+               if plans_enabled() else None)
+        launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec, key,
+                                   key_mask=mask)
+        return dq, dk, dv
     features = (varlen or alibi_slopes is not None or attn_bias is not None
                 or rng_seed is not None or block_mask is not None or dbias is not None)
     chunk = 0 if features else batch_chunk(batch, sq, sk, nheads, nheads_k, head_dim,

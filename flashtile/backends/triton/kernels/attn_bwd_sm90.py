@@ -67,7 +67,7 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .attn_fwd_sm90 import _key_range, _key_visible, _tma_load
+from .attn_fwd_sm90 import _key_masked, _key_range, _key_visible, _tma_load
 
 LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -338,7 +338,7 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
     b_kvis = o_k >= 0                                                    # [64]
     if KEYMASK:
         k_range = _key_range(Ranges, KeyMask, i_b, stride_mb)
-        kpart = (k0 < k_range[0]) | (k0 + BLOCK_NW > k_range[1]) | (k_range[2] == 0)
+        kpart = _key_masked(k0, BLOCK_NW, k_range)
         b_kvis = _key_visible(o_k, k_range)
     for j in range(n_t):
         i_h = i_hk * group + j // n_m

@@ -161,10 +161,10 @@ def _key_tiles(lo, hi, k_range, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _key_masked(t, k_range, BLOCK_N: gl.constexpr):
-    """Whether key tile ``t`` needs the key mask: it crosses an edge of the visible range, or
-    the range has holes."""
-    return (t * BLOCK_N < k_range[0]) | (t * BLOCK_N + BLOCK_N > k_range[1]) | (k_range[2] == 0)
+def _key_masked(n0, n: gl.constexpr, k_range):
+    """Whether the keys ``[n0, n0 + n)`` need the key mask (``_key_range``): they cross an edge
+    of the visible range, or the range has holes."""
+    return (n0 < k_range[0]) | (n0 + n > k_range[1]) | (k_range[2] == 0)
 
 
 @gluon.jit
@@ -371,7 +371,7 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
             t = _walk(0, lo, hi, rot, RAGGED)
             km = False
             if KEYMASK:
-                km = _key_masked(t, k_range, BLOCK_N)
+                km = _key_masked(t * BLOCK_N, BLOCK_N, k_range)
             b_p, m_i, l_i, b_alpha = _online_softmax(b_s, m_i, l_i, t * BLOCK_N, o_m, o_n,
                                                      qk_scale, shift, wl, wr, sk, True,
                                                      (t >= n_full) | (t * BLOCK_N < lo_key),
@@ -396,7 +396,7 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
                 mbarrier.arrive(bar_qfree.index(i_wg), pred=j == n_tiles - 2)
                 t = _walk(j + 1, lo, hi, rot, RAGGED)
                 if KEYMASK:
-                    km = _key_masked(t, k_range, BLOCK_N)
+                    km = _key_masked(t * BLOCK_N, BLOCK_N, k_range)
                 # (a whole tile: the keys past the end are in the first one walked)
                 b_p, m_i, l_i, b_alpha = _online_softmax(b_s, m_i, l_i, t * BLOCK_N, o_m, o_n,
                                                          qk_scale, shift, wl, wr, sk, True,
