@@ -158,7 +158,8 @@ def test_sm90_forward_under_compile_fullgraph_dynamic():
         assert torch.equal(fn(q, k, v), flashtile.flash_attn_func(q, k, v, causal=True))
 
 
-@pytest.mark.parametrize("d,causal", [(64, True), (128, False)], ids=["d64-causal", "d128"])
+@pytest.mark.parametrize("d,causal", [(64, True), (128, False), (256, True)],
+                         ids=["d64-causal", "d128", "d256-causal"])
 def test_sm90_ragged_backward_cuda_graph_replay_equals_eager(d, causal):
     """The backward at a length that is not a multiple of the tiles (its padded lse and delta,
     the 3-D descriptors, the persistent counter at d = 64) replays from a CUDA graph on new
@@ -358,6 +359,12 @@ BWD_CASES = [  # (batch, sq, sk, heads, heads_k, d, causal)
     ("d128-causal-ragged-gqa", 2, 1100, 1100, 4, 2, 128, True),
     ("d64-ragged", 2, 700, 900, 3, 3, 64, False),
     ("d64-causal-ragged-gqa", 2, 999, 999, 4, 2, 64, True),
+    # d = 256: 64-key items shared by both consumers, dQ reduced a quarter tile at a time
+    ("d256", 2, 192, 256, 4, 4, 256, False),
+    ("d256-causal-gqa", 1, 1152, 1152, 4, 2, 256, True),
+    ("d256-many-items-gqa", 3, 64, 2048, 12, 3, 256, False),
+    ("d256-ragged", 2, 200, 333, 4, 4, 256, False),
+    ("d256-causal-ragged-gqa", 2, 1100, 1100, 4, 2, 256, True),
 ]
 
 
@@ -380,7 +387,7 @@ def test_sm90_backward_matches_float64_reference(case, dtype, deterministic, mon
                                             window_right=0 if causal else -1)
     eligible = launch_sm90.bwd_eligible(q, k, v, do, torch.empty_like(k), torch.empty_like(v),
                                         spec, deterministic)
-    assert eligible == (not deterministic or causal or d == 128)
+    assert eligible == (not deterministic or causal or d >= 128)
     fused_calls = []
     real = launch_sm90.fused_backward
     # (no plan of an earlier test's call: each backward here takes the full path)
@@ -560,6 +567,7 @@ BWD_WINDOW_CASES = [  # (batch, sq, sk, heads, heads_k, d, window_left, window_r
     ("d128-left-only-unreached-keys", 1, 128, 1024, 2, 2, 128, 60, -1),
     ("d64-diagonal", 1, 384, 384, 2, 1, 64, 0, 0),
     ("d64-band-ragged", 2, 250, 601, 2, 2, 64, 150, 37),
+    ("d256-band-sk>sq", 2, 256, 640, 2, 2, 256, 150, 37),
 ]
 
 
@@ -582,7 +590,7 @@ def test_sm90_backward_with_a_window_matches_float64_reference(case, dtype, dete
     two = deterministic or not launch_sm90.fused_pays(sq, sk, spec.causal, d)
     eligible = launch_sm90.bwd_eligible(q, k, v, do, torch.empty_like(k), torch.empty_like(v),
                                         spec, two)
-    assert eligible == (not two or d == 128)
+    assert eligible == (not two or d >= 128)
     names = []
     real = launch_sm90._launch
     monkeypatch.setattr(launch_sm90, "_launch", lambda name, *a: names.append(name) or real(

@@ -88,6 +88,7 @@ CASES = [  # (batch, sq, sk, heads, heads_k, d, causal, mask)
     ("d128-causal-left-ragged", 3, 1000, 1000, 4, 4, 128, True, "left"),
     ("d64-right-ragged", 2, 333, 777, 4, 2, 64, False, "right"),
     ("d256-causal-left", 2, 512, 512, 4, 4, 256, True, "left"),
+    ("d256-holes-ragged-gqa", 2, 300, 300, 4, 2, 256, False, "holes"),
     # a decoding step and a few new tokens against a left-padded cache (transformers' generate)
     ("d64-decode-left-gqa", 3, 1, 333, 4, 2, 64, True, "left"),
     ("d128-chunk-left", 3, 5, 700, 4, 4, 128, True, "left"),
@@ -140,13 +141,12 @@ def test_sm90_key_mask_forward_matches_float64_reference(case, dtype, monkeypatc
     assert (portable.double() - ref).abs().max().item() <= 2 * base + 1e-4
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c[6] != 256],
-                         ids=[c[0] for c in CASES if c[6] != 256])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_sm90_key_mask_backward_matches_float64_reference(case, dtype, monkeypatch):
     """dQ, dK and dV with a key mask within 3x PyTorch's same-dtype error of float64: the
-    fused Hopper backward at every length, hidden keys and rows that see no key with zero
-    gradients."""
+    fused Hopper backward at every length and head dim, hidden keys and rows that see no key
+    with zero gradients."""
     q, k, v, do, mask, causal = _inputs(case, dtype)
     sk, d = case[3], case[6]
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)

@@ -29,7 +29,7 @@ BLOCK_N = 128  # keys per tile at d = 64 and 128
 NUM_WARPS = 4  # the first consumer; the kernel adds 4 + 1 worker warps
 STAGES = 2
 BWD_BLOCK_M = 64   # query rows per step of the backward kernel
-BWD_BLOCK_N = 128  # keys per CTA (64 per consumer warpgroup)
+BWD_BLOCK_N = 128  # keys per CTA (64 per consumer warpgroup; at d = 256 64 in all)
 DELTA_ROWS = 64    # rows (b, s, h) per program of the fused backward's prologue
 
 
@@ -37,6 +37,12 @@ def block_n(head_dim: int) -> int:
     """Keys per tile: 64 at d = 256, where Q, two stages of K and V tiles of 128 keys would need
     320 KB of shared memory (64 keys: 192 KB) and the consumers' registers would spill."""
     return 64 if head_dim == 256 else BLOCK_N
+
+
+def bwd_keys(head_dim: int) -> int:
+    """Keys of a backward work item: 128 (64 per consumer), at d = 256 64 that both consumers
+    share (one consumer's dK and dV of 64 keys would take 256 float32 registers a thread)."""
+    return 64 if head_dim == 256 else BWD_BLOCK_N
 
 
 _sm90_env = env_reader("FLASHTILE_SM90")
@@ -232,8 +238,8 @@ def _key_mask_args(key_mask, stand_in) -> dict:
 
 def bwd_eligible(q, k, v, do, dk, dv, spec: AttnSpec, deterministic: bool = False) -> bool:
     """Whether the Hopper backward kernel serves this call: the forward's conditions with
-    ``D`` = 64 or 128 (any lengths, as the forward's), ``do`` in a layout the TMA reads, ``dk``
-    and ``dv`` of one layout with contiguous rows.  ``deterministic`` (the kernel computes dK
+    ``D`` = 64, 128 or 256 (any lengths, as the forward's), ``do`` in a layout the TMA reads,
+    ``dk`` and ``dv`` of one layout with contiguous rows.  ``deterministic`` (the kernel computes dK
     and dV only, dQ comes from the Triton kernel): ``D`` = 64 only with causal masking.  The
     caller has ruled out every optional tensor."""
     if not (_dense(q, k, v, do) and _plan(k)[2] == _plan(v)[2]):
@@ -244,7 +250,7 @@ def bwd_eligible(q, k, v, do, dk, dv, spec: AttnSpec, deterministic: bool = Fals
         return False
     batch, sq, nheads, head_dim = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
-    if head_dim not in (64, 128) or v.shape[-1] != head_dim or nheads % nheads_k:
+    if head_dim not in (64, 128, 256) or v.shape[-1] != head_dim or nheads % nheads_k:
         return False
     if deterministic and head_dim == 64 and not spec.causal:
         # dK/dV alone: measured no faster than the Triton kernel (0.96-1.00x the backward, H200)
@@ -261,7 +267,12 @@ def fused_pays(sq: int, sk: int, causal: bool, head_dim: int) -> bool:
     1K, 0.99x at 512; H100, bf16, B * N = 16K).  At d = 64, whose kernel runs persistent
     (:func:`bwd_persistent`), not without masking up to 512 keys (0.92x there), but with causal
     masking at every length (1.11x at 1K, 1.12x at 512; before the persistent kernel 0.93-0.95x
-    at causal 1K).  docs/dev/tuning-log.md, steps 41, 44 and 54."""
+    at causal 1K).  At d = 256 never: the fused kernel's dq leaves in quarter tiles (no room for
+    more beside the ring) while the tensor cores wait, and it ran at 0.78-0.81x the two kernels
+    without masking, 0.78-1.00x causal (N = 1K-16K); it serves calls with a key mask, which the
+    two kernels do not take.  docs/dev/tuning-log.md, steps 41, 44, 54 and 60."""
+    if head_dim == 256:
+        return False
     if head_dim == 64:
         return causal or sk > 512
     return not (causal and sk <= 1024)
@@ -603,16 +614,18 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None)
     device = q.device.index or 0
     fused = dq_acc is not None
     # lengths that are not multiples of the tiles: 3-D descriptors (_rows)
-    ragged = bool(sq % BWD_BLOCK_M or sk % BWD_BLOCK_N)
-    acc_tile = [BWD_BLOCK_M, head_dim // 2]
-    if fused:  # a tile is half a head's columns of BWD_BLOCK_M rows
-        desc_dq = _rows(dq_acc, BWD_BLOCK_M, ragged, cols=head_dim // 2)
+    keys = bwd_keys(head_dim)
+    ragged = bool(sq % BWD_BLOCK_M or sk % keys)
+    # a tile is half a head's columns of BWD_BLOCK_M rows, at d = 256 an eighth
+    acc_tile = [BWD_BLOCK_M, head_dim // (8 if head_dim == 256 else 2)]
+    if fused:
+        desc_dq = _rows(dq_acc, BWD_BLOCK_M, ragged, cols=acc_tile[1])
     else:  # never read: a descriptor of one tile
         desc_dq = (torch.empty(acc_tile, dtype=torch.float32, device=q.device), acc_tile,
                    [acc_tile[1], 1], acc_tile, _layout(*acc_tile, torch.float32))
     n_bh = batch * nheads_k
     n_sm = _sm_count(device)
-    n_items = -(-sk // BWD_BLOCK_N) * n_bh
+    n_items = -(-sk // keys) * n_bh
     persistent = bwd_persistent(head_dim)
     # persistent: at most one CTA per SM, claiming work items from a counter zeroed here;
     # else one CTA per item, and the kernel reads no counter (``dk`` stands in)
@@ -633,9 +646,9 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None)
                 DQ=fused, PERSISTENT=persistent, RAGGED=ragged, STAGES=STAGES,
                 num_warps=NUM_WARPS, **_key_mask_args(key_mask, lse))
     flat = _flat_layout()
-    # K/V tiles: each consumer's keys, or with ragged one tile of both consumers' keys (the
-    # kernel's K/V buffer is one allocation: a 3-D TMA cannot write into a slice of it)
-    kv_rows = BWD_BLOCK_N if ragged else BWD_BLOCK_N // 2
+    # K/V tiles: each consumer's keys, or at d = 256 and with ragged one tile of the item's
+    # keys (the kernel's K/V buffer is one allocation: a 3-D TMA cannot write into a slice)
+    kv_rows = keys if ragged or head_dim == 256 else keys // 2
     descs = dict(desc_q=_rows(q, BWD_BLOCK_M, ragged, "q", args),
                  desc_do=_rows(do, BWD_BLOCK_M, ragged, "do", args),
                  desc_k=_rows(k, kv_rows, ragged, "kv", args),

@@ -44,9 +44,13 @@ while the consumers store the last one's dK and dV.  A CTA's own launch, K/V loa
 and stores cost about three query tiles' time (docs/dev/tuning-log.md, step 52), a fifth of a
 causal item at 1K-2K keys.
 
+At ``D`` = 256 one consumer cannot hold dK and dV of 64 keys (256 float32 registers a thread):
+a work item is 64 keys that both consumers share, each taking half of a tile's rows for
+``sᵀ``, ``dpᵀ`` and half of D for dK, dV and dq (``_consume_item_wide``).
+
 Scope (``launch_sm90.bwd_eligible`` checks it): dense ``(B, S, H, D)`` inputs in a layout the
 TMA reads (the forward's, each with its own tile coordinates ``*_rb``, ``*_rh``, ``*_ch``),
-``D`` = 64 or 128, fp16/bf16, any lengths, no optional feature but a window with
+``D`` = 64, 128 or 256, fp16/bf16, any lengths, no optional feature but a window with
 ``sk >= sq`` (``MASKED``, the forward's rule: query ``i`` sees key ``j`` iff
 ``-wl <= j - (i + sk - sq) <= wr``; causal masking is the window (no edge, 0)).  A CTA walks
 only the query tiles that see one of its keys, possibly none.  ``WINDOW`` marks a window other
@@ -117,6 +121,67 @@ def _query_tiles(n0, n_keys, sq, shift, wl, wr, masked, window, Ranges, i_b,
 
 
 @gluon.jit
+def _masked_scores(b_st, o_k, o_r, m0, k0, shift, wl, wr, masked, window, kpart, b_kvis,
+                   KEYMASK: gl.constexpr):
+    """``sᵀ`` (``[n keys, m rows]``: keys ``o_k`` from ``k0``, rows ``m0 + o_r``) with the pairs
+    that the window (``masked``) or the key mask (``KEYMASK``, where ``kpart``: ``b_kvis`` the
+    visible keys) hides set to -inf."""
+    N_KEYS: gl.constexpr = b_st.shape[0]
+    N_ROWS: gl.constexpr = b_st.shape[1]
+    if masked:
+        # only tiles crossing an edge of this consumer's window (its diagonal when
+        # causal) have invisible (row, key) pairs; a row that sees none of its keys gets
+        # p = 0 (``window``: edges other than the causal diagonal, two comparisons a pair)
+        if window:
+            if ((m0 + shift + wr < k0 + N_KEYS - 1)
+                    | (k0 < m0 + N_ROWS - 1 + shift - wl)):
+                m_d = o_k[:, None] - (m0 + o_r + shift)[None, :]         # [n, m]
+                b_st = gl.where((m_d <= wr) & (m_d >= -wl), b_st, float("-inf"))
+        elif m0 + shift < k0 + N_KEYS - 1:
+            m_vis = o_k[:, None] <= (m0 + o_r + shift)[None, :]          # [n, m]
+            b_st = gl.where(m_vis, b_st, float("-inf"))
+    if KEYMASK:
+        if kpart:
+            b_st = gl.where(b_kvis[:, None], b_st, float("-inf"))
+    return b_st
+
+
+@gluon.jit
+def _probs(b_st, b_lse, qk_scale, RAGGED: gl.constexpr):
+    """``pᵀ = exp2(qk_scale * sᵀ - log2(e) * lse)`` (``[n keys, m rows]``, ``b_lse`` ``[m]``; a
+    row that sees no key has lse -inf and p = 0)."""
+    b_lse2 = gl.where(b_lse == float("-inf"), float("inf"), b_lse * LOG2E)
+    if RAGGED:
+        # p <= 1 (s <= lse): the keys from sk on (zeros: the TMA read past the sequence)
+        # are seen by rows whose window reaches them (without masking, every row); with
+        # p capped they add nothing (their k and v are zeros, their dK, dV not stored).
+        # Rows from sq on have zero q and dO, lse +inf and delta 0 (padding): p = 0
+        return gl.exp2(gl.minimum(b_st * qk_scale - b_lse2[None, :], 0.0))
+    else:
+        return gl.exp2(b_st * qk_scale - b_lse2[None, :])
+
+
+@gluon.jit
+def _store_dkdv(b_dk, b_dv, DK, DV, i_b, i_hk, k0, col, stride_kb, stride_kn, stride_kh, sk,
+                scale, RAGGED: gl.constexpr):
+    """``dK = scale * b_dk`` and ``dV = b_dv`` (``[n keys, c]`` float32 in a wgmma layout) at
+    keys ``k0:`` and columns ``col:`` of head ``i_hk`` of batch entry ``i_b``."""
+    layout: gl.constexpr = b_dk.type.layout
+    o_kg = k0 + gl.arange(0, b_dk.shape[0], layout=gl.SliceLayout(1, layout))
+    o_d = col + gl.arange(0, b_dk.shape[1], layout=gl.SliceLayout(0, layout))
+    p_g = (i_b.to(gl.int64) * stride_kb + i_hk.to(gl.int64) * stride_kh
+           + o_kg.to(gl.int64)[:, None] * stride_kn + o_d[None, :])     # [n, c]
+    dtype: gl.constexpr = DK.dtype.element_ty
+    if RAGGED:  # keys from sk on are no keys
+        m_k = (o_kg < sk)[:, None]
+        gl.store(DK + p_g, (b_dk * scale).to(dtype), mask=m_k)
+        gl.store(DV + p_g, b_dv.to(dtype), mask=m_k)
+    else:
+        gl.store(DK + p_g, (b_dk * scale).to(dtype))
+        gl.store(DV + p_g, b_dv.to(dtype))
+
+
+@gluon.jit
 def _item_keys(w, n_kb, n_bh, bh_group):
     """``(i_n, i_bh)``: the key block and the (batch, key/value head) of work item ``w``.  Items
     come in groups of ``bh_group`` (batch, head) pairs, each group key block by key block across
@@ -184,35 +249,36 @@ def _produce_item(w, c, t, b_w, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_
     tiles into the ring from position ``t`` on; the ring position after them."""
     STAGES: gl.constexpr = q_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
-    BLOCK_NW: gl.constexpr = k_smem.shape[0] // 2   # keys of one consumer
-    # K/V tiles: one per consumer, or with RAGGED one 3-D tile of both (a 3-D TMA cannot
-    # write into a slice of the buffer)
-    KV_LOADS: gl.constexpr = 2 * BLOCK_NW // desc_k.block_type.shape[-2]
+    KEYS: gl.constexpr = k_smem.shape[0]   # keys of a work item
+    KV_ROWS: gl.constexpr = desc_k.block_type.shape[-2]
+    # K/V tiles: one per consumer (d <= 128), or one of all the item's keys (d = 256, and with
+    # RAGGED: a 3-D TMA cannot write into a slice of the buffer)
+    KV_LOADS: gl.constexpr = KEYS // KV_ROWS
     nbytes: gl.constexpr = (desc_q.block_type.nbytes + desc_do.block_type.nbytes
                             + desc_lse.block_type.nbytes + desc_delta.block_type.nbytes)
-    i_n, i_bh = _item_keys(w, _blocks(sk, 2 * BLOCK_NW, RAGGED), n_bh, bh_group)
+    i_n, i_bh = _item_keys(w, _blocks(sk, KEYS, RAGGED), n_bh, bh_group)
     i_b = i_bh // nheads_k
     i_hk = i_bh % nheads_k
-    n0 = i_n * 2 * BLOCK_NW
+    n0 = i_n * KEYS
     if PERSISTENT:
         # the consumers read the previous item's K and V to its last dq: then the slots are
         # free; the item goes to the consumers with the arrival on bar_kv below
         mbarrier.wait(bar_kvfree, (c & 1) ^ 1, pred=c > 0)
         item_smem.store(b_w)
     mbarrier.expect(bar_kv, KV_LOADS * (desc_k.block_type.nbytes + desc_v.block_type.nbytes))
-    # the item's K and V: rows [0, 64) are consumer 0's keys, [64, 128) consumer 1's (the
-    # sequences' coordinates in the descriptors: launch_sm90._plan, _tma_load)
+    # the item's K and V (d <= 128: rows [0, 64) are consumer 0's keys, [64, 128) consumer
+    # 1's; the sequences' coordinates in the descriptors: launch_sm90._plan, _tma_load)
     base_k = i_b * kv_rb + i_hk * kv_rh
     if KV_LOADS == 1:
         _tma_load(desc_k, base_k, n0, i_hk * kv_ch, bar_kv, k_smem)
         _tma_load(desc_v, base_k, n0, i_hk * kv_ch, bar_kv, v_smem)
     else:
-        for i in gl.static_range(2):
-            _tma_load(desc_k, base_k, n0 + i * BLOCK_NW, i_hk * kv_ch, bar_kv,
-                      k_smem.slice(i * BLOCK_NW, BLOCK_NW))
-            _tma_load(desc_v, base_k, n0 + i * BLOCK_NW, i_hk * kv_ch, bar_kv,
-                      v_smem.slice(i * BLOCK_NW, BLOCK_NW))
-    lo, n_m = _query_tiles(n0, 2 * BLOCK_NW, sq, sk - sq, wl, wr, masked, window, Ranges, i_b,
+        for i in gl.static_range(KV_LOADS):
+            _tma_load(desc_k, base_k, n0 + i * KV_ROWS, i_hk * kv_ch, bar_kv,
+                      k_smem.slice(i * KV_ROWS, KV_ROWS))
+            _tma_load(desc_v, base_k, n0 + i * KV_ROWS, i_hk * kv_ch, bar_kv,
+                      v_smem.slice(i * KV_ROWS, KV_ROWS))
+    lo, n_m = _query_tiles(n0, KEYS, sq, sk - sq, wl, wr, masked, window, Ranges, i_b,
                            BLOCK_M, RAGGED)
     for j in range(group * n_m):
         i_h = i_hk * group + j // n_m
@@ -240,8 +306,7 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
                   q_ch,
                   do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl, wr, masked, window, Ranges,
                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr):
-    BLOCK_NW: gl.constexpr = k_smem.shape[0] // 2
-    n_items = _blocks(sk, 2 * BLOCK_NW, RAGGED) * n_bh
+    n_items = _blocks(sk, k_smem.shape[0], RAGGED) * n_bh
     if PERSISTENT:
         c = 0  # items of this CTA so far (K/V phase)
         t = 0  # (Q, dO) tiles loaded so far, over the items (ring position and phase)
@@ -355,33 +420,11 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
                               is_async=True)
         mbarrier.arrive(bar_other)
         b_st = warpgroup_mma_wait(num_outstanding=1, deps=(b_st,))
-        if masked:
-            # only tiles crossing an edge of this consumer's window (its diagonal when
-            # causal) have invisible (row, key) pairs; a row that sees none of its keys gets
-            # p = 0 (``window``: edges other than the causal diagonal, two comparisons a pair)
-            if window:
-                if ((m0 + shift + wr < k0 + BLOCK_NW - 1)
-                        | (k0 < m0 + BLOCK_M - 1 + shift - wl)):
-                    m_d = o_k[:, None] - (m0 + o_r + shift)[None, :]     # [64, BLOCK_M]
-                    b_st = gl.where((m_d <= wr) & (m_d >= -wl), b_st, float("-inf"))
-            elif m0 + shift < k0 + BLOCK_NW - 1:
-                m_vis = o_k[:, None] <= (m0 + o_r + shift)[None, :]      # [64, BLOCK_M]
-                b_st = gl.where(m_vis, b_st, float("-inf"))
-        if KEYMASK:
-            if kpart:
-                b_st = gl.where(b_kvis[:, None], b_st, float("-inf"))
+        b_st = _masked_scores(b_st, o_k, o_r, m0, k0, shift, wl, wr, masked, window, kpart,
+                              b_kvis, KEYMASK)
         # lse and delta from shared memory (staged with Q and dO): read where they are
         # used, they do not hold registers across the products
-        b_lse = lse_smem.index(i_s).load(col_s)                         # [BLOCK_M]
-        b_lse2 = gl.where(b_lse == float("-inf"), float("inf"), b_lse * LOG2E)
-        if RAGGED:
-            # p <= 1 (s <= lse): the keys from sk on (zeros: the TMA read past the sequence)
-            # are seen by rows whose window reaches them (without masking, every row); with
-            # p capped they add nothing (their k and v are zeros, their dK, dV not stored).
-            # Rows from sq on have zero q and dO, lse +inf and delta 0 (padding): p = 0
-            b_pt = gl.exp2(gl.minimum(b_st * qk_scale - b_lse2[None, :], 0.0))
-        else:
-            b_pt = gl.exp2(b_st * qk_scale - b_lse2[None, :])           # [64, BLOCK_M]
+        b_pt = _probs(b_st, lse_smem.index(i_s).load(col_s), qk_scale, RAGGED)  # [64, BLOCK_M]
         b_dpt = warpgroup_mma_wait(num_outstanding=0, deps=(b_dpt,))
         b_delta = delta_smem.index(i_s).load(col_s)                     # [BLOCK_M]
         b_dst = b_pt * (b_dpt - b_delta[None, :])                       # [64, BLOCK_M]
@@ -435,17 +478,213 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
         # this consumer reads the item's K and V no more: the producer may load the next's
         # while the stores below run
         mbarrier.arrive(bar_kvfree)
-    o_kg = k0 + gl.arange(0, BLOCK_NW, layout=gl.SliceLayout(1, g_layout))
-    o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, g_layout))
-    p_g = (i_b.to(gl.int64) * stride_kb + i_hk.to(gl.int64) * stride_kh
-           + o_kg.to(gl.int64)[:, None] * stride_kn + o_d[None, :])     # [64, D]
-    if RAGGED:  # keys from sk on are no keys
-        m_k = (o_kg < sk)[:, None]
-        gl.store(DK + p_g, (b_dk * scale).to(dtype), mask=m_k)
-        gl.store(DV + p_g, b_dv.to(dtype), mask=m_k)
-    else:
-        gl.store(DK + p_g, (b_dk * scale).to(dtype))
-        gl.store(DV + p_g, b_dv.to(dtype))
+    _store_dkdv(b_dk, b_dv, DK, DV, i_b, i_hk, k0, 0, stride_kb, stride_kn, stride_kh, sk,
+                scale, RAGGED)
+    return t
+
+
+@gluon.jit
+def _split_cols(x):
+    """``x`` ``[m, n]`` as its two column halves (each ``[m, n / 2]``, registers unmoved)."""
+    m: gl.constexpr = x.shape[0]
+    n: gl.constexpr = x.shape[1]
+    return gl.split(x.reshape([m, 2, n // 2]).permute((0, 2, 1)))
+
+
+@gluon.jit
+def _dq_add_wide(b_dq, desc_dq, dq_tile, base, row, col, RAGGED: gl.constexpr):
+    """``dq_accumulator[row:, col:] += b_dq`` (``[BLOCK_M, D / 2]`` float32) at d = 256 through
+    the consumer's ``[BLOCK_M, D / 8]`` shared-memory tile, a quarter at a time (a whole half's
+    tile does not fit beside the ring), each by one TMA reduction."""
+    C: gl.constexpr = dq_tile.shape[1]
+    b_lo, b_hi = _split_cols(b_dq)
+    b_0, b_1 = _split_cols(b_lo)
+    b_2, b_3 = _split_cols(b_hi)
+    _dq_add(b_0, desc_dq, dq_tile, base, row, col, 1.0, RAGGED)
+    _dq_add(b_1, desc_dq, dq_tile, base, row, col + C, 1.0, RAGGED)
+    _dq_add(b_2, desc_dq, dq_tile, base, row, col + 2 * C, 1.0, RAGGED)
+    _dq_add(b_3, desc_dq, dq_tile, base, row, col + 3 * C, 1.0, RAGGED)
+
+
+@gluon.jit
+def _wide_probs(b_st, lse_tile, o_k, o_r, m0, r0: gl.constexpr, k0, shift, wl, wr, masked,
+                window, kpart, b_kvis, qk_scale, KEYMASK: gl.constexpr, RAGGED: gl.constexpr):
+    """``pᵀ`` of a consumer's half of a tile at d = 256 (``_consume_item_wide``): its
+    ``sᵀ`` ``[64 keys, BLOCK_M / 2]`` masked, rows ``m0 + r0`` on; ``lse_tile`` the tile's
+    ``[BLOCK_M]`` lse in shared memory."""
+    HALF_M: gl.constexpr = b_st.shape[1]
+    b_st = _masked_scores(b_st, o_k, o_r, m0 + r0, k0, shift, wl, wr, masked, window, kpart,
+                          b_kvis, KEYMASK)
+    return _probs(b_st, lse_tile.slice(r0, HALF_M).load(o_r.type.layout), qk_scale, RAGGED)
+
+
+@gluon.jit
+def _wide_exchange(b_pt, b_dpt, delta_tile, p_smem, ds_smem, r0: gl.constexpr, bar_pds,
+                   bar_pdsfree, t):
+    """``dsᵀ = pᵀ (dpᵀ - delta)`` of a consumer's half of tile ``t`` at d = 256; its rows of
+    ``p`` and ``ds`` into the shared buffers once both consumers' products of tile ``t - 1``
+    (which read them) have completed, and back when the other consumer's rows are written."""
+    HALF_M: gl.constexpr = b_pt.shape[1]
+    dtype: gl.constexpr = p_smem.dtype
+    b_delta = delta_tile.slice(r0, HALF_M).load(gl.SliceLayout(0, b_pt.type.layout))
+    b_dst = b_pt * (b_dpt - b_delta[None, :])                           # [64, BLOCK_M / 2]
+    mbarrier.wait(bar_pdsfree, (t & 1) ^ 1, pred=t > 0)
+    p_smem.slice(r0, HALF_M).permute((1, 0)).store(b_pt.to(dtype))
+    ds_smem.slice(r0, HALF_M).permute((1, 0)).store(b_dst.to(dtype))
+    fence_async_shared()
+    mbarrier.arrive(bar_pds)
+    mbarrier.wait(bar_pds, t & 1)
+
+
+@gluon.jit
+def _consume_item_wide(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                       pds_smem, dq_smem, bar_qd, bar_free, bar_pds, bar_pdsfree, desc_dq, DK, DV,
+                       stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group,
+                       scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb,
+                       DQ: gl.constexpr, RAGGED: gl.constexpr):
+    """Work item ``w`` at d = 256, where one consumer cannot hold dK and dV of 64 keys (256
+    float32 registers a thread): both consumers take the item's 64 keys, each computes
+    ``sᵀ``, ``dpᵀ``, ``pᵀ`` and ``dsᵀ`` for its half of a tile's ``BLOCK_M`` query rows and
+    writes ``p`` and ``ds`` to shared memory, and after both halves are written each computes
+    dV, dK (and dq) for its half of D::
+
+        sᵀ_c = k q_cᵀ,  dpᵀ_c = v dO_cᵀ           # [64 keys, BLOCK_M / 2] (rows of half c)
+        dv[:, D_c] += pᵀ dO[:, D_c],  dk[:, D_c] += dsᵀ q[:, D_c]
+        dq[:, D_c]  = ds k[:, D_c]               # added to the accumulator atomically
+
+    The next tile's ``sᵀ`` and ``dpᵀ`` are issued before this tile's products are waited
+    for, so the tensor cores have them while dq is added.  ``p`` and ``ds`` share one buffer
+    pair: a tile's halves are written once both consumers' products of the previous tile
+    have completed (``bar_pdsfree``), read once both are written (``bar_pds``)."""
+    STAGES: gl.constexpr = q_smem.shape[0]
+    BLOCK_M: gl.constexpr = q_smem.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.shape[2]
+    KEYS: gl.constexpr = k_smem.shape[0]
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    HALF_D: gl.constexpr = HEAD_DIM // 2
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_M, 16])
+    g_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_D, 16])
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    shift = sk - sq
+    i_n, i_bh = _item_keys(w, _blocks(sk, KEYS, RAGGED), n_bh, bh_group)
+    i_b = i_bh // nheads_k
+    i_hk = i_bh % nheads_k
+    k0 = i_n * KEYS
+    r0: gl.constexpr = i_wg * HALF_M                          # this consumer's rows of a tile
+    c0: gl.constexpr = i_wg * HALF_D                          # and columns of D
+    dq_tile = dq_smem.index(i_wg)                             # [BLOCK_M, D / 8]
+    # the rows of batch entry i_b in the dQ accumulator (_dq_add)
+    sq_rows = sq
+    if RAGGED:
+        sq_rows = 1
+    p_smem = pds_smem.index(0)                                # [BLOCK_M, 64 keys] p
+    ds_smem = pds_smem.index(1)                               # [BLOCK_M, 64 keys] ds
+    o_k = k0 + gl.arange(0, KEYS, layout=row_s)               # [64] keys
+    o_r = gl.arange(0, HALF_M, layout=col_s)                  # [BLOCK_M / 2] rows
+    b_dk = gl.zeros([KEYS, HALF_D], gl.float32, layout=g_layout)         # [64, D / 2]
+    b_dv = gl.zeros([KEYS, HALF_D], gl.float32, layout=g_layout)         # [64, D / 2]
+    b_st = gl.zeros([KEYS, HALF_M], gl.float32, layout=s_layout)         # [64, BLOCK_M / 2]
+    b_dpt = gl.zeros([KEYS, HALF_M], gl.float32, layout=s_layout)        # [64, BLOCK_M / 2]
+    lo, n_m = _query_tiles(k0, KEYS, sq, shift, wl, wr, masked, window, Ranges, i_b, BLOCK_M,
+                           RAGGED)
+    n_t = group * n_m
+    KEYMASK: gl.constexpr = Ranges.dtype.element_ty == gl.int32
+    kpart = False
+    b_kvis = o_k >= 0                                                    # [64]
+    if KEYMASK:
+        k_range = _key_range(Ranges, KeyMask, i_b, stride_mb)
+        kpart = _key_masked(k0, KEYS, k_range)
+        b_kvis = _key_visible(o_k, k_range)
+    b_pt = gl.zeros([KEYS, HALF_M], gl.float32, layout=s_layout)         # [64, BLOCK_M / 2]
+    # (an asynchronous product's result must be waited for in the block that issued it: the
+    # loop runs over all tiles but the last, each step issuing the next tile's sᵀ, dpᵀ)
+    if n_t > 0:  # the first tile's sᵀ, dpᵀ and pᵀ
+        i_s = t % STAGES
+        mbarrier.wait(bar_qd.index(i_s), (t // STAGES) & 1)
+        b_st = warpgroup_mma(k_smem, q_smem.index(i_s).slice(r0, HALF_M).permute((1, 0)), b_st,
+                             use_acc=False, is_async=True)
+        b_dpt = warpgroup_mma(v_smem, do_smem.index(i_s).slice(r0, HALF_M).permute((1, 0)),
+                              b_dpt, use_acc=False, is_async=True)
+        b_st = warpgroup_mma_wait(num_outstanding=1, deps=(b_st,))
+        b_pt = _wide_probs(b_st, lse_smem.index(i_s), o_k, o_r, lo * BLOCK_M, r0, k0, shift, wl,
+                           wr, masked, window, kpart, b_kvis, qk_scale, KEYMASK, RAGGED)
+        b_dpt = warpgroup_mma_wait(num_outstanding=0, deps=(b_dpt,))
+    for j in range(n_t - 1):
+        i_h = i_hk * group + j // n_m
+        m0 = (lo + j % n_m) * BLOCK_M
+        i_s = t % STAGES
+        _wide_exchange(b_pt, b_dpt, delta_smem.index(i_s), p_smem, ds_smem, r0, bar_pds,
+                       bar_pdsfree, t)
+        q_tile = q_smem.index(i_s)
+        do_tile = do_smem.index(i_s)
+        b_dv = warpgroup_mma(p_smem.permute((1, 0)), do_tile.slice(c0, HALF_D, dim=1), b_dv,
+                             is_async=True)
+        b_dk = warpgroup_mma(ds_smem.permute((1, 0)), q_tile.slice(c0, HALF_D, dim=1), b_dk,
+                             is_async=True)
+        if DQ:
+            # (a fresh [BLOCK_M, D / 2] accumulator: carried through the loop it would hold
+            # 64 registers a thread across the softmax)
+            b_dq = warpgroup_mma(ds_smem, k_smem.slice(c0, HALF_D, dim=1),
+                                 gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=g_layout),
+                                 use_acc=False, is_async=True)
+        if DQ:
+            b_dv, b_dk, b_dq = warpgroup_mma_wait(num_outstanding=0, deps=(b_dv, b_dk, b_dq))
+        else:
+            b_dv, b_dk = warpgroup_mma_wait(num_outstanding=0, deps=(b_dv, b_dk))
+        mbarrier.arrive(bar_free.index(i_s))
+        mbarrier.arrive(bar_pdsfree)
+        # dq goes out before the next tile's sᵀ and dpᵀ are issued: their accumulators and
+        # dq's would not fit beside dK and dV in 240 registers
+        if DQ:
+            _dq_add_wide(b_dq * scale, desc_dq, dq_tile, i_b * sq_rows, m0, i_h * HEAD_DIM + c0,
+                         RAGGED)
+        i_s1 = (t + 1) % STAGES
+        mbarrier.wait(bar_qd.index(i_s1), ((t + 1) // STAGES) & 1)
+        b_st = warpgroup_mma(k_smem, q_smem.index(i_s1).slice(r0, HALF_M).permute((1, 0)), b_st,
+                             use_acc=False, is_async=True)
+        b_dpt = warpgroup_mma(v_smem, do_smem.index(i_s1).slice(r0, HALF_M).permute((1, 0)),
+                              b_dpt, use_acc=False, is_async=True)
+        b_st = warpgroup_mma_wait(num_outstanding=1, deps=(b_st,))
+        b_pt = _wide_probs(b_st, lse_smem.index(i_s1), o_k, o_r, (lo + (j + 1) % n_m) * BLOCK_M,
+                           r0, k0, shift, wl, wr, masked, window, kpart, b_kvis, qk_scale,
+                           KEYMASK, RAGGED)
+        b_dpt = warpgroup_mma_wait(num_outstanding=0, deps=(b_dpt,))
+        t += 1
+    if n_t > 0:  # the last tile
+        i_h = i_hk * group + (n_t - 1) // n_m
+        m0 = (lo + (n_t - 1) % n_m) * BLOCK_M
+        i_s = t % STAGES
+        _wide_exchange(b_pt, b_dpt, delta_smem.index(i_s), p_smem, ds_smem, r0, bar_pds,
+                       bar_pdsfree, t)
+        q_tile = q_smem.index(i_s)
+        do_tile = do_smem.index(i_s)
+        b_dv = warpgroup_mma(p_smem.permute((1, 0)), do_tile.slice(c0, HALF_D, dim=1), b_dv,
+                             is_async=True)
+        b_dk = warpgroup_mma(ds_smem.permute((1, 0)), q_tile.slice(c0, HALF_D, dim=1), b_dk,
+                             is_async=True)
+        if DQ:
+            # (a fresh [BLOCK_M, D / 2] accumulator: carried through the loop it would hold
+            # 64 registers a thread across the softmax)
+            b_dq = warpgroup_mma(ds_smem, k_smem.slice(c0, HALF_D, dim=1),
+                                 gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=g_layout),
+                                 use_acc=False, is_async=True)
+            b_dv, b_dk, b_dq = warpgroup_mma_wait(num_outstanding=0, deps=(b_dv, b_dk, b_dq))
+        else:
+            b_dv, b_dk = warpgroup_mma_wait(num_outstanding=0, deps=(b_dv, b_dk))
+        mbarrier.arrive(bar_free.index(i_s))
+        mbarrier.arrive(bar_pdsfree)
+        if DQ:
+            _dq_add_wide(b_dq * scale, desc_dq, dq_tile, i_b * sq_rows, m0, i_h * HEAD_DIM + c0,
+                         RAGGED)
+            tma.store_wait(0)
+        t += 1
+    _store_dkdv(b_dk, b_dv, DK, DV, i_b, i_hk, k0, c0, stride_kb, stride_kn, stride_kh, sk,
+                scale, RAGGED)
     return t
 
 
@@ -456,9 +695,8 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
                   bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
                   stride_mb, DQ: gl.constexpr,
                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr):
-    BLOCK_NW: gl.constexpr = k_smem.shape[0] // 2
     if PERSISTENT:
-        n_items = _blocks(sk, 2 * BLOCK_NW, RAGGED) * n_bh
+        n_items = _blocks(sk, k_smem.shape[0], RAGGED) * n_bh
         w_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         c = 0  # items of this CTA so far (K/V phase)
         t = 0  # tiles so far, over the items: ring stage, ds buffer and their phases
@@ -474,6 +712,14 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
             c += 1
             mbarrier.wait(bar_kv, c & 1)
             w = gl.max(item_smem.load(w_layout), axis=0)
+    elif q_smem.shape[2] == 256:
+        mbarrier.wait(bar_kv, 0)
+        _consume_item_wide(i_wg, gl.program_id(0), gl.to_tensor(0), q_smem, do_smem, k_smem,
+                           v_smem, lse_smem, delta_smem, ds_smem, dq_smem, bar_qd, bar_free,
+                           bar_ds.index(0), bar_dsfree.index(0), desc_dq, DK, DV, stride_kb,
+                           stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group, scale,
+                           qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb, DQ,
+                           RAGGED)
     else:
         mbarrier.wait(bar_kv, 0)
         _consume_item(i_wg, gl.program_id(0), gl.to_tensor(0), q_smem, do_smem, k_smem,
@@ -526,35 +772,44 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
     producer claims the next from ``Counter`` (an int32 zero before the launch) as the last one
     is drained, so items go to CTAs in order as they free, as the GPU issues CTAs, without a
     CTA's launch, K/V load and first turns between two items.  ``desc_dq`` is the float32 dQ
-    accumulator ``(B * Sq, H * D)`` in tiles of ``[BLOCK_M, D / 2]`` (read only with ``DQ``);
+    accumulator ``(B * Sq, H * D)`` in tiles of ``[BLOCK_M, D / 2]``, at d = 256 ``[BLOCK_M,
+    D / 8]`` (read only with ``DQ``; at d = 256 a work item is 64 keys: ``_consume_item_wide``);
     ``desc_lse`` and ``desc_delta`` are ``(B * H * sq_pad,)`` in tiles of ``BLOCK_M``: ``sq_pad``
     is ``Sq``, or with ``RAGGED`` ``Sq`` padded to whole tiles (lse with +inf, delta with 0), so
     that the rows of a last tile past ``Sq`` read p = 0 and delta = 0, not the next head's."""
     BLOCK_M: gl.constexpr = desc_q.block_type.shape[-2]
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[-1]
-    # keys of one consumer (a RAGGED K/V descriptor's tile holds both consumers')
-    BLOCK_NW: gl.constexpr = desc_k.block_type.shape[-2] // (2 if RAGGED else 1)
+    # d = 256: both consumers share an item's 64 keys (_consume_item_wide); else each owns 64
+    # of its 128
+    WIDE: gl.constexpr = HEAD_DIM == 256
+    # keys of an item (a RAGGED K/V descriptor's tile holds them all, at d <= 128 one
+    # consumer's otherwise)
+    KEYS: gl.constexpr = desc_k.block_type.shape[-2] * (1 if RAGGED or WIDE else 2)
+    KV_TILE: gl.constexpr = KEYS if WIDE else KEYS // 2
     dtype: gl.constexpr = desc_q.dtype
     # the tiles' shared-memory layouts (a RAGGED descriptor's is the 3-D one of the same tile)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_NW, HEAD_DIM], dtype)
-    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM // 2],
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KV_TILE, HEAD_DIM], dtype)
+    DQ_COLS: gl.constexpr = HEAD_DIM // 8 if WIDE else HEAD_DIM // 2
+    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS],
                                                                    gl.float32)
 
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [2 * BLOCK_NW, HEAD_DIM], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2 * BLOCK_NW, HEAD_DIM], kv_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [KEYS, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [KEYS, HEAD_DIM], kv_layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], desc_lse.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], desc_delta.layout)
-    # DQ only: two ds buffers (tile t is written while tile t - 1's is read) and one float32
-    # dq tile per consumer; without DQ they are one row each
-    DS_ROWS: gl.constexpr = 2 * BLOCK_NW if DQ else 8
+    # d <= 128 with DQ: two ds buffers [keys, rows] (tile t is written while tile t - 1's is
+    # read) and one float32 dq tile per consumer; without DQ they are one row each.  d = 256:
+    # p and ds of a tile [rows, keys] (its dq goes to the accumulator from registers)
+    DS_ROWS: gl.constexpr = BLOCK_M if WIDE else (KEYS if DQ else 8)
+    DS_COLS: gl.constexpr = KEYS if WIDE else BLOCK_M
     DQ_ROWS: gl.constexpr = BLOCK_M if DQ else 8
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                                    rank=2)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, DS_ROWS, BLOCK_M], ds_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, DQ_ROWS, HEAD_DIM // 2], dq_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, DS_ROWS, DS_COLS], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, DQ_ROWS, DQ_COLS], dq_layout)
     # the current item's index, from the producer to the consumers
     item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     bar_kv = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -576,6 +831,8 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
     # consumer 0 takes the first tensor-core turn
     mbarrier.arrive(bar_turn.index(0))
 
+    # registers a thread: at d = 256 a consumer holds its halves of dK, dV and dq (192)
+    CONSUMER_REGS: gl.constexpr = 240 if WIDE else 232
     # literal argument tuples: a tuple bound to a name would turn DQ into a run-time value
     gl.warp_specialize([
         (_bwd_consumer0, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
@@ -593,4 +850,4 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
                          bar_qd, bar_free, Counter, sq, sk, sq_pad, nheads_k, n_bh, bh_group, group,
                          q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl, wr,
                          MASKED, WINDOW, Ranges, PERSISTENT, RAGGED)),
-    ], [4, 1], [232, 24])
+    ], [4, 1], [CONSUMER_REGS, 24])
