@@ -396,6 +396,9 @@ def test_learnable_bias_gradient(shape, backend):
 def test_learnable_bias_with_dropout_and_gqa(backend):
     q, k, v, do, gen = _qkv(torch.float16, 30)
     bias = randn(1, H, L, S, dtype=torch.float16, gen=gen)
+    # the dropout stream fixed like the inputs (its seed comes from the default generator,
+    # whose state depends on the tests run before this one)
+    torch.manual_seed(30)
     seed = next_seed()
     leaves = [x.clone().requires_grad_() for x in (q, k, v, bias)]
     with flashtile.use_backend(backend), poison_outputs():
