@@ -318,16 +318,18 @@ def bwd_group(n_bh: int, group: int, sq: int, sk: int, head_dim: int, wl: int, w
     in flight).  1 unless a group finishes more than 1% sooner.  H100, bf16, B * N = 16K, H16,
     causal, the backward against the plain order (5 interleaved rounds): d = 128 1.024-1.039x at
     N = 1K-8K; d = 64 0.98-1.02x, so d = 64 keeps the plain order (docs/dev/tuning-log.md,
-    step 52)."""
-    if not masked or head_dim != 128:
+    step 52).  d = 256 (64-key items, the dK/dV kernel of its default backward): 1.007,
+    1.028, 1.009x at N = 1K, 2K, 4K (fastest of 5 rounds; step 61)."""
+    if not masked or head_dim == 64:
         return 1
-    n_kb = -(-sk // BWD_BLOCK_N)
+    keys = bwd_keys(head_dim)
+    n_kb = -(-sk // keys)
     shift, n_q = sk - sq, -(-sq // BWD_BLOCK_M)
     steps = []
     for j in range(n_kb):  # as _query_tiles counts them
-        n0 = j * BWD_BLOCK_N
+        n0 = j * keys
         lo = max(n0 - shift - wr, 0) // BWD_BLOCK_M
-        hi = min(n0 + BWD_BLOCK_N - 1 - shift + wl + 1, sq)
+        hi = min(n0 + keys - 1 - shift + wl + 1, sq)
         steps.append(group * min(max(-(-hi // BWD_BLOCK_M) - lo, 0), n_q) + BWD_CTA_SETUP)
     per_sm = sum(steps) * n_bh / n_sm
     if max(steps) < 0.03 * per_sm:  # the tail is short whatever the order
