@@ -550,12 +550,15 @@ def _consume_item_wide(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, de
 
         sᵀ_c = k q_cᵀ,  dpᵀ_c = v dO_cᵀ           # [64 keys, BLOCK_M / 2] (rows of half c)
         dv[:, D_c] += pᵀ dO[:, D_c],  dk[:, D_c] += dsᵀ q[:, D_c]
-        dq[:, D_c]  = ds k[:, D_c]               # added to the accumulator atomically
+        dq[:, D_c]  = ds k[:, D_c]               # to the accumulator: _dq_add_wide
 
-    The next tile's ``sᵀ`` and ``dpᵀ`` are issued before this tile's products are waited
-    for, so the tensor cores have them while dq is added.  ``p`` and ``ds`` share one buffer
-    pair: a tile's halves are written once both consumers' products of the previous tile
-    have completed (``bar_pdsfree``), read once both are written (``bar_pds``)."""
+    dq leaves (a quarter tile at a time, through the consumer's float32 tile) before the next
+    tile's ``sᵀ`` and ``dpᵀ`` are issued: issued first, their accumulators beside dK, dV and
+    dq made the consumers spill, 1.2x slower (docs/dev/tuning-log.md, step 60).  ``p`` and
+    ``ds`` share one buffer pair: a tile's halves are written once both consumers' products of
+    the previous tile have completed (``bar_pdsfree``), read once both are written
+    (``bar_pds``).  Without ``DQ`` (the dK/dV kernel of the default backward at d = 256) the
+    same steps without dq."""
     STAGES: gl.constexpr = q_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
@@ -782,6 +785,7 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
     # d = 256: both consumers share an item's 64 keys (_consume_item_wide); else each owns 64
     # of its 128
     WIDE: gl.constexpr = HEAD_DIM == 256
+    gl.static_assert(not (WIDE and PERSISTENT), "the d = 256 consumers walk one item a CTA")
     # keys of an item (a RAGGED K/V descriptor's tile holds them all, at d <= 128 one
     # consumer's otherwise)
     KEYS: gl.constexpr = desc_k.block_type.shape[-2] * (1 if RAGGED or WIDE else 2)
