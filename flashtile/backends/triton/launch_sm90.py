@@ -267,10 +267,10 @@ def fused_pays(sq: int, sk: int, causal: bool, head_dim: int) -> bool:
     1K, 0.99x at 512; H100, bf16, B * N = 16K).  At d = 64, whose kernel runs persistent
     (:func:`bwd_persistent`), not without masking up to 512 keys (0.92x there), but with causal
     masking at every length (1.11x at 1K, 1.12x at 512; before the persistent kernel 0.93-0.95x
-    at causal 1K).  At d = 256 never: the fused kernel's dq leaves in quarter tiles (no room for
-    more beside the ring) while the tensor cores wait, and it ran at 0.78-0.81x the two kernels
-    without masking, 0.78-1.00x causal (N = 1K-16K); it serves calls with a key mask, which the
-    two kernels do not take.  docs/dev/tuning-log.md, steps 41, 44, 54 and 60."""
+    at causal 1K).  At d = 256 never: the fused kernel (by an estimate from its kernel times
+    bound by its dq reductions: with 64-key items twice the dq bytes a product of d = 128's)
+    ran at 0.78-0.81x the two kernels without masking, 0.78-1.00x causal (N = 1K-16K); it
+    serves calls with a key mask, which the two kernels do not take.  docs/dev/tuning-log.md, steps 41, 44, 54 and 60."""
     if head_dim == 256:
         return False
     if head_dim == 64:
