@@ -182,6 +182,20 @@ def _store_dkdv(b_dk, b_dv, DK, DV, i_b, i_hk, k0, col, stride_kb, stride_kn, st
 
 
 @gluon.jit
+def _key_part(o_k, k0, Ranges, KeyMask, i_b, stride_mb):
+    """Under a key mask (``Ranges`` int32, ``kernels/key_mask.py``) whether a consumer's keys
+    ``o_k`` (``[n]`` from ``k0``) include hidden ones, masked on every tile then, and which
+    are visible: ``(kpart, [n] visible)``; without one ``(False, all)``."""
+    kpart = False
+    b_kvis = o_k >= 0                                                    # [n]
+    if Ranges.dtype.element_ty == gl.int32:
+        k_range = _key_range(Ranges, KeyMask, i_b, stride_mb)
+        kpart = _key_masked(k0, o_k.shape[0], k_range)
+        b_kvis = _key_visible(o_k, k_range)
+    return kpart, b_kvis
+
+
+@gluon.jit
 def _item_keys(w, n_kb, n_bh, bh_group):
     """``(i_n, i_bh)``: the key block and the (batch, key/value head) of work item ``w``.  Items
     come in groups of ``bh_group`` (batch, head) pairs, each group key block by key block across
@@ -396,15 +410,8 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
     lo, n_m = _query_tiles(n0, 2 * BLOCK_NW, sq, shift, wl, wr, masked, window, Ranges, i_b,
                            BLOCK_M, RAGGED)
     n_t = group * n_m
-    # a key mask (Ranges int32, kernels/key_mask.py): this consumer's keys that it hides,
-    # masked on every tile where some are (kpart)
     KEYMASK: gl.constexpr = Ranges.dtype.element_ty == gl.int32
-    kpart = False
-    b_kvis = o_k >= 0                                                    # [64]
-    if KEYMASK:
-        k_range = _key_range(Ranges, KeyMask, i_b, stride_mb)
-        kpart = _key_masked(k0, BLOCK_NW, k_range)
-        b_kvis = _key_visible(o_k, k_range)
+    kpart, b_kvis = _key_part(o_k, k0, Ranges, KeyMask, i_b, stride_mb)
     for j in range(n_t):
         i_h = i_hk * group + j // n_m
         m0 = (lo + j % n_m) * BLOCK_M
@@ -537,6 +544,44 @@ def _wide_exchange(b_pt, b_dpt, delta_tile, p_smem, ds_smem, r0: gl.constexpr, b
 
 
 @gluon.jit
+def _wide_step(t, b_pt, b_dpt, b_dv, b_dk, q_smem, do_smem, k_smem, delta_smem, p_smem, ds_smem,
+               dq_tile, bar_free, bar_pds, bar_pdsfree, desc_dq, base, row, col, scale,
+               r0: gl.constexpr, c0: gl.constexpr, DQ: gl.constexpr, RAGGED: gl.constexpr):
+    """Tile ``t`` of a consumer at d = 256 once its ``pᵀ``, ``dpᵀ`` are computed: the p/ds
+    exchange (``_wide_exchange``), dv and dk of its half of D (and dq, which goes to the
+    accumulator at ``row``, ``col`` of sequence ``base`` before the next tile's sᵀ and dpᵀ
+    are issued: their accumulators and dq's would not fit beside dK and dV in 240 registers);
+    the (Q, dO) stage and the p/ds buffers go back.  ``(dv, dk)``."""
+    STAGES: gl.constexpr = q_smem.shape[0]
+    BLOCK_M: gl.constexpr = q_smem.shape[1]
+    HALF_D: gl.constexpr = b_dv.shape[1]
+    g_layout: gl.constexpr = b_dv.type.layout
+    i_s = t % STAGES
+    _wide_exchange(b_pt, b_dpt, delta_smem.index(i_s), p_smem, ds_smem, r0, bar_pds,
+                   bar_pdsfree, t)
+    q_tile = q_smem.index(i_s)
+    do_tile = do_smem.index(i_s)
+    b_dv = warpgroup_mma(p_smem.permute((1, 0)), do_tile.slice(c0, HALF_D, dim=1), b_dv,
+                         is_async=True)
+    b_dk = warpgroup_mma(ds_smem.permute((1, 0)), q_tile.slice(c0, HALF_D, dim=1), b_dk,
+                         is_async=True)
+    if DQ:
+        # (a fresh [BLOCK_M, D / 2] accumulator: carried through the loop it would hold 64
+        # registers a thread across the softmax)
+        b_dq = warpgroup_mma(ds_smem, k_smem.slice(c0, HALF_D, dim=1),
+                             gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=g_layout),
+                             use_acc=False, is_async=True)
+        b_dv, b_dk, b_dq = warpgroup_mma_wait(num_outstanding=0, deps=(b_dv, b_dk, b_dq))
+    else:
+        b_dv, b_dk = warpgroup_mma_wait(num_outstanding=0, deps=(b_dv, b_dk))
+    mbarrier.arrive(bar_free.index(i_s))
+    mbarrier.arrive(bar_pdsfree)
+    if DQ:
+        _dq_add_wide(b_dq * scale, desc_dq, dq_tile, base, row, col, RAGGED)
+    return b_dv, b_dk
+
+
+@gluon.jit
 def _consume_item_wide(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                        pds_smem, dq_smem, bar_qd, bar_free, bar_pds, bar_pdsfree, desc_dq, DK, DV,
                        stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group,
@@ -565,7 +610,6 @@ def _consume_item_wide(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, de
     KEYS: gl.constexpr = k_smem.shape[0]
     HALF_M: gl.constexpr = BLOCK_M // 2
     HALF_D: gl.constexpr = HEAD_DIM // 2
-    dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_M, 16])
     g_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -597,12 +641,7 @@ def _consume_item_wide(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, de
                            RAGGED)
     n_t = group * n_m
     KEYMASK: gl.constexpr = Ranges.dtype.element_ty == gl.int32
-    kpart = False
-    b_kvis = o_k >= 0                                                    # [64]
-    if KEYMASK:
-        k_range = _key_range(Ranges, KeyMask, i_b, stride_mb)
-        kpart = _key_masked(k0, KEYS, k_range)
-        b_kvis = _key_visible(o_k, k_range)
+    kpart, b_kvis = _key_part(o_k, k0, Ranges, KeyMask, i_b, stride_mb)
     b_pt = gl.zeros([KEYS, HALF_M], gl.float32, layout=s_layout)         # [64, BLOCK_M / 2]
     # (an asynchronous product's result must be waited for in the block that issued it: the
     # loop runs over all tiles but the last, each step issuing the next tile's sᵀ, dpᵀ)
@@ -620,32 +659,10 @@ def _consume_item_wide(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, de
     for j in range(n_t - 1):
         i_h = i_hk * group + j // n_m
         m0 = (lo + j % n_m) * BLOCK_M
-        i_s = t % STAGES
-        _wide_exchange(b_pt, b_dpt, delta_smem.index(i_s), p_smem, ds_smem, r0, bar_pds,
-                       bar_pdsfree, t)
-        q_tile = q_smem.index(i_s)
-        do_tile = do_smem.index(i_s)
-        b_dv = warpgroup_mma(p_smem.permute((1, 0)), do_tile.slice(c0, HALF_D, dim=1), b_dv,
-                             is_async=True)
-        b_dk = warpgroup_mma(ds_smem.permute((1, 0)), q_tile.slice(c0, HALF_D, dim=1), b_dk,
-                             is_async=True)
-        if DQ:
-            # (a fresh [BLOCK_M, D / 2] accumulator: carried through the loop it would hold
-            # 64 registers a thread across the softmax)
-            b_dq = warpgroup_mma(ds_smem, k_smem.slice(c0, HALF_D, dim=1),
-                                 gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=g_layout),
-                                 use_acc=False, is_async=True)
-        if DQ:
-            b_dv, b_dk, b_dq = warpgroup_mma_wait(num_outstanding=0, deps=(b_dv, b_dk, b_dq))
-        else:
-            b_dv, b_dk = warpgroup_mma_wait(num_outstanding=0, deps=(b_dv, b_dk))
-        mbarrier.arrive(bar_free.index(i_s))
-        mbarrier.arrive(bar_pdsfree)
-        # dq goes out before the next tile's sᵀ and dpᵀ are issued: their accumulators and
-        # dq's would not fit beside dK and dV in 240 registers
-        if DQ:
-            _dq_add_wide(b_dq * scale, desc_dq, dq_tile, i_b * sq_rows, m0, i_h * HEAD_DIM + c0,
-                         RAGGED)
+        b_dv, b_dk = _wide_step(t, b_pt, b_dpt, b_dv, b_dk, q_smem, do_smem, k_smem,
+                                delta_smem, p_smem, ds_smem, dq_tile, bar_free, bar_pds,
+                                bar_pdsfree, desc_dq, i_b * sq_rows, m0, i_h * HEAD_DIM + c0,
+                                scale, r0, c0, DQ, RAGGED)
         i_s1 = (t + 1) % STAGES
         mbarrier.wait(bar_qd.index(i_s1), ((t + 1) // STAGES) & 1)
         b_st = warpgroup_mma(k_smem, q_smem.index(i_s1).slice(r0, HALF_M).permute((1, 0)), b_st,
@@ -661,29 +678,11 @@ def _consume_item_wide(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, de
     if n_t > 0:  # the last tile
         i_h = i_hk * group + (n_t - 1) // n_m
         m0 = (lo + (n_t - 1) % n_m) * BLOCK_M
-        i_s = t % STAGES
-        _wide_exchange(b_pt, b_dpt, delta_smem.index(i_s), p_smem, ds_smem, r0, bar_pds,
-                       bar_pdsfree, t)
-        q_tile = q_smem.index(i_s)
-        do_tile = do_smem.index(i_s)
-        b_dv = warpgroup_mma(p_smem.permute((1, 0)), do_tile.slice(c0, HALF_D, dim=1), b_dv,
-                             is_async=True)
-        b_dk = warpgroup_mma(ds_smem.permute((1, 0)), q_tile.slice(c0, HALF_D, dim=1), b_dk,
-                             is_async=True)
+        b_dv, b_dk = _wide_step(t, b_pt, b_dpt, b_dv, b_dk, q_smem, do_smem, k_smem,
+                                delta_smem, p_smem, ds_smem, dq_tile, bar_free, bar_pds,
+                                bar_pdsfree, desc_dq, i_b * sq_rows, m0, i_h * HEAD_DIM + c0,
+                                scale, r0, c0, DQ, RAGGED)
         if DQ:
-            # (a fresh [BLOCK_M, D / 2] accumulator: carried through the loop it would hold
-            # 64 registers a thread across the softmax)
-            b_dq = warpgroup_mma(ds_smem, k_smem.slice(c0, HALF_D, dim=1),
-                                 gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=g_layout),
-                                 use_acc=False, is_async=True)
-            b_dv, b_dk, b_dq = warpgroup_mma_wait(num_outstanding=0, deps=(b_dv, b_dk, b_dq))
-        else:
-            b_dv, b_dk = warpgroup_mma_wait(num_outstanding=0, deps=(b_dv, b_dk))
-        mbarrier.arrive(bar_free.index(i_s))
-        mbarrier.arrive(bar_pdsfree)
-        if DQ:
-            _dq_add_wide(b_dq * scale, desc_dq, dq_tile, i_b * sq_rows, m0, i_h * HEAD_DIM + c0,
-                         RAGGED)
             tma.store_wait(0)
         t += 1
     _store_dkdv(b_dk, b_dv, DK, DV, i_b, i_hk, k0, c0, stride_kb, stride_kn, stride_kh, sk,
