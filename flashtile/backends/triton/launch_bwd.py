@@ -351,11 +351,18 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
             num_warps=kv_cfg.num_warps, num_stages=kv_cfg.num_stages)
 
     if not chunk:
-        launch_dq(0, batch)
         if not features and launch_sm90.bwd_eligible(q, k, v, do, dk, dv, spec, True):
-            # Hopper: the warp-specialised dK/dV kernel (Gluon), reading the dQ kernel's delta
+            if (launch_sm90.dq_eligible(head_dim) and out.is_contiguous()
+                    and launch_sm90._plan(dq) is not None):
+                # Hopper: delta, then the Gluon dQ kernel
+                launch_sm90._prologue(q, out, do, delta, zero=False)
+                launch_sm90.dq(q, k, v, do, lse, delta, dq, spec)
+            else:
+                launch_dq(0, batch)
+            # Hopper: the warp-specialised dK/dV kernel (Gluon), reading the dQ pass's delta
             launch_sm90.dkdv(q, k, v, do, lse, delta, dk, dv, spec)
         else:
+            launch_dq(0, batch)
             launch_dkdv(0, batch)
     else:
         _chunked(launch_dq, launch_dkdv, batch, chunk, nheads, nheads_k, q.device)

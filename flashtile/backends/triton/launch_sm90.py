@@ -400,6 +400,9 @@ def _kernel(name: str):
     if name == "fwd":
         from .kernels.attn_fwd_sm90 import attn_fwd_sm90_kernel
         return attn_fwd_sm90_kernel
+    if name == "dq":
+        from .kernels.attn_bwd_dq_sm90 import attn_bwd_dq_sm90_kernel
+        return attn_bwd_dq_sm90_kernel
     from .kernels.attn_bwd_sm90 import attn_bwd_sm90_kernel
     return attn_bwd_sm90_kernel
 
@@ -672,22 +675,72 @@ def _pad_rows(lse, delta):
             torch.nn.functional.pad(delta, (0, pad), value=0.0))
 
 
+DQ_ROWS = 64  # query rows of a dQ kernel consumer (two a CTA)
+
+
+def dq_block_n(head_dim: int) -> int:
+    """Keys per K/V tile of the dQ kernel: 32 at d = 256 (Q and dO of 128 rows take 128 KB of
+    shared memory, a 2-stage ring of 32-key K and V tiles 64 KB more), 64 at d = 128."""
+    return 32 if head_dim == 256 else 64
+
+
+_dq_env = env_reader("FLASHTILE_SM90_DQ")
+
+
+def dq_eligible(head_dim: int) -> bool:
+    """Whether the Gluon dQ kernel serves a call that ``bwd_eligible`` admits (deterministic):
+    ``D`` = 128 or 256 (``kernels/attn_bwd_dq_sm90.py``), unless ``FLASHTILE_SM90_DQ=0`` (the
+    Triton dQ kernel)."""
+    return head_dim in (128, 256) and _dq_env() != "0"
+
+
+def dq(q, k, v, do, lse, delta, dq_out, spec: AttnSpec) -> None:
+    """Fill ``dq_out`` (like ``q``, rows contiguous) with the Gluon dQ kernel from ``lse`` and
+    ``delta`` (contiguous float32 ``(B, H, Sq)``, delta computed: :func:`_prologue`)."""
+    batch, sq, nheads, head_dim = q.shape
+    sk, nheads_k = k.shape[1], k.shape[2]
+    device = q.device.index or 0
+    block_n = dq_block_n(head_dim)
+    # lengths that are not multiples of the tiles (a CTA's 128 rows, a K/V tile): 3-D
+    # descriptors, and lse, delta padded to whole 64-row tiles
+    ragged = bool(sq % (2 * DQ_ROWS) or sk % block_n)
+    if ragged:
+        lse, delta = _pad_rows(lse, delta)
+    n_m = -(-sq // (2 * DQ_ROWS))
+    window = _window(spec, sq, sk)
+    args = dict(sq=sq, sk=sk, sq_pad=lse.shape[-1], nheads=nheads, group=nheads // nheads_k,
+                n_m=n_m, n_bh=batch * nheads, scale=spec.softmax_scale,
+                qk_scale=spec.softmax_scale * LOG2E, **window,
+                WINDOW=window["MASKED"] and (window["wl"] < sq + sk or window["wr"] != 0),
+                RAGGED=ragged, STAGES=STAGES, num_warps=NUM_WARPS)
+    flat = _flat_layout()
+    descs = dict(desc_q=_rows(q, DQ_ROWS, ragged, "q", args),
+                 desc_do=_rows(do, DQ_ROWS, ragged, "do", args),
+                 desc_k=_rows(k, block_n, ragged, "kv", args),
+                 desc_v=_rows(v, block_n, ragged, "kv", args),
+                 desc_lse=(lse, [lse.numel()], [1], [DQ_ROWS], flat),
+                 desc_delta=(delta, [delta.numel()], [1], [DQ_ROWS], flat),
+                 desc_dq=_rows(dq_out, DQ_ROWS, ragged, "dq", args))
+    _launch("dq", device, (q.dtype, head_dim, window["MASKED"], args["WINDOW"], ragged),
+            (n_m * batch * nheads,), args, descs)
+
+
 def dkdv(q, k, v, do, lse, delta, dk, dv, spec: AttnSpec) -> None:
     """Fill ``dk``, ``dv`` (``bwd_eligible`` holds) from ``lse`` and the dQ kernel's ``delta``
     (both contiguous float32 ``(B, H, Sq)``): the deterministic backward."""
     _bwd(q, k, v, do, lse, delta, None, dk, dv, spec)
 
 
-def _prologue(q, out, do, delta):
-    """The fused backward's prologue: ``delta = rowsum(dO * O)`` and a zeroed float32 dQ
-    accumulator like ``q``, which it returns."""
+def _prologue(q, out, do, delta, zero: bool = True):
+    """The Hopper backward's prologue: ``delta = rowsum(dO * O)``, and for the fused kernel
+    (``zero``) a zeroed float32 dQ accumulator like ``q``, which it returns."""
     batch, sq, nheads, head_dim = q.shape
-    dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device) if zero else delta
     rows = batch * sq * nheads
     launch(attn_bwd_delta_kernel, (-(-rows // DELTA_ROWS),), O=out, DO=do, DELTA=delta,
            DQ_ACC=dq_acc, stride_db=do.stride(0), stride_ds=do.stride(1), stride_dh=do.stride(2),
            n_rows=rows, seqlen_q=sq, nheads=nheads, HEAD_DIM=head_dim, ROWS=DELTA_ROWS,
-           num_warps=4)
+           ZERO=zero, num_warps=4)
     return dq_acc
 
 

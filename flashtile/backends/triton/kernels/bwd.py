@@ -344,12 +344,14 @@ def attn_bwd_dq_kernel(
 
 @triton.jit
 def attn_bwd_delta_kernel(O, DO, DELTA, DQ_ACC, stride_db, stride_ds, stride_dh, n_rows,
-                          seqlen_q, nheads, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
-    """Prologue of the Hopper fused backward (``attn_bwd_sm90.py`` with ``DQ``), which has no
-    dQ kernel to compute ``delta`` in: ``delta = rowsum(dO * O)`` into ``DELTA`` (float32
-    ``(B, H, Sq)``) and the float32 dQ accumulator zeroed, for ``ROWS`` of the ``B * Sq * H``
-    rows of the contiguous ``(B, Sq, H, D)`` tensors ``O`` and ``DQ_ACC`` a program (``DO``: the
-    same shape with strides ``stride_d*`` and contiguous rows)."""
+                          seqlen_q, nheads, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+                          ZERO: tl.constexpr):
+    """Prologue of the Hopper backward kernels, which compute no ``delta`` themselves:
+    ``delta = rowsum(dO * O)`` into ``DELTA`` (float32 ``(B, H, Sq)``) and with ``ZERO`` (the
+    fused kernel, ``attn_bwd_sm90.py`` with ``DQ``) the float32 dQ accumulator zeroed, for
+    ``ROWS`` of the ``B * Sq * H`` rows of the contiguous ``(B, Sq, H, D)`` tensors ``O`` and
+    ``DQ_ACC`` a program (``DO``: the same shape with strides ``stride_d*`` and contiguous
+    rows)."""
     i_r = tl.program_id(0)
     o_r = i_r * ROWS + tl.arange(0, ROWS)                          # [ROWS] rows (b, s, h)
     o_d = tl.arange(0, HEAD_DIM)                                   # [D]
@@ -362,7 +364,8 @@ def attn_bwd_delta_kernel(O, DO, DELTA, DQ_ACC, stride_db, stride_ds, stride_dh,
             + i_h.to(tl.int64) * stride_dh)[:, None] + o_d[None, :]     # [ROWS, D]
     b_o = tl.load(O + p, mask=m_r[:, None], other=0.0).to(tl.float32)
     b_do = tl.load(DO + p_do, mask=m_r[:, None], other=0.0).to(tl.float32)
-    tl.store(DQ_ACC + p, tl.zeros([ROWS, HEAD_DIM], tl.float32), mask=m_r[:, None])
+    if ZERO:
+        tl.store(DQ_ACC + p, tl.zeros([ROWS, HEAD_DIM], tl.float32), mask=m_r[:, None])
     b_delta = tl.sum(b_o * b_do, axis=1)                           # [ROWS]
     # row (b * Sq + s) * H + h  ->  delta[b, h, s]
     p_delta = ((i_bs // seqlen_q) * nheads + i_h).to(tl.int64) * seqlen_q + i_bs % seqlen_q
