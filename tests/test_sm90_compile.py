@@ -122,7 +122,7 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                     desc_delta=flat, desc_dq=desc(ty, launch_sm90.DQ_ROWS, head_dim, dtype,
                                                   ragged),
                     scale="fp32", qk_scale="fp32"), head_dim, causal, WINDOW=False,
-                     RAGGED=ragged)
+                     RAGGED=ragged, PIPELINE=True)
             # (a key mask: the fused kernel only)
             for fused in (True, False) if not keymask else (True,):
                 kind = ("bwd" if fused else "dkdv") + r

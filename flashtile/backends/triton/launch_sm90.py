@@ -690,7 +690,7 @@ _dq_env = env_reader("FLASHTILE_SM90_DQ")
 def dq_eligible(head_dim: int) -> bool:
     """Whether the Gluon dQ kernel serves a call that ``bwd_eligible`` admits (deterministic):
     ``D`` = 128 or 256 (``kernels/attn_bwd_dq_sm90.py``), unless ``FLASHTILE_SM90_DQ=0`` (the
-    Triton dQ kernel)."""
+    Triton dQ kernel; ``simple``: the kernel without its pipelining, ``PIPELINE``)."""
     return head_dim in (128, 256) and _dq_env() != "0"
 
 
@@ -712,7 +712,8 @@ def dq(q, k, v, do, lse, delta, dq_out, spec: AttnSpec) -> None:
                 n_m=n_m, n_bh=batch * nheads, scale=spec.softmax_scale,
                 qk_scale=spec.softmax_scale * LOG2E, **window,
                 WINDOW=window["MASKED"] and (window["wl"] < sq + sk or window["wr"] != 0),
-                RAGGED=ragged, STAGES=STAGES, num_warps=NUM_WARPS)
+                RAGGED=ragged, PIPELINE=_dq_env() != "simple", STAGES=STAGES,
+                num_warps=NUM_WARPS)
     flat = _flat_layout()
     descs = dict(desc_q=_rows(q, DQ_ROWS, ragged, "q", args),
                  desc_do=_rows(do, DQ_ROWS, ragged, "do", args),
@@ -721,7 +722,8 @@ def dq(q, k, v, do, lse, delta, dq_out, spec: AttnSpec) -> None:
                  desc_lse=(lse, [lse.numel()], [1], [DQ_ROWS], flat),
                  desc_delta=(delta, [delta.numel()], [1], [DQ_ROWS], flat),
                  desc_dq=_rows(dq_out, DQ_ROWS, ragged, "dq", args))
-    _launch("dq", device, (q.dtype, head_dim, window["MASKED"], args["WINDOW"], ragged),
+    _launch("dq", device, (q.dtype, head_dim, window["MASKED"], args["WINDOW"], ragged,
+                           args["PIPELINE"]),
             (n_m * batch * nheads,), args, descs)
 
 

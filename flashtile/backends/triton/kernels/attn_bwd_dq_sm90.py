@@ -78,9 +78,34 @@ def _dq_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, 
 
 
 @gluon.jit
+def _dq_probs(b_s, o_m, o_n, m0, n0, shift, wl, wr, masked, window, b_lse2, qk_scale,
+              RAGGED: gl.constexpr):
+    """``p = exp2(qk_scale * s - lse2)`` of a consumer's ``[64, BLOCK_N]`` tile (rows ``o_m``
+    from ``m0``, keys ``n0 + o_n``), the pairs the window hides (``masked``) at 0."""
+    HALF: gl.constexpr = b_s.shape[0]
+    BLOCK_N: gl.constexpr = b_s.shape[1]
+    if masked:
+        # only tiles crossing an edge of the window (the diagonal when causal) hide pairs
+        if window:
+            if ((m0 + shift + wr < n0 + BLOCK_N - 1)
+                    | (n0 < m0 + HALF - 1 + shift - wl)):
+                m_d = (n0 + o_n)[None, :] - (o_m + shift)[:, None]         # [64, BLOCK_N]
+                b_s = gl.where((m_d <= wr) & (m_d >= -wl), b_s, float("-inf"))
+        elif m0 + shift < n0 + BLOCK_N - 1:
+            b_s = gl.where((n0 + o_n)[None, :] <= (o_m + shift)[:, None], b_s, float("-inf"))
+    if RAGGED:
+        # p <= 1 (s <= lse): the keys from sk on (zeros: the TMA read past the sequence) add
+        # ds * 0 to dq, and with p capped ds stays finite
+        return gl.exp2(gl.minimum(b_s * qk_scale - b_lse2[:, None], 0.0))
+    else:
+        return gl.exp2(b_s * qk_scale - b_lse2[:, None])
+
+
+@gluon.jit
 def _dq_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv,
                  bar_kvfree, desc_dq, sq, sk, nheads, group, n_m, n_bh, dq_rb, dq_rh, dq_ch, scale,
-                 qk_scale, wl, wr, masked, window, RAGGED: gl.constexpr):
+                 qk_scale, wl, wr, masked, window, RAGGED: gl.constexpr,
+                 PIPELINE: gl.constexpr):
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     HALF: gl.constexpr = q_smem.shape[1]
@@ -109,37 +134,57 @@ def _dq_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ba
     b_delta = delta_smem.index(i_wg).load(row_s)                # [64]
     b_dq = gl.zeros([HALF, HEAD_DIM], gl.float32, layout=g_layout)      # [64, D]
     b_z = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)        # [64, BLOCK_N]
-    for j in range(hi - lo):
-        i_s = j % STAGES
-        n0 = (lo + j) * BLOCK_N
-        k_tile = k_smem.index(i_s)                              # [BLOCK_N, D]
-        mbarrier.wait(bar_kv.index(i_s), (j // STAGES) & 1)
-        b_s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), b_z, use_acc=False, is_async=True)
-        b_dp = warpgroup_mma(do_tile, v_smem.index(i_s).permute((1, 0)), b_z, use_acc=False,
-                             is_async=True)
-        b_s = warpgroup_mma_wait(num_outstanding=1, deps=(b_s,))
-        if masked:
-            # only tiles crossing an edge of the window (the diagonal when causal) hide pairs
-            if window:
-                if ((m0 + shift + wr < n0 + BLOCK_N - 1)
-                        | (n0 < m0 + HALF - 1 + shift - wl)):
-                    m_d = (n0 + o_n)[None, :] - (o_m + shift)[:, None]     # [64, BLOCK_N]
-                    b_s = gl.where((m_d <= wr) & (m_d >= -wl), b_s, float("-inf"))
-            elif m0 + shift < n0 + BLOCK_N - 1:
-                b_s = gl.where((n0 + o_n)[None, :] <= (o_m + shift)[:, None], b_s,
-                               float("-inf"))
-        if RAGGED:
-            # p <= 1 (s <= lse): the keys from sk on (zeros: the TMA read past the sequence)
-            # add ds * 0 to dq, and with p capped ds stays finite
-            b_p = gl.exp2(gl.minimum(b_s * qk_scale - b_lse2[:, None], 0.0))
-        else:
-            b_p = gl.exp2(b_s * qk_scale - b_lse2[:, None])             # [64, BLOCK_N]
-        b_dp = warpgroup_mma_wait(num_outstanding=0, deps=(b_dp,))
-        b_ds = b_p * (b_dp - b_delta[:, None])                          # [64, BLOCK_N]
-        b_dsa = gl.convert_layout(b_ds.to(dtype), a_layout)
-        b_dq = warpgroup_mma(b_dsa, k_tile, b_dq, is_async=True)
-        b_dq, b_dsa = warpgroup_mma_wait(num_outstanding=0, deps=(b_dq, b_dsa))
-        mbarrier.arrive(bar_kvfree.index(i_s))
+    n_t = hi - lo
+    if PIPELINE:
+        # tile j's dq product runs while tile j + 1's s and dp are issued behind it and its
+        # softmax is computed (after the last tile, s and dp of a stale stage: discarded)
+        b_p = b_z
+        b_dp = b_z
+        if n_t > 0:
+            mbarrier.wait(bar_kv.index(0), 0)
+            b_s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), b_z, use_acc=False,
+                                is_async=True)
+            b_dp = warpgroup_mma(do_tile, v_smem.index(0).permute((1, 0)), b_z, use_acc=False,
+                                 is_async=True)
+            b_s = warpgroup_mma_wait(num_outstanding=1, deps=(b_s,))
+            b_p = _dq_probs(b_s, o_m, o_n, m0, lo * BLOCK_N, shift, wl, wr, masked, window,
+                            b_lse2, qk_scale, RAGGED)
+            b_dp = warpgroup_mma_wait(num_outstanding=0, deps=(b_dp,))
+        for j in range(n_t):
+            i_s = j % STAGES
+            i_n = (j + 1) % STAGES
+            b_ds = b_p * (b_dp - b_delta[:, None])                      # [64, BLOCK_N]
+            b_dsa = gl.convert_layout(b_ds.to(dtype), a_layout)
+            b_dq = warpgroup_mma(b_dsa, k_smem.index(i_s), b_dq, is_async=True)
+            mbarrier.wait(bar_kv.index(i_n), ((j + 1) // STAGES) & 1, pred=j + 1 < n_t)
+            b_s = warpgroup_mma(q_tile, k_smem.index(i_n).permute((1, 0)), b_z, use_acc=False,
+                                is_async=True)
+            b_dp = warpgroup_mma(do_tile, v_smem.index(i_n).permute((1, 0)), b_z,
+                                 use_acc=False, is_async=True)
+            b_dq, b_dsa = warpgroup_mma_wait(num_outstanding=2, deps=(b_dq, b_dsa))
+            mbarrier.arrive(bar_kvfree.index(i_s))
+            b_s = warpgroup_mma_wait(num_outstanding=1, deps=(b_s,))
+            b_p = _dq_probs(b_s, o_m, o_n, m0, (lo + j + 1) * BLOCK_N, shift, wl, wr, masked,
+                            window, b_lse2, qk_scale, RAGGED)
+            b_dp = warpgroup_mma_wait(num_outstanding=0, deps=(b_dp,))
+    else:
+        for j in range(n_t):
+            i_s = j % STAGES
+            k_tile = k_smem.index(i_s)                          # [BLOCK_N, D]
+            mbarrier.wait(bar_kv.index(i_s), (j // STAGES) & 1)
+            b_s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), b_z, use_acc=False,
+                                is_async=True)
+            b_dp = warpgroup_mma(do_tile, v_smem.index(i_s).permute((1, 0)), b_z,
+                                 use_acc=False, is_async=True)
+            b_s = warpgroup_mma_wait(num_outstanding=1, deps=(b_s,))
+            b_p = _dq_probs(b_s, o_m, o_n, m0, (lo + j) * BLOCK_N, shift, wl, wr, masked,
+                            window, b_lse2, qk_scale, RAGGED)
+            b_dp = warpgroup_mma_wait(num_outstanding=0, deps=(b_dp,))
+            b_ds = b_p * (b_dp - b_delta[:, None])                      # [64, BLOCK_N]
+            b_dsa = gl.convert_layout(b_ds.to(dtype), a_layout)
+            b_dq = warpgroup_mma(b_dsa, k_tile, b_dq, is_async=True)
+            b_dq, b_dsa = warpgroup_mma_wait(num_outstanding=0, deps=(b_dq, b_dsa))
+            mbarrier.arrive(bar_kvfree.index(i_s))
     # dq through this consumer's Q tile (its last read, s of the last tile, has completed)
     q_tile.store((b_dq * scale).to(dtype))
     fence_async_shared()
@@ -151,19 +196,21 @@ def _dq_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ba
 @gluon.jit
 def _dq_consumer0(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv,
                   bar_kvfree, desc_dq, sq, sk, nheads, group, n_m, n_bh, dq_rb, dq_rh, dq_ch, scale,
-                  qk_scale, wl, wr, masked, window, RAGGED: gl.constexpr):
+                  qk_scale, wl, wr, masked, window, RAGGED: gl.constexpr,
+                  PIPELINE: gl.constexpr):
     _dq_consumer(0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv,
                  bar_kvfree, desc_dq, sq, sk, nheads, group, n_m, n_bh, dq_rb, dq_rh, dq_ch, scale,
-                 qk_scale, wl, wr, masked, window, RAGGED)
+                 qk_scale, wl, wr, masked, window, RAGGED, PIPELINE)
 
 
 @gluon.jit
 def _dq_consumer1(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv,
                   bar_kvfree, desc_dq, sq, sk, nheads, group, n_m, n_bh, dq_rb, dq_rh, dq_ch, scale,
-                  qk_scale, wl, wr, masked, window, RAGGED: gl.constexpr):
+                  qk_scale, wl, wr, masked, window, RAGGED: gl.constexpr,
+                  PIPELINE: gl.constexpr):
     _dq_consumer(1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv,
                  bar_kvfree, desc_dq, sq, sk, nheads, group, n_m, n_bh, dq_rb, dq_rh, dq_ch, scale,
-                 qk_scale, wl, wr, masked, window, RAGGED)
+                 qk_scale, wl, wr, masked, window, RAGGED, PIPELINE)
 
 
 @gluon.jit
@@ -171,7 +218,8 @@ def attn_bwd_dq_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delt
                             sk, sq_pad, nheads, group, n_m, n_bh, q_rb, q_rh, q_ch, do_rb, do_rh,
                             do_ch, kv_rb, kv_rh, kv_ch, dq_rb, dq_rh, dq_ch, scale, qk_scale,
                             wl, wr, MASKED: gl.constexpr, WINDOW: gl.constexpr,
-                            RAGGED: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                            RAGGED: gl.constexpr, PIPELINE: gl.constexpr, STAGES: gl.constexpr,
+                            num_warps: gl.constexpr):
     """One CTA a work item: ``2 * 64`` query rows of one (batch, head) pair (``n_m`` row blocks
     a pair, ``_dq_item``); ``desc_dq`` is dQ in q's dtype and layout, tiles of ``[64, D]``."""
     HALF: gl.constexpr = desc_q.block_type.shape[-2]
@@ -196,10 +244,10 @@ def attn_bwd_dq_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delt
     gl.warp_specialize([
         (_dq_consumer0, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv,
                          bar_kvfree, desc_dq, sq, sk, nheads, group, n_m, n_bh, dq_rb, dq_rh, dq_ch,
-                         scale, qk_scale, wl, wr, MASKED, WINDOW, RAGGED)),
+                         scale, qk_scale, wl, wr, MASKED, WINDOW, RAGGED, PIPELINE)),
         (_dq_consumer1, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv,
                          bar_kvfree, desc_dq, sq, sk, nheads, group, n_m, n_bh, dq_rb, dq_rh, dq_ch,
-                         scale, qk_scale, wl, wr, MASKED, WINDOW, RAGGED)),
+                         scale, qk_scale, wl, wr, MASKED, WINDOW, RAGGED, PIPELINE)),
         (_dq_producer, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
                         k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv, bar_kvfree, sq, sk,
                         sq_pad, nheads, group, n_m, n_bh, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb,
