@@ -112,8 +112,8 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                                                        ragged),
                          DK=f"*{ty}", DV=f"*{ty}", Counter="*i32", scale="fp32",
                          qk_scale="fp32", **masks)
-            if not keymask and head_dim >= 128:  # the dQ kernel (no key mask)
-                dq_n = launch_sm90.dq_block_n(head_dim)
+            if not keymask and head_dim == 256:  # the dQ kernel (no key mask)
+                dq_n = launch_sm90.DQ_BLOCK_N
                 emit(f"dq{r}-{ty}", attn_bwd_dq_sm90_kernel, dict(
                     desc_q=desc(ty, launch_sm90.DQ_ROWS, head_dim, dtype, ragged),
                     desc_do=desc(ty, launch_sm90.DQ_ROWS, head_dim, dtype, ragged),
@@ -122,7 +122,7 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                     desc_delta=flat, desc_dq=desc(ty, launch_sm90.DQ_ROWS, head_dim, dtype,
                                                   ragged),
                     scale="fp32", qk_scale="fp32"), head_dim, causal, WINDOW=False,
-                     RAGGED=ragged, PIPELINE=True)
+                     RAGGED=ragged)
             # (a key mask: the fused kernel only)
             for fused in (True, False) if not keymask else (True,):
                 kind = ("bwd" if fused else "dkdv") + r
@@ -260,28 +260,28 @@ def test_sm90_backward_compiles_for_hopper_with_its_structure(compiled, variant)
         assert row["tma_reductions"] == 0 and row["atomics"] == claims
 
 
-DQ_VARIANTS = [f"dq{r}-{ty}-d{d}-{mode}" for r, ty in (("", "bf16"), ("", "fp16"), ("r", "bf16"))
-               for d in (128, 256) for mode in ("full", "causal")]
+DQ_VARIANTS = [f"dq{r}-{ty}-d256-{mode}" for r, ty in (("", "bf16"), ("", "fp16"), ("r", "bf16"))
+               for mode in ("full", "causal")]
 
 
 @pytest.mark.parametrize("variant", DQ_VARIANTS)
 def test_sm90_dq_kernel_compiles_for_hopper_with_its_structure(compiled, variant):
-    """The Gluon dQ kernel: Q and dO of 128 rows and a 2-stage K/V ring in shared memory,
-    asynchronous matrix products, TMA loads, one TMA store of dQ a consumer, no reduction and
-    no atomic (dQ is written once); ptxas spills 0-28 bytes (28: d = 256 ragged)."""
+    """The Gluon dQ kernel (d = 256): Q and dO of 128 rows and a 2-stage K/V ring in shared
+    memory, asynchronous matrix products, TMA loads, one TMA store of dQ a consumer, no
+    reduction and no atomic (dQ is written once); ptxas spills 0-28 bytes (28: ragged)."""
     from flashtile.backends.triton import launch_sm90
 
     row = compiled[variant]
     d = row["head_dim"]
     assert row["cubin_bytes"] > 0, "ptxas produced no binary"
-    rows, keys = 2 * launch_sm90.DQ_ROWS, launch_sm90.dq_block_n(d)
+    rows, keys = 2 * launch_sm90.DQ_ROWS, launch_sm90.DQ_BLOCK_N
     tiles = (2 * rows + 2 * launch_sm90.STAGES * keys) * d * 2
     assert tiles <= row["shared"] <= SMEM_LIMIT
     assert row["num_warps"] == 12
     assert all(row["ops"].values()), row["ops"]
     assert row["tma_stores"] == 2
     assert row["tma_reductions"] == 0 and row["atomics"] == 0
-    assert row["spill_bytes"] <= 32
+    assert row["spill_bytes"] <= 32, row["spill_bytes"]
 
 
 @pytest.mark.parametrize("sq, sk, window, head_dim, expected", [

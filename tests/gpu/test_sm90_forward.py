@@ -602,7 +602,9 @@ def test_sm90_backward_with_a_window_matches_float64_reference(case, dtype, dete
         out = flashtile.flash_attn_func(*leaves, window_size=(left, right),
                                         deterministic=deterministic)
         out.backward(do)
-    assert names == ["fwd", "bwd"] if eligible else names == ["fwd"], names
+    # the two kernels at d = 256: the Gluon dQ kernel, then the dK/dV kernel
+    hopper = ["fwd", "dq", "bwd"] if two and launch_sm90.dq_eligible(d) else ["fwd", "bwd"]
+    assert names == hopper if eligible else names == ["fwd"], names
     ref = _grads(q, k, v, do, False, torch.float64, (left, right))
     low = _grads(q, k, v, do, False, dtype, (left, right))
     for name, g, r, lo in zip(("out", "dq", "dk", "dv"), [out] + [x.grad for x in leaves],
@@ -655,26 +657,26 @@ def test_sm90_ragged_lengths_keep_sequences_apart(layout, causal, deterministic,
         assert torch.isfinite(g).all() and err <= 3 * base + 1e-4, (name, err, base)
 
 
-DQ_CASES = [  # (batch, sq, sk, heads, heads_k, d, causal)
-    ("d128-causal-gqa", 2, 1024, 1024, 4, 2, 128, True),
-    ("d256", 2, 512, 640, 4, 4, 256, False),
-    ("d256-causal-ragged-gqa", 2, 700, 700, 4, 2, 256, True),
-    ("d128-ragged", 1, 333, 200, 2, 2, 128, False),
+DQ_CASES = [  # (batch, sq, sk, heads, heads_k, causal, layout), d = 256
+    ("causal-gqa", 2, 1024, 1024, 4, 2, True, "contiguous"),
+    ("sk-longer", 2, 512, 640, 4, 4, False, "contiguous"),
+    ("causal-ragged-gqa", 2, 700, 700, 4, 2, True, "contiguous"),
+    ("ragged-sk-shorter", 1, 333, 200, 2, 2, False, "contiguous"),
+    ("sdpa-layout", 2, 640, 640, 4, 2, False, "sdpa"),
+    ("fused-qkv-ragged-causal", 2, 333, 333, 4, 4, True, "fused-qkv"),
 ]
 
 
 @pytest.mark.parametrize("case", DQ_CASES, ids=[c[0] for c in DQ_CASES])
-@pytest.mark.parametrize("mode", ["pipelined", "simple"])
-def test_sm90_dq_kernel_matches_float64_reference(case, mode, monkeypatch):
-    """The Gluon dQ kernel of the two-kernel backward (``deterministic=True``; both of its
-    variants): dQ within 3x PyTorch's bf16 error of float64, bitwise reproducible, and the same
-    as the Triton dQ kernel's (``FLASHTILE_SM90_DQ=0``) within that error."""
-    _, batch, sq, sk, heads, heads_k, d, causal = case
+def test_sm90_dq_kernel_matches_float64_reference(case, monkeypatch):
+    """The Gluon dQ kernel of the two-kernel backward at d = 256 (``deterministic=True``): dQ
+    within 3x PyTorch's bf16 error of float64, bitwise reproducible, and the same as the Triton
+    dQ kernel's (``FLASHTILE_SM90_DQ=0``) within that error; inputs in the SDPA layout or
+    sliced from a fused projection as well (dQ in q's layout)."""
+    _, batch, sq, sk, heads, heads_k, causal, layout = case
+    d = 256
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
-    if mode == "simple":
-        monkeypatch.setenv("FLASHTILE_SM90_DQ", "simple")
-    else:
-        monkeypatch.delenv("FLASHTILE_SM90_DQ", raising=False)
+    monkeypatch.delenv("FLASHTILE_SM90_DQ", raising=False)
     q = torch.randn(batch, sq, heads, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(batch, sk, heads_k, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(batch, sk, heads_k, d, device="cuda", dtype=torch.bfloat16)
@@ -684,10 +686,14 @@ def test_sm90_dq_kernel_matches_float64_reference(case, mode, monkeypatch):
     monkeypatch.setattr(launch_sm90, "_launch", lambda name, *a: names.append(name) or real(
         name, *a))
 
+    def arg(x):
+        return x if layout == "contiguous" else _in_layout(x, layout)
+
     def dq():
-        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        leaves = [arg(x).detach().requires_grad_() for x in (q, k, v)]
         with poison_outputs():
-            flashtile.flash_attn_func(*leaves, causal=causal, deterministic=True).backward(do)
+            flashtile.flash_attn_func(*leaves, causal=causal, deterministic=True).backward(
+                arg(do))
         return leaves[0].grad
 
     got = dq()

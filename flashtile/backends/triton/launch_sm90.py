@@ -678,20 +678,17 @@ def _pad_rows(lse, delta):
 DQ_ROWS = 64  # query rows of a dQ kernel consumer (two a CTA)
 
 
-def dq_block_n(head_dim: int) -> int:
-    """Keys per K/V tile of the dQ kernel: 32 at d = 256 (Q and dO of 128 rows take 128 KB of
-    shared memory, a 2-stage ring of 32-key K and V tiles 64 KB more), 64 at d = 128."""
-    return 32 if head_dim == 256 else 64
-
+DQ_BLOCK_N = 32  # keys a K/V tile of the dQ kernel at d = 256 (Q and dO of 128 rows take
+#                 128 KB of shared memory, a 2-stage ring of 32-key K and V tiles 64 KB more)
 
 _dq_env = env_reader("FLASHTILE_SM90_DQ")
 
 
 def dq_eligible(head_dim: int) -> bool:
-    """Whether the Gluon dQ kernel serves a call that ``bwd_eligible`` admits (deterministic):
-    ``D`` = 128 or 256 (``kernels/attn_bwd_dq_sm90.py``), unless ``FLASHTILE_SM90_DQ=0`` (the
-    Triton dQ kernel; ``simple``: the kernel without its pipelining, ``PIPELINE``)."""
-    return head_dim in (128, 256) and _dq_env() != "0"
+    """Whether the Gluon dQ kernel (``kernels/attn_bwd_dq_sm90.py``) is the dQ pass of a
+    two-kernel backward that ``bwd_eligible`` admits: at ``D`` = 256, unless
+    ``FLASHTILE_SM90_DQ=0`` (the Triton dQ kernel)."""
+    return head_dim == 256 and _dq_env() != "0"
 
 
 def dq(q, k, v, do, lse, delta, dq_out, spec: AttnSpec) -> None:
@@ -700,7 +697,7 @@ def dq(q, k, v, do, lse, delta, dq_out, spec: AttnSpec) -> None:
     batch, sq, nheads, head_dim = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
     device = q.device.index or 0
-    block_n = dq_block_n(head_dim)
+    block_n = DQ_BLOCK_N
     # lengths that are not multiples of the tiles (a CTA's 128 rows, a K/V tile): 3-D
     # descriptors, and lse, delta padded to whole 64-row tiles
     ragged = bool(sq % (2 * DQ_ROWS) or sk % block_n)
@@ -712,7 +709,7 @@ def dq(q, k, v, do, lse, delta, dq_out, spec: AttnSpec) -> None:
                 n_m=n_m, n_bh=batch * nheads, scale=spec.softmax_scale,
                 qk_scale=spec.softmax_scale * LOG2E, **window,
                 WINDOW=window["MASKED"] and (window["wl"] < sq + sk or window["wr"] != 0),
-                RAGGED=ragged, PIPELINE=_dq_env() != "simple", STAGES=STAGES,
+                RAGGED=ragged, STAGES=STAGES,
                 num_warps=NUM_WARPS)
     flat = _flat_layout()
     descs = dict(desc_q=_rows(q, DQ_ROWS, ragged, "q", args),
@@ -722,8 +719,7 @@ def dq(q, k, v, do, lse, delta, dq_out, spec: AttnSpec) -> None:
                  desc_lse=(lse, [lse.numel()], [1], [DQ_ROWS], flat),
                  desc_delta=(delta, [delta.numel()], [1], [DQ_ROWS], flat),
                  desc_dq=_rows(dq_out, DQ_ROWS, ragged, "dq", args))
-    _launch("dq", device, (q.dtype, head_dim, window["MASKED"], args["WINDOW"], ragged,
-                           args["PIPELINE"]),
+    _launch("dq", device, (q.dtype, head_dim, window["MASKED"], args["WINDOW"], ragged),
             (n_m * batch * nheads,), args, descs)
 
 

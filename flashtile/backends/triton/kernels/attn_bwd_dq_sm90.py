@@ -1,5 +1,5 @@
-"""Hopper (sm_90) dQ kernel in Gluon: the dQ pass of the two-kernel backward (the deterministic
-backward, and the default one where the fused kernel does not pay: ``launch_sm90.fused_pays``),
+"""Hopper (sm_90) dQ kernel in Gluon: the dQ pass of the two-kernel backward at ``D`` = 256 (the
+default backward there, ``launch_sm90.fused_pays``, and the deterministic one),
 warp-specialised like the forward (``attn_fwd_sm90.py``).  A one-warp producer loads a work
 item's ``2 * 64`` query rows of Q and dO (with their lse and delta) once and streams K and V
 tiles of ``BLOCK_N`` keys by TMA into a ``STAGES``-deep ring; two consumer warpgroups own 64
@@ -14,11 +14,13 @@ log2(e)``, ``delta = rowsum(dO * O)`` computed before the kernel)::
 
 and at the end ``dq *= scale``, written through the consumer's Q tile by one TMA store.  dQ is
 held in registers over the whole key loop and written once: no accumulator in memory, no
-atomics (the fused kernel's dq reductions are what bound it at d = 256:
-docs/dev/tuning-log.md, step 60).
+atomics (the fused kernel's dq reductions are what we estimate bounds it at d = 256:
+docs/dev/tuning-log.md, steps 60 and 62).
 
 Scope (``launch_sm90.dq_eligible``): the backward kernel's (dense inputs in a layout the TMA
-reads, fp16/bf16, any lengths, a window with ``sk >= sq``), ``D`` = 128 or 256.  Lengths that
+reads, fp16/bf16, any lengths, a window with ``sk >= sq``), ``D`` = 256.  The kernel is written
+for any ``D`` whose tiles fit; at ``D`` = 128 (64-key tiles) it ran 0.93-1.05x the Triton dQ
+kernel, which therefore stays the dQ pass there (step 62).  Lengths that
 are not multiples of the tiles (``RAGGED``): 3-D descriptors, so tiles past a sequence read
 zeros and the dq store writes nothing there; lse and delta come padded to whole 64-row tiles
 (+inf, 0).  Keys past ``sk`` are zeros: their ``p`` is capped at 1 and their ``ds k`` adds 0.
@@ -104,8 +106,7 @@ def _dq_probs(b_s, o_m, o_n, m0, n0, shift, wl, wr, masked, window, b_lse2, qk_s
 @gluon.jit
 def _dq_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv,
                  bar_kvfree, desc_dq, sq, sk, nheads, group, n_m, n_bh, dq_rb, dq_rh, dq_ch, scale,
-                 qk_scale, wl, wr, masked, window, RAGGED: gl.constexpr,
-                 PIPELINE: gl.constexpr):
+                 qk_scale, wl, wr, masked, window, RAGGED: gl.constexpr):
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     HALF: gl.constexpr = q_smem.shape[1]
@@ -134,57 +135,25 @@ def _dq_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ba
     b_delta = delta_smem.index(i_wg).load(row_s)                # [64]
     b_dq = gl.zeros([HALF, HEAD_DIM], gl.float32, layout=g_layout)      # [64, D]
     b_z = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)        # [64, BLOCK_N]
-    n_t = hi - lo
-    if PIPELINE:
-        # tile j's dq product runs while tile j + 1's s and dp are issued behind it and its
-        # softmax is computed (after the last tile, s and dp of a stale stage: discarded)
-        b_p = b_z
-        b_dp = b_z
-        if n_t > 0:
-            mbarrier.wait(bar_kv.index(0), 0)
-            b_s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), b_z, use_acc=False,
-                                is_async=True)
-            b_dp = warpgroup_mma(do_tile, v_smem.index(0).permute((1, 0)), b_z, use_acc=False,
-                                 is_async=True)
-            b_s = warpgroup_mma_wait(num_outstanding=1, deps=(b_s,))
-            b_p = _dq_probs(b_s, o_m, o_n, m0, lo * BLOCK_N, shift, wl, wr, masked, window,
-                            b_lse2, qk_scale, RAGGED)
-            b_dp = warpgroup_mma_wait(num_outstanding=0, deps=(b_dp,))
-        for j in range(n_t):
-            i_s = j % STAGES
-            i_n = (j + 1) % STAGES
-            b_ds = b_p * (b_dp - b_delta[:, None])                      # [64, BLOCK_N]
-            b_dsa = gl.convert_layout(b_ds.to(dtype), a_layout)
-            b_dq = warpgroup_mma(b_dsa, k_smem.index(i_s), b_dq, is_async=True)
-            mbarrier.wait(bar_kv.index(i_n), ((j + 1) // STAGES) & 1, pred=j + 1 < n_t)
-            b_s = warpgroup_mma(q_tile, k_smem.index(i_n).permute((1, 0)), b_z, use_acc=False,
-                                is_async=True)
-            b_dp = warpgroup_mma(do_tile, v_smem.index(i_n).permute((1, 0)), b_z,
-                                 use_acc=False, is_async=True)
-            b_dq, b_dsa = warpgroup_mma_wait(num_outstanding=2, deps=(b_dq, b_dsa))
-            mbarrier.arrive(bar_kvfree.index(i_s))
-            b_s = warpgroup_mma_wait(num_outstanding=1, deps=(b_s,))
-            b_p = _dq_probs(b_s, o_m, o_n, m0, (lo + j + 1) * BLOCK_N, shift, wl, wr, masked,
-                            window, b_lse2, qk_scale, RAGGED)
-            b_dp = warpgroup_mma_wait(num_outstanding=0, deps=(b_dp,))
-    else:
-        for j in range(n_t):
-            i_s = j % STAGES
-            k_tile = k_smem.index(i_s)                          # [BLOCK_N, D]
-            mbarrier.wait(bar_kv.index(i_s), (j // STAGES) & 1)
-            b_s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), b_z, use_acc=False,
-                                is_async=True)
-            b_dp = warpgroup_mma(do_tile, v_smem.index(i_s).permute((1, 0)), b_z,
-                                 use_acc=False, is_async=True)
-            b_s = warpgroup_mma_wait(num_outstanding=1, deps=(b_s,))
-            b_p = _dq_probs(b_s, o_m, o_n, m0, (lo + j) * BLOCK_N, shift, wl, wr, masked,
-                            window, b_lse2, qk_scale, RAGGED)
-            b_dp = warpgroup_mma_wait(num_outstanding=0, deps=(b_dp,))
-            b_ds = b_p * (b_dp - b_delta[:, None])                      # [64, BLOCK_N]
-            b_dsa = gl.convert_layout(b_ds.to(dtype), a_layout)
-            b_dq = warpgroup_mma(b_dsa, k_tile, b_dq, is_async=True)
-            b_dq, b_dsa = warpgroup_mma_wait(num_outstanding=0, deps=(b_dq, b_dsa))
-            mbarrier.arrive(bar_kvfree.index(i_s))
+    for j in range(hi - lo):
+        i_s = j % STAGES
+        k_tile = k_smem.index(i_s)                              # [BLOCK_N, D]
+        mbarrier.wait(bar_kv.index(i_s), (j // STAGES) & 1)
+        b_s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), b_z, use_acc=False, is_async=True)
+        b_dp = warpgroup_mma(do_tile, v_smem.index(i_s).permute((1, 0)), b_z, use_acc=False,
+                             is_async=True)
+        # the softmax of s runs while dp's product is in flight
+        b_s = warpgroup_mma_wait(num_outstanding=1, deps=(b_s,))
+        b_p = _dq_probs(b_s, o_m, o_n, m0, (lo + j) * BLOCK_N, shift, wl, wr, masked, window,
+                        b_lse2, qk_scale, RAGGED)                # [64, BLOCK_N]
+        b_dp = warpgroup_mma_wait(num_outstanding=0, deps=(b_dp,))
+        b_ds = b_p * (b_dp - b_delta[:, None])                  # [64, BLOCK_N]
+        b_dsa = gl.convert_layout(b_ds.to(dtype), a_layout)
+        b_dq = warpgroup_mma(b_dsa, k_tile, b_dq, is_async=True)
+        # the stage is released once the product that reads K has completed; the other
+        # consumer's products fill the tensor cores meanwhile
+        b_dq, b_dsa = warpgroup_mma_wait(num_outstanding=0, deps=(b_dq, b_dsa))
+        mbarrier.arrive(bar_kvfree.index(i_s))
     # dq through this consumer's Q tile (its last read, s of the last tile, has completed)
     q_tile.store((b_dq * scale).to(dtype))
     fence_async_shared()
@@ -196,21 +165,19 @@ def _dq_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ba
 @gluon.jit
 def _dq_consumer0(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv,
                   bar_kvfree, desc_dq, sq, sk, nheads, group, n_m, n_bh, dq_rb, dq_rh, dq_ch, scale,
-                  qk_scale, wl, wr, masked, window, RAGGED: gl.constexpr,
-                  PIPELINE: gl.constexpr):
+                  qk_scale, wl, wr, masked, window, RAGGED: gl.constexpr):
     _dq_consumer(0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv,
                  bar_kvfree, desc_dq, sq, sk, nheads, group, n_m, n_bh, dq_rb, dq_rh, dq_ch, scale,
-                 qk_scale, wl, wr, masked, window, RAGGED, PIPELINE)
+                 qk_scale, wl, wr, masked, window, RAGGED)
 
 
 @gluon.jit
 def _dq_consumer1(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv,
                   bar_kvfree, desc_dq, sq, sk, nheads, group, n_m, n_bh, dq_rb, dq_rh, dq_ch, scale,
-                  qk_scale, wl, wr, masked, window, RAGGED: gl.constexpr,
-                  PIPELINE: gl.constexpr):
+                  qk_scale, wl, wr, masked, window, RAGGED: gl.constexpr):
     _dq_consumer(1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv,
                  bar_kvfree, desc_dq, sq, sk, nheads, group, n_m, n_bh, dq_rb, dq_rh, dq_ch, scale,
-                 qk_scale, wl, wr, masked, window, RAGGED, PIPELINE)
+                 qk_scale, wl, wr, masked, window, RAGGED)
 
 
 @gluon.jit
@@ -218,7 +185,7 @@ def attn_bwd_dq_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delt
                             sk, sq_pad, nheads, group, n_m, n_bh, q_rb, q_rh, q_ch, do_rb, do_rh,
                             do_ch, kv_rb, kv_rh, kv_ch, dq_rb, dq_rh, dq_ch, scale, qk_scale,
                             wl, wr, MASKED: gl.constexpr, WINDOW: gl.constexpr,
-                            RAGGED: gl.constexpr, PIPELINE: gl.constexpr, STAGES: gl.constexpr,
+                            RAGGED: gl.constexpr, STAGES: gl.constexpr,
                             num_warps: gl.constexpr):
     """One CTA a work item: ``2 * 64`` query rows of one (batch, head) pair (``n_m`` row blocks
     a pair, ``_dq_item``); ``desc_dq`` is dQ in q's dtype and layout, tiles of ``[64, D]``."""
@@ -244,10 +211,10 @@ def attn_bwd_dq_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delt
     gl.warp_specialize([
         (_dq_consumer0, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv,
                          bar_kvfree, desc_dq, sq, sk, nheads, group, n_m, n_bh, dq_rb, dq_rh, dq_ch,
-                         scale, qk_scale, wl, wr, MASKED, WINDOW, RAGGED, PIPELINE)),
+                         scale, qk_scale, wl, wr, MASKED, WINDOW, RAGGED)),
         (_dq_consumer1, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv,
                          bar_kvfree, desc_dq, sq, sk, nheads, group, n_m, n_bh, dq_rb, dq_rh, dq_ch,
-                         scale, qk_scale, wl, wr, MASKED, WINDOW, RAGGED, PIPELINE)),
+                         scale, qk_scale, wl, wr, MASKED, WINDOW, RAGGED)),
         (_dq_producer, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
                         k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv, bar_kvfree, sq, sk,
                         sq_pad, nheads, group, n_m, n_bh, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb,
