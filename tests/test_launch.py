@@ -266,6 +266,46 @@ def test_replays_pass_addresses():
         t.data_ptr(), None, t.data_ptr() + (8 + 2) * t.element_size(), 12345]
 
 
+def test_plan_rebuilds_each_descriptor_for_the_new_tensors(stubbed):
+    """A Gluon launch is recorded with its TMA descriptors (``launch_sm90._launch``: position
+    -> (tensor, build)): the plan keeps none of the recording call's descriptors and, per
+    replay, builds each one of the replay's tensor in that place (an input, or the fresh buffer
+    of the recorded buffer) with the recorded build."""
+    _, _, ran = stubbed
+    handle = object()
+
+    def call(inputs):
+        out = fastlaunch.empty((4, 8), torch.float32, "cpu")
+
+        def build(t):
+            return ("descriptor of", t)
+        values = [build(inputs[0]), build(out), 3, inputs[1]]
+        fastlaunch.recorder().launches.append(
+            ("gluon kernel", (2,), (handle, values, {0: (inputs[0], build), 1: (out, build)})))
+        return (out,)
+
+    first = (torch.randn(4, 8), torch.randn(3))
+    with fastlaunch.recording() as rec:
+        outs = call(first)
+    plan = fastlaunch.record_plan(rec, first, outs)
+    assert plan is not None
+    (_, template, _), = plan.launches
+    assert not any(isinstance(v, (tuple, torch.Tensor)) for v in template)
+    second = (torch.randn(4, 8), torch.randn(3))
+    (out,) = plan.run(second)
+    (compiled, grid, args), = ran
+    assert compiled is handle and grid == (2,)
+    assert args[0] == ("descriptor of", second[0]) and args[0][1] is second[0]
+    assert args[1][1] is out and out is not outs[0] and out.shape == (4, 8)
+    assert args[2] == 3 and args[3] is second[1]
+    # a descriptor of a tensor that is neither an input nor a buffer of the call: no plan
+    with fastlaunch.recording() as rec:
+        fastlaunch.recorder().launches.append(("gluon kernel", (2,), (handle, [None], {
+            0: (torch.randn(2), lambda t: t)})))
+        outs = (fastlaunch.empty((1,), torch.float32, "cpu"),)
+    assert fastlaunch.record_plan(rec, first, outs) is None
+
+
 @pytest.mark.parametrize("case", ["forward", "backward", "decode"])
 def test_plan_replays_the_recorded_launches_with_new_tensors(stubbed, case):
     """Replaying a plan for new tensors of the same signature passes each kernel exactly the

@@ -275,6 +275,66 @@ def test_sm90_forward_plan_repeats_the_launch_with_the_new_tensors(seq, monkeypa
     assert launch_sm90.planned_forward(q2, k2, v2, spec) is None
 
 
+@pytest.mark.parametrize("d,causal,deterministic", [(256, False, False), (256, True, True),
+                                                    (128, True, False), (128, False, True)],
+                         ids=["d256-gluon-dq", "d256-causal-deterministic",
+                              "d128-causal-triton-dq", "d128-deterministic"])
+def test_sm90_two_kernel_backward_replays_a_plan_bitwise(d, causal, deterministic, monkeypatch):
+    """The two-kernel Hopper backward (at d = 256 delta, the Gluon dQ kernel and the dK/dV
+    kernel; at d = 128 the Triton dQ kernel and the dK/dV kernel) records one launch plan per
+    signature, holding neither a tensor nor a descriptor of the recording call, and later calls
+    replay it: gradients bitwise those of the full path (no kernel sums in a varying order).
+    Turning a Hopper switch (``FLASHTILE_SM90_DQ=0``, ``FLASHTILE_SM90=0``) finds no plan of
+    the other setting: the full path runs and records its own."""
+    from flashtile.backends import triton as backend
+    from flashtile.backends.triton import launch_bwd
+    from flashtile.backends.triton.fastlaunch import PlanCache
+
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    monkeypatch.delenv("FLASHTILE_SM90_DQ", raising=False)
+    monkeypatch.setattr(launch_bwd, "_plans", PlanCache())
+    seq = 512  # causal d = 128 up to 1K keys: the two kernels (launch_sm90.fused_pays)
+    spec = flashtile.backends.spec.AttnSpec(softmax_scale=d ** -0.5,
+                                            window_right=0 if causal else -1,
+                                            deterministic=deterministic)
+
+    def inputs():
+        q, k, v, do = (torch.randn(2, seq, 4, d, device="cuda", dtype=torch.bfloat16)
+                       for _ in range(4))
+        out, lse = backend.forward(q, k, v, spec)
+        return do, q, k, v, out, lse.contiguous()
+
+    full_calls = []
+    real = launch_bwd._backward
+    monkeypatch.setattr(launch_bwd, "_backward", lambda *a, **kw: full_calls.append(1) or real(
+        *a, **kw))
+    do, q, k, v, out, lse = inputs()
+    backend.backward(do, q, k, v, out, lse, spec)  # compiled (or found), then launched directly
+    backend.backward(do, q, k, v, out, lse, spec)
+    (plan,) = launch_bwd._plans._plans.values()
+    assert not any(isinstance(x, torch.Tensor) or hasattr(x, "base")
+                   for _, template, _ in plan.launches for x in template)
+    # the Gluon launches' descriptors are rebuilt per replay
+    assert any(len(slot) == 4 for _, _, slots in plan.launches for slot in slots)
+    do, q, k, v, out, lse = inputs()
+    full_calls.clear()
+    planned = backend.backward(do, q, k, v, out, lse, spec)
+    assert full_calls == []
+    with poison_outputs():  # (plans are off while outputs are poisoned)
+        full = real(do, q, k, v, out, lse, spec)
+    for g, f in zip(planned, full):
+        assert torch.isfinite(g).all() and torch.equal(g, f)
+    for name in ("FLASHTILE_SM90_DQ", "FLASHTILE_SM90"):
+        monkeypatch.setenv(name, "0")
+        full_calls.clear()
+        other = backend.backward(do, q, k, v, out, lse, spec)
+        assert full_calls == [1], name
+        # another dQ kernel (d = 256) or the Triton kernels: float32 sums in another order,
+        # rounded to bf16 (units of 2^-8 to 2^-7 relative) a unit or two apart
+        for g, f in zip(other, full):
+            torch.testing.assert_close(g, f, rtol=2 ** -6, atol=2e-3)
+
+
 @pytest.mark.parametrize("d,causal,seq", [(64, True, 384), (128, False, 384), (128, False, 300)],
                          ids=["d64-causal-persistent", "d128-full", "d128-full-ragged"])
 def test_sm90_backward_plan_repeats_the_launch_with_the_new_tensors(d, causal, seq, monkeypatch):

@@ -400,8 +400,10 @@ def recorder() -> Recorder | None:
 
 class Plan:
     """A recorded call: buffers to allocate (shape, strides, dtype), then launches
-    ``(function, argument template, [(position, 0, input index) or (position, 1, buffer
-    index)])`` (:func:`bind`); ``outputs`` are buffer indices."""
+    ``(function, argument template, slots)`` (:func:`bind`), each slot ``(position, kind,
+    index)`` with kind 0 the address of input ``index`` and 1 that of buffer ``index``, or
+    ``(position, kind, index, build)`` with kind 2 (an input) or 3 (a buffer) a TMA descriptor
+    ``build(tensor)`` of that tensor; ``outputs`` are buffer indices."""
 
     __slots__ = ("allocs", "launches", "outputs", "device")
 
@@ -418,13 +420,14 @@ class Plan:
         bufs = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
                 for shape, stride, dtype in self.allocs]
         outs = tuple([bufs[i] for i in self.outputs])
-        pools = (addresses(inputs), addresses(bufs))
+        pools = (addresses(inputs), addresses(bufs), inputs, bufs)
         stream = raw_stream(device.index)
         for function, template, slots in self.launches:
             args = template.copy()
             args[STREAM_ARG] = stream
-            for pos, kind, i in slots:
-                args[pos] = pools[kind][i]
+            for slot in slots:
+                pos, kind, i = slot[0], slot[1], slot[2]
+                args[pos] = pools[kind][i] if kind < 2 else slot[3](pools[kind][i])
             function(*args)
             if after_first is not None:
                 after_first(outs)
@@ -478,10 +481,19 @@ def record_plan(rec: Recorder, inputs: tuple, outputs: tuple, roles: dict | None
     for kernel, grid, launched in rec.launches:
         if launched is None:
             return None
-        compiled, values = launched
+        # a Gluon launch adds its TMA descriptors: {position: (tensor, build)}
+        compiled, values, descs = launched if len(launched) == 3 else (*launched, {})
         fixed = roles.get(kernel, {}) if roles else {}
         template, slots = list(values), []
         for pos, v in enumerate(values):
+            if pos in descs:
+                t, build = descs[pos]
+                slot = where.get(id(t))
+                if slot is None or id(t) in shared:
+                    return None
+                template[pos] = None
+                slots.append((pos, slot[0] + 2, slot[1], build))
+                continue
             if not isinstance(v, torch.Tensor):
                 continue
             if pos in fixed:

@@ -569,7 +569,7 @@ def record_plan(inputs: tuple, call):
         slots[id(note["slot"])] = (2, 0)
     launches = []
     for _, grid, launched in rec.launches:
-        if launched is None:
+        if launched is None or len(launched) != 2:  # (a Gluon launch: descriptors)
             return (out, lse), None
         compiled, values = launched
         template, where = list(values), []

@@ -79,6 +79,12 @@ def enabled() -> bool:
     return _sm90_env() != "0"
 
 
+def setting() -> tuple:
+    """The switches (read per call) that decide which Hopper kernels a call launches: what a
+    launch plan's key must hold besides the call's own arguments."""
+    return _sm90_env(), _dq_env()
+
+
 @functools.lru_cache(maxsize=None)
 def _hopper(index: int) -> bool:
     try:
@@ -377,9 +383,6 @@ def _launch(kernel_name: str, device: int, key: tuple, grid: tuple, args: dict,
     compiled variant directly, else None."""
     key = (kernel_name, device, *key, _int_key(args))
     rec = recorder()
-    if rec is not None:
-        # launch plans replay Triton launches only: a call with this one records no plan
-        rec.launches.append((kernel_name, grid, None))
     compiled = _compiled.get(key) if INTERNALS_OK else None
     # a profiler's launch hooks want Triton's own launch path (and full descriptors)
     direct = compiled is not None and not launch_hooks_set()
@@ -388,11 +391,25 @@ def _launch(kernel_name: str, device: int, key: tuple, grid: tuple, args: dict,
     if direct:
         values = list(map(args.__getitem__, kernel.arg_names))
         if run_direct(compiled, grid, values, device):
+            if rec is not None:
+                # a launch plan (fastlaunch.record_plan) rebuilds each descriptor of its own
+                # call's tensor: {position: (tensor, build)}
+                names = kernel.arg_names
+                rec.launches.append((kernel, grid, (compiled, values, {
+                    names.index(n): (d[0], functools.partial(_plan_descriptor, *d[1:]))
+                    for n, d in descs.items()})))
             return compiled, values
+    if rec is not None:  # not direct: a call with this launch records no plan
+        rec.launches.append((kernel, grid, None))
     compiled = kernel[grid](**args)
     if INTERNALS_OK and compiled is not None:
         _compiled[key] = compiled
     return None
+
+
+def _plan_descriptor(shape, strides, block, layout, x):
+    """A plan's replay of a direct launch's descriptor of ``x`` (:func:`_descriptor`)."""
+    return _descriptor(x, shape, strides, block, layout, True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -626,7 +643,7 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None)
     if fused:
         desc_dq = _rows(dq_acc, BWD_BLOCK_M, ragged, cols=acc_tile[1])
     else:  # never read: a descriptor of one tile
-        desc_dq = (torch.empty(acc_tile, dtype=torch.float32, device=q.device), acc_tile,
+        desc_dq = (empty(acc_tile, torch.float32, q.device), acc_tile,
                    [acc_tile[1], 1], acc_tile, _layout(*acc_tile, torch.float32))
     n_bh = batch * nheads_k
     n_sm = _sm_count(device)
