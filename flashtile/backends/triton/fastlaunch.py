@@ -322,7 +322,8 @@ def addresses(items) -> list:
 # allocates (:func:`empty`, :func:`empty_like`) and every launch is noted; :func:`record_plan`
 # turns that into a :class:`Plan` that replays the call for new tensors of the same signature:
 # allocate the same buffers, put the call's tensors and the buffers in their argument places,
-# launch the same compiled kernels.  Callers keep their plans in a :class:`PlanCache` under a
+# launch the same compiled kernels.  A Gluon launch (``launch_sm90._launch``) is noted with its
+# TMA descriptors, which a replay rebuilds around its own tensors.  Callers keep their plans in a :class:`PlanCache` under a
 # key of everything the launches depend on (:func:`signature` of the tensors, dtype, device,
 # the call's other arguments).
 _PLANS = True
