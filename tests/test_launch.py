@@ -270,7 +270,8 @@ def test_plan_rebuilds_each_descriptor_for_the_new_tensors(stubbed):
     """A Gluon launch is recorded with its TMA descriptors (``launch_sm90._launch``: position
     -> (tensor, build)): the plan keeps none of the recording call's descriptors and, per
     replay, builds each one of the replay's tensor in that place (an input, or the fresh buffer
-    of the recorded buffer) with the recorded build."""
+    of the recorded buffer) with the recorded build; a buffer that started at zero starts at
+    zero in every replay."""
     _, _, ran = stubbed
     handle = object()
 
@@ -298,6 +299,19 @@ def test_plan_rebuilds_each_descriptor_for_the_new_tensors(stubbed):
     assert args[0] == ("descriptor of", second[0]) and args[0][1] is second[0]
     assert args[1][1] is out and out is not outs[0] and out.shape == (4, 8)
     assert args[2] == 3 and args[3] is second[1]
+    # a buffer that starts at zero (a work counter: fastlaunch.zeros) is zeroed per replay
+    with fastlaunch.recording() as rec:
+        counter = fastlaunch.zeros(1, torch.int32, "cpu")
+        fastlaunch.recorder().launches.append(("kernel", (1,), (handle, [counter], {})))
+        outs = (fastlaunch.empty((2,), torch.float32, "cpu"),)
+    plan = fastlaunch.record_plan(rec, first, outs)
+    ran.clear()
+    real = torch.empty_strided
+    with pytest.MonkeyPatch.context() as mp:  # fresh memory that is not zero
+        mp.setattr(torch, "empty_strided", lambda *a, **kw: real(*a, **kw).fill_(7))
+        plan.run(second)
+    (_, _, (fresh,)), = ran
+    assert fresh is not counter and fresh.dtype == torch.int32 and fresh.tolist() == [0]
     # a descriptor of a tensor that is neither an input nor a buffer of the call: no plan
     with fastlaunch.recording() as rec:
         fastlaunch.recorder().launches.append(("gluon kernel", (2,), (handle, [None], {

@@ -276,13 +276,16 @@ def test_sm90_forward_plan_repeats_the_launch_with_the_new_tensors(seq, monkeypa
 
 
 @pytest.mark.parametrize("d,causal,deterministic", [(256, False, False), (256, True, True),
-                                                    (128, True, False), (128, False, True)],
+                                                    (128, True, False), (128, False, True),
+                                                    (64, True, True)],
                          ids=["d256-gluon-dq", "d256-causal-deterministic",
-                              "d128-causal-triton-dq", "d128-deterministic"])
+                              "d128-causal-triton-dq", "d128-deterministic",
+                              "d64-causal-deterministic-persistent"])
 def test_sm90_two_kernel_backward_replays_a_plan_bitwise(d, causal, deterministic, monkeypatch):
     """The two-kernel Hopper backward (at d = 256 delta, the Gluon dQ kernel and the dK/dV
-    kernel; at d = 128 the Triton dQ kernel and the dK/dV kernel) records one launch plan per
-    signature, holding neither a tensor nor a descriptor of the recording call, and later calls
+    kernel; at d = 128 and 64 the Triton dQ kernel and the dK/dV kernel, persistent at d = 64
+    with a work counter that a replay zeroes) records one launch plan per signature, holding
+    neither a tensor nor a descriptor of the recording call, and later calls
     replay it: gradients bitwise those of the full path (no kernel sums in a varying order).
     Turning a Hopper switch (``FLASHTILE_SM90_DQ=0``, ``FLASHTILE_SM90=0``) finds no plan of
     the other setting: the full path runs and records its own."""

@@ -76,6 +76,17 @@ def empty_like(x: torch.Tensor, dtype=None) -> torch.Tensor:
     return _new(torch.empty_like(x, dtype=dtype))
 
 
+def zeros(shape, dtype, device) -> torch.Tensor:
+    """A buffer that must start at zero (a work counter), noted by the call's
+    :func:`recording` as one: a plan's replay zeroes its fresh buffer too."""
+    out = torch.zeros(shape, dtype=dtype, device=device)
+    rec = getattr(_tls, "rec", None)
+    if rec is not None:
+        rec.zeroed.add(len(rec.allocs))
+        rec.allocs.append(out)
+    return out
+
+
 def _new(out: torch.Tensor) -> torch.Tensor:
     if _poison and out.dtype.is_floating_point:
         out.fill_(float("nan"))
@@ -370,14 +381,16 @@ def signature(*tensors: torch.Tensor) -> tuple:
 
 
 class Recorder:
-    """What a call did inside :func:`recording`: ``allocs``, the buffers it allocated;
-    ``launches``, ``(kernel, grid, launch's result)`` per launch (:func:`launch`); ``note``,
-    whatever the caller wants to keep with the plan."""
+    """What a call did inside :func:`recording`: ``allocs``, the buffers it allocated
+    (``zeroed``: the indices of those that started at zero, :func:`zeros`); ``launches``,
+    ``(kernel, grid, launch's result)`` per launch (:func:`launch`); ``note``, whatever the
+    caller wants to keep with the plan."""
 
-    __slots__ = ("allocs", "launches", "note")
+    __slots__ = ("allocs", "zeroed", "launches", "note")
 
     def __init__(self):
         self.allocs: list = []
+        self.zeroed: set = set()
         self.launches: list = []
         self.note = None
 
@@ -400,7 +413,7 @@ def recorder() -> Recorder | None:
 
 
 class Plan:
-    """A recorded call: buffers to allocate (shape, strides, dtype), then launches
+    """A recorded call: buffers to allocate (shape, strides, dtype, whether zeroed), then launches
     ``(function, argument template, slots)`` (:func:`bind`), each slot ``(position, kind,
     index)`` with kind 0 the address of input ``index`` and 1 that of buffer ``index``, or
     ``(position, kind, index, build)`` with kind 2 (an input) or 3 (a buffer) a TMA descriptor
@@ -419,7 +432,10 @@ class Plan:
             return None
         device = self.device
         bufs = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
-                for shape, stride, dtype in self.allocs]
+                for shape, stride, dtype, _ in self.allocs]
+        for buf, (_, _, _, zero) in zip(bufs, self.allocs):
+            if zero:
+                buf.zero_()
         outs = tuple([bufs[i] for i in self.outputs])
         pools = (addresses(inputs), addresses(bufs), inputs, bufs)
         stream = raw_stream(device.index)
@@ -514,5 +530,6 @@ def record_plan(rec: Recorder, inputs: tuple, outputs: tuple, roles: dict | None
         if slot is None or slot[0] != 1:
             return None
         out_index.append(slot[1])
-    allocs = [(tuple(t.shape), t.stride(), t.dtype) for t in rec.allocs]
+    allocs = [(tuple(t.shape), t.stride(), t.dtype, j in rec.zeroed)
+              for j, t in enumerate(rec.allocs)]
     return Plan(allocs, launches, tuple(out_index), device)

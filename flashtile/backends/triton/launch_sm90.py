@@ -20,7 +20,8 @@ from ..spec import AttnSpec
 from .. import env_reader, interpreting
 from .args import LOG2E
 from .fastlaunch import (INTERNALS_OK, PlanCache, _run, empty, empty_like, launch,
-                         launch_hooks_set, plans_enabled, recorder, run_direct, signature)
+                         launch_hooks_set, plans_enabled, recorder, run_direct, signature,
+                         zeros)
 from .kernels.bwd import attn_bwd_delta_kernel
 from .kernels.key_mask import key_mask_ranges_kernel
 
@@ -652,7 +653,7 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None)
     # persistent: at most one CTA per SM, claiming work items from a counter zeroed here;
     # else one CTA per item, and the kernel reads no counter (``dk`` stands in)
     grid = (min(n_items, n_sm) if persistent else n_items,)
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if persistent else dk
+    counter = zeros(1, torch.int32, q.device) if persistent else dk
     window = _window(spec, sq, sk)
     bh_group = bwd_group(n_bh, nheads // nheads_k, sq, sk, head_dim, window["wl"],
                          window["wr"], window["MASKED"], n_sm)
