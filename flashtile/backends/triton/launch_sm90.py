@@ -378,10 +378,11 @@ def _int_key(args: dict) -> tuple:
 
 def _launch(kernel_name: str, device: int, key: tuple, grid: tuple, args: dict,
             descs: dict):
-    """Launch ``kernel_name`` (``fwd`` or ``bwd``) on GPU ``device`` with ``args`` and the
-    tensor descriptors ``descs`` (name -> :func:`_descriptor`'s ``(tensor, shape, strides,
+    """Launch ``kernel_name`` (``fwd``, ``bwd`` or ``dq``) on GPU ``device`` with ``args`` and
+    the tensor descriptors ``descs`` (name -> :func:`_descriptor`'s ``(tensor, shape, strides,
     block, layout)``); ``(compiled kernel, arguments in signature order)`` when it launched a
-    compiled variant directly, else None."""
+    compiled variant directly, else None.  A call's :func:`fastlaunch.recording` notes the
+    launch (a direct one with its descriptors, for a plan to rebuild)."""
     key = (kernel_name, device, *key, _int_key(args))
     rec = recorder()
     compiled = _compiled.get(key) if INTERNALS_OK else None
