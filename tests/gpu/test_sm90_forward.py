@@ -516,6 +516,16 @@ def test_sm90_backward_group_order_gives_the_plain_orders_gradients(bh_group, de
         torch.testing.assert_close(grouped[0], plain[0], rtol=2 ** -7, atol=1e-3)
 
 
+def _launch_names(monkeypatch) -> list:
+    """The names of the Hopper kernels launched from now on (``launch_sm90._launch``), in
+    order."""
+    names = []
+    real = launch_sm90._launch
+    monkeypatch.setattr(launch_sm90, "_launch", lambda name, *a: names.append(name) or real(
+        name, *a))
+    return names
+
+
 def _in_layout(x, layout):
     """``x`` (B, S, H, D) as the same values in another memory layout a caller may hand in."""
     if layout == "sdpa":  # (B, H, S, D) contiguous, transposed back
@@ -542,10 +552,7 @@ def test_sm90_kernels_read_strided_layouts(layout, causal, deterministic, seq, m
     k = torch.randn(batch, seq, heads_k, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(batch, seq, heads_k, d, device="cuda", dtype=torch.bfloat16)
     do = torch.randn(batch, seq, heads, d, device="cuda", dtype=torch.bfloat16)
-    names = []
-    real = launch_sm90._launch
-    monkeypatch.setattr(launch_sm90, "_launch", lambda name, *a: names.append(name) or real(
-        name, *a))
+    names = _launch_names(monkeypatch)
     # no plan of an earlier call takes the forward past _launch
     monkeypatch.setattr(launch_sm90, "_fwd_plans", type(launch_sm90._fwd_plans)())
 
@@ -654,10 +661,7 @@ def test_sm90_backward_with_a_window_matches_float64_reference(case, dtype, dete
     eligible = launch_sm90.bwd_eligible(q, k, v, do, torch.empty_like(k), torch.empty_like(v),
                                         spec, two)
     assert eligible == (not two or d >= 128)
-    names = []
-    real = launch_sm90._launch
-    monkeypatch.setattr(launch_sm90, "_launch", lambda name, *a: names.append(name) or real(
-        name, *a))
+    names = _launch_names(monkeypatch)
     # no plan of an earlier call takes the forward past _launch
     monkeypatch.setattr(launch_sm90, "_fwd_plans", type(launch_sm90._fwd_plans)())
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -744,10 +748,7 @@ def test_sm90_dq_kernel_matches_float64_reference(case, monkeypatch):
     k = torch.randn(batch, sk, heads_k, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(batch, sk, heads_k, d, device="cuda", dtype=torch.bfloat16)
     do = torch.randn(batch, sq, heads, d, device="cuda", dtype=torch.bfloat16)
-    names = []
-    real = launch_sm90._launch
-    monkeypatch.setattr(launch_sm90, "_launch", lambda name, *a: names.append(name) or real(
-        name, *a))
+    names = _launch_names(monkeypatch)
 
     def arg(x):
         return x if layout == "contiguous" else _in_layout(x, layout)
