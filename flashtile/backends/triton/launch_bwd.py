@@ -195,12 +195,14 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
     # the fused Hopper backward keeps its own plans (above): a call it serves (its gradients
     # shaped like k and v) runs the full path, which leaves one; the two-kernel backward, on
     # Hopper as elsewhere, replays a launch plan of this module
-    two = _deterministic(spec) or not launch_sm90.fused_pays(q.shape[1], k.shape[1],
-                                                             spec.causal, q.shape[-1])
-    if not plain or (not two and launch_sm90.bwd_eligible(q, k, v, do, k, v, spec, False)):
+    if not plain:
         return _backward(do, q, k, v, out, lse, spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                          max_seqlen_q, max_seqlen_k, attn_bias, rng_seed, block_mask, block_size,
                          dbias, grad_dtype)
+    two = _deterministic(spec) or not launch_sm90.fused_pays(q.shape[1], k.shape[1],
+                                                             spec.causal, q.shape[-1])
+    if not two and launch_sm90.bwd_eligible(q, k, v, do, k, v, spec, False):
+        return _backward(do, q, k, v, out, lse, spec)
     inputs = (do, q, k, v, out, lse)
     # the chunk setting and the switches of the Hopper kernels decide the launches (a chunked
     # call records no plan: its kernels get views of the tensors)
