@@ -69,7 +69,8 @@ def test_launch_plan_places_q_k_v_by_parameter(first, monkeypatch):
     """Forward and backward launch plans, recorded by a call with one tensor as q, k and v
     (``shared``) or with three (``distinct``), replayed by a call of the same signature with the
     other kind: out and grads bitwise those of ``kernel[grid]`` launches.  The Triton kernels'
-    plans (on Hopper the kernels of sm_90 keep plans of their own, tests/gpu/test_sm90_forward.py)."""
+    plans (on Hopper the kernels of sm_90 keep plans of their own:
+    tests/gpu/test_sm90_forward.py)."""
     from flashtile.backends.triton import launch_bwd, launch_fwd
     from flashtile.backends.triton.fastlaunch import PlanCache, direct_launches
 

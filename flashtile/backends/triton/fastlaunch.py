@@ -334,9 +334,9 @@ def addresses(items) -> list:
 # turns that into a :class:`Plan` that replays the call for new tensors of the same signature:
 # allocate the same buffers, put the call's tensors and the buffers in their argument places,
 # launch the same compiled kernels.  A Gluon launch (``launch_sm90._launch``) is noted with its
-# TMA descriptors, which a replay rebuilds around its own tensors.  Callers keep their plans in a :class:`PlanCache` under a
-# key of everything the launches depend on (:func:`signature` of the tensors, dtype, device,
-# the call's other arguments).
+# TMA descriptors, which a replay rebuilds around its own tensors.  Callers keep their plans in
+# a :class:`PlanCache` under a key of everything the launches depend on (:func:`signature` of
+# the tensors, dtype, device, the call's other arguments).
 _PLANS = True
 
 
@@ -413,8 +413,8 @@ def recorder() -> Recorder | None:
 
 
 class Plan:
-    """A recorded call: buffers to allocate (shape, strides, dtype, whether zeroed), then launches
-    ``(function, argument template, slots)`` (:func:`bind`), each slot ``(position, kind,
+    """A recorded call: buffers to allocate (shape, strides, dtype, whether zeroed), then
+    launches ``(function, argument template, slots)`` (:func:`bind`), each slot ``(position, kind,
     index)`` with kind 0 the address of input ``index`` and 1 that of buffer ``index``, or
     ``(position, kind, index, build)`` with kind 2 (an input) or 3 (a buffer) a TMA descriptor
     ``build(tensor)`` of that tensor; ``outputs`` are buffer indices."""
@@ -431,11 +431,10 @@ class Plan:
         if launch_hooks_set():
             return None
         device = self.device
-        bufs = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
-                for shape, stride, dtype, _ in self.allocs]
-        for buf, (_, _, _, zero) in zip(bufs, self.allocs):
-            if zero:
-                buf.zero_()
+        bufs = []
+        for shape, stride, dtype, zero in self.allocs:
+            buf = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+            bufs.append(buf.zero_() if zero else buf)
         outs = tuple([bufs[i] for i in self.outputs])
         pools = (addresses(inputs), addresses(bufs), inputs, bufs)
         stream = raw_stream(device.index)

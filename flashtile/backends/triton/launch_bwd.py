@@ -4,8 +4,10 @@ A plain backward launches these two kernels and nothing else: no preprocess pass
 casts or copies.  On Hopper a call the Gluon kernel covers (``launch_sm90.bwd_eligible``) takes
 it instead: by default one kernel for all three gradients (``launch_sm90.fused_backward``, with
 a prologue for ``delta`` and a float32 dQ accumulator, and a copy into ``dq``); with
-``spec.deterministic`` or ``torch.use_deterministic_algorithms(True)``, the Triton dQ kernel
-then the Gluon dK/dV kernel (no floating-point atomics).  The gradients are allocated in the
+``spec.deterministic`` or ``torch.use_deterministic_algorithms(True)`` (and where the one
+kernel does not pay, ``launch_sm90.fused_pays``), a dQ kernel (at d = 256 the Gluon one after a
+``delta`` prologue, ``launch_sm90.dq_pass``; else the Triton one) then the Gluon dK/dV kernel
+(no floating-point atomics).  The gradients are allocated in the
 layout of their inputs (``empty_like``), so a ``q`` that is a transposed view (the SDPA layout)
 gets a ``dq`` that autograd hands to the caller's tensor without a copy.  The byte counts are
 in ``flashtile.reference.algorithms``.
@@ -355,12 +357,8 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
 
     if not chunk:
         if not features and launch_sm90.bwd_eligible(q, k, v, do, dk, dv, spec, True):
-            if (launch_sm90.dq_eligible(head_dim) and out.is_contiguous()
-                    and launch_sm90._plan(dq) is not None):
-                # Hopper: delta, then the Gluon dQ kernel
-                launch_sm90._prologue(q, out, do, delta, zero=False)
-                launch_sm90.dq(q, k, v, do, lse, delta, dq, spec)
-            else:
+            # Hopper: the Gluon dQ kernel (d = 256) or the Triton one, which computes delta
+            if not launch_sm90.dq_pass(q, k, v, out, do, lse, delta, dq, spec):
                 launch_dq(0, batch)
             # Hopper: the warp-specialised dK/dV kernel (Gluon), reading the dQ pass's delta
             launch_sm90.dkdv(q, k, v, do, lse, delta, dk, dv, spec)

@@ -246,8 +246,9 @@ def _key_mask_args(key_mask, stand_in) -> dict:
 def bwd_eligible(q, k, v, do, dk, dv, spec: AttnSpec, deterministic: bool = False) -> bool:
     """Whether the Hopper backward kernel serves this call: the forward's conditions with
     ``D`` = 64, 128 or 256 (any lengths, as the forward's), ``do`` in a layout the TMA reads,
-    ``dk`` and ``dv`` of one layout with contiguous rows.  ``deterministic`` (the kernel computes dK
-    and dV only, dQ comes from the Triton kernel): ``D`` = 64 only with causal masking.  The
+    ``dk`` and ``dv`` of one layout with contiguous rows.  ``deterministic`` (the kernel computes
+    dK and dV only, dQ comes from a dQ kernel: :func:`dq_pass`): ``D`` = 64 only with causal
+    masking.  The
     caller has ruled out every optional tensor."""
     if not (_dense(q, k, v, do) and _plan(k)[2] == _plan(v)[2]):
         return False
@@ -277,7 +278,8 @@ def fused_pays(sq: int, sk: int, causal: bool, head_dim: int) -> bool:
     at causal 1K).  At d = 256 never: the fused kernel (by an estimate from its kernel times
     bound by its dq reductions: with 64-key items twice the dq bytes a product of d = 128's)
     ran at 0.78-0.81x the two kernels without masking, 0.78-1.00x causal (N = 1K-16K); it
-    serves calls with a key mask, which the two kernels do not take.  docs/dev/tuning-log.md, steps 41, 44, 54 and 60."""
+    serves calls with a key mask, which the two kernels do not take.  docs/dev/tuning-log.md,
+    steps 41, 44, 54 and 60."""
     if head_dim == 256:
         return False
     if head_dim == 64:
@@ -694,11 +696,10 @@ def _pad_rows(lse, delta):
             torch.nn.functional.pad(delta, (0, pad), value=0.0))
 
 
-DQ_ROWS = 64  # query rows of a dQ kernel consumer (two a CTA)
-
-
-DQ_BLOCK_N = 32  # keys a K/V tile of the dQ kernel at d = 256 (Q and dO of 128 rows take
-#                 128 KB of shared memory, a 2-stage ring of 32-key K and V tiles 64 KB more)
+DQ_ROWS = 64     # query rows of a dQ kernel consumer (two a CTA)
+# keys a K/V tile of the dQ kernel at d = 256 (Q and dO of 128 rows take 128 KB of shared
+# memory, a 2-stage ring of 32-key K and V tiles 64 KB more)
+DQ_BLOCK_N = 32
 
 _dq_env = env_reader("FLASHTILE_SM90_DQ")
 
@@ -710,9 +711,21 @@ def dq_eligible(head_dim: int) -> bool:
     return head_dim == 256 and _dq_env() != "0"
 
 
-def dq(q, k, v, do, lse, delta, dq_out, spec: AttnSpec) -> None:
+def dq_pass(q, k, v, out, do, lse, delta, dq_out, spec: AttnSpec) -> bool:
+    """The dQ pass of a two-kernel backward that :func:`bwd_eligible` admits, where the Gluon
+    dQ kernel serves it (:func:`dq_eligible`, ``out`` contiguous, ``dq_out`` in a layout the TMA
+    writes): ``delta`` computed by the prologue, then ``dq_out`` filled; False (nothing
+    launched) elsewhere, where the Triton dQ kernel computes both."""
+    if not (dq_eligible(q.shape[-1]) and out.is_contiguous() and _plan(dq_out) is not None):
+        return False
+    _prologue(q, out, do, delta, zero=False)
+    _dq(q, k, v, do, lse, delta, dq_out, spec)
+    return True
+
+
+def _dq(q, k, v, do, lse, delta, dq_out, spec: AttnSpec) -> None:
     """Fill ``dq_out`` (like ``q``, rows contiguous) with the Gluon dQ kernel from ``lse`` and
-    ``delta`` (contiguous float32 ``(B, H, Sq)``, delta computed: :func:`_prologue`)."""
+    ``delta`` (contiguous float32 ``(B, H, Sq)``, delta computed)."""
     batch, sq, nheads, head_dim = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
     device = q.device.index or 0
@@ -728,8 +741,7 @@ def dq(q, k, v, do, lse, delta, dq_out, spec: AttnSpec) -> None:
                 n_m=n_m, n_bh=batch * nheads, scale=spec.softmax_scale,
                 qk_scale=spec.softmax_scale * LOG2E, **window,
                 WINDOW=window["MASKED"] and (window["wl"] < sq + sk or window["wr"] != 0),
-                RAGGED=ragged, STAGES=STAGES,
-                num_warps=NUM_WARPS)
+                RAGGED=ragged, STAGES=STAGES, num_warps=NUM_WARPS)
     flat = _flat_layout()
     descs = dict(desc_q=_rows(q, DQ_ROWS, ragged, "q", args),
                  desc_do=_rows(do, DQ_ROWS, ragged, "do", args),
@@ -750,7 +762,8 @@ def dkdv(q, k, v, do, lse, delta, dk, dv, spec: AttnSpec) -> None:
 
 def _prologue(q, out, do, delta, zero: bool = True):
     """The Hopper backward's prologue: ``delta = rowsum(dO * O)``, and for the fused kernel
-    (``zero``) a zeroed float32 dQ accumulator like ``q``, which it returns."""
+    (``zero``) a zeroed float32 dQ accumulator like ``q``, which it returns (without, ``delta``
+    stands in for the accumulator the kernel then does not write)."""
     batch, sq, nheads, head_dim = q.shape
     dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device) if zero else delta
     rows = batch * sq * nheads

@@ -48,8 +48,8 @@ def _dq_item(w, n_m, n_bh, nheads, group):
 @gluon.jit
 def _dq_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem, k_smem,
                  v_smem, lse_smem, delta_smem, bar_q, bar_kv, bar_kvfree, sq, sk, sq_pad, nheads,
-                 group, n_m, n_bh, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl, wr,
-                 masked):
+                 group, n_m, n_bh, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl,
+                 wr, masked):
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     HALF: gl.constexpr = q_smem.shape[1]          # rows of one consumer
@@ -208,15 +208,12 @@ def attn_bwd_dq_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delt
     for i in gl.static_range(STAGES):
         mbarrier.init(bar_kv.index(i), count=1)
         mbarrier.init(bar_kvfree.index(i), count=2)
-    gl.warp_specialize([
-        (_dq_consumer0, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv,
-                         bar_kvfree, desc_dq, sq, sk, nheads, group, n_m, n_bh, dq_rb, dq_rh, dq_ch,
-                         scale, qk_scale, wl, wr, MASKED, WINDOW, RAGGED)),
-        (_dq_consumer1, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv,
-                         bar_kvfree, desc_dq, sq, sk, nheads, group, n_m, n_bh, dq_rb, dq_rh, dq_ch,
-                         scale, qk_scale, wl, wr, MASKED, WINDOW, RAGGED)),
-        (_dq_producer, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
-                        k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv, bar_kvfree, sq, sk,
-                        sq_pad, nheads, group, n_m, n_bh, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb,
-                        kv_rh, kv_ch, wl, wr, MASKED)),
-    ], [4, 1], [240, 24])
+    consumer_args = (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv,
+                     bar_kvfree, desc_dq, sq, sk, nheads, group, n_m, n_bh, dq_rb, dq_rh, dq_ch,
+                     scale, qk_scale, wl, wr, MASKED, WINDOW, RAGGED)
+    producer_args = (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
+                     k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv, bar_kvfree, sq, sk,
+                     sq_pad, nheads, group, n_m, n_bh, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch,
+                     kv_rb, kv_rh, kv_ch, wl, wr, MASKED)
+    gl.warp_specialize([(_dq_consumer0, consumer_args), (_dq_consumer1, consumer_args),
+                        (_dq_producer, producer_args)], [4, 1], [240, 24])
