@@ -279,13 +279,14 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _grads(ctx, dout, bwd):
+def _grads(ctx, dout, bwd, bias_at=_BIAS_INDEX):
     # The log-sum-exp is an auxiliary output (as in flash-attn): its gradient is not propagated.
     (q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, attn_bias, rng_seed,
      block_mask, block_table) = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    bias_grad = bool(attn_bias is not None and ctx.needs_input_grad[_BIAS_INDEX])
+    # ``bias_at``: attn_bias's position among the arguments of the function ``ctx`` belongs to
+    bias_grad = bool(attn_bias is not None and ctx.needs_input_grad[bias_at])
     dq, dk, dv, dbias = bwd(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                             *ctx.params, attn_bias, rng_seed, block_mask, *ctx.block, bias_grad,
                             block_table, ctx.heads_first, ctx.deterministic)
@@ -300,25 +301,77 @@ attn_fwd.register_autograd(lambda ctx, dout, dlse: _grads(ctx, dout, attn_bwd),
                            setup_context=_setup_context)
 
 
+def _unpack(q, k, v, attn_bias, rest):
+    """The op's 22 inputs from ``FlashAttnFunction``'s five arguments (``rest``: every input
+    but q, k, v and attn_bias, in order)."""
+    return (q, k, v, *rest[:_BIAS_INDEX - 3], attn_bias, *rest[_BIAS_INDEX - 3:])
+
+
+def _lane(inputs):
+    """``(backward, spec, flip, kw)`` that the backward of a dense call with no optional input
+    calls directly (``backward(do, q, k, v, out, lse, spec, **kw)``, in the flash layout when
+    ``flip``), chosen in the forward; None for other calls (the general path of
+    :func:`_grads`).
+
+    Chosen in the forward because autograd runs a CUDA backward on its own worker thread: there
+    the forward's ``use_backend`` block does not reach (the backward follows the forward's
+    backend), and every line of Python costs ~2x the forward's (a cold core; on the H100/H200
+    machines ~0.18 against ~0.08 ms for the same replayed backward launch)."""
+    (q, _, _, alibi_slopes, cu_seqlens_q, _, _, _, softmax_scale, window_left, window_right,
+     bottom_right, softcap, dropout_p, attn_bias, rng_seed, block_mask, _, _, block_table,
+     heads_first, deterministic) = inputs
+    if (alibi_slopes is not None or cu_seqlens_q is not None or attn_bias is not None
+            or rng_seed is not None or block_mask is not None or block_table is not None):
+        return None
+    name = backends.select(q.device)
+    native = heads_first and _native_heads_first(name)
+    return (backends.get(name).backward,
+            _spec(softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p,
+                  deterministic),
+            heads_first and not native, {"heads_first": True} if native else {})
+
+
 class FlashAttnFunction(torch.autograd.Function):
     """Eager autograd function: the same forward/backward as the custom ops, minus the
     dispatcher.  ``forward`` takes ``ctx`` itself (no separate ``setup_context``):
     ``Function.apply`` binds the arguments through ``inspect.signature`` on every call when
-    ``setup_context`` is defined, ~80 us of host time a call on the H100 host."""
+    ``setup_context`` is defined, ~80 us of host time a call on the H100 host.  It takes five
+    arguments (q, k, v, attn_bias: the inputs that can require grad; then a tuple of the
+    others), not the op's 22: ``apply`` walks each argument in Python and C++."""
 
     @staticmethod
-    def forward(ctx, *inputs):
+    def forward(ctx, q, k, v, attn_bias, rest):
         # No zero-filled gradient for the LSE output (never used) or an unused output: the
         # backward handles None itself, so autograd launches no fill kernel for it.
         ctx.set_materialize_grads(False)
+        inputs = _unpack(q, k, v, attn_bias, rest)
         output = _forward(*inputs)
         _setup_context(ctx, inputs, output)
+        ctx.lane = _lane(inputs)
+        if ctx.lane is None:
+            ctx.backend = backends.select(q.device)
         return output
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
-        return _grads(ctx, dout, _backward_eager)
+        lane = ctx.lane
+        if lane is None or dout is None:
+            if lane is None:  # the forward's backend (this may be autograd's worker thread)
+                with backends.use_backend(ctx.backend):
+                    grads = _grads(ctx, dout, _backward_eager, 3)
+            else:
+                grads = _grads(ctx, dout, _backward_eager, 3)
+            return grads[0], grads[1], grads[2], grads[_BIAS_INDEX], None
+        backward, spec, flip, kw = lane
+        q, k, v, out, lse = ctx.saved_tensors[:5]
+        if flip:  # flash-layout views for a backend that takes only that layout
+            dout, q, k, v, out = (x.transpose(1, 2) for x in (dout, q, k, v, out))
+        with _no_autocast(q.device):
+            dq, dk, dv = backward(dout, q, k, v, out, lse, spec, **kw)
+        if flip:
+            dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        return dq, dk, dv, None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -432,5 +485,5 @@ def attention(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
         return FunctorchAttnFunction.apply(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (attn_bias is not None and attn_bias.requires_grad)):
-        return FlashAttnFunction.apply(*args)
+        return FlashAttnFunction.apply(q, k, v, attn_bias, args[3:_BIAS_INDEX] + args[15:])
     return _forward(*args)

@@ -77,6 +77,44 @@ def test_impossible_triton_choice_is_a_clear_error(monkeypatch):
             flashtile.flash_attn_func(q, q, q)
 
 
+@pytest.mark.parametrize("forward_backend", ["torch", "triton"])
+@pytest.mark.parametrize("call", ["dense", "bias", "sdpa-layout"])
+def test_backward_runs_on_the_forward_backend(monkeypatch, forward_backend, call):
+    """A backward run outside the forward's ``use_backend`` block (where autograd's CUDA worker
+    thread always runs it) takes the backend the forward ran on, for a plain call (the direct
+    path of ``FlashAttnFunction.backward``) and for one with an optional input (the general
+    path); its gradients equal those of a backward inside the block."""
+    calls = []
+    for name in backends.BACKENDS:
+        module = backends.get(name)
+        original = module.backward
+
+        def spy(*args, _name=name, _original=original, **kw):
+            calls.append(_name)
+            return _original(*args, **kw)
+        monkeypatch.setattr(module, "backward", spy)
+    q, k, v = (torch.randn(1, 32, 2, 16, requires_grad=True) for _ in range(3))
+    do = torch.randn(1, 32, 2, 16)
+    bias = torch.randn(1, 2, 32, 32) if call == "bias" else None
+
+    def fn():
+        if call != "dense":
+            return flashtile.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias,
+                is_causal=bias is None).transpose(1, 2)
+        return flashtile.flash_attn_func(q, k, v, causal=True)
+
+    other = "triton" if forward_backend == "torch" else "torch"
+    with flashtile.use_backend(forward_backend):
+        out = fn()
+        want = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+    with flashtile.use_backend(other):
+        got = torch.autograd.grad(out, (q, k, v), do)
+    assert calls == [forward_backend, forward_backend]
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_torch_compile_fullgraph(backend):
     """A model calling flashtile compiles without graph breaks, forward and backward."""

@@ -180,13 +180,16 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
     plain = (alibi_slopes is None and cu_seqlens_q is None and attn_bias is None
              and rng_seed is None and block_mask is None and dbias is None and grad_dtype is None
              and do.stride(-1) == 1 and plans_enabled())
-    if plain and not _deterministic(spec):
+    # two kernels (dQ, then dK/dV) or, on Hopper, the fused backward where it pays
+    two = plain and (_deterministic(spec) or not launch_sm90.fused_pays(
+        q.shape[1], k.shape[1], spec.causal, q.shape[-1]))
+    if plain and not two:
         # the fused Hopper backward's own plan (the switch is read per call)
         grads = launch_sm90.planned_backward(q, k, v, out, do, lse, spec, _chunk_env())
         if grads is not None:
             return grads
     mask = None
-    if do.stride(-1) == 1:
+    if not plain and do.stride(-1) == 1:  # (a plain call has no mask)
         mask = _key_mask(q, k, spec, attn_bias, dbias, alibi_slopes, cu_seqlens_q, rng_seed,
                          block_mask, grad_dtype)
     if mask is not None:
@@ -201,8 +204,6 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
         return _backward(do, q, k, v, out, lse, spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                          max_seqlen_q, max_seqlen_k, attn_bias, rng_seed, block_mask, block_size,
                          dbias, grad_dtype)
-    two = _deterministic(spec) or not launch_sm90.fused_pays(q.shape[1], k.shape[1],
-                                                             spec.causal, q.shape[-1])
     if not two and launch_sm90.bwd_eligible(q, k, v, do, k, v, spec, False):
         return _backward(do, q, k, v, out, lse, spec)
     inputs = (do, q, k, v, out, lse)
