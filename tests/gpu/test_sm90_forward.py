@@ -299,10 +299,10 @@ def test_sm90_forward_plan_repeats_the_launch_with_the_new_tensors(seq, monkeypa
 
 
 @pytest.mark.parametrize("d,causal,deterministic", [(256, False, False), (256, True, True),
-                                                    (128, True, False), (128, False, True),
+                                                    (128, True, True), (128, False, True),
                                                     (64, True, True)],
                          ids=["d256-gluon-dq", "d256-causal-deterministic",
-                              "d128-causal-triton-dq", "d128-deterministic",
+                              "d128-causal-deterministic", "d128-deterministic",
                               "d64-causal-deterministic-persistent"])
 def test_sm90_two_kernel_backward_replays_a_plan_bitwise(d, causal, deterministic, monkeypatch):
     """The two-kernel Hopper backward (at d = 256 delta, the Gluon dQ kernel and the dK/dV
@@ -319,7 +319,7 @@ def test_sm90_two_kernel_backward_replays_a_plan_bitwise(d, causal, deterministi
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
     monkeypatch.delenv("FLASHTILE_SM90_DQ", raising=False)
     monkeypatch.setattr(launch_bwd, "_plans", PlanCache())
-    seq = 512  # causal d = 128 up to 1K keys: the two kernels (launch_sm90.fused_pays)
+    seq = 512
     spec = flashtile.backends.spec.AttnSpec(softmax_scale=d ** -0.5,
                                             window_right=0 if causal else -1,
                                             deterministic=deterministic)
@@ -434,7 +434,7 @@ BWD_CASES = [  # (batch, sq, sk, heads, heads_k, d, causal)
     ("d128-many-ctas-gqa", 3, 64, 2048, 12, 3, 128, False),
     # d = 64 runs persistent: more work items (144) than SMs, so a CTA takes several
     ("d64-many-items-gqa", 3, 512, 2048, 12, 3, 64, False),
-    # d = 128 causal up to 1K keys: the two kernels even without deterministic=True (fused_pays)
+    # d = 128 causal at a short length: the fused kernel (fused_pays)
     ("d128-short-causal", 1, 384, 384, 4, 2, 128, True),
     # d = 64 up to 512 keys without masking: the two kernels as well
     ("d64-short", 2, 256, 512, 2, 2, 64, False),
@@ -460,8 +460,9 @@ BWD_CASES = [  # (batch, sq, sk, heads, heads_k, d, causal)
 def test_sm90_backward_matches_float64_reference(case, dtype, deterministic, monkeypatch):
     """dQ, dK and dV of the Hopper backward within 3x PyTorch's same-dtype error of float64
     (flash-attn's rule for gradients): by default the fused kernel (dQ added by TMA
-    reductions); causal up to 1K keys, and with ``deterministic=True``, the Triton dQ kernel and
-    the Gluon dK/dV kernel, whose gradients are bitwise equal from one call to the next.  dQ
+    reductions; at d = 64 without masking up to 512 keys, and with ``deterministic=True``, the
+    Triton dQ kernel and the Gluon dK/dV kernel, whose gradients are bitwise equal from one
+    call to the next; d = 256: ``launch_sm90.fused_pays``).  dQ
     as with the Hopper kernels off, within rounding."""
     _, batch, sq, sk, heads, heads_k, d, causal = case
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)

@@ -270,21 +270,21 @@ def bwd_eligible(q, k, v, do, dk, dv, spec: AttnSpec, deterministic: bool = Fals
 
 def fused_pays(sq: int, sk: int, causal: bool, head_dim: int) -> bool:
     """Whether the fused backward is the faster Hopper backward for these lengths.  At d = 128
-    not with causal masking up to 1K keys, where an item's 128 keys see few query tiles and the
-    fused kernel's prologue, copy and per-item tail weigh most (0.96x the two kernels at causal
-    1K, 0.99x at 512; H100, bf16, B * N = 16K).  At d = 64, whose kernel runs persistent
+    always: with the consumers at 240 registers (no spill) it is 0.91x the two kernels' time at
+    causal 1K, 0.94x at 768, 0.98x at 512 (H200, bf16 and fp16, B * N = 16K; at 232 registers
+    it had been 1.05x at causal 1K, step 59).  At d = 64, whose kernel runs persistent
     (:func:`bwd_persistent`), not without masking up to 512 keys (0.92x there), but with causal
     masking at every length (1.11x at 1K, 1.12x at 512; before the persistent kernel 0.93-0.95x
     at causal 1K).  At d = 256 never: the fused kernel (by an estimate from its kernel times
     bound by its dq reductions: with 64-key items twice the dq bytes a product of d = 128's)
     ran at 0.78-0.81x the two kernels without masking, 0.78-1.00x causal (N = 1K-16K); it
     serves calls with a key mask, which the two kernels do not take.  docs/dev/tuning-log.md,
-    steps 41, 44, 54 and 60."""
+    steps 41, 44, 54, 60 and 65."""
     if head_dim == 256:
         return False
     if head_dim == 64:
         return causal or sk > 512
-    return not (causal and sk <= 1024)
+    return True
 
 
 @functools.lru_cache(maxsize=None)
