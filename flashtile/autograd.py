@@ -7,7 +7,9 @@ custom ops ``flashtile::attn_fwd`` / ``flashtile::attn_bwd`` with fake (meta) im
 so ``torch.compile(fullgraph=True)`` traces through them without graph breaks.  Eager calls skip
 the custom-op dispatcher (tens of microseconds a call, which shows at short sequences); compiled
 graphs call the ops.  Both run ``_forward`` / ``_backward_impl`` below, which pick a backend
-(``flashtile.backends``) at run time.
+(``flashtile.backends``) at run time.  An eager dense call with no optional input also keeps the
+backend and spec its forward used (``_lane``): its backward, which autograd runs on a worker
+thread for CUDA tensors, calls that backend directly.
 
 Optional inputs: ``attn_bias`` (a bool mask or an additive float bias of shape
 ``(B|1, H|1, Sq|1, Sk|1)``; its gradient ``dS`` is returned when it requires grad),
