@@ -309,11 +309,11 @@ def _unpack(q, k, v, attn_bias, rest):
     return (q, k, v, *rest[:_BIAS_INDEX - 3], attn_bias, *rest[_BIAS_INDEX - 3:])
 
 
-def _lane(inputs):
+def _lane(inputs, name: str):
     """``(backward, spec, flip, kw)`` that the backward of a dense call with no optional input
-    calls directly (``backward(do, q, k, v, out, lse, spec, **kw)``, in the flash layout when
-    ``flip``), chosen in the forward; None for other calls (the general path of
-    :func:`_grads`).
+    calls directly (``backward(do, q, k, v, out, lse, spec, **kw)`` of backend ``name``, in the
+    flash layout when ``flip``), chosen in the forward; None for other calls (the general path
+    of :func:`_grads`).
 
     Chosen in the forward because autograd runs a CUDA backward on its own worker thread: there
     the forward's ``use_backend`` block does not reach (the backward follows the forward's
@@ -325,7 +325,6 @@ def _lane(inputs):
     if (alibi_slopes is not None or cu_seqlens_q is not None or attn_bias is not None
             or rng_seed is not None or block_mask is not None or block_table is not None):
         return None
-    name = backends.select(q.device)
     native = heads_first and _native_heads_first(name)
     return (backends.get(name).backward,
             _spec(softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p,
@@ -349,9 +348,9 @@ class FlashAttnFunction(torch.autograd.Function):
         inputs = _unpack(q, k, v, attn_bias, rest)
         output = _forward(*inputs)
         _setup_context(ctx, inputs, output)
-        ctx.lane = _lane(inputs)
-        if ctx.lane is None:
-            ctx.backend = backends.select(q.device)
+        # the backend the backward runs on: the forward's
+        ctx.backend = backends.select(q.device)
+        ctx.lane = _lane(inputs, ctx.backend)
         return output
 
     @staticmethod
@@ -359,10 +358,9 @@ class FlashAttnFunction(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         lane = ctx.lane
         if lane is None or dout is None:
-            if lane is None:  # the forward's backend (this may be autograd's worker thread)
-                with backends.use_backend(ctx.backend):
-                    grads = _grads(ctx, dout, _backward_eager, 3)
-            else:
+            # the forward's backend (this may be autograd's worker thread, outside the
+            # forward's use_backend block)
+            with backends.use_backend(ctx.backend):
                 grads = _grads(ctx, dout, _backward_eager, 3)
             return grads[0], grads[1], grads[2], grads[_BIAS_INDEX], None
         backward, spec, flip, kw = lane
