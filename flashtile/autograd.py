@@ -98,8 +98,9 @@ def _native_heads_first(name: str) -> bool:
 def _forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
              softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p,
              attn_bias, rng_seed, block_mask, block_m, block_n, block_table=None,
-             heads_first=False, deterministic=False):
-    # ``deterministic`` matters to the backward only (the forward never uses atomics)
+             heads_first=False, deterministic=False, backend=None):
+    # ``deterministic`` matters to the backward only (the forward never uses atomics);
+    # ``backend``: the backend's name when the caller has chosen it (else chosen here)
     if cu_seqlens_q is not None:
         # the value checks run here, inside the op, so they hold eager and compiled alike
         if V.value_checks_enabled(q.device):
@@ -113,21 +114,22 @@ def _forward(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                      max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
                                      window_right, bottom_right, softcap, dropout_p, attn_bias,
                                      rng_seed, block_mask, block_m, block_n, block_table,
-                                     heads_first)
+                                     heads_first, backend)
             # tokens the clamped sequences leave out: output 0, lse -inf (a query with no key)
             return (V.zero_uncovered(out, cu_seqlens_q),
                     V.zero_uncovered(lse, cu_seqlens_q, dim=lse.dim() - 1, fill=float("-inf")))
     return _forward_body(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                          max_seqlen_k, softmax_scale, window_left, window_right, bottom_right,
                          softcap, dropout_p, attn_bias, rng_seed, block_mask, block_m, block_n,
-                         block_table, heads_first)
+                         block_table, heads_first, backend)
 
 
 def _forward_body(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                   softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p,
-                  attn_bias, rng_seed, block_mask, block_m, block_n, block_table, heads_first):
+                  attn_bias, rng_seed, block_mask, block_m, block_n, block_table, heads_first,
+                  backend=None):
     spec = _spec(softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p)
-    name = backends.select(q.device)
+    name = backend or backends.select(q.device)
     impl = backends.get(name)
     kw = _kwargs(alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_bias,
                  rng_seed, block_mask, block_m, block_n, block_table)
@@ -263,6 +265,7 @@ def _(do, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqle
 
 _N_INPUTS = 22
 _BIAS_INDEX = 14
+_FN_BIAS_INDEX = 3  # attn_bias among FlashAttnFunction's five arguments
 
 
 def _setup_context(ctx, inputs, output):
@@ -346,10 +349,10 @@ class FlashAttnFunction(torch.autograd.Function):
         # backward handles None itself, so autograd launches no fill kernel for it.
         ctx.set_materialize_grads(False)
         inputs = _unpack(q, k, v, attn_bias, rest)
-        output = _forward(*inputs)
-        _setup_context(ctx, inputs, output)
-        # the backend the backward runs on: the forward's
+        # one choice of backend for the forward and the backward
         ctx.backend = backends.select(q.device)
+        output = _forward(*inputs, backend=ctx.backend)
+        _setup_context(ctx, inputs, output)
         ctx.lane = _lane(inputs, ctx.backend)
         return output
 
@@ -361,7 +364,7 @@ class FlashAttnFunction(torch.autograd.Function):
             # the forward's backend (this may be autograd's worker thread, outside the
             # forward's use_backend block)
             with backends.use_backend(ctx.backend):
-                grads = _grads(ctx, dout, _backward_eager, 3)
+                grads = _grads(ctx, dout, _backward_eager, bias_at=_FN_BIAS_INDEX)
             return grads[0], grads[1], grads[2], grads[_BIAS_INDEX], None
         backward, spec, flip, kw = lane
         q, k, v, out, lse = ctx.saved_tensors[:5]
