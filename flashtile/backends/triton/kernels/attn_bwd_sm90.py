@@ -364,7 +364,7 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
     STAGES: gl.constexpr = q_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
-    BLOCK_NW: gl.constexpr = k_smem.shape[0] // 2
+    BLOCK_NW: gl.constexpr = k_smem.shape[1] // 2
     HALF_D: gl.constexpr = HEAD_DIM // 2
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -379,9 +379,9 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
 
     shift = sk - sq
     n_kb = _blocks(sk, 2 * BLOCK_NW, RAGGED)
-    k_tile = k_smem.slice(i_wg * BLOCK_NW, BLOCK_NW)            # [64, D] this consumer's keys
-    v_tile = v_smem.slice(i_wg * BLOCK_NW, BLOCK_NW)            # [64, D]
-    k_half = k_smem.slice(i_wg * HALF_D, HALF_D, dim=1)         # [128 keys, D / 2]
+    k_tile = k_smem.index(0).slice(i_wg * BLOCK_NW, BLOCK_NW)   # [64, D] this consumer's keys
+    v_tile = v_smem.index(0).slice(i_wg * BLOCK_NW, BLOCK_NW)   # [64, D]
+    k_half = k_smem.index(0).slice(i_wg * HALF_D, HALF_D, dim=1)  # [128 keys, D / 2]
     bar_mine = bar_turn.index(i_wg)
     bar_other = bar_turn.index(1 - i_wg)
     o_r = gl.arange(0, BLOCK_M, layout=col_s)                  # [BLOCK_M] rows of a tile
@@ -419,6 +419,14 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
         mbarrier.wait(bar_qd.index(i_s), (t // STAGES) & 1)
         q_tile = q_smem.index(i_s)
         do_tile = do_smem.index(i_s)
+        if PERSISTENT and HEAD_DIM == 128:
+            # the K/V tiles' matrix descriptors from an index the compiler cannot fold (t >= 0:
+            # 0): recomputed per tile, not hoisted over the item loop, where ptxas spilled them
+            # (284-376 bytes) and reloaded them in this loop; d = 64 has the registers
+            z = t >> 31
+            k_tile = k_smem.index(z).slice(i_wg * BLOCK_NW, BLOCK_NW)
+            v_tile = v_smem.index(z).slice(i_wg * BLOCK_NW, BLOCK_NW)
+            k_half = k_smem.index(z).slice(i_wg * HALF_D, HALF_D, dim=1)
         # turn 1: sᵀ = k qᵀ and dpᵀ = v dOᵀ
         mbarrier.wait(bar_mine, 0)
         b_st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), b_st, use_acc=False,
@@ -698,7 +706,7 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
                   stride_mb, DQ: gl.constexpr,
                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr):
     if PERSISTENT:
-        n_items = _blocks(sk, k_smem.shape[0], RAGGED) * n_bh
+        n_items = _blocks(sk, k_smem.shape[1], RAGGED) * n_bh
         w_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         c = 0  # items of this CTA so far (K/V phase)
         t = 0  # tiles so far, over the items: ring stage, ds buffer and their phases
@@ -716,8 +724,8 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
             w = gl.max(item_smem.load(w_layout), axis=0)
     elif q_smem.shape[2] == 256:
         mbarrier.wait(bar_kv, 0)
-        _consume_item_wide(i_wg, gl.program_id(0), gl.to_tensor(0), q_smem, do_smem, k_smem,
-                           v_smem, lse_smem, delta_smem, ds_smem, dq_smem, bar_qd, bar_free,
+        _consume_item_wide(i_wg, gl.program_id(0), gl.to_tensor(0), q_smem, do_smem,
+                           k_smem.index(0), v_smem.index(0), lse_smem, delta_smem, ds_smem, dq_smem, bar_qd, bar_free,
                            bar_ds.index(0), bar_dsfree.index(0), desc_dq, DK, DV, stride_kb,
                            stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group, scale,
                            qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb, DQ,
@@ -799,8 +807,11 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
 
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [KEYS, HEAD_DIM], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [KEYS, HEAD_DIM], kv_layout)
+    # K and V as [1, keys, D]: the consumers take their tiles with an index (_consume_item)
+    k_all = gl.allocate_shared_memory(dtype, [1, KEYS, HEAD_DIM], kv_layout)
+    v_all = gl.allocate_shared_memory(dtype, [1, KEYS, HEAD_DIM], kv_layout)
+    k_smem = k_all.index(0)
+    v_smem = v_all.index(0)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], desc_lse.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], desc_delta.layout)
     # d <= 128 with DQ: two ds buffers [keys, rows] (tile t is written while tile t - 1's is
@@ -841,12 +852,12 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
     CONSUMER_REGS: gl.constexpr = 240
     # literal argument tuples: a tuple bound to a name would turn DQ into a run-time value
     gl.warp_specialize([
-        (_bwd_consumer0, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+        (_bwd_consumer0, (q_smem, do_smem, k_all, v_all, lse_smem, delta_smem, ds_smem,
                           dq_smem, item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn,
                           bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb, stride_kn, stride_kh,
                           sq, sk, nheads_k, n_bh, bh_group, group, scale, qk_scale, wl, wr,
                           MASKED, WINDOW, Ranges, KeyMask, stride_mb, DQ, PERSISTENT, RAGGED)),
-        (_bwd_consumer1, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+        (_bwd_consumer1, (q_smem, do_smem, k_all, v_all, lse_smem, delta_smem, ds_smem,
                           dq_smem, item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn,
                           bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb, stride_kn, stride_kh,
                           sq, sk, nheads_k, n_bh, bh_group, group, scale, qk_scale, wl, wr,
