@@ -36,9 +36,9 @@ item's query heads (GQA: every head of its key/value head's group) and tiles are
 loop, dK and dV summed in registers.
 
 A work item is 128 keys of one (batch, key/value head) pair, in the order of ``_item_keys``.
-Without ``PERSISTENT`` each CTA takes one (the grid has one CTA per item).  With it (d = 64,
-``launch_sm90.bwd_persistent``) the grid has one CTA per SM and the producer claims items from
-a counter (``_claim``) and passes each to the consumers through shared memory with the K/V
+Without ``PERSISTENT`` each CTA takes one (the grid has one CTA per item).  With it (d = 64 and
+128, ``launch_sm90.bwd_persistent``) the grid has one CTA per SM and the producer claims items
+from a counter (``_claim``) and passes each to the consumers through shared memory with the K/V
 barrier; the ring, ds buffers and turns run on across items, and the next item's K and V load
 while the consumers store the last one's dK and dV.  A CTA's own launch, K/V load, first turns
 and stores cost about three query tiles' time (docs/dev/tuning-log.md, step 52), a fifth of a
@@ -725,7 +725,8 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
     elif q_smem.shape[2] == 256:
         mbarrier.wait(bar_kv, 0)
         _consume_item_wide(i_wg, gl.program_id(0), gl.to_tensor(0), q_smem, do_smem,
-                           k_smem.index(0), v_smem.index(0), lse_smem, delta_smem, ds_smem, dq_smem, bar_qd, bar_free,
+                           k_smem.index(0), v_smem.index(0), lse_smem, delta_smem, ds_smem,
+                           dq_smem, bar_qd, bar_free,
                            bar_ds.index(0), bar_dsfree.index(0), desc_dq, DK, DV, stride_kb,
                            stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group, scale,
                            qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb, DQ,
