@@ -382,6 +382,11 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
     k_tile = k_smem.index(0).slice(i_wg * BLOCK_NW, BLOCK_NW)   # [64, D] this consumer's keys
     v_tile = v_smem.index(0).slice(i_wg * BLOCK_NW, BLOCK_NW)   # [64, D]
     k_half = k_smem.index(0).slice(i_wg * HALF_D, HALF_D, dim=1)  # [128 keys, D / 2]
+    # the consumers take turns on the tensor cores (each turn: wait for mine, issue, hand the
+    # other its turn), except for the fused causal d = 64 kernel, which is 1-3% faster with the
+    # two consumers issuing freely (docs/dev/tuning-log.md, step 67; slower by 2-4% without
+    # masking and at causal d = 128)
+    TURNS: gl.constexpr = not (HEAD_DIM == 64 and masked and not window and DQ)
     bar_mine = bar_turn.index(i_wg)
     bar_other = bar_turn.index(1 - i_wg)
     o_r = gl.arange(0, BLOCK_M, layout=col_s)                  # [BLOCK_M] rows of a tile
@@ -428,12 +433,14 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
             v_tile = v_smem.index(z).slice(i_wg * BLOCK_NW, BLOCK_NW)
             k_half = k_smem.index(z).slice(i_wg * HALF_D, HALF_D, dim=1)
         # turn 1: sᵀ = k qᵀ and dpᵀ = v dOᵀ
-        mbarrier.wait(bar_mine, 0)
+        if TURNS:
+            mbarrier.wait(bar_mine, 0)
         b_st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), b_st, use_acc=False,
                              is_async=True)
         b_dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), b_dpt, use_acc=False,
                               is_async=True)
-        mbarrier.arrive(bar_other)
+        if TURNS:
+            mbarrier.arrive(bar_other)
         b_st = warpgroup_mma_wait(num_outstanding=1, deps=(b_st,))
         b_st = _masked_scores(b_st, o_k, o_r, m0, k0, shift, wl, wr, masked, window, kpart,
                               b_kvis, KEYMASK)
@@ -454,7 +461,8 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
             fence_async_shared()
             mbarrier.arrive(bar_ds.index(i_d))
         # turn 2: dv += pᵀ dO, dk += dsᵀ q (and dq of tile t - 1)
-        mbarrier.wait(bar_mine, 1)
+        if TURNS:
+            mbarrier.wait(bar_mine, 1)
         b_dv = warpgroup_mma(b_pa, do_tile, b_dv, is_async=True)
         b_dk = warpgroup_mma(b_dsa, q_tile, b_dk, is_async=True)
         if DQ:
@@ -463,7 +471,8 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
             mbarrier.wait(bar_ds.index(1 - i_d), ((t - 1) // 2) & 1, pred=j > 0)
             b_dq = warpgroup_mma(ds_smem.index(1 - i_d).permute((1, 0)), k_half, b_dq0,
                                  use_acc=False, is_async=True)
-            mbarrier.arrive(bar_other)
+            if TURNS:
+                mbarrier.arrive(bar_other)
             b_dv, b_dk, b_dq, b_pa, b_dsa = warpgroup_mma_wait(
                 num_outstanding=0, deps=(b_dv, b_dk, b_dq, b_pa, b_dsa))
             mbarrier.arrive(bar_free.index(i_s))
@@ -474,7 +483,8 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
             m_prev = m0
             h_prev = i_h
         else:
-            mbarrier.arrive(bar_other)
+            if TURNS:
+                mbarrier.arrive(bar_other)
             b_dv, b_dk, b_pa, b_dsa = warpgroup_mma_wait(num_outstanding=0,
                                                          deps=(b_dv, b_dk, b_pa, b_dsa))
             mbarrier.arrive(bar_free.index(i_s))
