@@ -1,7 +1,8 @@
 """Hopper (sm_90) backward kernel in Gluon, warp-specialised like the forward
 (``attn_fwd_sm90.py``): a one-warp producer loads a work item's 128 keys of K and V once and streams
 (Q, dO, lse, delta) tiles of ``BLOCK_M`` query rows by TMA into a ``STAGES``-deep ring; two
-consumer warpgroups own 64 keys each and take turns on the tensor cores.
+consumer warpgroups own 64 keys each and take turns on the tensor cores (not the fused causal
+d = 64 kernel: ``_consume_item``).
 
 For the keys ``k``, ``v`` of a consumer and each query tile ``i`` that sees them (base-2 scores,
 ``qk_scale = scale * log2(e)``, ``lse2 = log2(e) * lse``, ``delta = rowsum(dO * O)`` computed
