@@ -298,9 +298,11 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
 @gluon.jit
 def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v,
                  bar_kfree, bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk,
-                 nheads, n_m, n_work, lpt, qk_scale, wl, wr, masked, Ranges, KeyMask, stride_mb):
-    # partitions receive run-time values only: the tile shapes come from the buffers, RAGGED
-    # (_tma_load) from the output's descriptor
+                 nheads, n_m, n_work, lpt, qk_scale, wl, wr, masked, Ranges, KeyMask, stride_mb,
+                 TURNS: gl.constexpr):
+    # the values of a tuple bound to a name reach a partition as run-time values: the tile
+    # shapes come from the buffers, RAGGED (_tma_load) from the output's descriptor, and the
+    # constexpr TURNS beside the tuple (_ws_consumer0)
     BLOCK_MQ: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     STAGES: gl.constexpr = k_smem.shape[0]
@@ -360,10 +362,12 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
             i_s = it % STAGES
             mbarrier.wait(bar_k.index(i_s), (it // STAGES) & 1)
             # a turn of its own: Q·K_0ᵀ
-            mbarrier.wait(bar_mine, ts & 1)
+            if TURNS:
+                mbarrier.wait(bar_mine, ts & 1)
             b_s = warpgroup_mma(q_tile, k_smem.index(i_s).permute((1, 0)), b_s, use_acc=False,
                                 is_async=True)
-            mbarrier.arrive(bar_other)
+            if TURNS:
+                mbarrier.arrive(bar_other)
             b_s = warpgroup_mma_wait(num_outstanding=0, deps=(b_s,))
             mbarrier.arrive(bar_kfree.index(i_s))
             mbarrier.arrive(bar_qfree.index(i_wg), pred=n_tiles == 1)
@@ -383,11 +387,13 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
                 mbarrier.wait(bar_v.index(i_st), ((it + j) // STAGES) & 1)
                 b_pv = gl.convert_layout(b_p.to(dtype), p_layout)            # [64, BLOCK_N]
                 # a turn for Q·K_{j+1}ᵀ and P_j·V_j
-                mbarrier.wait(bar_mine, (ts + j + 1) & 1)
+                if TURNS:
+                    mbarrier.wait(bar_mine, (ts + j + 1) & 1)
                 b_s = warpgroup_mma(q_tile, k_smem.index(i_nx).permute((1, 0)), b_s,
                                     use_acc=False, is_async=True)
                 b_acc = warpgroup_mma(b_pv, v_smem.index(i_st), b_acc, is_async=True)
-                mbarrier.arrive(bar_other)
+                if TURNS:
+                    mbarrier.arrive(bar_other)
                 b_s = warpgroup_mma_wait(num_outstanding=1, deps=(b_s,))
                 # Q·K_{j+1}ᵀ done (groups complete in order): its K stage goes back
                 mbarrier.arrive(bar_kfree.index(i_nx))
@@ -408,9 +414,11 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
             i_st = (it + n_tiles - 1) % STAGES
             mbarrier.wait(bar_v.index(i_st), ((it + n_tiles - 1) // STAGES) & 1)
             b_pv = gl.convert_layout(b_p.to(dtype), p_layout)
-            mbarrier.wait(bar_mine, (ts + n_tiles) & 1)
+            if TURNS:
+                mbarrier.wait(bar_mine, (ts + n_tiles) & 1)
             b_acc = warpgroup_mma(b_pv, v_smem.index(i_st), b_acc, is_async=True)
-            mbarrier.arrive(bar_other)
+            if TURNS:
+                mbarrier.arrive(bar_other)
             b_acc, b_pv = warpgroup_mma_wait(num_outstanding=0, deps=(b_acc, b_pv))
             mbarrier.arrive(bar_vfree.index(i_st))
             it += n_tiles
@@ -460,30 +468,22 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
 
 
 @gluon.jit
-def _ws_consumer0(q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
-                  bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
-                  n_m, n_work, lpt, qk_scale, wl, wr, masked, Ranges, KeyMask, stride_mb):
-    _ws_consumer(0, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
-                 bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
-                 n_m, n_work, lpt, qk_scale, wl, wr, masked, Ranges, KeyMask, stride_mb)
+def _ws_consumer0(args, TURNS: gl.constexpr):
+    """Consumer warpgroup 0: ``args`` the consumers' run-time arguments (one tuple for all),
+    ``TURNS`` whether they take turns on the tensor cores (a constexpr apart from the tuple)."""
+    _ws_consumer(0, *args, TURNS=TURNS)
 
 
 @gluon.jit
-def _ws_consumer1(q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
-                  bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
-                  n_m, n_work, lpt, qk_scale, wl, wr, masked, Ranges, KeyMask, stride_mb):
-    _ws_consumer(1, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
-                 bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
-                 n_m, n_work, lpt, qk_scale, wl, wr, masked, Ranges, KeyMask, stride_mb)
+def _ws_consumer1(args, TURNS: gl.constexpr):
+    """Consumer warpgroup 1 (``_ws_consumer0``)."""
+    _ws_consumer(1, *args, TURNS=TURNS)
 
 
 @gluon.jit
-def _ws_consumer2(q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
-                  bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
-                  n_m, n_work, lpt, qk_scale, wl, wr, masked, Ranges, KeyMask, stride_mb):
-    _ws_consumer(2, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
-                 bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
-                 n_m, n_work, lpt, qk_scale, wl, wr, masked, Ranges, KeyMask, stride_mb)
+def _ws_consumer2(args, TURNS: gl.constexpr):
+    """Consumer warpgroup 2 (``_ws_consumer0``)."""
+    _ws_consumer(2, *args, TURNS=TURNS)
 
 
 @gluon.jit
@@ -533,7 +533,13 @@ def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, desc_o, Lse, stride_lb, stride_
         mbarrier.init(bar_v.index(i), count=1)
         mbarrier.init(bar_kfree.index(i), count=CONSUMERS)
         mbarrier.init(bar_vfree.index(i), count=CONSUMERS)
-    # consumer 0 takes the first tensor-core turn
+    # consumer 0 takes the first tensor-core turn.  The consumers take turns on the tensor
+    # cores except at d = 64 with masking and at d = 128 without, which are 1-3% faster with
+    # each consumer issuing freely (docs/dev/tuning-log.md, step 68); calls with a key mask
+    # keep them (at d = 128 ptxas spills 144 bytes without)
+    KEYMASK: gl.constexpr = Ranges.dtype.element_ty == gl.int32
+    TURNS: gl.constexpr = KEYMASK or not ((HEAD_DIM == 64 and MASKED)
+                                          or (HEAD_DIM == 128 and not MASKED))
     mbarrier.arrive(bar_turn.index(0))
 
     consumer_args = (q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
@@ -544,15 +550,18 @@ def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, desc_o, Lse, stride_lb, stride_
                      kv_rh, kv_ch, n_m, n_work, lpt, wl, wr, MASKED, Ranges, KeyMask, stride_mb)
     if CONSUMERS == 3:
         # FlashAttention-3's split at d = 64: three consumers at 160 registers a thread
-        gl.warp_specialize([(_ws_consumer0, consumer_args), (_ws_consumer1, consumer_args),
-                            (_ws_consumer2, consumer_args), (_ws_producer, producer_args)],
+        gl.warp_specialize([(_ws_consumer0, (consumer_args, TURNS)),
+                            (_ws_consumer1, (consumer_args, TURNS)),
+                            (_ws_consumer2, (consumer_args, TURNS)),
+                            (_ws_producer, producer_args)],
                            [4, 4, 1], [160, 160, 24])
     elif CONSUMERS == 1:
         # two CTAs an SM (the launcher's 128 registers a thread): the consumer takes 232, the
         # producer 24, and the other CTA's turns fill the tensor cores through this one's
         # first tile and epilogue
-        gl.warp_specialize([(_ws_consumer0, consumer_args), (_ws_producer, producer_args)],
+        gl.warp_specialize([(_ws_consumer0, (consumer_args, TURNS)), (_ws_producer, producer_args)],
                            [1], [24])
     else:
-        gl.warp_specialize([(_ws_consumer0, consumer_args), (_ws_consumer1, consumer_args),
+        gl.warp_specialize([(_ws_consumer0, (consumer_args, TURNS)),
+                            (_ws_consumer1, (consumer_args, TURNS)),
                             (_ws_producer, producer_args)], [4, 1], [232, 24])
