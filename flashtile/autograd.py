@@ -488,5 +488,6 @@ def attention(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
         return FunctorchAttnFunction.apply(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (attn_bias is not None and attn_bias.requires_grad)):
-        return FlashAttnFunction.apply(q, k, v, attn_bias, args[3:_BIAS_INDEX] + args[15:])
+        rest = args[3:_BIAS_INDEX] + args[_BIAS_INDEX + 1:]  # (_unpack's inverse)
+        return FlashAttnFunction.apply(q, k, v, attn_bias, rest)
     return _forward(*args)

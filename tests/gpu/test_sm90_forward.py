@@ -69,7 +69,8 @@ def test_sm90_forward_matches_float64_reference(case, dtype, monkeypatch):
     q = torch.randn(batch, sq, heads, d, device="cuda", dtype=dtype)
     k = torch.randn(batch, sk, heads_k, d, device="cuda", dtype=dtype)
     v = torch.randn(batch, sk, heads_k, d, device="cuda", dtype=dtype)
-    spec = flashtile.backends.spec.AttnSpec(softmax_scale=d ** -0.5, window_right=0 if causal else -1)
+    spec = flashtile.backends.spec.AttnSpec(softmax_scale=d ** -0.5,
+                                            window_right=0 if causal else -1)
     assert launch_sm90.eligible(q, k, v, spec)
     with poison_outputs():
         out, lse = launch_sm90.forward(q, k, v, spec)

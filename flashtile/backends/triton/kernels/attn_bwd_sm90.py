@@ -737,11 +737,10 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
         mbarrier.wait(bar_kv, 0)
         _consume_item_wide(i_wg, gl.program_id(0), gl.to_tensor(0), q_smem, do_smem,
                            k_smem.index(0), v_smem.index(0), lse_smem, delta_smem, ds_smem,
-                           dq_smem, bar_qd, bar_free,
-                           bar_ds.index(0), bar_dsfree.index(0), desc_dq, DK, DV, stride_kb,
-                           stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group, scale,
-                           qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb, DQ,
-                           RAGGED)
+                           dq_smem, bar_qd, bar_free, bar_ds.index(0), bar_dsfree.index(0),
+                           desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k,
+                           n_bh, bh_group, group, scale, qk_scale, wl, wr, masked, window,
+                           Ranges, KeyMask, stride_mb, DQ, RAGGED)
     else:
         mbarrier.wait(bar_kv, 0)
         _consume_item(i_wg, gl.program_id(0), gl.to_tensor(0), q_smem, do_smem, k_smem,
