@@ -205,7 +205,9 @@ def test_sm90_forward_with_three_consumers_compiles_without_spills(compiled, var
 def test_sm90_forward_with_one_consumer_fits_two_ctas_an_sm(compiled, variant):
     """d = 64 with masking over few keys: one consumer warpgroup and the producer, two CTAs an
     SM: launched at 128 registers a thread (2 x 256 threads x 128 = the register file), half
-    the SM's shared memory at most, no spilled register."""
+    the SM's shared memory at most, and no spill in the tile loop: ptxas keeps 4 of the item's
+    values (16 bytes) in local memory from before the loop to the epilogue, with the window
+    test that made the causal 1K forward 5% faster (docs/dev/tuning-log.md, step 70)."""
     from flashtile.backends.triton import launch_sm90
 
     row = compiled[variant]
@@ -217,7 +219,7 @@ def test_sm90_forward_with_one_consumer_fits_two_ctas_an_sm(compiled, variant):
     assert row["num_warps"] == 8 and 2 * 8 * 32 * row["maxnreg"] <= 65536
     assert all(row["ops"].values()), row["ops"]
     assert row["tma_stores"] == 1
-    assert row["spill_bytes"] == 0
+    assert row["spill_bytes"] <= 16
 
 
 @pytest.mark.parametrize("variant", BWD_VARIANTS)
