@@ -115,7 +115,8 @@ def _online_softmax(b_s, m_i, l_i, n0, o_m, o_n, qk_scale, shift, wl, wr, sk,
     the tile is not inside the batch entry's visible key range ``k_range`` (``_key_range``),
     whose keys it then masks.  ``U32``: the window test as one subtraction and one unsigned
     comparison (``0 <= d <= wl + wr`` is ``unsigned(d) <= wl + wr``; ``wl + wr`` and ``d``
-    stay far inside int32: ``launch_sm90._window``), 2 operations a score instead of 5."""
+    stay far inside int32: ``launch_sm90._window``): with the select, 3 instructions a score
+    instead of 5."""
     if MASKED:
         if masked:
             if U32:
@@ -550,7 +551,7 @@ def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, desc_o, Lse, stride_lb, stride_
     KEYMASK: gl.constexpr = Ranges.dtype.element_ty == gl.int32
     TURNS: gl.constexpr = KEYMASK or not ((HEAD_DIM == 64 and MASKED)
                                           or (HEAD_DIM == 128 and not MASKED))
-    # the window test in 2 operations a score, not 5, where masking is on (step 70: causal
+    # the window test in 3 instructions a score, not 5, where masking is on (step 70: causal
     # N = 1K 8% faster at d = 128, 5% at d = 64); with a key mask or at d = 256, ptxas spills
     # more with it
     U32: gl.constexpr = MASKED and not KEYMASK and HEAD_DIM <= 128
