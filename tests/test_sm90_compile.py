@@ -111,7 +111,12 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                          desc_delta=flat, desc_dq=desc("fp32", bm, acc_cols, torch.float32,
                                                        ragged),
                          DK=f"*{ty}", DV=f"*{ty}", Counter="*i32", scale="fp32",
-                         qk_scale="fp32", **masks)
+                         qk_scale="fp32", **masks,
+                         # dK and dV stored by TMA in tiles of a consumer's keys (never read
+                         # where the kernel stores them itself)
+                         desc_dk=desc(ty, keys // 2, head_dim, dtype, False),
+                         desc_dv=desc(ty, keys // 2, head_dim, dtype, False))
+            tma_dkdv = not ragged and head_dim != 256
             if not keymask and head_dim == 256:  # the dQ kernel (no key mask)
                 dq_n = launch_sm90.DQ_BLOCK_N
                 emit(f"dq{r}-{ty}", attn_bwd_dq_sm90_kernel, dict(
@@ -128,10 +133,11 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                 kind = ("bwd" if fused else "dkdv") + r
                 persistent = launch_sm90.bwd_persistent(head_dim)
                 emit(f"{kind}-{ty}", attn_bwd_sm90_kernel, types, head_dim, causal, WINDOW=False,
-                     DQ=fused, PERSISTENT=persistent, RAGGED=ragged)
+                     DQ=fused, PERSISTENT=persistent, RAGGED=ragged, DKDV_TMA=tma_dkdv)
                 if causal and not r:  # a window other than the causal one: "-causal"
                     emit(f"{kind}w-{ty}", attn_bwd_sm90_kernel, types, head_dim, True,
-                         WINDOW=True, DQ=fused, PERSISTENT=persistent, RAGGED=ragged)
+                         WINDOW=True, DQ=fused, PERSISTENT=persistent, RAGGED=ragged,
+                         DKDV_TMA=tma_dkdv)
 '''
 
 
@@ -260,6 +266,9 @@ def test_sm90_backward_compiles_for_hopper_with_its_structure(compiled, variant)
         assert row["tma_reductions"] == (16 if d == 256 else 4) and row["atomics"] == claims
     else:
         assert row["tma_reductions"] == 0 and row["atomics"] == claims
+    # dK and dV: one TMA store each in each consumer, but with ragged lengths and at d = 256
+    ragged = variant.split("-")[0].rstrip("w").endswith("r")
+    assert row["tma_stores"] == (0 if ragged or d == 256 else 4), row["tma_stores"]
 
 
 DQ_VARIANTS = [f"dq{r}-{ty}-d256-{mode}" for r, ty in (("", "bf16"), ("", "fp16"), ("r", "bf16"))
@@ -401,6 +410,9 @@ def test_sm90_launchers_pass_exactly_the_kernels_parameters(monkeypatch):
     monkeypatch.setattr(launch_sm90, "_launch", lambda name, device, key, grid, args, descs:
                         calls.append((name, key, {**args, **descs})))
     monkeypatch.setattr(launch_sm90, "_sm_count", lambda index: 132)
+    # (dK and dV in a layout the TMA writes: their stores by TMA, as on an H100)
+    monkeypatch.setattr(launch_sm90, "_dense", lambda q, *tensors: all(
+        launch_sm90._plan(x) is not None for x in (q, *tensors)))
     for head_dim in (64, 128, 256):
         q, k, v, do, out = (torch.randn(2, 128, 4, head_dim) for _ in range(5))
         if head_dim == 128:
@@ -439,9 +451,19 @@ def test_sm90_launchers_pass_exactly_the_kernels_parameters(monkeypatch):
         assert sorted(args) == sorted([*launch_sm90._kernel(name).arg_names, *options]), name
         ragged = key[4] if name == "fwd" else key[6]
         assert args.get("RAGGED", ragged) == ragged
-        # 3-D descriptors exactly for ragged lengths (lse and delta stay flat)
+        # 3-D descriptors exactly for ragged lengths (lse and delta stay flat; dK and dV are
+        # stored by TMA only without, else their descriptors are of one tile, never read)
+        stores = ("desc_dk", "desc_dv")
         assert {len(args[n][1]) for n in args if n.startswith("desc_")
-                and n not in ("desc_lse", "desc_delta")} == {3 if ragged else 2}, name
+                and n not in ("desc_lse", "desc_delta", *stores)} == {3 if ragged else 2}, name
+        if name == "bwd":
+            d = args["desc_q"][0].shape[-1]
+            assert args["DKDV_TMA"] == (not ragged and d != 256), name
+            for n in stores:
+                tensor, shape, strides, block = args[n][:4]
+                assert block == [launch_sm90.bwd_keys(d) // 2, d]
+                if args["DKDV_TMA"]:  # the 2-D view of dK / dV: rows (b, s), columns (h, d)
+                    assert shape == [tensor.shape[0] * tensor.shape[1], tensor.shape[2] * d]
     (_, _, args), = [c for c in calls if c[0] == "bwd" and c[1][6]]
     assert args["sq_pad"] == 128 and args["desc_lse"][0].shape == (2, 4, 128)
 

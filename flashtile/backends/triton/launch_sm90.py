@@ -677,15 +677,28 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None)
     # K/V tiles: each consumer's keys, or at d = 256 and with ragged one tile of the item's
     # keys (the kernel's K/V buffer is one allocation: a 3-D TMA cannot write into a slice)
     kv_rows = keys if ragged or head_dim == 256 else keys // 2
+    # dK and dV stored by TMA from a consumer's rows of the V buffer (2-D: not with ragged
+    # lengths; d = 256 consumers share their keys); else by the kernel's own stores, and the
+    # descriptors are of one tile, never read
+    args["DKDV_TMA"] = not ragged and head_dim != 256 and _dense(q, dk, dv)
+    if args["DKDV_TMA"]:
+        desc_dk = _rows(dk, keys // 2, False, "dk", args)
+        desc_dv = _rows(dv, keys // 2, False)
+    else:
+        args.update(dk_rb=0, dk_rh=0, dk_ch=0)
+        tile = [keys // 2, head_dim]
+        desc_dk = desc_dv = (empty(tile, q.dtype, q.device), tile, [head_dim, 1], tile,
+                             _layout(*tile, q.dtype))
     descs = dict(desc_q=_rows(q, BWD_BLOCK_M, ragged, "q", args),
                  desc_do=_rows(do, BWD_BLOCK_M, ragged, "do", args),
                  desc_k=_rows(k, kv_rows, ragged, "kv", args),
                  desc_v=_rows(v, kv_rows, ragged, "kv", args),
                  desc_lse=(lse, [lse.numel()], [1], [BWD_BLOCK_M], flat),
-                 desc_delta=(delta, [delta.numel()], [1], [BWD_BLOCK_M], flat), desc_dq=desc_dq)
+                 desc_delta=(delta, [delta.numel()], [1], [BWD_BLOCK_M], flat), desc_dq=desc_dq,
+                 desc_dk=desc_dk, desc_dv=desc_dv)
     launched = _launch("bwd", device, (q.dtype, head_dim, window["MASKED"], args["WINDOW"],
-                                       fused, persistent, ragged, key_mask is not None), grid,
-                       args, descs)
+                                       fused, persistent, ragged, args["DKDV_TMA"],
+                                       key_mask is not None), grid, args, descs)
     return (launched, grid, descs, persistent, ragged) if launched is not None else None
 
 
@@ -797,7 +810,8 @@ def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec,
 # tensors, skipping the eligibility checks and the argument building (docs/dev/tuning-log.md,
 # step 55).
 _bwd_plans = PlanCache()
-_BWD_ROLES = ("desc_q", "desc_do", "desc_k", "desc_v", "desc_lse", "desc_delta", "desc_dq")
+_BWD_ROLES = ("desc_q", "desc_do", "desc_k", "desc_v", "desc_lse", "desc_delta", "desc_dq",
+              "desc_dk", "desc_dv")
 
 
 class _BwdPlan:
@@ -845,6 +859,6 @@ def planned_backward(q, k, v, out, do, lse, spec: AttnSpec, setting, key_mask=No
     values[plan.at[2]] = (torch.zeros(1, dtype=torch.int32, device=q.device) if plan.persistent
                           else dk)
     _fill_mask(values, plan.mask_at, key_mask, lse)
-    _run_plan(plan, values, (q, do, k, v, lse, delta, dq_acc))
+    _run_plan(plan, values, (q, do, k, v, lse, delta, dq_acc, dk, dv))
     dq.copy_(dq_acc)
     return dq, dk, dv

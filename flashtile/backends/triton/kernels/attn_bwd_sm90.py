@@ -40,10 +40,13 @@ A work item is 128 keys of one (batch, key/value head) pair, in the order of ``_
 Without ``PERSISTENT`` each CTA takes one (the grid has one CTA per item).  With it (d = 64 and
 128, ``launch_sm90.bwd_persistent``) the grid has one CTA per SM and the producer claims items
 from a counter (``_claim``) and passes each to the consumers through shared memory with the K/V
-barrier; the ring, ds buffers and turns run on across items, and the next item's K and V load
-while the consumers store the last one's dK and dV.  A CTA's own launch, K/V load, first turns
-and stores cost about three query tiles' time (docs/dev/tuning-log.md, step 52), a fifth of a
-causal item at 1K-2K keys.
+barrier; the ring, ds buffers and turns run on across items.  With ``DKDV_TMA`` (2-D views of
+dK and dV: lengths that are multiples of the tiles, d = 64 and 128) a consumer writes its dK
+and dV into its own 64 rows of the item's V buffer and stores each by one TMA copy, then frees
+the buffer for the next item's K and V (tuning log, step 72: 5-7% less time at N = 1K-2K,
+d = 128); without it, it frees the buffer first and stores from registers while the next load
+runs.  A CTA's own launch, K/V load, first turns and stores cost about three query tiles' time
+(docs/dev/tuning-log.md, step 52), a fifth of a causal item at 1K-2K keys.
 
 At ``D`` = 256 one consumer cannot hold dK and dV of 64 keys (256 float32 registers a thread):
 a work item is 64 keys that both consumers share, each taking half of a tile's rows for
@@ -180,6 +183,23 @@ def _store_dkdv(b_dk, b_dv, DK, DV, i_b, i_hk, k0, col, stride_kb, stride_kn, st
     else:
         gl.store(DK + p_g, (b_dk * scale).to(dtype))
         gl.store(DV + p_g, b_dv.to(dtype))
+
+
+@gluon.jit
+def _store_dkdv_tma(b_dk, b_dv, tile, desc_dk, desc_dv, row, col, scale):
+    """``dV = b_dv``, then ``dK = scale * b_dk`` (``[64 keys, D]`` float32 in a wgmma layout),
+    each through ``tile`` (this consumer's 64 rows of the item's V buffer, which no other
+    warpgroup reads) and one TMA store at ``[row, col]`` of the 2-D views of dK and dV: 64
+    scattered 4-byte stores a thread become two shared-memory writes (tuning log, step 72)."""
+    dtype: gl.constexpr = tile.dtype
+    tile.store(b_dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc_dv, [row, col], tile)
+    tma.store_wait(pendings=0)  # the store has read the tile
+    tile.store((b_dk * scale).to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc_dk, [row, col], tile)
+    tma.store_wait(pendings=0)
 
 
 @gluon.jit
@@ -356,9 +376,9 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
 def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                   dq_smem, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK,
                   DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group,
-                  scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb,
-                  DQ: gl.constexpr,
-                  PERSISTENT: gl.constexpr, RAGGED: gl.constexpr):
+                  scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb, desc_dk,
+                  desc_dv, dk_rb, dk_rh, dk_ch, DQ: gl.constexpr,
+                  PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr):
     """Work item ``w`` of one consumer warpgroup, its tiles from ring position ``t`` on (K and V
     already loaded): dK and dV of its 64 keys, and with ``DQ`` its adds into dQ; the ring
     position after them."""
@@ -500,12 +520,20 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
         if has_tile:
             _dq_last(t - 1, bar_ds, bar_dsfree, ds_smem, k_half, b_dq0, desc_dq, dq_tile,
                      i_b * sq_rows, m_prev, h_prev * HEAD_DIM + dq_col, scale, RAGGED)
-    if PERSISTENT:
-        # this consumer reads the item's K and V no more: the producer may load the next's
-        # while the stores below run
-        mbarrier.arrive(bar_kvfree)
-    _store_dkdv(b_dk, b_dv, DK, DV, i_b, i_hk, k0, 0, stride_kb, stride_kn, stride_kh, sk,
-                scale, RAGGED)
+    if DKDV_TMA:
+        # through this consumer's rows of the V buffer (its products above have completed),
+        # before the producer may load the next item's into it
+        _store_dkdv_tma(b_dk, b_dv, v_smem.index(0).slice(i_wg * BLOCK_NW, BLOCK_NW), desc_dk,
+                        desc_dv, i_b * dk_rb + i_hk * dk_rh + k0, i_hk * dk_ch, scale)
+        if PERSISTENT:
+            mbarrier.arrive(bar_kvfree)
+    else:
+        if PERSISTENT:
+            # this consumer reads the item's K and V no more: the producer may load the
+            # next's while the stores below run
+            mbarrier.arrive(bar_kvfree)
+        _store_dkdv(b_dk, b_dv, DK, DV, i_b, i_hk, k0, 0, stride_kb, stride_kn, stride_kh, sk,
+                    scale, RAGGED)
     return t
 
 
@@ -714,8 +742,8 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
                   item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
                   bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
-                  stride_mb, DQ: gl.constexpr,
-                  PERSISTENT: gl.constexpr, RAGGED: gl.constexpr):
+                  stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, DQ: gl.constexpr,
+                  PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr):
     if PERSISTENT:
         n_items = _blocks(sk, k_smem.shape[1], RAGGED) * n_bh
         w_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -729,7 +757,8 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
                               bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb,
                               stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group,
                               scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb,
-                              DQ, PERSISTENT, RAGGED)
+                              desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, DQ, PERSISTENT, RAGGED,
+                              DKDV_TMA)
             c += 1
             mbarrier.wait(bar_kv, c & 1)
             w = gl.max(item_smem.load(w_layout), axis=0)
@@ -747,8 +776,8 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
                       v_smem, lse_smem, delta_smem, ds_smem, dq_smem, bar_kvfree, bar_qd,
                       bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb,
                       stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group, scale,
-                      qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb, DQ,
-                      PERSISTENT, RAGGED)
+                      qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb, desc_dk,
+                      desc_dv, dk_rb, dk_rh, dk_ch, DQ, PERSISTENT, RAGGED, DKDV_TMA)
 
 
 # A partition is a function of its own: one wrapper per consumer warpgroup.
@@ -757,13 +786,14 @@ def _bwd_consumer0(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sme
                    item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                    desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
                    bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
-                   stride_mb, DQ: gl.constexpr,
-                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr):
+                   stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, DQ: gl.constexpr,
+                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr):
     _bwd_consumer(0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                   item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
                   bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
-                  stride_mb, DQ, PERSISTENT, RAGGED)
+                  stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, DQ, PERSISTENT, RAGGED,
+                  DKDV_TMA)
 
 
 @gluon.jit
@@ -771,23 +801,24 @@ def _bwd_consumer1(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sme
                    item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                    desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
                    bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
-                   stride_mb, DQ: gl.constexpr,
-                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr):
+                   stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, DQ: gl.constexpr,
+                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr):
     _bwd_consumer(1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                   item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
                   bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
-                  stride_mb, DQ, PERSISTENT, RAGGED)
+                  stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, DQ, PERSISTENT, RAGGED,
+                  DKDV_TMA)
 
 
 @gluon.jit
-def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, DK, DV,
-                         Counter, stride_kb, stride_kn, stride_kh, sq, sk, sq_pad, nheads_k, n_bh,
-                         bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh,
-                         kv_ch, scale, qk_scale, wl, wr, Ranges, KeyMask, stride_mb,
-                         MASKED: gl.constexpr, WINDOW: gl.constexpr, DQ: gl.constexpr,
-                         PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, STAGES: gl.constexpr,
-                         num_warps: gl.constexpr):
+def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, desc_dk,
+                         desc_dv, DK, DV, Counter, stride_kb, stride_kn, stride_kh, sq, sk, sq_pad,
+                         nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch,
+                         kv_rb, kv_rh, kv_ch, dk_rb, dk_rh, dk_ch, scale, qk_scale, wl, wr, Ranges,
+                         KeyMask, stride_mb, MASKED: gl.constexpr, WINDOW: gl.constexpr,
+                         DQ: gl.constexpr, PERSISTENT: gl.constexpr, RAGGED: gl.constexpr,
+                         DKDV_TMA: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     """Persistent grid (at most one CTA per SM): a work item is 128 keys of one key/value head
     (``Sk / 128 * n_bh`` items, ``n_bh = B * Hk``, in the order of ``_item_keys``), and a CTA's
     producer claims the next from ``Counter`` (an int32 zero before the launch) as the last one
@@ -867,12 +898,14 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
                           dq_smem, item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn,
                           bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb, stride_kn, stride_kh,
                           sq, sk, nheads_k, n_bh, bh_group, group, scale, qk_scale, wl, wr,
-                          MASKED, WINDOW, Ranges, KeyMask, stride_mb, DQ, PERSISTENT, RAGGED)),
+                          MASKED, WINDOW, Ranges, KeyMask, stride_mb, desc_dk, desc_dv, dk_rb,
+                          dk_rh, dk_ch, DQ, PERSISTENT, RAGGED, DKDV_TMA)),
         (_bwd_consumer1, (q_smem, do_smem, k_all, v_all, lse_smem, delta_smem, ds_smem,
                           dq_smem, item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn,
                           bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb, stride_kn, stride_kh,
                           sq, sk, nheads_k, n_bh, bh_group, group, scale, qk_scale, wl, wr,
-                          MASKED, WINDOW, Ranges, KeyMask, stride_mb, DQ, PERSISTENT, RAGGED)),
+                          MASKED, WINDOW, Ranges, KeyMask, stride_mb, desc_dk, desc_dv, dk_rb,
+                          dk_rh, dk_ch, DQ, PERSISTENT, RAGGED, DKDV_TMA)),
         (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
                          k_smem, v_smem, lse_smem, delta_smem, item_smem, bar_kv, bar_kvfree,
                          bar_qd, bar_free, Counter, sq, sk, sq_pad, nheads_k, n_bh, bh_group, group,
