@@ -648,9 +648,8 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None)
     acc_tile = [BWD_BLOCK_M, head_dim // (8 if head_dim == 256 else 2)]
     if fused:
         desc_dq = _rows(dq_acc, BWD_BLOCK_M, ragged, cols=acc_tile[1])
-    else:  # never read: a descriptor of one tile
-        desc_dq = (empty(acc_tile, torch.float32, q.device), acc_tile,
-                   [acc_tile[1], 1], acc_tile, _layout(*acc_tile, torch.float32))
+    else:
+        desc_dq = _one_tile(acc_tile, torch.float32, q.device)
     n_bh = batch * nheads_k
     n_sm = _sm_count(device)
     n_items = -(-sk // keys) * n_bh
@@ -686,9 +685,7 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None)
         desc_dv = _rows(dv, keys // 2, False)
     else:
         args.update(dk_rb=0, dk_rh=0, dk_ch=0)
-        tile = [keys // 2, head_dim]
-        desc_dk = desc_dv = (empty(tile, q.dtype, q.device), tile, [head_dim, 1], tile,
-                             _layout(*tile, q.dtype))
+        desc_dk = desc_dv = _one_tile([keys // 2, head_dim], q.dtype, q.device)
     descs = dict(desc_q=_rows(q, BWD_BLOCK_M, ragged, "q", args),
                  desc_do=_rows(do, BWD_BLOCK_M, ragged, "do", args),
                  desc_k=_rows(k, kv_rows, ragged, "kv", args),
@@ -700,6 +697,12 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None)
                                        fused, persistent, ragged, args["DKDV_TMA"],
                                        key_mask is not None), grid, args, descs)
     return (launched, grid, descs, persistent, ragged) if launched is not None else None
+
+
+def _one_tile(tile: list, dtype: torch.dtype, device) -> tuple:
+    """A stand-in descriptor (:func:`_descriptor`'s arguments) of one ``tile`` of a fresh
+    tensor, for a kernel parameter the launched variant never reads."""
+    return (empty(tile, dtype, device), tile, [tile[1], 1], tile, _layout(*tile, dtype))
 
 
 def _pad_rows(lse, delta):

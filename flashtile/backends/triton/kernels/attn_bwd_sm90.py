@@ -522,7 +522,8 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
                      i_b * sq_rows, m_prev, h_prev * HEAD_DIM + dq_col, scale, RAGGED)
     if DKDV_TMA:
         # through this consumer's rows of the V buffer (its products above have completed),
-        # before the producer may load the next item's into it
+        # before the producer may load the next item's into it (taken afresh: at d = 128 the
+        # loop's v_tile is per tile, not carried out of it)
         _store_dkdv_tma(b_dk, b_dv, v_smem.index(0).slice(i_wg * BLOCK_NW, BLOCK_NW), desc_dk,
                         desc_dv, i_b * dk_rb + i_hk * dk_rh + k0, i_hk * dk_ch, scale)
         if PERSISTENT:
