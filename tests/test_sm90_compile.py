@@ -96,7 +96,7 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                     desc_k=desc(ty, bn, head_dim, dtype, ragged),
                     desc_v=desc(ty, bn, head_dim, dtype, ragged),
                     desc_o=desc(ty, bq, head_dim, dtype, ragged), Lse="*fp32",
-                    qk_scale="fp32", **masks), head_dim, causal, CONSUMERS=n_c)
+                    qk_scale="fp32", **masks, Lists="*fp32"), head_dim, causal, CONSUMERS=n_c)
         for head_dim in (64, 128, 256):
             # K/V tiles: each consumer's 64 keys, or with RAGGED both consumers' 128; at d = 256
             # the item's 64 keys (both consumers')
@@ -138,6 +138,17 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                     emit(f"{kind}w-{ty}", attn_bwd_sm90_kernel, types, head_dim, True,
                          WINDOW=True, DQ=fused, PERSISTENT=persistent, RAGGED=ragged,
                          DKDV_TMA=tma_dkdv)
+# "s": a block mask (the forward only; its lists int32, lengths multiples of the tiles)
+for causal in (False, True):
+    for head_dim in (64, 128, 256):
+        bq, bn = launch_sm90.BLOCK_M // 2, launch_sm90.block_n(head_dim)
+        emit(f"fwds-bf16", attn_fwd_sm90_kernel, dict(
+            desc_q=desc("bf16", bq, head_dim, torch.bfloat16, False),
+            desc_k=desc("bf16", bn, head_dim, torch.bfloat16, False),
+            desc_v=desc("bf16", bn, head_dim, torch.bfloat16, False),
+            desc_o=desc("bf16", bq, head_dim, torch.bfloat16, False), Lse="*fp32",
+            qk_scale="fp32", Ranges="*fp32", KeyMask="*fp32", Lists="*i32"), head_dim, causal,
+            CONSUMERS=2)
 '''
 
 
@@ -154,9 +165,9 @@ def compiled() -> dict:
 
 
 # fwdr, bwdr, dkdvr: lengths that are not multiples of the tiles (3-D descriptors); fwdk, bwdk:
-# a key mask
+# a key mask; fwds: a block mask
 VARIANTS = [f"fwd{r}-{ty}-d{d}-{mode}" for r, ty in (("", "bf16"), ("", "fp16"), ("r", "bf16"),
-                                                     ("k", "bf16"))
+                                                     ("k", "bf16"), ("s", "bf16"))
             for d in (64, 128, 256) for mode in ("full", "causal")]
 BWD_VARIANTS = [f"{kind}{r}-{ty}-d{d}-{mode}" for kind in ("bwd", "dkdv")
                 for r, ty in (("", "bf16"), ("", "fp16"), ("r", "bf16"), ("k", "bf16"))
@@ -745,3 +756,59 @@ def test_sm90_backward_pads_lse_and_delta_to_whole_tiles():
     assert lse_p.shape == delta_p.shape == (2, 3, 128) and lse_p.is_contiguous()
     assert torch.equal(lse_p[..., :70], lse) and torch.equal(delta_p[..., :70], delta)
     assert torch.all(lse_p[..., 70:] == float("inf")) and torch.all(delta_p[..., 70:] == 0)
+
+
+def test_sm90_block_sparse_forward_passes_its_lists(monkeypatch):
+    """A block-sparse call takes the Hopper forward where its blocks are whole 128-row work
+    items and whole key tiles and the lengths are multiples of the tiles: two consumers,
+    every kernel parameter by name, the lists with their strides, the key tiles a block and
+    the work items a mask row; no launch plan is kept for it."""
+    import torch
+
+    from flashtile.backends.spec import AttnSpec
+    from flashtile.backends.triton import launch_fwd, launch_sm90
+    from flashtile.backends.triton.sparse_index import sparse_args
+
+    from flashtile.backends.triton.fastlaunch import PlanCache
+
+    calls = []
+    n_args = len(launch_sm90._kernel("fwd").arg_names)
+    # a direct launch as on an H100: (compiled kernel, argument values)
+    monkeypatch.setattr(launch_sm90, "_launch", lambda name, device, key, grid, args, descs:
+                        calls.append((name, key, {**args, **descs})) or ("k", [0] * n_args))
+    monkeypatch.setattr(launch_sm90, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(launch_sm90, "_dense", lambda q, *tensors: True)
+    monkeypatch.setattr(launch_sm90, "_fwd_plans", PlanCache())
+    q, k, v = (torch.randn(2, 512, 4, 128) for _ in range(3))
+    mask = torch.rand(2, 1, 2, 4) < 0.5
+    spec = AttnSpec(softmax_scale=128 ** -0.5)
+    assert launch_sm90.sparse_eligible(q, k, v, spec, (256, 128))
+    assert not launch_sm90.sparse_eligible(q, k, v, spec, (64, 128))    # rows of half an item
+    assert not launch_sm90.sparse_eligible(q, k, v, spec, (128, 64))    # keys of half a tile
+    assert not launch_sm90.sparse_eligible(q[:, :500], k, v, spec, (256, 128))
+    sparse = sparse_args(mask, (256, 128), 512, 512, spec)
+    launch_sm90.forward(q, k, v, spec, sparse=sparse)
+    (name, key, args), = calls
+    assert name == "fwd" and key[3] == 2 and key[5] is True
+    assert sorted(args) == sorted(launch_sm90._kernel("fwd").arg_names)
+    assert args["Lists"] is sparse[0] and (args["tpb"], args["ipr"]) == (1, 2)
+    assert (args["stride_xb"], args["stride_xh"], args["stride_xr"]) == tuple(sparse[1])
+    # d = 256: 64-key tiles, two a 128-key block
+    q2, k2, v2 = (torch.randn(1, 256, 2, 256) for _ in range(3))
+    launch_sm90.forward(q2, k2, v2, spec, sparse=sparse_args(mask[:1, :, :1, :2], (256, 128),
+                                                               256, 256, spec))
+    assert (calls[-1][2]["tpb"], calls[-1][2]["ipr"]) == (2, 2)
+    # a plan repeats a launch from its tensors' signature alone, which knows no block mask:
+    # none for block-sparse calls; without a block mask the lse stands in for the lists
+    plan_key = (launch_sm90.signature(q, k, v), q.dtype, q.device, spec, None)
+    assert launch_sm90._fwd_plans.get(plan_key) is None
+    launch_sm90.forward(q, k, v, spec)
+    assert calls[-1][1][5] is False and calls[-1][2]["Lists"] is calls[-1][2]["Lse"]
+    assert launch_sm90._fwd_plans.get(plan_key) is not None
+    # the dispatch: a block mask goes to the Hopper forward with its lists where eligible
+    seen = []
+    monkeypatch.setattr(launch_sm90, "sparse_eligible", lambda *a: True)
+    monkeypatch.setattr(launch_sm90, "forward", lambda *a, **kw: seen.append(kw["sparse"])
+                        or (None, None))
+    launch_fwd.forward(q, k, v, spec, block_mask=mask, block_size=(256, 128))
+    assert len(seen) == 1 and torch.equal(seen[0][0], sparse[0])

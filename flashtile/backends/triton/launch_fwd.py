@@ -48,6 +48,13 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu
                 return res
             if launch_sm90.eligible(q, k, v, spec):
                 return launch_sm90.forward(q, k, v, spec, key_mask=mask)
+    elif (block_mask is not None and alibi_slopes is None and cu_seqlens_q is None
+          and attn_bias is None and rng_seed is None and block_table is None
+          and out_dtype is None and q.dim() == 4
+          and launch_sm90.sparse_eligible(q, k, v, spec, block_size)):
+        # a block mask of whole tiles: the Hopper forward walks each row's list of blocks
+        sparse = sparse_args(block_mask, block_size, q.shape[1], k.shape[1], spec)
+        return launch_sm90.forward(q, k, v, spec, sparse=sparse)
     if not (no_feature and plans_enabled()):
         return _forward(q, k, v, spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                         max_seqlen_k, attn_bias, rng_seed, block_mask, block_size, block_table,

@@ -159,6 +159,29 @@ def eligible(q, k, v, spec: AttnSpec) -> bool:
     return _plan(k)[2] == _plan(v)[2] and _plain(spec, sq, sk, window=True)
 
 
+def sparse_eligible(q, k, v, spec: AttnSpec, block_size) -> bool:
+    """A block-sparse call the Hopper forward takes: :func:`eligible`, lengths that are
+    multiples of the tiles (``BLOCK_M`` queries, :func:`block_n` keys), mask blocks of whole
+    128-row work items and whole key tiles."""
+    if not eligible(q, k, v, spec):
+        return False
+    sq, sk, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    bs_m, bs_n = int(block_size[0]), int(block_size[1])
+    tile_n = block_n(head_dim)
+    return not (sq % BLOCK_M or sk % tile_n or bs_m % BLOCK_M or bs_n % tile_n)
+
+
+def _sparse_args(sparse, stand_in, tile_n: int) -> dict:
+    """The forward's block-sparse arguments from ``sparse_index.sparse_args``' ``(lists,
+    strides, bs_m, bs_n)``, or without a block mask ``stand_in`` (a float32 tensor) for the
+    lists, which the kernel tells apart by type."""
+    if sparse is None:
+        return dict(Lists=stand_in, stride_xb=0, stride_xh=0, stride_xr=0, tpb=1, ipr=1)
+    lists, (sb, sh, sr), bs_m, bs_n = sparse
+    return dict(Lists=lists, stride_xb=sb, stride_xh=sh, stride_xr=sr, tpb=bs_n // tile_n,
+                ipr=bs_m // BLOCK_M)
+
+
 def _plain(spec: AttnSpec, sq: int, sk: int, window: bool = False) -> bool:
     """No optional feature in ``spec`` but causal masking (and with ``window``, any window)
     with ``sk >= sq`` (bottom-right: every row then sees at least its diagonal key).  A
@@ -579,10 +602,12 @@ def planned_forward(q, k, v, spec: AttnSpec, key_mask=None):
     return out, lse
 
 
-def forward(q, k, v, spec: AttnSpec, key_mask=None):
+def forward(q, k, v, spec: AttnSpec, key_mask=None, sparse=None):
     """``(out, lse)`` with the Triton forward's layouts: out like q, lse float32 ``(B, H, Sq)``;
     ``key_mask``: :func:`key_mask_of`'s ``(view, ranges)`` of a key mask (a row that sees no
-    key outputs 0 and lse -inf)."""
+    key outputs 0 and lse -inf); ``sparse``: ``sparse_index.sparse_args``' ``(lists, strides,
+    bs_m, bs_n)`` of a block mask, where :func:`sparse_eligible` holds (a row with no block
+    outputs 0 and lse -inf)."""
     batch, sq, nheads, head_dim = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
     tile_n = block_n(head_dim)
@@ -597,6 +622,8 @@ def forward(q, k, v, spec: AttnSpec, key_mask=None):
     # (with a key mask, two consumers where three would run: its code spills with three)
     n_c = consumers(head_dim, masked, _mean_keys(sq, sk, window["wl"], window["wr"]),
                     ragged or keymask)
+    if sparse is not None:  # work items of BLOCK_M rows, whole parts of the mask's blocks
+        n_c = 2
     block_m = n_c * (BLOCK_M // 2)
     n_m = -(-sq // block_m)
     # persistent: one CTA per SM (two with one consumer: 128 registers a thread at launch, which
@@ -609,16 +636,17 @@ def forward(q, k, v, spec: AttnSpec, key_mask=None):
                 qk_scale=spec.softmax_scale * LOG2E, **window,
                 STAGES=STAGES, num_warps=NUM_WARPS, CONSUMERS=n_c,
                 lpt=causal_order(n_m, batch * nheads, sq, sk, grid[0], tile_n, block_m)
-                if spec.causal else 0, **_key_mask_args(key_mask, lse))
+                if spec.causal else 0, **_key_mask_args(key_mask, lse),
+                **_sparse_args(sparse, lse, tile_n))
     if n_c == 1:
         args["maxnreg"] = 128
     descs = dict(desc_q=_rows(q, BLOCK_M // 2, ragged, "q", args),
                  desc_k=_rows(k, tile_n, ragged, "kv", args),
                  desc_v=_rows(v, tile_n, ragged, "kv", args),
                  desc_o=_rows(out, BLOCK_M // 2, ragged))
-    launched = _launch("fwd", device, (q.dtype, head_dim, masked, n_c, ragged, keymask), grid,
-                       args, descs)
-    if launched is not None:
+    launched = _launch("fwd", device, (q.dtype, head_dim, masked, n_c, ragged,
+                                       sparse is not None, keymask), grid, args, descs)
+    if launched is not None and sparse is None:
         _fwd_plans.put((signature(q, k, v), q.dtype, q.device, spec, _mask_key(key_mask)),
                        _FwdPlan(launched[0], grid, launched[1], descs, device))
     return out, lse

@@ -58,7 +58,10 @@ takes each tensor's tile coordinates from its ``*_rb``, ``*_rh``, ``*_ch``), ``D
 a window with ``sk >= sq`` (``MASKED``): query ``i`` sees key ``j`` iff
 ``-wl <= j - (i + sk - sq) <= wr`` (causal masking is ``wl`` = no edge, ``wr = 0``; the launcher
 passes an edge no key reaches for a side without one).  A block walks only the key tiles its
-rows see, and only the tiles that cross a warpgroup's edges apply the mask.
+rows see, and only the tiles that cross a warpgroup's edges apply the mask.  Beside a window, a
+key mask (``KEYMASK``) or a block mask (``SPARSE``, lengths multiples of the tiles): an item then
+walks the key tiles of its row's nonzero blocks in the order of the row's list (whether a tile
+needs the window's mask depends on its index only, so the order does not matter).
 
 Lengths that are not multiples of the tiles (``RAGGED``, from the descriptors' rank): the
 descriptors are 3-D, one sequence (a batch entry, or a batch entry and head) by ``S`` rows by
@@ -229,6 +232,28 @@ def _walk(u, lo, hi, rot, RAGGED: gl.constexpr):
 
 
 @gluon.jit
+def _sparse_row(Lists, i_b, i_h, i_m, stride_xb, stride_xh, stride_xr, tpb, ipr):
+    """A block-sparse item's key tiles (``Lists``: ``sparse_index.block_lists``, one row per
+    mask row of ``ipr`` work items, ``[n_full, n_part, columns...]``; ``tpb`` key tiles a mask
+    block): ``(p_cols, n_tiles, empty)``, the row's column list, how many tiles the item walks
+    and whether it has no block (it then walks one tile, every key masked: output 0, lse
+    -inf)."""
+    p_row = (Lists + i_b.to(gl.int64) * stride_xb + i_h.to(gl.int64) * stride_xh
+             + (i_m // ipr) * stride_xr)
+    n_blocks = gl.load(p_row) + gl.load(p_row + 1)
+    return p_row + 2, gl.maximum(n_blocks * tpb, 1), n_blocks == 0
+
+
+@gluon.jit
+def _tile_at(u, lo, hi, rot, p_cols, tpb, RAGGED: gl.constexpr, SPARSE: gl.constexpr):
+    """The key tile walked ``u``-th: ``_walk``'s, or with ``SPARSE`` the ``u % tpb``-th tile of
+    the ``u // tpb``-th block in the row's list (``_sparse_row``)."""
+    if SPARSE:
+        return gl.load(p_cols + u // tpb) * tpb + u % tpb
+    return _walk(u, lo, hi, rot, RAGGED)
+
+
+@gluon.jit
 def _tile_range(i_m, sk, shift, wl, wr, masked, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Key tiles ``[lo, hi)`` that some row of row block ``i_m`` sees."""
     lo = 0
@@ -242,7 +267,8 @@ def _tile_range(i_m, sk, shift, wl, wr, masked, BLOCK_M: gl.constexpr, BLOCK_N: 
 @gluon.jit
 def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k, bar_v,
                  bar_kfree, bar_vfree, sq, sk, nheads, group, q_rb, q_rh, q_ch, kv_rb, kv_rh,
-                 kv_ch, n_m, n_work, lpt, wl, wr, masked, Ranges, KeyMask, stride_mb):
+                 kv_ch, n_m, n_work, lpt, wl, wr, masked, Ranges, KeyMask, stride_mb, Lists,
+                 stride_xb, stride_xh, stride_xr, tpb, ipr):
     NC: gl.constexpr = q_smem.shape[0]   # consumer warpgroups
     BLOCK_MQ: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
@@ -251,6 +277,8 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
     RAGGED: gl.constexpr = len(desc_k.block_type.shape) == 3
     # a key mask's ranges are int32 (without one the lse pointer stands in)
     KEYMASK: gl.constexpr = Ranges.dtype.element_ty == gl.int32
+    # block-sparse lists are int32 (without them the lse pointer stands in)
+    SPARSE: gl.constexpr = Lists.dtype.element_ty == gl.int32
     pid = gl.program_id(0)
     n_ctas = gl.num_programs(0)
     it = 0  # K/V tiles loaded so far (ring position and phase)
@@ -264,6 +292,10 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
                 lo, hi = _key_tiles(lo, hi, _key_range(Ranges, KeyMask, i_b, stride_mb),
                                     BLOCK_N)
             n_tiles = hi - lo
+            p_cols = Lists
+            if SPARSE:  # the tiles of the row's blocks, in the list's order
+                p_cols, n_tiles, _ = _sparse_row(Lists, i_b, i_h, i_m, stride_xb, stride_xh,
+                                                 stride_xr, tpb, ipr)
             # the sequences' coordinates in the descriptors (launch_sm90._plan; _tma_load),
             # from the first key tile a row of the block sees
             base_k = i_b * kv_rb + (i_h // group) * kv_rh
@@ -275,8 +307,8 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
             i_k = it % STAGES
             mbarrier.wait(bar_kfree.index(i_k), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
             mbarrier.expect(bar_k.index(i_k), desc_k.block_type.nbytes)
-            _tma_load(desc_k, base_k, _walk(0, lo, hi, rot, RAGGED) * BLOCK_N, col_k,
-                      bar_k.index(i_k), k_smem.index(i_k))
+            _tma_load(desc_k, base_k, _tile_at(0, lo, hi, rot, p_cols, tpb, RAGGED, SPARSE)
+                      * BLOCK_N, col_k, bar_k.index(i_k), k_smem.index(i_k))
             for i in gl.static_range(NC):
                 # consumer i's Q buffer is free once its last Q·Kᵀ of the previous item completed
                 mbarrier.wait(bar_qfree.index(i), (c & 1) ^ 1, pred=c > 0)
@@ -292,15 +324,16 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
                     mbarrier.wait(bar_kfree.index(i_k), ((u // STAGES) & 1) ^ 1,
                                   pred=u >= STAGES)
                     mbarrier.expect(bar_k.index(i_k), desc_k.block_type.nbytes)
-                    _tma_load(desc_k, base_k, _walk(t + 1, lo, hi, rot, RAGGED) * BLOCK_N,
+                    _tma_load(desc_k, base_k,
+                              _tile_at(t + 1, lo, hi, rot, p_cols, tpb, RAGGED, SPARSE) * BLOCK_N,
                               col_k, bar_k.index(i_k), k_smem.index(i_k))
                 u = it + t
                 i_v = u % STAGES
                 # V stage i_v is free once both consumers' P_{u-STAGES}·V_{u-STAGES} completed
                 mbarrier.wait(bar_vfree.index(i_v), ((u // STAGES) & 1) ^ 1, pred=u >= STAGES)
                 mbarrier.expect(bar_v.index(i_v), desc_v.block_type.nbytes)
-                _tma_load(desc_v, base_k, _walk(t, lo, hi, rot, RAGGED) * BLOCK_N, col_k,
-                          bar_v.index(i_v), v_smem.index(i_v))
+                _tma_load(desc_v, base_k, _tile_at(t, lo, hi, rot, p_cols, tpb, RAGGED, SPARSE)
+                          * BLOCK_N, col_k, bar_v.index(i_v), v_smem.index(i_v))
             it += n_tiles
             c += 1
 
@@ -309,7 +342,8 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
 def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v,
                  bar_kfree, bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk,
                  nheads, n_m, n_work, lpt, qk_scale, wl, wr, masked, Ranges, KeyMask, stride_mb,
-                 TURNS: gl.constexpr, U32: gl.constexpr):
+                 Lists, stride_xb, stride_xh, stride_xr, tpb, ipr, TURNS: gl.constexpr,
+                 U32: gl.constexpr):
     # the values of a tuple bound to a name reach a partition as run-time values: the tile
     # shapes come from the buffers, RAGGED (_tma_load) from the output's descriptor, and the
     # constexprs TURNS and U32 beside the tuple (_ws_consumer0)
@@ -329,6 +363,7 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
     NC: gl.constexpr = q_smem.shape[0]       # consumer warpgroups, taking turns in order
     RAGGED: gl.constexpr = len(desc_o.block_type.shape) == 3
     KEYMASK: gl.constexpr = Ranges.dtype.element_ty == gl.int32  # (the producer's)
+    SPARSE: gl.constexpr = Lists.dtype.element_ty == gl.int32
 
     pid = gl.program_id(0)
     n_ctas = gl.num_programs(0)
@@ -354,10 +389,22 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
             rot = 0
             if RAGGED:
                 rot = _tile_order(lo, hi, sk, BLOCK_N)
+            p_cols = Lists
+            empty = False
+            # the window's edges for this item: an item with no block masks every key
+            wl_i = wl
+            wr_i = wr
+            if SPARSE:
+                p_cols, n_tiles, empty = _sparse_row(Lists, i_b, i_h, i_m, stride_xb, stride_xh,
+                                                     stride_xr, tpb, ipr)
+                wl_i = gl.where(empty, 1 << 29, wl)
+                wr_i = gl.where(empty, -(1 << 29), wr)
             mq0 = i_m * NC * BLOCK_MQ + i_wg * BLOCK_MQ
             # tiles from n_full on cross the upper edge of this warpgroup's window (its
             # diagonal when causal), tiles starting below lo_key its lower edge: both masked
             n_full = hi
+            if SPARSE:  # (the tiles of the list are not below hi)
+                n_full = 1 << 30
             lo_key = 0
             if masked:
                 n_full = (mq0 + shift + wr + 1) // BLOCK_N
@@ -382,14 +429,16 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
             mbarrier.arrive(bar_kfree.index(i_s))
             mbarrier.arrive(bar_qfree.index(i_wg), pred=n_tiles == 1)
             # (with RAGGED the first tile walked may be the item's last: _tile_order)
-            t = _walk(0, lo, hi, rot, RAGGED)
+            t = _tile_at(0, lo, hi, rot, p_cols, tpb, RAGGED, SPARSE)
             km = False
             if KEYMASK:
                 km = _key_masked(t * BLOCK_N, BLOCK_N, k_range)
+            masked0 = (t >= n_full) | (t * BLOCK_N < lo_key)
+            if SPARSE:
+                masked0 = masked0 | empty
             b_p, m_i, l_i, b_alpha = _online_softmax(b_s, m_i, l_i, t * BLOCK_N, o_m, o_n,
-                                                     qk_scale, shift, wl, wr, sk, True,
-                                                     (t >= n_full) | (t * BLOCK_N < lo_key),
-                                                     RAGGED, km, k_range, KEYMASK, U32)
+                                                     qk_scale, shift, wl_i, wr_i, sk, True,
+                                                     masked0, RAGGED, km, k_range, KEYMASK, U32)
             for j in range(0, n_tiles - 1):
                 i_st = (it + j) % STAGES
                 i_nx = (it + j + 1) % STAGES
@@ -410,12 +459,12 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
                 # the item's last Q·Kᵀ: Q's buffer goes back (a predicate, not a branch, keeps
                 # the softmax below in this basic block, where ptxas overlaps it with P·V)
                 mbarrier.arrive(bar_qfree.index(i_wg), pred=j == n_tiles - 2)
-                t = _walk(j + 1, lo, hi, rot, RAGGED)
+                t = _tile_at(j + 1, lo, hi, rot, p_cols, tpb, RAGGED, SPARSE)
                 if KEYMASK:
                     km = _key_masked(t * BLOCK_N, BLOCK_N, k_range)
                 # (a whole tile: the keys past the end are in the first one walked)
                 b_p, m_i, l_i, b_alpha = _online_softmax(b_s, m_i, l_i, t * BLOCK_N, o_m, o_n,
-                                                         qk_scale, shift, wl, wr, sk, True,
+                                                         qk_scale, shift, wl_i, wr_i, sk, True,
                                                          (t >= n_full) | (t * BLOCK_N < lo_key),
                                                          False, km, k_range, KEYMASK, U32)
                 b_acc, b_pv = warpgroup_mma_wait(num_outstanding=0, deps=(b_acc, b_pv))
@@ -436,7 +485,7 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
             c += 1
 
             b_l = l_i
-            if KEYMASK:  # a row that sees no key (l = 0, acc = 0) outputs 0 (lse -inf)
+            if KEYMASK or SPARSE:  # a row that sees no key (l = 0, acc = 0) outputs 0 (lse -inf)
                 b_l = gl.where(l_i == 0.0, 1.0, l_i)
             b_out = b_acc / gl.convert_layout(b_l, row_o)[:, None]            # [64, HEAD_DIM]
             # through shared memory and one TMA store that the consumer does not wait for (the
@@ -500,12 +549,17 @@ def _ws_consumer2(args, TURNS: gl.constexpr, U32: gl.constexpr):
 @gluon.jit
 def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, desc_o, Lse, stride_lb, stride_lh,
                          batch, sq, sk, nheads, group, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch,
-                         qk_scale, lpt, wl, wr, Ranges, KeyMask, stride_mb,
+                         qk_scale, lpt, wl, wr, Ranges, KeyMask, stride_mb, Lists, stride_xb,
+                         stride_xh, stride_xr, tpb, ipr,
                          MASKED: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
                          num_warps: gl.constexpr):
     """``Ranges`` (int32 ``(B, 3)``) and ``KeyMask`` (uint8 ``(B, Sk)``, rows ``stride_mb`` apart,
     contiguous keys): a key mask (``kernels/key_mask.py``), or without one the lse pointer in
-    both places (the kernel tells them apart by ``Ranges``' element type)."""
+    both places (the kernel tells them apart by ``Ranges``' element type).  ``Lists`` (int32,
+    ``sparse_index.block_lists``: ``[n_full, n_part, columns...]`` per mask row, rows
+    ``stride_xr`` apart, batch and head entries ``stride_xb``, ``stride_xh``): a block mask whose
+    blocks are ``ipr`` work items high and ``tpb`` key tiles wide, each item walking only its
+    row's blocks; without one the lse pointer (the element type tells)."""
     BLOCK_MQ: gl.constexpr = desc_q.block_type.shape[-2]   # rows of one consumer (64)
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[-1]
     BLOCK_N: gl.constexpr = desc_k.block_type.shape[-2]
@@ -559,10 +613,12 @@ def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, desc_o, Lse, stride_lb, stride_
 
     consumer_args = (q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
                      bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
-                     n_m, n_work, lpt, qk_scale, wl, wr, MASKED, Ranges, KeyMask, stride_mb)
+                     n_m, n_work, lpt, qk_scale, wl, wr, MASKED, Ranges, KeyMask, stride_mb, Lists,
+                     stride_xb, stride_xh, stride_xr, tpb, ipr)
     producer_args = (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k,
                      bar_v, bar_kfree, bar_vfree, sq, sk, nheads, group, q_rb, q_rh, q_ch, kv_rb,
-                     kv_rh, kv_ch, n_m, n_work, lpt, wl, wr, MASKED, Ranges, KeyMask, stride_mb)
+                     kv_rh, kv_ch, n_m, n_work, lpt, wl, wr, MASKED, Ranges, KeyMask, stride_mb,
+                     Lists, stride_xb, stride_xh, stride_xr, tpb, ipr)
     if CONSUMERS == 3:
         # FlashAttention-3's split at d = 64: three consumers at 160 registers a thread
         gl.warp_specialize([(_ws_consumer0, (consumer_args, TURNS, U32)),

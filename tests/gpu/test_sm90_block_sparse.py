@@ -1,0 +1,141 @@
+"""Block masks (``block_sparse_attn_func``) on the Hopper (Gluon) forward: output and lse against
+a float64 reference under flash-attn's error rule, rows with no block, the launch they take,
+and the portable backward from the Hopper forward's lse; skipped without an sm_90 GPU."""
+import pytest
+import torch
+
+from flashtile import block_sparse_attn_func
+from flashtile.autograd import attention
+from flashtile.backends.spec import AttnSpec
+from flashtile.backends.triton import launch_sm90
+from flashtile.backends.triton.fastlaunch import poison_outputs
+from flashtile.block_sparse import expand_block_mask
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs an sm_90 GPU")
+
+# (id, batch, sq, sk, heads, heads_k, d, causal, block_size, density, per-head mask, empty rows)
+CASES = [
+    ("d128-128x128", 2, 1024, 1024, 4, 4, 128, False, (128, 128), 0.4, False, False),
+    ("d128-causal-256x128-gqa", 2, 1024, 1024, 4, 2, 128, True, (256, 128), 0.5, True, False),
+    ("d128-sk-longer-causal", 1, 512, 1024, 4, 4, 128, True, (128, 128), 0.5, False, False),
+    ("d128-empty-rows", 2, 1024, 768, 4, 4, 128, False, (128, 128), 0.3, True, True),
+    ("d64-128x256", 2, 1024, 2048, 4, 4, 64, False, (128, 256), 0.4, True, False),
+    ("d64-causal-128x128-gqa", 1, 2048, 2048, 8, 2, 64, True, (128, 128), 0.3, False, False),
+    ("d256-128x64", 2, 512, 512, 2, 2, 256, False, (128, 64), 0.5, True, True),
+    ("d256-causal-128x128", 2, 512, 512, 2, 2, 256, True, (128, 128), 0.6, False, False),
+]
+
+
+def _inputs(case, dtype):
+    _, batch, sq, sk, heads, heads_k, d, causal, bs, density, per_head, empty = case
+    gen = torch.Generator().manual_seed(sum(map(ord, case[0])))
+    q = torch.randn(batch, sq, heads, d, device="cuda", dtype=dtype)
+    k = torch.randn(batch, sk, heads_k, d, device="cuda", dtype=dtype)
+    v = torch.randn(batch, sk, heads_k, d, device="cuda", dtype=dtype)
+    rows, cols = -(-sq // bs[0]), -(-sk // bs[1])
+    mask = torch.rand(batch if per_head else 1, heads if per_head else 1, rows, cols,
+                      generator=gen) < density
+    if causal:  # every row keeps its diagonal block (bottom-right)
+        r = torch.arange(rows)
+        mask[..., r, ((r + 1) * bs[0] - 1 + sk - sq) // bs[1]] = True
+    if empty:  # block rows that see no key: output 0, lse -inf
+        mask[..., 1, :] = False
+        mask[0, 0, rows - 1, :] = False
+    return q, k, v, mask.cuda(), causal, bs
+
+
+def _reference(q, k, v, mask, bs, causal, dtype):
+    """(out, lse) of ``(B, S, H, D)`` inputs in ``dtype`` under the element mask of the block
+    mask (and bottom-right causal); a row that sees no key outputs 0, lse -inf."""
+    qh, kh, vh = (x.to(dtype).transpose(1, 2) for x in (q, k, v))
+    group = qh.shape[1] // kh.shape[1]
+    kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
+    sq, sk = q.shape[1], k.shape[1]
+    s = (qh @ kh.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    vis = expand_block_mask(mask, bs, sq, sk).expand(q.shape[0], q.shape[2], sq, sk)
+    if causal:
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        vis = vis & (j <= i + sk - sq)
+    s = s.masked_fill(~vis, float("-inf"))
+    seen = vis.any(-1, keepdim=True)
+    p = torch.softmax(torch.where(seen, s, 0.0), -1) * seen
+    lse = torch.logsumexp(s.float() if dtype != torch.float64 else s, -1)
+    return (p @ vh).transpose(1, 2), lse
+
+
+def _spy(monkeypatch):
+    """The ``sparse`` argument of each call of ``launch_sm90.forward``."""
+    calls = []
+    real = launch_sm90.forward
+    monkeypatch.setattr(launch_sm90, "forward", lambda *a, **kw: calls.append(kw.get("sparse"))
+                        or real(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_sm90_block_sparse_forward_matches_float64_reference(case, dtype, monkeypatch):
+    """The Hopper forward with a block mask: output within 2x PyTorch's same-dtype error of
+    float64, lse within 1e-3, a row with no visible key 0 with lse -inf; the portable Triton
+    kernel within the same error."""
+    q, k, v, mask, causal, bs = _inputs(case, dtype)
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    calls = _spy(monkeypatch)
+    spec = AttnSpec(softmax_scale=q.shape[-1] ** -0.5, window_right=0 if causal else -1)
+    with poison_outputs():
+        out, lse = attention(q, k, v, spec, block_mask=mask, block_size=bs)
+    assert len(calls) == 1 and calls[0] is not None  # the Hopper kernel, with the lists
+    ref, ref_lse = _reference(q, k, v, mask, bs, causal, torch.float64)
+    low, _ = _reference(q, k, v, mask, bs, causal, dtype)
+    err = (out.double() - ref).abs().max().item()
+    base = (low.double() - ref).abs().max().item()
+    assert torch.isfinite(out).all() and err <= 2 * base + 1e-4, (err, base)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen) and (lse[~seen] == float("-inf")).all()
+    assert (lse[seen].double() - ref_lse[seen]).abs().max().item() <= 1e-3
+    assert (out.transpose(1, 2)[~seen] == 0).all()  # (B, H, Sq) rows with no key
+    monkeypatch.setenv("FLASHTILE_SM90", "0")
+    portable = block_sparse_attn_func(q, k, v, mask, bs, causal=causal)
+    assert (portable.double() - ref).abs().max().item() <= 2 * base + 1e-4
+
+
+@pytest.mark.parametrize("case", CASES[:2] + CASES[3:4], ids=[c[0] for c in CASES[:2] + CASES[3:4]])
+def test_sm90_block_sparse_backward_from_the_hopper_forward(case, monkeypatch):
+    """The portable backward from the Hopper forward's output and lse: dQ, dK, dV within 3x
+    PyTorch's same-dtype error of float64."""
+    dtype = torch.bfloat16
+    q, k, v, mask, causal, bs = _inputs(case, dtype)
+    do = torch.randn_like(q)
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    calls = _spy(monkeypatch)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    block_sparse_attn_func(*leaves, mask, bs, causal=causal).backward(do)
+    assert len(calls) == 1 and calls[0] is not None
+    grads = []
+    for dt in (torch.float64, dtype):
+        ref_leaves = [x.detach().to(dt).requires_grad_() for x in (q, k, v)]
+        out, _ = _reference(*ref_leaves, mask, bs, causal, dt)
+        out.backward(do.to(dt))
+        grads.append([x.grad for x in ref_leaves])
+    for name, g, r, lo in zip(("dq", "dk", "dv"), [x.grad for x in leaves], *grads):
+        err = (g.double() - r).abs().max().item()
+        base = (lo.double() - r).abs().max().item()
+        assert torch.isfinite(g).all() and err <= 3 * base + 1e-4, (name, err, base)
+
+
+def test_sm90_block_sparse_takes_the_portable_kernels_where_the_tiles_do_not_fit(monkeypatch):
+    """Blocks smaller than the Hopper tiles, lengths that are not multiples of them and dropout
+    stay on the portable Triton kernels (no Hopper launch)."""
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    calls = _spy(monkeypatch)
+    q, k, v = (torch.randn(1, 512, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    block_sparse_attn_func(q, k, v, torch.ones(1, 1, 8, 8, dtype=torch.bool, device="cuda"),
+                           (64, 64))
+    qr = q[:, :500]
+    block_sparse_attn_func(qr, k, v, torch.ones(1, 1, 4, 4, dtype=torch.bool, device="cuda"))
+    block_sparse_attn_func(q, k, v, torch.ones(1, 1, 4, 4, dtype=torch.bool, device="cuda"),
+                           dropout_p=0.1)
+    assert calls == []
