@@ -10,6 +10,7 @@ from flashtile.backends.spec import AttnSpec
 from flashtile.backends.triton import launch_sm90
 from flashtile.backends.triton.fastlaunch import poison_outputs
 from flashtile.block_sparse import expand_block_mask
+from flashtile.reference.torch_ref import reference, scores
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
@@ -47,23 +48,12 @@ def _inputs(case, dtype):
 
 
 def _reference(q, k, v, mask, bs, causal, dtype):
-    """(out, lse) of ``(B, S, H, D)`` inputs in ``dtype`` under the element mask of the block
-    mask (and bottom-right causal); a row that sees no key outputs 0, lse -inf."""
-    qh, kh, vh = (x.to(dtype).transpose(1, 2) for x in (q, k, v))
-    group = qh.shape[1] // kh.shape[1]
-    kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
-    sq, sk = q.shape[1], k.shape[1]
-    s = (qh @ kh.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    vis = expand_block_mask(mask, bs, sq, sk).expand(q.shape[0], q.shape[2], sq, sk)
-    if causal:
-        i = torch.arange(sq, device=q.device)[:, None]
-        j = torch.arange(sk, device=q.device)[None, :]
-        vis = vis & (j <= i + sk - sq)
-    s = s.masked_fill(~vis, float("-inf"))
-    seen = vis.any(-1, keepdim=True)
-    p = torch.softmax(torch.where(seen, s, 0.0), -1) * seen
-    lse = torch.logsumexp(s.float() if dtype != torch.float64 else s, -1)
-    return (p @ vh).transpose(1, 2), lse
+    """(out, lse) of the oracle (``reference.torch_ref``) in ``dtype`` under the element mask of
+    the block mask (and bottom-right causal); a row that sees no key outputs 0, lse -inf."""
+    spec = AttnSpec(softmax_scale=q.shape[-1] ** -0.5, window_right=0 if causal else -1)
+    elem = expand_block_mask(mask, bs, q.shape[1], k.shape[1])
+    out = reference(q, k, v, spec, dtype=dtype, attn_bias=elem)
+    return out, torch.logsumexp(scores(q, k, spec, dtype=dtype, attn_bias=elem), -1)
 
 
 def _spy(monkeypatch):
