@@ -758,6 +758,24 @@ def test_sm90_backward_pads_lse_and_delta_to_whole_tiles():
     assert torch.all(lse_p[..., 70:] == float("inf")) and torch.all(delta_p[..., 70:] == 0)
 
 
+def _direct_launches(monkeypatch, kernel: str) -> list:
+    """``launch_sm90`` as on an H100 of 132 SMs that reads every tensor by TMA, its launches
+    direct (``_launch`` returns a compiled kernel and argument values) and its plan caches
+    empty: the ``(name, key, arguments and descriptors)`` of each launch of ``kernel``'s."""
+    from flashtile.backends.triton import launch_sm90
+    from flashtile.backends.triton.fastlaunch import PlanCache
+
+    calls = []
+    n_args = len(launch_sm90._kernel(kernel).arg_names)
+    monkeypatch.setattr(launch_sm90, "_launch", lambda name, device, key, grid, args, descs:
+                        calls.append((name, key, {**args, **descs})) or ("k", [0] * n_args))
+    monkeypatch.setattr(launch_sm90, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(launch_sm90, "_dense", lambda q, *tensors: True)
+    monkeypatch.setattr(launch_sm90, "_fwd_plans", PlanCache())
+    monkeypatch.setattr(launch_sm90, "_bwd_plans", PlanCache())
+    return calls
+
+
 def test_sm90_block_sparse_forward_passes_its_lists(monkeypatch):
     """A block-sparse call takes the Hopper forward where its blocks are whole 128-row work
     items and whole key tiles and the lengths are multiples of the tiles: two consumers,
@@ -769,16 +787,7 @@ def test_sm90_block_sparse_forward_passes_its_lists(monkeypatch):
     from flashtile.backends.triton import launch_fwd, launch_sm90
     from flashtile.backends.triton.sparse_index import sparse_args
 
-    from flashtile.backends.triton.fastlaunch import PlanCache
-
-    calls = []
-    n_args = len(launch_sm90._kernel("fwd").arg_names)
-    # a direct launch as on an H100: (compiled kernel, argument values)
-    monkeypatch.setattr(launch_sm90, "_launch", lambda name, device, key, grid, args, descs:
-                        calls.append((name, key, {**args, **descs})) or ("k", [0] * n_args))
-    monkeypatch.setattr(launch_sm90, "_sm_count", lambda index: 132)
-    monkeypatch.setattr(launch_sm90, "_dense", lambda q, *tensors: True)
-    monkeypatch.setattr(launch_sm90, "_fwd_plans", PlanCache())
+    calls = _direct_launches(monkeypatch, "fwd")
     q, k, v = (torch.randn(2, 512, 4, 128) for _ in range(3))
     mask = torch.rand(2, 1, 2, 4) < 0.5
     spec = AttnSpec(softmax_scale=128 ** -0.5)
