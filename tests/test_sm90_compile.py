@@ -90,13 +90,19 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
     for causal in (False, True):
         for head_dim in (64, 128, 256):
             bq, bn = launch_sm90.BLOCK_M // 2, launch_sm90.block_n(head_dim)
+            fwd_types = dict(desc_q=desc(ty, bq, head_dim, dtype, ragged),
+                             desc_k=desc(ty, bn, head_dim, dtype, ragged),
+                             desc_v=desc(ty, bn, head_dim, dtype, ragged),
+                             desc_o=desc(ty, bq, head_dim, dtype, ragged), Lse="*fp32",
+                             qk_scale="fp32", **masks)
             for n_c in {2, launch_sm90.consumers(head_dim, causal, 0, ragged or keymask)}:
-                emit(f"fwd{'' if n_c == 2 else n_c}{r}-{ty}", attn_fwd_sm90_kernel, dict(
-                    desc_q=desc(ty, bq, head_dim, dtype, ragged),
-                    desc_k=desc(ty, bn, head_dim, dtype, ragged),
-                    desc_v=desc(ty, bn, head_dim, dtype, ragged),
-                    desc_o=desc(ty, bq, head_dim, dtype, ragged), Lse="*fp32",
-                    qk_scale="fp32", **masks, Lists="*fp32"), head_dim, causal, CONSUMERS=n_c)
+                emit(f"fwd{'' if n_c == 2 else n_c}{r}-{ty}", attn_fwd_sm90_kernel,
+                     dict(fwd_types, Lists="*fp32"), head_dim, causal, CONSUMERS=n_c)
+            if not r and ty == "bf16":
+                # "s": a block mask (the forward only; its lists int32, lengths multiples of
+                # the tiles)
+                emit("fwds-bf16", attn_fwd_sm90_kernel, dict(fwd_types, Lists="*i32"),
+                     head_dim, causal, CONSUMERS=2)
         for head_dim in (64, 128, 256):
             # K/V tiles: each consumer's 64 keys, or with RAGGED both consumers' 128; at d = 256
             # the item's 64 keys (both consumers')
@@ -138,17 +144,6 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                     emit(f"{kind}w-{ty}", attn_bwd_sm90_kernel, types, head_dim, True,
                          WINDOW=True, DQ=fused, PERSISTENT=persistent, RAGGED=ragged,
                          DKDV_TMA=tma_dkdv)
-# "s": a block mask (the forward only; its lists int32, lengths multiples of the tiles)
-for causal in (False, True):
-    for head_dim in (64, 128, 256):
-        bq, bn = launch_sm90.BLOCK_M // 2, launch_sm90.block_n(head_dim)
-        emit(f"fwds-bf16", attn_fwd_sm90_kernel, dict(
-            desc_q=desc("bf16", bq, head_dim, torch.bfloat16, False),
-            desc_k=desc("bf16", bn, head_dim, torch.bfloat16, False),
-            desc_v=desc("bf16", bn, head_dim, torch.bfloat16, False),
-            desc_o=desc("bf16", bq, head_dim, torch.bfloat16, False), Lse="*fp32",
-            qk_scale="fp32", Ranges="*fp32", KeyMask="*fp32", Lists="*i32"), head_dim, causal,
-            CONSUMERS=2)
 '''
 
 
