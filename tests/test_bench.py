@@ -1868,3 +1868,18 @@ def test_train_stream_keeps_one_token_mapping_so_unigrams_are_learnable():
     assert len(common_tokens) == 1
     other = train._batch(0, 4, 512, 512, torch.device("cpu"), seed=4)
     assert int(torch.bincount(other.flatten(), minlength=512).argmax()) not in common_tokens
+
+
+def test_variants_plan_runs_the_portable_kernels_where_flashtile_runs():
+    """``flashtile_portable`` (an A/B of the Hopper and the portable kernels in one process)
+    gets every case flashtile gets, under ``FLASHTILE_SM90=0``."""
+    cfg = bench_variants.VariantsConfig(device="cuda", n=1024,
+                                        impls=("flashtile", "flashtile_portable"))
+    plan = bench_variants.build_plan(cfg)
+
+    def cases(impl):
+        return [(c.sweep, c.variant, c.param, c.causal, c.mode) for c in plan if c.impl == impl]
+    assert cases("flashtile") == cases("flashtile_portable") and cases("flashtile")
+    with bench_variants._context("flashtile_portable")(torch.device("cpu")):
+        assert os.environ["FLASHTILE_SM90"] == "0"
+    assert "flashtile_portable" in common.IMPLS

@@ -94,15 +94,21 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                              desc_k=desc(ty, bn, head_dim, dtype, ragged),
                              desc_v=desc(ty, bn, head_dim, dtype, ragged),
                              desc_o=desc(ty, bq, head_dim, dtype, ragged), Lse="*fp32",
-                             qk_scale="fp32", **masks)
+                             qk_scale="fp32", **masks, CuQ="*fp32", CuK="*fp32",
+                             Out=f"*{ty}")
             for n_c in {2, launch_sm90.consumers(head_dim, causal, 0, ragged or keymask)}:
                 emit(f"fwd{'' if n_c == 2 else n_c}{r}-{ty}", attn_fwd_sm90_kernel,
                      dict(fwd_types, Lists="*fp32"), head_dim, causal, CONSUMERS=n_c)
             if not r and ty == "bf16":
-                # "s": a block mask (the forward only; its lists int32, lengths multiples of
-                # the tiles)
+                # "s": a block mask (its lists int32, lengths multiples of the tiles)
                 emit("fwds-bf16", attn_fwd_sm90_kernel, dict(fwd_types, Lists="*i32"),
                      head_dim, causal, CONSUMERS=2)
+                # "v": packed sequences (cumulative lengths int32; 2-D descriptors; one or two
+                # consumers as the launcher chooses for them)
+                for n_c in {2, launch_sm90.consumers(head_dim, causal, 0, True)}:
+                    emit(f"fwd{'' if n_c == 2 else n_c}v-bf16", attn_fwd_sm90_kernel,
+                         dict(fwd_types, Lists="*fp32", CuQ="*i32", CuK="*i32"), head_dim,
+                         causal, CONSUMERS=n_c)
         for head_dim in (64, 128, 256):
             # K/V tiles: each consumer's 64 keys, or with RAGGED both consumers' 128; at d = 256
             # the item's 64 keys (both consumers')
@@ -117,7 +123,7 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                          desc_delta=flat, desc_dq=desc("fp32", bm, acc_cols, torch.float32,
                                                        ragged),
                          DK=f"*{ty}", DV=f"*{ty}", Counter="*i32", scale="fp32",
-                         qk_scale="fp32", **masks,
+                         qk_scale="fp32", **masks, Lists="*fp32",
                          # dK and dV stored by TMA in tiles of a consumer's keys (never read
                          # where the kernel stores them itself)
                          desc_dk=desc(ty, keys // 2, head_dim, dtype, False),
@@ -144,6 +150,12 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                     emit(f"{kind}w-{ty}", attn_bwd_sm90_kernel, types, head_dim, True,
                          WINDOW=True, DQ=fused, PERSISTENT=persistent, RAGGED=ragged,
                          DKDV_TMA=tma_dkdv)
+            if not r and ty == "bf16" and head_dim != 256:
+                # "s": the fused persistent backward with a block mask (d <= 128; its lists
+                # int32)
+                emit("bwds-bf16", attn_bwd_sm90_kernel, dict(types, Lists="*i32"), head_dim,
+                     causal, WINDOW=False, DQ=True, PERSISTENT=True, RAGGED=False,
+                     DKDV_TMA=True)
 '''
 
 
@@ -162,14 +174,16 @@ def compiled() -> dict:
 # fwdr, bwdr, dkdvr: lengths that are not multiples of the tiles (3-D descriptors); fwdk, bwdk:
 # a key mask; fwds: a block mask
 VARIANTS = [f"fwd{r}-{ty}-d{d}-{mode}" for r, ty in (("", "bf16"), ("", "fp16"), ("r", "bf16"),
-                                                     ("k", "bf16"), ("s", "bf16"))
+                                                     ("k", "bf16"), ("s", "bf16"),
+                                                     ("v", "bf16"))
             for d in (64, 128, 256) for mode in ("full", "causal")]
 BWD_VARIANTS = [f"{kind}{r}-{ty}-d{d}-{mode}" for kind in ("bwd", "dkdv")
                 for r, ty in (("", "bf16"), ("", "fp16"), ("r", "bf16"), ("k", "bf16"))
                 if not (kind == "dkdv" and r == "k")
                 for d in (64, 128, 256) for mode in ("full", "causal")] + [
     f"{kind}w-{ty}-d{d}-causal" for kind in ("bwd", "dkdv") for ty in ("bf16", "fp16")
-    for d in (64, 128, 256)]
+    for d in (64, 128, 256)] + [f"bwds-bf16-d{d}-{mode}" for d in (64, 128)
+                                for mode in ("full", "causal")]  # (a block mask)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -815,4 +829,103 @@ def test_sm90_block_sparse_forward_passes_its_lists(monkeypatch):
     monkeypatch.setattr(launch_sm90, "forward", lambda *a, **kw: seen.append(kw["sparse"])
                         or (None, None))
     launch_fwd.forward(q, k, v, spec, block_mask=mask, block_size=(256, 128))
+    assert len(seen) == 1 and torch.equal(seen[0][0], sparse[0])
+
+
+def test_sm90_varlen_forward_passes_the_packed_sequences(monkeypatch):
+    """Packed sequences take the Hopper forward as one batch entry of their rows: 2-D
+    descriptors, the cumulative lengths as int32, the longest lengths as ``sq`` and ``sk``,
+    lse ``(H, total)``, the output pointer and row stride for the last row tiles, two
+    consumers where the dense call would take three; no launch plan; the dispatch sends
+    ``cu_seqlens`` calls there and keeps top-left windows away."""
+    import torch
+
+    from flashtile.backends.spec import AttnSpec
+    from flashtile.backends.triton import launch_fwd, launch_sm90
+
+    calls = _direct_launches(monkeypatch, "fwd")
+    total_q, total_k = 700, 900
+    q = torch.randn(total_q, 4, 64)
+    k, v = (torch.randn(total_k, 2, 64) for _ in range(2))
+    cu_q = torch.tensor([0, 100, 400, 700], dtype=torch.int32)
+    cu_k = torch.tensor([0, 300, 500, 900], dtype=torch.int32)
+    spec = AttnSpec(softmax_scale=0.125)
+    assert launch_sm90.varlen_eligible(q, k, v, spec)
+    assert not launch_sm90.varlen_eligible(q[None], k[None], v[None], spec)
+    top_left = AttnSpec(softmax_scale=0.125, window_right=0, bottom_right=False)
+    assert not launch_sm90.varlen_eligible(q, k, v, top_left)
+    # causal per sequence with fewer keys than queries in all: each sequence's rows that see
+    # no key output 0 (the dense rule sk >= sq means nothing across sequences)
+    causal = AttnSpec(softmax_scale=0.125, window_right=0)
+    assert launch_sm90.varlen_eligible(q, k[:500], v[:500], causal)
+    assert not launch_sm90.eligible(q[None], k[None, :500], v[None, :500], causal)
+    out, lse = launch_sm90.forward(q, k, v, spec, varlen=(cu_q, cu_k, 400, 400))
+    (name, key, args), = calls
+    assert out.shape == q.shape and lse.shape == (4, total_q)
+    assert key[3] == 2 and key[-2] is True and key[4] is False   # two consumers, 2-D views
+    assert sorted(args) == sorted(launch_sm90._kernel("fwd").arg_names)
+    assert args["CuQ"] is cu_q and args["CuK"] is cu_k and args["batch"] == 3
+    assert (args["sq"], args["sk"], args["stride_lb"], args["stride_lh"]) == (400, 400, 0,
+                                                                             total_q)
+    assert args["Out"] is out and args["stride_om"] == 4 * 64
+    assert {len(args[n][1]) for n in args if n.startswith("desc_")} == {2}
+    assert args["desc_q"][1] == [total_q, 4 * 64] and args["desc_k"][1] == [total_k, 2 * 64]
+    assert launch_sm90._fwd_plans.get((launch_sm90.signature(q, k, v), q.dtype, q.device,
+                                       spec, None)) is None
+    # the dispatch (cumulative lengths of int64 arrive as int32)
+    seen = []
+    monkeypatch.setattr(launch_sm90, "varlen_eligible", lambda *a: True)
+    monkeypatch.setattr(launch_sm90, "forward", lambda *a, **kw: seen.append(kw["varlen"])
+                        or (None, None))
+    launch_fwd.forward(q, k, v, spec, cu_seqlens_q=cu_q.long(), cu_seqlens_k=cu_k.long(),
+                       max_seqlen_q=400, max_seqlen_k=400)
+    (cq, ck, mq, mk), = seen
+    assert cq.dtype == ck.dtype == torch.int32 and torch.equal(cq, cu_q) and (mq, mk) == (400, 400)
+
+
+def test_sm90_block_sparse_backward_passes_its_lists(monkeypatch):
+    """A block-sparse backward takes the fused Hopper kernel where its blocks are whole 128-key
+    items and 128-row blocks, d <= 128 and one mask serves a key/value head's query heads:
+    every kernel parameter by name, the transposed lists with their strides, the query tiles a
+    mask row and the work items a mask column; no launch plan is kept for it."""
+    import torch
+
+    from flashtile.backends.spec import AttnSpec
+    from flashtile.backends.triton import launch_bwd, launch_sm90
+    from flashtile.backends.triton.sparse_index import sparse_args
+
+    calls = _direct_launches(monkeypatch, "bwd")
+    q, do, out = (torch.randn(2, 512, 4, 128) for _ in range(3))
+    k, v = (torch.randn(2, 512, 2, 128) for _ in range(2))
+    lse = torch.randn(2, 4, 512)
+    spec = AttnSpec(softmax_scale=128 ** -0.5)
+    mask = torch.rand(2, 1, 2, 2) < 0.5
+    ok = launch_sm90.sparse_bwd_eligible
+    assert ok(q, k, v, do, k, v, spec, mask, (256, 256))
+    assert not ok(q, k, v, do, k, v, spec, mask.expand(2, 4, 2, 2), (256, 256))  # GQA per head
+    assert not ok(q, k, v, do, k, v, spec, mask, (256, 64))        # keys of half an item
+    assert not ok(q[..., :64].contiguous(), k[..., :64].contiguous(), v[..., :64].contiguous(),
+                  do[..., :64].contiguous(), k, v, spec, mask, (64, 256))   # rows of half a block
+    sparse = sparse_args(mask, (256, 256), 512, 512, spec, transpose=True)
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    delta = torch.empty_like(lse)
+    key = ("plan",)
+    launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec, key,
+                               sparse=sparse)
+    (name, launch_key, args), = calls
+    assert name == "bwd" and launch_key[-2] is True and launch_key[-1] is False
+    assert sorted(args) == sorted(launch_sm90._kernel("bwd").arg_names)
+    assert args["Lists"] is sparse[0] and (args["tpr"], args["ipc"]) == (4, 2)
+    assert (args["stride_xb"], args["stride_xh"], args["stride_xr"]) == tuple(sparse[1])
+    assert launch_sm90._bwd_plans.get(key) is None
+    launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec, key)
+    # (without a block mask or key mask the lse stands in for both)
+    assert calls[-1][1][-2] is False and calls[-1][2]["Lists"] is calls[-1][2]["Ranges"]
+    assert launch_sm90._bwd_plans.get(key) is not None
+    # the dispatch: a block mask goes to the fused kernel with the transposed lists
+    seen = []
+    monkeypatch.setattr(launch_sm90, "sparse_bwd_eligible", lambda *a: True)
+    monkeypatch.setattr(launch_sm90, "fused_backward", lambda *a, **kw: seen.append(kw["sparse"]))
+    launch_bwd.backward(do, q, k, v, out.contiguous(), lse, spec, block_mask=mask,
+                        block_size=(256, 256))
     assert len(seen) == 1 and torch.equal(seen[0][0], sparse[0])

@@ -195,6 +195,14 @@ def flashtile_chunked_context(device: torch.device):
         yield
 
 
+@contextlib.contextmanager
+def flashtile_portable_context(device: torch.device):
+    """flashtile with ``FLASHTILE_SM90=0``: the portable Triton kernels where the Hopper ones
+    would run (an A/B of the two in one process)."""
+    with env_set("FLASHTILE_SM90", "0"), flashtile_context(device):
+        yield
+
+
 def _prepare_flashtile(inp: Inputs, causal: bool, scale: float,
                        deterministic: bool = False) -> Prepared:
     ft = flashtile_api()
@@ -295,6 +303,9 @@ IMPLS: dict[str, Impl] = {
     "flashtile_chunked": Impl(_prepare_flashtile, flashtile_chunked_context, peer=False,
                               description="flashtile with FLASHTILE_BWD_CHUNK=auto (backward in "
                                           "batch chunks that fit L2)"),
+    "flashtile_portable": Impl(_prepare_flashtile, flashtile_portable_context, peer=False,
+                               description="flashtile with FLASHTILE_SM90=0 (the portable "
+                                           "Triton kernels instead of the Hopper ones)"),
     "flashtile_deterministic": Impl(_prepare_flashtile_deterministic, flashtile_context,
                                     peer=False,
                                     description="flashtile with deterministic=True (on Hopper "

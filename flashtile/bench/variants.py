@@ -36,6 +36,9 @@ Peers: ``sdpa`` (PyTorch's default SDPA dispatch) runs the window sweep with a d
 against its own ``is_causal=True`` call, and the padding sweep; ``flex`` (``--flex``; CUDA only, skipped on CPU) runs the
 sparse and window sweeps as ``torch.compile(flex_attention)`` with a ``create_block_mask`` block
 mask (the same random blocks, or the band), against its own unmasked / causal call.
+``flashtile_portable`` runs every sweep flashtile runs with ``FLASHTILE_SM90=0`` (the portable
+Triton kernels where the Hopper ones would run): an A/B of the two in one process, e.g.
+``--sweeps varlen --impl flashtile flashtile_portable``.
 
 Each (variant, parameter, causal) is timed in each ``--mode`` (``fwd`` and ``fwd_bwd`` by
 default) with ``flashtile.bench``'s timers and its error classification.  A record is::
@@ -100,7 +103,10 @@ RECORD_KEYS = ("sweep", "impl", "mode", "variant", "param", "causal", "dtype", "
 SWEEPS = ("sparse", "window", "varlen", "padding")
 # page size of the paged-KV varlen variant (flash-attn's paged KV needs multiples of 256)
 PAGE_SIZE = 256
-IMPLS = ("flashtile", "sdpa", "flex")
+# flashtile_portable: flashtile with FLASHTILE_SM90=0 (the portable Triton kernels where the
+# Hopper ones would run), in the same process as flashtile's cases: an A/B of the two kernels
+IMPLS = ("flashtile", "sdpa", "flex", "flashtile_portable")
+_FLASHTILE = ("flashtile", "flashtile_portable")
 KEY = "variants"  # the entry of the results file that holds the variants records
 DENSITIES = (Fraction(1), Fraction(1, 2), Fraction(1, 4), Fraction(1, 8), Fraction(1, 16))
 PAD_FRACTIONS = (Fraction(1, 8), Fraction(1, 4), Fraction(1, 2))
@@ -580,6 +586,8 @@ def _prepare_flex(kind: str, value: Any = None, block_size: int = 128) -> Callab
 def _context(impl: str) -> Callable[[torch.device], ContextManager]:
     if impl == "flashtile":
         return common.flashtile_context
+    if impl == "flashtile_portable":
+        return common.flashtile_portable_context
     if impl == "flex":
         return common.flex_context
     return lambda device: contextlib.nullcontext()
@@ -636,52 +644,54 @@ def build_plan(cfg: VariantsConfig) -> list[VariantCase]:
     if "sparse" in cfg.sweeps:
         masks = [(x, random_blocks(n, cfg.block_size, x, cfg.seed + i))
                  for i, x in enumerate(cfg.densities)]
-        for impl in (i for i in impls if i in ("flashtile", "flex")):
-            dense = (_prepare_dense_flashtile(False) if impl == "flashtile"
+        for impl in (i for i in impls if i in (*_FLASHTILE, "flex")):
+            dense = (_prepare_dense_flashtile(False) if impl in _FLASHTILE
                      else _prepare_flex(None))
             add("sparse", impl, "dense", None, False, "dense", b * dense_pairs(n, False), dense)
             for target, blocks in masks:
                 pairs = b * block_pairs(blocks, n, cfg.block_size)
                 detail = {"target": float(target), "block_size": cfg.block_size,
                           "kept_blocks": int(blocks.sum()), "blocks": blocks.numel()}
-                prepare = (_prepare_block_sparse(blocks, cfg.block_size) if impl == "flashtile"
+                prepare = (_prepare_block_sparse(blocks, cfg.block_size) if impl in _FLASHTILE
                            else _prepare_flex("blocks", blocks, cfg.block_size))
                 add("sparse", impl, "block_sparse", float(pairs / (b * n * n)), False, "dense",
                     pairs, prepare, detail)
     if "window" in cfg.sweeps:
         for impl in impls:
+            kind = "flashtile" if impl in _FLASHTILE else impl
             dense = {"flashtile": _prepare_dense_flashtile(True), "sdpa": _prepare_dense_sdpa(True),
-                     "flex": _prepare_flex("causal")}[impl]
+                     "flex": _prepare_flex("causal")}[kind]
             add("window", impl, "dense", None, True, "dense", b * dense_pairs(n, True), dense)
             for w in cfg.window_sizes():
                 prepare = {"flashtile": _prepare_window_flashtile, "sdpa": _prepare_window_sdpa,
-                           "flex": lambda w: _prepare_flex("window", w)}[impl](w)
+                           "flex": lambda w: _prepare_flex("window", w)}[kind](w)
                 add("window", impl, "window", w, True, "dense", b * window_pairs(n, w), prepare)
-    if "varlen" in cfg.sweeps and "flashtile" in impls:
+    if "varlen" in cfg.sweeps:
         lengths = varlen_lengths(cfg.total_tokens(), cfg.mean_length(), cfg.seed)
         mean = sum(lengths) / len(lengths)
         detail = {"target": cfg.mean_length(), "sequences": len(lengths), "tokens": sum(lengths),
                   "longest": max(lengths)}
-        for causal in (False, True):
-            pairs = varlen_pairs(lengths, causal)
-            add("varlen", "flashtile", "padded", mean, causal, "varlen", pairs,
-                _prepare_padded(causal), detail)
-            add("varlen", "flashtile", "varlen", mean, causal, "varlen", pairs,
-                _prepare_varlen(causal), detail)
-            add("varlen", "flashtile", "varlen_paged", mean, causal, "varlen", pairs,
-                _prepare_varlen_paged(causal, PAGE_SIZE, cfg.seed),
-                dict(detail, page_size=PAGE_SIZE))
-    if "padding" in cfg.sweeps:
-        for impl in (i for i in impls if i in ("flashtile", "sdpa")):
+        for impl in (i for i in impls if i in _FLASHTILE):
             for causal in (False, True):
-                dense = (_prepare_dense_flashtile(causal) if impl == "flashtile"
+                pairs = varlen_pairs(lengths, causal)
+                add("varlen", impl, "padded", mean, causal, "varlen", pairs,
+                    _prepare_padded(causal), detail)
+                add("varlen", impl, "varlen", mean, causal, "varlen", pairs,
+                    _prepare_varlen(causal), detail)
+                add("varlen", impl, "varlen_paged", mean, causal, "varlen", pairs,
+                    _prepare_varlen_paged(causal, PAGE_SIZE, cfg.seed),
+                    dict(detail, page_size=PAGE_SIZE))
+    if "padding" in cfg.sweeps:
+        for impl in (i for i in impls if i in (*_FLASHTILE, "sdpa")):
+            for causal in (False, True):
+                dense = (_prepare_dense_flashtile(causal) if impl in _FLASHTILE
                          else _prepare_dense_sdpa(causal))
                 add("padding", impl, "dense", None, causal, "dense", b * dense_pairs(n, causal),
                     dense)
                 for frac in cfg.pad_fractions:
                     pads = pad_lengths(n, b, frac)
                     pairs = varlen_pairs([n - p for p in pads], causal)
-                    prepare = (_prepare_key_mask_flashtile if impl == "flashtile"
+                    prepare = (_prepare_key_mask_flashtile if impl in _FLASHTILE
                                else _prepare_key_mask_sdpa)(pads, causal)
                     add("padding", impl, "key_mask", float(frac), causal, "dense", pairs,
                         prepare, {"target": float(frac), "padded_keys": pads})
@@ -773,7 +783,7 @@ def run_variants(cfg: VariantsConfig, timer: Callable[[Callable], float] | None 
             if failure is None:
                 status, error, ms = common.time_call(
                     lambda c=case, x=data: c.prepare(x), case.mode, device, timer,
-                    lambda c=case: _context(c.impl)(device), case.impl != "flashtile",
+                    lambda c=case: _context(c.impl)(device), case.impl not in _FLASHTILE,
                     cfg.raise_errors)
             else:
                 (status, error), ms = failure, None

@@ -270,6 +270,17 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
         launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec, key,
                                    key_mask=mask)
         return dq, dk, dv
+    if (block_mask is not None and not varlen and alibi_slopes is None and attn_bias is None
+            and rng_seed is None and dbias is None and grad_dtype is None
+            and not _deterministic(spec) and out.is_contiguous()
+            and launch_sm90.sparse_bwd_eligible(q, k, v, do, dk, dv, spec, block_mask,
+                                                block_size)):
+        # a block mask of whole items and blocks: the fused Hopper backward walks each key
+        # block's column of the transposed lists
+        sparse = sparse_args(block_mask, block_size, sq, sk, spec, transpose=True)
+        launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec,
+                                   sparse=sparse)
+        return dq, dk, dv
     features = (varlen or alibi_slopes is not None or attn_bias is not None
                 or rng_seed is not None or block_mask is not None or dbias is not None)
     chunk = 0 if features else batch_chunk(batch, sq, sk, nheads, nheads_k, head_dim,

@@ -141,12 +141,13 @@ def _dense(q, *tensors) -> bool:
     return not address & 15
 
 
-def eligible(q, k, v, spec: AttnSpec) -> bool:
+def eligible(q, k, v, spec: AttnSpec, packed: bool = False) -> bool:
     """Dense fp16/bf16 ``(B, S, H, D)`` in a layout the TMA reads (:func:`_plan`; K and V alike),
     ``D`` in {64, 128, 256}, any sequence lengths (not multiples of the tiles: 3-D descriptors,
     :func:`_rows`), no softcap / dropout, causal masking or a window only with ``sk >= sq``
     (bottom-right).  The caller has already ruled out every optional tensor (ALiBi, bias,
-    varlen, paging, sparsity)."""
+    varlen, paging, sparsity); ``packed``: one batch entry of packed sequences (the windows are
+    each sequence's, any totals)."""
     if not _dense(q, k, v):
         return False
     batch, sq, nheads, head_dim = q.shape
@@ -156,7 +157,8 @@ def eligible(q, k, v, spec: AttnSpec) -> bool:
     if sq == 0 or sk == 0 or batch == 0:
         return False
     # K and V are walked with the same coordinates
-    return _plan(k)[2] == _plan(v)[2] and _plain(spec, sq, sk, window=True)
+    return _plan(k)[2] == _plan(v)[2] and _plain(spec, sq, max(sk, sq) if packed else sk,
+                                                 window=True)
 
 
 def sparse_eligible(q, k, v, spec: AttnSpec, block_size) -> bool:
@@ -180,6 +182,33 @@ def _sparse_args(sparse, stand_in, tile_n: int) -> dict:
     lists, (sb, sh, sr), bs_m, bs_n = sparse
     return dict(Lists=lists, stride_xb=sb, stride_xh=sh, stride_xr=sr, tpb=bs_n // tile_n,
                 ipr=bs_m // BLOCK_M)
+
+
+def sparse_bwd_eligible(q, k, v, do, dk, dv, spec: AttnSpec, block_mask, block_size) -> bool:
+    """A block-sparse call the fused Hopper backward takes: :func:`bwd_eligible` at d = 64 or
+    128, lengths that are multiples of 128, mask blocks of whole 128-key work items and whole
+    128-row blocks (two query tiles), and one mask for the query heads of a key/value head
+    (the mask broadcast over heads, or no grouping)."""
+    head_dim = q.shape[3]
+    if head_dim == 256 or not bwd_eligible(q, k, v, do, dk, dv, spec):
+        return False
+    sq, sk = q.shape[1], k.shape[1]
+    bs_m, bs_n = int(block_size[0]), int(block_size[1])
+    keys = bwd_keys(head_dim)
+    if sq % BLOCK_M or sk % keys or bs_m % BLOCK_M or bs_n % keys:
+        return False
+    return block_mask.shape[1] == 1 or q.shape[2] == k.shape[2]
+
+
+def _bwd_sparse_args(sparse, stand_in, keys: int) -> dict:
+    """The backward's block-sparse arguments from ``sparse_index.sparse_args(...,
+    transpose=True)``' ``(lists, strides, bs_m, bs_n)``, or without a block mask ``stand_in``
+    (a float32 tensor) for the lists."""
+    if sparse is None:
+        return dict(Lists=stand_in, stride_xb=0, stride_xh=0, stride_xr=0, tpr=1, ipc=1)
+    lists, (sb, sh, sr), bs_m, bs_n = sparse
+    return dict(Lists=lists, stride_xb=sb, stride_xh=sh, stride_xr=sr, tpr=bs_m // BWD_BLOCK_M,
+                ipc=bs_n // keys)
 
 
 def _plain(spec: AttnSpec, sq: int, sk: int, window: bool = False) -> bool:
@@ -602,26 +631,55 @@ def planned_forward(q, k, v, spec: AttnSpec, key_mask=None):
     return out, lse
 
 
-def forward(q, k, v, spec: AttnSpec, key_mask=None, sparse=None):
+def varlen_eligible(q, k, v, spec: AttnSpec) -> bool:
+    """Packed ``(total, H, D)`` sequences the Hopper forward takes: :func:`eligible` of the
+    tensors as one batch entry, a window only bottom-right (per sequence), no empty tensor."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        return False
+    if spec.has_window and not spec.bottom_right:
+        return False
+    # (a row of a sequence with fewer keys than queries that sees no key outputs 0, so the
+    # packed totals need not have sk >= sq)
+    return eligible(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), spec, packed=True)
+
+
+def forward(q, k, v, spec: AttnSpec, key_mask=None, sparse=None, varlen=None):
     """``(out, lse)`` with the Triton forward's layouts: out like q, lse float32 ``(B, H, Sq)``;
     ``key_mask``: :func:`key_mask_of`'s ``(view, ranges)`` of a key mask (a row that sees no
     key outputs 0 and lse -inf); ``sparse``: ``sparse_index.sparse_args``' ``(lists, strides,
     bs_m, bs_n)`` of a block mask, where :func:`sparse_eligible` holds (a row with no block
-    outputs 0 and lse -inf)."""
-    batch, sq, nheads, head_dim = q.shape
-    sk, nheads_k = k.shape[1], k.shape[2]
-    tile_n = block_n(head_dim)
+    outputs 0 and lse -inf); ``varlen``: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k)`` of packed ``(total, H, D)`` inputs (:func:`varlen_eligible`; lse ``(H,
+    total_q)``, a row that sees no key outputs 0 and lse -inf)."""
     out = empty(q.shape, q.dtype, q.device)
-    lse = empty((batch, nheads, sq), torch.float32, q.device)
+    if varlen is not None:
+        cu_q, cu_k, sq, sk = varlen
+        batch = cu_q.shape[0] - 1
+        lse = empty((q.shape[1], q.shape[0]), torch.float32, q.device)
+        # one batch entry of all the packed rows (the kernel takes each sequence's first row
+        # from the cumulative lengths)
+        q, k, v, out4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0)
+        nheads, head_dim = q.shape[2], q.shape[3]
+        lse_strides = dict(stride_lb=0, stride_lh=lse.stride(0))
+    else:
+        batch, sq, nheads, head_dim = q.shape
+        sk = k.shape[1]
+        lse = empty((batch, nheads, sq), torch.float32, q.device)
+        out4 = out
+        lse_strides = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1))
+    nheads_k = k.shape[2]
+    tile_n = block_n(head_dim)
     device = q.device.index or 0
     window = _window(spec, sq, sk)
     masked = window["MASKED"]  # causal masking is the window (-1, 0)
-    # lengths that are not multiples of the tiles: 3-D descriptors (_rows)
-    ragged = bool(sq % BLOCK_M or sk % tile_n)
+    # lengths that are not multiples of the tiles: 3-D descriptors (_rows); packed sequences
+    # are one 2-D view, their ends masked in the kernel
+    ragged = bool(sq % BLOCK_M or sk % tile_n) and varlen is None
     keymask = key_mask is not None
-    # (with a key mask, two consumers where three would run: its code spills with three)
+    # (with a key mask, two consumers where three would run: its code spills with three;
+    # packed sequences' lengths are not multiples of three consumers' rows)
     n_c = consumers(head_dim, masked, _mean_keys(sq, sk, window["wl"], window["wr"]),
-                    ragged or keymask)
+                    ragged or keymask or varlen is not None)
     if sparse is not None:  # work items of BLOCK_M rows, whole parts of the mask's blocks
         n_c = 2
     block_m = n_c * (BLOCK_M // 2)
@@ -631,22 +689,25 @@ def forward(q, k, v, spec: AttnSpec, key_mask=None, sparse=None):
     # block, batch entry, head)
     per_sm = 2 if n_c == 1 else 1
     grid = (min(n_m * batch * nheads, per_sm * _sm_count(device)),)
-    args = dict(Lse=lse, stride_lb=lse.stride(0), stride_lh=lse.stride(1),
+    args = dict(Lse=lse, **lse_strides,
                 batch=batch, sq=sq, sk=sk, nheads=nheads, group=nheads // nheads_k,
                 qk_scale=spec.softmax_scale * LOG2E, **window,
                 STAGES=STAGES, num_warps=NUM_WARPS, CONSUMERS=n_c,
                 lpt=causal_order(n_m, batch * nheads, sq, sk, grid[0], tile_n, block_m)
                 if spec.causal else 0, **_key_mask_args(key_mask, lse),
-                **_sparse_args(sparse, lse, tile_n))
+                **_sparse_args(sparse, lse, tile_n),
+                CuQ=lse if varlen is None else varlen[0], CuK=lse if varlen is None else varlen[1],
+                Out=out, stride_om=0 if varlen is None else out.stride(0))
     if n_c == 1:
         args["maxnreg"] = 128
     descs = dict(desc_q=_rows(q, BLOCK_M // 2, ragged, "q", args),
                  desc_k=_rows(k, tile_n, ragged, "kv", args),
                  desc_v=_rows(v, tile_n, ragged, "kv", args),
-                 desc_o=_rows(out, BLOCK_M // 2, ragged))
+                 desc_o=_rows(out4, BLOCK_M // 2, ragged))
     launched = _launch("fwd", device, (q.dtype, head_dim, masked, n_c, ragged,
-                                       sparse is not None, keymask), grid, args, descs)
-    if launched is not None and sparse is None:
+                                       sparse is not None, varlen is not None, keymask), grid,
+                       args, descs)
+    if launched is not None and sparse is None and varlen is None:
         _fwd_plans.put((signature(q, k, v), q.dtype, q.device, spec, _mask_key(key_mask)),
                        _FwdPlan(launched[0], grid, launched[1], descs, device))
     return out, lse
@@ -660,9 +721,10 @@ def _flat_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 
 
-def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None):
+def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None, sparse=None):
     """Launch the backward kernel: with ``dq_acc`` (float32 like ``q``, zeroed) it also adds
-    dQ into it; without, dK and dV only; ``key_mask`` as :func:`forward`'s.  ``(launch, grid,
+    dQ into it; without, dK and dV only; ``key_mask`` as :func:`forward`'s; ``sparse`` the
+    transposed lists of a block mask (:func:`sparse_bwd_eligible`, :func:`_bwd_sparse_args`).  ``(launch, grid,
     descriptors, persistent, ragged)`` when it launched a compiled variant directly (what a
     plan repeats), else None."""
     batch, sq, nheads, head_dim = q.shape
@@ -699,7 +761,8 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None)
                 # edges other than the causal diagonal (without, the causal-only code)
                 WINDOW=window["MASKED"] and (window["wl"] < sq + sk or window["wr"] != 0),
                 DQ=fused, PERSISTENT=persistent, RAGGED=ragged, STAGES=STAGES,
-                num_warps=NUM_WARPS, **_key_mask_args(key_mask, lse))
+                num_warps=NUM_WARPS, **_key_mask_args(key_mask, lse),
+                **_bwd_sparse_args(sparse, lse, keys))
     flat = _flat_layout()
     # K/V tiles: each consumer's keys, or at d = 256 and with ragged one tile of the item's
     # keys (the kernel's K/V buffer is one allocation: a 3-D TMA cannot write into a slice)
@@ -723,7 +786,8 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None)
                  desc_dk=desc_dk, desc_dv=desc_dv)
     launched = _launch("bwd", device, (q.dtype, head_dim, window["MASKED"], args["WINDOW"],
                                        fused, persistent, ragged, args["DKDV_TMA"],
-                                       key_mask is not None), grid, args, descs)
+                                       sparse is not None, key_mask is not None), grid, args,
+                       descs)
     return (launched, grid, descs, persistent, ragged) if launched is not None else None
 
 
@@ -821,17 +885,18 @@ def _prologue(q, out, do, delta, zero: bool = True):
 
 
 def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec,
-                   plan_key=None, key_mask=None) -> None:
+                   plan_key=None, key_mask=None, sparse=None) -> None:
     """Fill ``dq``, ``dk``, ``dv`` (``bwd_eligible`` holds; ``out`` contiguous; ``lse`` and the
     buffer ``delta`` contiguous float32 ``(B, H, Sq)``): a prologue kernel computes ``delta``
     and zeroes a float32 dQ accumulator, the backward kernel adds every dQ tile into it, and
     one copy converts it into ``dq``.  With ``plan_key`` (:func:`bwd_plan_key`) a direct
     launch leaves a plan that :func:`planned_backward` repeats; ``key_mask`` as
-    :func:`forward`'s."""
+    :func:`forward`'s; ``sparse`` as :func:`_bwd`'s (no plan: its key does not see the
+    mask)."""
     dq_acc = _prologue(q, out, do, delta)
-    launched = _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec, key_mask)
+    launched = _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec, key_mask, sparse)
     dq.copy_(dq_acc)
-    if plan_key is not None and launched is not None:
+    if plan_key is not None and launched is not None and sparse is None:
         _bwd_plans.put(plan_key, _BwdPlan(*launched, q.device.index or 0))
 
 

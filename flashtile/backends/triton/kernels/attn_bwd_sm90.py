@@ -125,6 +125,26 @@ def _query_tiles(n0, n_keys, sq, shift, wl, wr, masked, window, Ranges, i_b,
 
 
 @gluon.jit
+def _sparse_rows(Lists, i_b, i_h, i_n, stride_xb, stride_xh, stride_xr, tpr, ipc):
+    """A block-sparse item's query tiles: the list of the nonzero mask rows of its key block's
+    column (``sparse_index.block_lists`` transposed: ``[n_full, n_part, rows...]`` per column,
+    ``ipc`` work items a column, ``tpr`` query tiles a mask row; query head ``i_h``) and how
+    many tiles the item walks for each query head of its group."""
+    p_col = (Lists + i_b.to(gl.int64) * stride_xb + i_h.to(gl.int64) * stride_xh
+             + (i_n // ipc) * stride_xr)
+    return p_col + 2, (gl.load(p_col) + gl.load(p_col + 1)) * tpr
+
+
+@gluon.jit
+def _row_tile(u, lo, p_rows, tpr, SPARSE: gl.constexpr):
+    """The query tile walked ``u``-th for one head: ``lo + u``, or with ``SPARSE`` the
+    ``u % tpr``-th tile of the ``u // tpr``-th mask row in the column's list."""
+    if SPARSE:
+        return gl.load(p_rows + u // tpr) * tpr + u % tpr
+    return lo + u
+
+
+@gluon.jit
 def _masked_scores(b_st, o_k, o_r, m0, k0, shift, wl, wr, masked, window, kpart, b_kvis,
                    KEYMASK: gl.constexpr):
     """``sᵀ`` (``[n keys, m rows]``: keys ``o_k`` from ``k0``, rows ``m0 + o_r``) with the pairs
@@ -279,9 +299,11 @@ def _produce_item(w, c, t, b_w, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_
                   bar_qd, bar_free, sq, sk, sq_pad, nheads_k, n_bh, bh_group, group, q_rb, q_rh,
                   q_ch,
                   do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl, wr, masked, window, Ranges,
+                  Lists, stride_xb, stride_xh, stride_xr, tpr, ipc,
                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr):
     """Load work item ``w`` (the CTA's ``c``-th): its K and V, then its (Q, dO, lse, delta)
     tiles into the ring from position ``t`` on; the ring position after them."""
+    SPARSE: gl.constexpr = Lists.dtype.element_ty == gl.int32
     STAGES: gl.constexpr = q_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     KEYS: gl.constexpr = k_smem.shape[0]   # keys of a work item
@@ -315,9 +337,13 @@ def _produce_item(w, c, t, b_w, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_
                       v_smem.slice(i * KV_ROWS, KV_ROWS))
     lo, n_m = _query_tiles(n0, KEYS, sq, sk - sq, wl, wr, masked, window, Ranges, i_b,
                            BLOCK_M, RAGGED)
+    p_rows = Lists
+    if SPARSE:  # the query tiles of the column's mask rows (one list for the group's heads)
+        p_rows, n_m = _sparse_rows(Lists, i_b, i_hk * group, i_n, stride_xb, stride_xh,
+                                   stride_xr, tpr, ipc)
     for j in range(group * n_m):
         i_h = i_hk * group + j // n_m
-        m0 = (lo + j % n_m) * BLOCK_M
+        m0 = _row_tile(j % n_m, lo, p_rows, tpr, SPARSE) * BLOCK_M
         i_s = t % STAGES
         # stage i_s is free once both consumers' products of tile t - STAGES completed
         mbarrier.wait(bar_free.index(i_s), ((t // STAGES) & 1) ^ 1, pred=t >= STAGES)
@@ -340,6 +366,7 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
                   bar_free, Counter, sq, sk, sq_pad, nheads_k, n_bh, bh_group, group, q_rb, q_rh,
                   q_ch,
                   do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl, wr, masked, window, Ranges,
+                  Lists, stride_xb, stride_xh, stride_xr, tpr, ipc,
                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr):
     n_items = _blocks(sk, k_smem.shape[0], RAGGED) * n_bh
     if PERSISTENT:
@@ -353,7 +380,7 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
                               item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, sq, sk, sq_pad,
                               nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh,
                               do_ch, kv_rb, kv_rh, kv_ch, wl, wr, masked, window, Ranges,
-                              PERSISTENT,
+                              Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, PERSISTENT,
                               RAGGED)
             c += 1
             # claimed while the consumers still work on this item's last tiles
@@ -369,7 +396,8 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
                       desc_v, desc_lse, desc_delta, q_smem, do_smem, k_smem, v_smem, lse_smem,
                       delta_smem, item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, sq, sk, sq_pad,
                       nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch,
-                      kv_rb, kv_rh, kv_ch, wl, wr, masked, window, Ranges, PERSISTENT, RAGGED)
+                      kv_rb, kv_rh, kv_ch, wl, wr, masked, window, Ranges, Lists, stride_xb,
+                      stride_xh, stride_xr, tpr, ipc, PERSISTENT, RAGGED)
 
 
 @gluon.jit
@@ -377,7 +405,8 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
                   dq_smem, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK,
                   DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group,
                   scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb, desc_dk,
-                  desc_dv, dk_rb, dk_rh, dk_ch, DQ: gl.constexpr,
+                  desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc,
+                  DQ: gl.constexpr,
                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr):
     """Work item ``w`` of one consumer warpgroup, its tiles from ring position ``t`` on (K and V
     already loaded): dK and dV of its 64 keys, and with ``DQ`` its adds into dQ; the ring
@@ -435,12 +464,17 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
     h_prev = 0
     lo, n_m = _query_tiles(n0, 2 * BLOCK_NW, sq, shift, wl, wr, masked, window, Ranges, i_b,
                            BLOCK_M, RAGGED)
+    SPARSE: gl.constexpr = Lists.dtype.element_ty == gl.int32
+    p_rows = Lists
+    if SPARSE:  # (_produce_item's walk)
+        p_rows, n_m = _sparse_rows(Lists, i_b, i_hk * group, i_n, stride_xb, stride_xh,
+                                   stride_xr, tpr, ipc)
     n_t = group * n_m
     KEYMASK: gl.constexpr = Ranges.dtype.element_ty == gl.int32
     kpart, b_kvis = _key_part(o_k, k0, Ranges, KeyMask, i_b, stride_mb)
     for j in range(n_t):
         i_h = i_hk * group + j // n_m
-        m0 = (lo + j % n_m) * BLOCK_M
+        m0 = _row_tile(j % n_m, lo, p_rows, tpr, SPARSE) * BLOCK_M
         i_s = t % STAGES
         mbarrier.wait(bar_qd.index(i_s), (t // STAGES) & 1)
         q_tile = q_smem.index(i_s)
@@ -515,8 +549,8 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
         # it); with a window, keys that no row's window reaches have no tile (without, the
         # check is the constant True)
         has_tile = True
-        if window or KEYMASK:  # (a key mask may hide all of the item's keys)
-            has_tile = n_t > 0
+        if window or KEYMASK or SPARSE:  # (a key mask or a block mask's empty column may
+            has_tile = n_t > 0           # hide all of the item's keys)
         if has_tile:
             _dq_last(t - 1, bar_ds, bar_dsfree, ds_smem, k_half, b_dq0, desc_dq, dq_tile,
                      i_b * sq_rows, m_prev, h_prev * HEAD_DIM + dq_col, scale, RAGGED)
@@ -743,7 +777,8 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
                   item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
                   bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
-                  stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, DQ: gl.constexpr,
+                  stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
+                  stride_xr, tpr, ipc, DQ: gl.constexpr,
                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr):
     if PERSISTENT:
         n_items = _blocks(sk, k_smem.shape[1], RAGGED) * n_bh
@@ -758,8 +793,8 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
                               bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb,
                               stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group,
                               scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb,
-                              desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, DQ, PERSISTENT, RAGGED,
-                              DKDV_TMA)
+                              desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
+                              stride_xr, tpr, ipc, DQ, PERSISTENT, RAGGED, DKDV_TMA)
             c += 1
             mbarrier.wait(bar_kv, c & 1)
             w = gl.max(item_smem.load(w_layout), axis=0)
@@ -778,7 +813,8 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
                       bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb,
                       stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group, scale,
                       qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb, desc_dk,
-                      desc_dv, dk_rb, dk_rh, dk_ch, DQ, PERSISTENT, RAGGED, DKDV_TMA)
+                      desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh, stride_xr, tpr,
+                      ipc, DQ, PERSISTENT, RAGGED, DKDV_TMA)
 
 
 # A partition is a function of its own: one wrapper per consumer warpgroup.
@@ -787,14 +823,15 @@ def _bwd_consumer0(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sme
                    item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                    desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
                    bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
-                   stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, DQ: gl.constexpr,
+                   stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
+                   stride_xr, tpr, ipc, DQ: gl.constexpr,
                    PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr):
     _bwd_consumer(0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                   item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
                   bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
-                  stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, DQ, PERSISTENT, RAGGED,
-                  DKDV_TMA)
+                  stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
+                  stride_xr, tpr, ipc, DQ, PERSISTENT, RAGGED, DKDV_TMA)
 
 
 @gluon.jit
@@ -802,14 +839,15 @@ def _bwd_consumer1(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sme
                    item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                    desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
                    bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
-                   stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, DQ: gl.constexpr,
+                   stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
+                   stride_xr, tpr, ipc, DQ: gl.constexpr,
                    PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr):
     _bwd_consumer(1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                   item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
                   bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
-                  stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, DQ, PERSISTENT, RAGGED,
-                  DKDV_TMA)
+                  stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
+                  stride_xr, tpr, ipc, DQ, PERSISTENT, RAGGED, DKDV_TMA)
 
 
 @gluon.jit
@@ -817,7 +855,8 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
                          desc_dv, DK, DV, Counter, stride_kb, stride_kn, stride_kh, sq, sk, sq_pad,
                          nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch,
                          kv_rb, kv_rh, kv_ch, dk_rb, dk_rh, dk_ch, scale, qk_scale, wl, wr, Ranges,
-                         KeyMask, stride_mb, MASKED: gl.constexpr, WINDOW: gl.constexpr,
+                         KeyMask, stride_mb, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc,
+                         MASKED: gl.constexpr, WINDOW: gl.constexpr,
                          DQ: gl.constexpr, PERSISTENT: gl.constexpr, RAGGED: gl.constexpr,
                          DKDV_TMA: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     """Persistent grid (at most one CTA per SM): a work item is 128 keys of one key/value head
@@ -829,13 +868,21 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
     D / 8]`` (read only with ``DQ``; at d = 256 a work item is 64 keys: ``_consume_item_wide``);
     ``desc_lse`` and ``desc_delta`` are ``(B * H * sq_pad,)`` in tiles of ``BLOCK_M``: ``sq_pad``
     is ``Sq``, or with ``RAGGED`` ``Sq`` padded to whole tiles (lse with +inf, delta with 0), so
-    that the rows of a last tile past ``Sq`` read p = 0 and delta = 0, not the next head's."""
+    that the rows of a last tile past ``Sq`` read p = 0 and delta = 0, not the next head's.
+    ``Lists`` (int32, ``sparse_index.block_lists`` transposed: per mask column ``[n_full,
+    n_part, rows...]``, columns ``stride_xr`` apart, batch and head entries ``stride_xb``,
+    ``stride_xh``; one list for the query heads of a key/value head): a block mask whose
+    columns are ``ipc`` work items wide and whose rows are ``tpr`` query tiles high, each item
+    walking only its column's rows (``_sparse_rows``; d <= 128); without one the lse pointer
+    (the element type tells)."""
     BLOCK_M: gl.constexpr = desc_q.block_type.shape[-2]
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[-1]
     # d = 256: both consumers share an item's 64 keys (_consume_item_wide); else each owns 64
     # of its 128
     WIDE: gl.constexpr = HEAD_DIM == 256
     gl.static_assert(not (WIDE and PERSISTENT), "the d = 256 consumers walk one item a CTA")
+    gl.static_assert(not (WIDE and Lists.dtype.element_ty == gl.int32),
+                     "block masks: d <= 128 only")
     # keys of an item (a RAGGED K/V descriptor's tile holds them all, at d <= 128 one
     # consumer's otherwise)
     KEYS: gl.constexpr = desc_k.block_type.shape[-2] * (1 if RAGGED or WIDE else 2)
@@ -900,16 +947,19 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
                           bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb, stride_kn, stride_kh,
                           sq, sk, nheads_k, n_bh, bh_group, group, scale, qk_scale, wl, wr,
                           MASKED, WINDOW, Ranges, KeyMask, stride_mb, desc_dk, desc_dv, dk_rb,
-                          dk_rh, dk_ch, DQ, PERSISTENT, RAGGED, DKDV_TMA)),
+                          dk_rh, dk_ch, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, DQ,
+                          PERSISTENT, RAGGED, DKDV_TMA)),
         (_bwd_consumer1, (q_smem, do_smem, k_all, v_all, lse_smem, delta_smem, ds_smem,
                           dq_smem, item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn,
                           bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb, stride_kn, stride_kh,
                           sq, sk, nheads_k, n_bh, bh_group, group, scale, qk_scale, wl, wr,
                           MASKED, WINDOW, Ranges, KeyMask, stride_mb, desc_dk, desc_dv, dk_rb,
-                          dk_rh, dk_ch, DQ, PERSISTENT, RAGGED, DKDV_TMA)),
+                          dk_rh, dk_ch, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, DQ,
+                          PERSISTENT, RAGGED, DKDV_TMA)),
         (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
                          k_smem, v_smem, lse_smem, delta_smem, item_smem, bar_kv, bar_kvfree,
                          bar_qd, bar_free, Counter, sq, sk, sq_pad, nheads_k, n_bh, bh_group, group,
                          q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl, wr,
-                         MASKED, WINDOW, Ranges, PERSISTENT, RAGGED)),
+                         MASKED, WINDOW, Ranges, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc,
+                         PERSISTENT, RAGGED)),
     ], [4, 1], [CONSUMER_REGS, 24])

@@ -254,6 +254,20 @@ def _tile_at(u, lo, hi, rot, p_cols, tpb, RAGGED: gl.constexpr, SPARSE: gl.const
 
 
 @gluon.jit
+def _sequence(CuQ, CuK, i_b, batch, sq, sk, VARLEN: gl.constexpr):
+    """Batch entry ``i_b``'s ``(first query row, queries, first key row, keys)``: with
+    ``VARLEN`` from the cumulative lengths ``CuQ``, ``CuK`` (int32 ``(B + 1,)``; rows of the
+    packed ``(total, H, D)`` tensors), else ``(0, sq, 0, sk)``.  (An index past the batch, a
+    round's item beyond the last, reads the last entry's.)"""
+    if VARLEN:
+        i = gl.minimum(i_b, batch - 1)
+        q0 = gl.load(CuQ + i)
+        k0 = gl.load(CuK + i)
+        return q0, gl.load(CuQ + i + 1) - q0, k0, gl.load(CuK + i + 1) - k0
+    return 0, sq, 0, sk
+
+
+@gluon.jit
 def _tile_range(i_m, sk, shift, wl, wr, masked, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Key tiles ``[lo, hi)`` that some row of row block ``i_m`` sees."""
     lo = 0
@@ -265,10 +279,35 @@ def _tile_range(i_m, sk, shift, wl, wr, masked, BLOCK_M: gl.constexpr, BLOCK_N: 
 
 
 @gluon.jit
+def _whole(mq0, BLOCK_MQ: gl.constexpr, sq_i, VARLEN: gl.constexpr):
+    """Whether a consumer's output tile from row ``mq0`` lies inside its sequence (always
+    without ``VARLEN``: the TMA store writes nothing past a sequence's end)."""
+    if VARLEN:
+        return mq0 + BLOCK_MQ <= sq_i
+    return True
+
+
+@gluon.jit
+def _store_rows(Out, b_out, row0, n_rows, stride_om, col0, VARLEN: gl.constexpr):
+    """Store the first ``n_rows`` rows of ``b_out`` (``[rows, D]``, a consumer's output tile)
+    at rows ``row0 + i`` and columns ``col0 + d`` of ``Out`` (rows ``stride_om`` elements
+    apart); only with ``VARLEN`` (no code without)."""
+    if not VARLEN:
+        return
+    # (from the products' layout: a conversion would need shared memory that d = 256 lacks)
+    layout: gl.constexpr = b_out.type.layout
+    o_r = gl.arange(0, b_out.shape[0], layout=gl.SliceLayout(1, layout))     # [rows]
+    o_d = gl.arange(0, b_out.shape[1], layout=gl.SliceLayout(0, layout))     # [D]
+    p_o = (Out + (row0 + o_r).to(gl.int64)[:, None] * stride_om
+           + (col0 + o_d)[None, :])                                          # [rows, D]
+    gl.store(p_o, b_out, mask=(o_r < n_rows)[:, None])
+
+
+@gluon.jit
 def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k, bar_v,
                  bar_kfree, bar_vfree, sq, sk, nheads, group, q_rb, q_rh, q_ch, kv_rb, kv_rh,
                  kv_ch, n_m, n_work, lpt, wl, wr, masked, Ranges, KeyMask, stride_mb, Lists,
-                 stride_xb, stride_xh, stride_xr, tpb, ipr):
+                 stride_xb, stride_xh, stride_xr, tpb, ipr, CuQ, CuK, batch):
     NC: gl.constexpr = q_smem.shape[0]   # consumer warpgroups
     BLOCK_MQ: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
@@ -279,6 +318,10 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
     KEYMASK: gl.constexpr = Ranges.dtype.element_ty == gl.int32
     # block-sparse lists are int32 (without them the lse pointer stands in)
     SPARSE: gl.constexpr = Lists.dtype.element_ty == gl.int32
+    # packed sequences' cumulative lengths are int32 (without them the lse pointer stands in)
+    VARLEN: gl.constexpr = CuQ.dtype.element_ty == gl.int32
+    # the keys past a sequence's end are masked in the item's first tile (_tile_order)
+    TAIL: gl.constexpr = RAGGED or VARLEN
     pid = gl.program_id(0)
     n_ctas = gl.num_programs(0)
     it = 0  # K/V tiles loaded so far (ring position and phase)
@@ -286,8 +329,14 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
     for k in range(gl.cdiv(n_work, n_ctas)):
         w, i_m, i_b, i_h = _work_item(k, pid, n_ctas, n_m, n_work // n_m, nheads, lpt,
                                       masked)
-        if w < n_work:
-            lo, hi = _tile_range(i_m, sk, sk - sq, wl, wr, masked, NC * BLOCK_MQ, BLOCK_N)
+        q0, sq_i, k0, sk_i = _sequence(CuQ, CuK, i_b, batch, sq, sk, VARLEN)
+        live_item = w < n_work
+        if VARLEN:  # the row blocks past a sequence's end are no work
+            live_item = live_item & (i_m * NC * BLOCK_MQ < sq_i)
+        if live_item:
+            lo, hi = _tile_range(i_m, sk_i, sk_i - sq_i, wl, wr, masked, NC * BLOCK_MQ, BLOCK_N)
+            if VARLEN:  # a sequence whose rows see no key still walks one tile (all masked)
+                hi = gl.maximum(hi, lo + 1)
             if KEYMASK:  # only the tiles of the batch entry's visible keys
                 lo, hi = _key_tiles(lo, hi, _key_range(Ranges, KeyMask, i_b, stride_mb),
                                     BLOCK_N)
@@ -299,22 +348,26 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
             # the sequences' coordinates in the descriptors (launch_sm90._plan; _tma_load),
             # from the first key tile a row of the block sees
             base_k = i_b * kv_rb + (i_h // group) * kv_rh
+            base_q = i_b * q_rb + i_h * q_rh
+            if VARLEN:  # (packed rows: the views of one batch entry)
+                base_k = k0
+                base_q = q0
             col_k = (i_h // group) * kv_ch
             rot = 0
-            if RAGGED:
-                rot = _tile_order(lo, hi, sk, BLOCK_N)
+            if TAIL:
+                rot = _tile_order(lo, hi, sk_i, BLOCK_N)
             # K_0 first, then Q: both are needed by the item's first Q·Kᵀ
             i_k = it % STAGES
             mbarrier.wait(bar_kfree.index(i_k), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
             mbarrier.expect(bar_k.index(i_k), desc_k.block_type.nbytes)
-            _tma_load(desc_k, base_k, _tile_at(0, lo, hi, rot, p_cols, tpb, RAGGED, SPARSE)
+            _tma_load(desc_k, base_k, _tile_at(0, lo, hi, rot, p_cols, tpb, TAIL, SPARSE)
                       * BLOCK_N, col_k, bar_k.index(i_k), k_smem.index(i_k))
             for i in gl.static_range(NC):
                 # consumer i's Q buffer is free once its last Q·Kᵀ of the previous item completed
                 mbarrier.wait(bar_qfree.index(i), (c & 1) ^ 1, pred=c > 0)
                 mbarrier.expect(bar_q.index(i), desc_q.block_type.nbytes)
-                _tma_load(desc_q, i_b * q_rb + i_h * q_rh, i_m * NC * BLOCK_MQ + i * BLOCK_MQ,
-                          i_h * q_ch, bar_q.index(i), q_smem.index(i))
+                _tma_load(desc_q, base_q, i_m * NC * BLOCK_MQ + i * BLOCK_MQ, i_h * q_ch,
+                          bar_q.index(i), q_smem.index(i))
             # K runs one tile ahead of V: a consumer's step issues Q·K_{t+1}ᵀ with P_t·V_t
             for t in range(n_tiles):
                 if t + 1 < n_tiles:
@@ -325,14 +378,14 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
                                   pred=u >= STAGES)
                     mbarrier.expect(bar_k.index(i_k), desc_k.block_type.nbytes)
                     _tma_load(desc_k, base_k,
-                              _tile_at(t + 1, lo, hi, rot, p_cols, tpb, RAGGED, SPARSE) * BLOCK_N,
+                              _tile_at(t + 1, lo, hi, rot, p_cols, tpb, TAIL, SPARSE) * BLOCK_N,
                               col_k, bar_k.index(i_k), k_smem.index(i_k))
                 u = it + t
                 i_v = u % STAGES
                 # V stage i_v is free once both consumers' P_{u-STAGES}·V_{u-STAGES} completed
                 mbarrier.wait(bar_vfree.index(i_v), ((u // STAGES) & 1) ^ 1, pred=u >= STAGES)
                 mbarrier.expect(bar_v.index(i_v), desc_v.block_type.nbytes)
-                _tma_load(desc_v, base_k, _tile_at(t, lo, hi, rot, p_cols, tpb, RAGGED, SPARSE)
+                _tma_load(desc_v, base_k, _tile_at(t, lo, hi, rot, p_cols, tpb, TAIL, SPARSE)
                           * BLOCK_N, col_k, bar_v.index(i_v), v_smem.index(i_v))
             it += n_tiles
             c += 1
@@ -342,8 +395,8 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
 def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v,
                  bar_kfree, bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk,
                  nheads, n_m, n_work, lpt, qk_scale, wl, wr, masked, Ranges, KeyMask, stride_mb,
-                 Lists, stride_xb, stride_xh, stride_xr, tpb, ipr, TURNS: gl.constexpr,
-                 U32: gl.constexpr):
+                 Lists, stride_xb, stride_xh, stride_xr, tpb, ipr, CuQ, CuK, batch, Out,
+                 stride_om, TURNS: gl.constexpr, U32: gl.constexpr):
     # the values of a tuple bound to a name reach a partition as run-time values: the tile
     # shapes come from the buffers, RAGGED (_tma_load) from the output's descriptor, and the
     # constexprs TURNS and U32 beside the tuple (_ws_consumer0)
@@ -364,6 +417,8 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
     RAGGED: gl.constexpr = len(desc_o.block_type.shape) == 3
     KEYMASK: gl.constexpr = Ranges.dtype.element_ty == gl.int32  # (the producer's)
     SPARSE: gl.constexpr = Lists.dtype.element_ty == gl.int32
+    VARLEN: gl.constexpr = CuQ.dtype.element_ty == gl.int32  # (the producer's)
+    TAIL: gl.constexpr = RAGGED or VARLEN
 
     pid = gl.program_id(0)
     n_ctas = gl.num_programs(0)
@@ -379,16 +434,25 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
     for k in range(gl.cdiv(n_work, n_ctas)):
         w, i_m, i_b, i_h = _work_item(k, pid, n_ctas, n_m, n_work // n_m, nheads, lpt,
                                       masked)
-        if w < n_work:
-            lo, hi = _tile_range(i_m, sk, shift, wl, wr, masked, NC * BLOCK_MQ, BLOCK_N)
+        # the item's sequence (_sequence; the producer skips the same items)
+        q0, sq_i, k0, sk_i = _sequence(CuQ, CuK, i_b, batch, sq, sk, VARLEN)
+        shift_i = shift
+        live_item = w < n_work
+        if VARLEN:
+            shift_i = sk_i - sq_i
+            live_item = live_item & (i_m * NC * BLOCK_MQ < sq_i)
+        if live_item:
+            lo, hi = _tile_range(i_m, sk_i, shift_i, wl, wr, masked, NC * BLOCK_MQ, BLOCK_N)
+            if VARLEN:
+                hi = gl.maximum(hi, lo + 1)
             k_range = (0, 0, 0, Ranges)
             if KEYMASK:
                 k_range = _key_range(Ranges, KeyMask, i_b, stride_mb)
                 lo, hi = _key_tiles(lo, hi, k_range, BLOCK_N)
             n_tiles = hi - lo
             rot = 0
-            if RAGGED:
-                rot = _tile_order(lo, hi, sk, BLOCK_N)
+            if TAIL:
+                rot = _tile_order(lo, hi, sk_i, BLOCK_N)
             p_cols = Lists
             empty = False
             # the window's edges for this item: an item with no block masks every key
@@ -407,8 +471,8 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
                 n_full = 1 << 30
             lo_key = 0
             if masked:
-                n_full = (mq0 + shift + wr + 1) // BLOCK_N
-                lo_key = mq0 + BLOCK_MQ - 1 + shift - wl
+                n_full = (mq0 + shift_i + wr + 1) // BLOCK_N
+                lo_key = mq0 + BLOCK_MQ - 1 + shift_i - wl
             o_m = mq0 + o_r
             m_i = gl.full([BLOCK_MQ], float("-inf"), gl.float32, layout=row_s)
             l_i = gl.zeros([BLOCK_MQ], gl.float32, layout=row_s)
@@ -429,16 +493,18 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
             mbarrier.arrive(bar_kfree.index(i_s))
             mbarrier.arrive(bar_qfree.index(i_wg), pred=n_tiles == 1)
             # (with RAGGED the first tile walked may be the item's last: _tile_order)
-            t = _tile_at(0, lo, hi, rot, p_cols, tpb, RAGGED, SPARSE)
+            t = _tile_at(0, lo, hi, rot, p_cols, tpb, TAIL, SPARSE)
             km = False
             if KEYMASK:
                 km = _key_masked(t * BLOCK_N, BLOCK_N, k_range)
             masked0 = (t >= n_full) | (t * BLOCK_N < lo_key)
             if SPARSE:
                 masked0 = masked0 | empty
+            if VARLEN:  # a sequence with no key: its rows keep m = -inf (_online_softmax's guard)
+                masked0 = masked0 | (sk_i == 0)
             b_p, m_i, l_i, b_alpha = _online_softmax(b_s, m_i, l_i, t * BLOCK_N, o_m, o_n,
-                                                     qk_scale, shift, wl_i, wr_i, sk, True,
-                                                     masked0, RAGGED, km, k_range, KEYMASK, U32)
+                                                     qk_scale, shift_i, wl_i, wr_i, sk_i, True,
+                                                     masked0, TAIL, km, k_range, KEYMASK, U32)
             for j in range(0, n_tiles - 1):
                 i_st = (it + j) % STAGES
                 i_nx = (it + j + 1) % STAGES
@@ -459,12 +525,12 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
                 # the item's last Q·Kᵀ: Q's buffer goes back (a predicate, not a branch, keeps
                 # the softmax below in this basic block, where ptxas overlaps it with P·V)
                 mbarrier.arrive(bar_qfree.index(i_wg), pred=j == n_tiles - 2)
-                t = _tile_at(j + 1, lo, hi, rot, p_cols, tpb, RAGGED, SPARSE)
+                t = _tile_at(j + 1, lo, hi, rot, p_cols, tpb, TAIL, SPARSE)
                 if KEYMASK:
                     km = _key_masked(t * BLOCK_N, BLOCK_N, k_range)
                 # (a whole tile: the keys past the end are in the first one walked)
                 b_p, m_i, l_i, b_alpha = _online_softmax(b_s, m_i, l_i, t * BLOCK_N, o_m, o_n,
-                                                         qk_scale, shift, wl_i, wr_i, sk, True,
+                                                         qk_scale, shift_i, wl_i, wr_i, sk_i, True,
                                                          (t >= n_full) | (t * BLOCK_N < lo_key),
                                                          False, km, k_range, KEYMASK, U32)
                 b_acc, b_pv = warpgroup_mma_wait(num_outstanding=0, deps=(b_acc, b_pv))
@@ -485,7 +551,7 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
             c += 1
 
             b_l = l_i
-            if KEYMASK or SPARSE:  # a row that sees no key (l = 0, acc = 0) outputs 0 (lse -inf)
+            if KEYMASK or SPARSE or VARLEN:  # a row that sees no key outputs 0 (lse -inf)
                 b_l = gl.where(l_i == 0.0, 1.0, l_i)
             b_out = b_acc / gl.convert_layout(b_l, row_o)[:, None]            # [64, HEAD_DIM]
             # through shared memory and one TMA store that the consumer does not wait for (the
@@ -499,28 +565,42 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
             o_base = i_b * sq
             if RAGGED:
                 o_base = i_b
+            # a packed sequence's last tile ends inside the next sequence's rows, which a TMA
+            # store would overwrite: stored from registers, its rows masked
+            if VARLEN:
+                o_base = q0
             if O_TILES == NC:  # a tile of its own
                 if live:
-                    o_tile = o_smem.index(i_wg)
-                    tma.store_wait(pendings=0)  # the previous item's store has read this tile
-                    o_tile.store(b_out.to(dtype))
-                    fence_async_shared()
-                    _tma_store(desc_o, o_base, mq0, i_h * HEAD_DIM, o_tile)
+                    if _whole(mq0, BLOCK_MQ, sq_i, VARLEN):
+                        o_tile = o_smem.index(i_wg)
+                        tma.store_wait(pendings=0)  # the previous item's store has read it
+                        o_tile.store(b_out.to(dtype))
+                        fence_async_shared()
+                        _tma_store(desc_o, o_base, mq0, i_h * HEAD_DIM, o_tile)
+                    else:
+                        _store_rows(Out, b_out.to(dtype), q0 + mq0, sq_i - mq0, stride_om,
+                                    i_h * HEAD_DIM, VARLEN)
             else:
                 # one tile for both consumers, consumer 0 first in every item: wait for the
                 # other's store to have read it, and hand it over once this one's has
                 o_tile = o_smem.index(0)
                 mbarrier.wait(bar_o.index(i_wg), ((c - 1) & 1) ^ (1 - i_wg), pred=c > 1 - i_wg)
-                o_tile.store(b_out.to(dtype))
-                fence_async_shared()
-                _tma_store(desc_o, o_base, mq0, i_h * HEAD_DIM, o_tile)
-                tma.store_wait(pendings=0)
+                if _whole(mq0, BLOCK_MQ, sq_i, VARLEN):
+                    o_tile.store(b_out.to(dtype))
+                    fence_async_shared()
+                    _tma_store(desc_o, o_base, mq0, i_h * HEAD_DIM, o_tile)
+                    tma.store_wait(pendings=0)
+                else:
+                    _store_rows(Out, b_out.to(dtype), q0 + mq0, sq_i - mq0, stride_om,
+                                i_h * HEAD_DIM, VARLEN)
                 mbarrier.arrive(bar_o.index(1 - i_wg))
             b_lse = (m_i * qk_scale + gl.log2(l_i)) * LN2
             if live:
-                p_lse = Lse + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh + o_m
-                if RAGGED:
-                    gl.store(p_lse, b_lse, mask=o_m < sq)
+                # (packed: lse is (H, total), row q0 + o_m of head i_h)
+                p_lse = (Lse + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh
+                         + q0 + o_m)
+                if TAIL:
+                    gl.store(p_lse, b_lse, mask=o_m < sq_i)
                 else:
                     gl.store(p_lse, b_lse)
     tma.store_wait(pendings=0)  # shared memory outlives the last store's reads
@@ -550,7 +630,7 @@ def _ws_consumer2(args, TURNS: gl.constexpr, U32: gl.constexpr):
 def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, desc_o, Lse, stride_lb, stride_lh,
                          batch, sq, sk, nheads, group, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch,
                          qk_scale, lpt, wl, wr, Ranges, KeyMask, stride_mb, Lists, stride_xb,
-                         stride_xh, stride_xr, tpb, ipr,
+                         stride_xh, stride_xr, tpb, ipr, CuQ, CuK, Out, stride_om,
                          MASKED: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
                          num_warps: gl.constexpr):
     """``Ranges`` (int32 ``(B, 3)``) and ``KeyMask`` (uint8 ``(B, Sk)``, rows ``stride_mb`` apart,
@@ -559,7 +639,11 @@ def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, desc_o, Lse, stride_lb, stride_
     ``sparse_index.block_lists``: ``[n_full, n_part, columns...]`` per mask row, rows
     ``stride_xr`` apart, batch and head entries ``stride_xb``, ``stride_xh``): a block mask whose
     blocks are ``ipr`` work items high and ``tpb`` key tiles wide, each item walking only its
-    row's blocks; without one the lse pointer (the element type tells)."""
+    row's blocks; without one the lse pointer (the element type tells).  ``CuQ``, ``CuK``
+    (int32 ``(B + 1,)``): packed sequences (``VARLEN``): q, k, v and the output are ``(total,
+    H, D)`` seen as one batch entry by 2-D descriptors, ``sq`` and ``sk`` the longest
+    sequences, lse ``(H, total)``; a sequence's last row tile is stored from registers into
+    ``Out`` (rows ``stride_om`` apart) with its rows masked; without them the lse pointer."""
     BLOCK_MQ: gl.constexpr = desc_q.block_type.shape[-2]   # rows of one consumer (64)
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[-1]
     BLOCK_N: gl.constexpr = desc_k.block_type.shape[-2]
@@ -614,11 +698,11 @@ def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, desc_o, Lse, stride_lb, stride_
     consumer_args = (q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
                      bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
                      n_m, n_work, lpt, qk_scale, wl, wr, MASKED, Ranges, KeyMask, stride_mb, Lists,
-                     stride_xb, stride_xh, stride_xr, tpb, ipr)
+                     stride_xb, stride_xh, stride_xr, tpb, ipr, CuQ, CuK, batch, Out, stride_om)
     producer_args = (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k,
                      bar_v, bar_kfree, bar_vfree, sq, sk, nheads, group, q_rb, q_rh, q_ch, kv_rb,
                      kv_rh, kv_ch, n_m, n_work, lpt, wl, wr, MASKED, Ranges, KeyMask, stride_mb,
-                     Lists, stride_xb, stride_xh, stride_xr, tpb, ipr)
+                     Lists, stride_xb, stride_xh, stride_xr, tpb, ipr, CuQ, CuK, batch)
     if CONSUMERS == 3:
         # FlashAttention-3's split at d = 64: three consumers at 160 registers a thread
         gl.warp_specialize([(_ws_consumer0, (consumer_args, TURNS, U32)),

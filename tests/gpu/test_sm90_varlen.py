@@ -1,0 +1,118 @@
+"""Packed sequences (``flash_attn_varlen_func``) on the Hopper (Gluon) forward: each sequence's
+output and lse against the float64 oracle under flash-attn's error rule, sequences with no key
+or no query, the launch they take, repeatability, and the portable backward from the Hopper
+forward's lse; skipped without an sm_90 GPU."""
+import pytest
+import torch
+from helpers import assert_flash_rule
+
+from flashtile import flash_attn_varlen_func
+from flashtile.autograd import attention
+from flashtile.backends.spec import AttnSpec
+from flashtile.backends.triton import launch_sm90
+from flashtile.backends.triton.fastlaunch import poison_outputs
+from flashtile.reference.torch_ref import reference, scores
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs an sm_90 GPU")
+
+# (id, query lengths, key lengths (None: the same), heads, heads_k, d, causal, window)
+CASES = [
+    ("d128-mixed", [1, 127, 128, 300, 1000], None, 4, 4, 128, False, (-1, -1)),
+    ("d128-causal-gqa", [513, 64, 777, 2], None, 8, 2, 128, True, (-1, -1)),
+    ("d64-causal-more-keys", [100, 250, 640], [300, 250, 900], 4, 4, 64, True, (-1, -1)),
+    ("d64-short-causal", [33, 200, 64, 7, 150], None, 6, 3, 64, True, (-1, -1)),
+    ("d64-window", [900, 400], None, 4, 4, 64, True, (96, 0)),
+    ("d128-fewer-keys-causal", [300, 200], [100, 250], 4, 4, 128, True, (-1, -1)),
+    ("d128-empty-sequences", [0, 129, 300, 0], [50, 0, 300, 10], 2, 2, 128, False, (-1, -1)),
+    ("d256", [255, 64, 400], None, 2, 2, 256, False, (-1, -1)),
+    ("d256-causal", [300, 513], None, 2, 1, 256, True, (-1, -1)),
+]
+
+
+def _inputs(case, dtype):
+    _, lq, lk, heads, heads_k, d, causal, window = case
+    lk = lk or lq
+    cu_q = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()], dtype=torch.int32,
+                        device="cuda")
+    cu_k = torch.tensor([0, *torch.tensor(lk).cumsum(0).tolist()], dtype=torch.int32,
+                        device="cuda")
+    q = torch.randn(sum(lq), heads, d, device="cuda", dtype=dtype)
+    k = torch.randn(sum(lk), heads_k, d, device="cuda", dtype=dtype)
+    v = torch.randn(sum(lk), heads_k, d, device="cuda", dtype=dtype)
+    spec = AttnSpec(softmax_scale=d ** -0.5, window_left=window[0],
+                    window_right=0 if causal else window[1])
+    return q, k, v, cu_q, cu_k, max(lq), max(lk), spec
+
+
+def _per_sequence(q, k, v, cu_q, cu_k, spec, dtype):
+    """The oracle's ``(out (total_q, H, D), lse (H, total_q))``, sequence by sequence
+    (bottom-right windows within each; a row that sees no key: 0 and lse -inf)."""
+    outs, lses = [], []
+    for i in range(cu_q.numel() - 1):
+        a, b = int(cu_q[i]), int(cu_q[i + 1])
+        c, e = int(cu_k[i]), int(cu_k[i + 1])
+        qs, ks, vs = q[None, a:b], k[None, c:e], v[None, c:e]
+        outs.append(reference(qs, ks, vs, spec, dtype=dtype)[0])
+        lses.append(torch.logsumexp(scores(qs, ks, spec, dtype=dtype), -1)[0])
+    return torch.cat(outs), torch.cat(lses, dim=-1)
+
+
+def _spy(monkeypatch):
+    """The ``varlen`` argument of each call of ``launch_sm90.forward``."""
+    calls = []
+    real = launch_sm90.forward
+    monkeypatch.setattr(launch_sm90, "forward", lambda *a, **kw: calls.append(kw.get("varlen"))
+                        or real(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_sm90_varlen_forward_matches_float64_reference(case, dtype, monkeypatch):
+    """The Hopper forward of packed sequences: output within 2x PyTorch's same-dtype error of
+    float64, lse within 1e-3, rows that see no key 0 with lse -inf, the same output twice
+    bitwise (no store reaches another sequence's rows), the portable kernel within the same
+    error."""
+    q, k, v, cu_q, cu_k, max_q, max_k, spec = _inputs(case, dtype)
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    calls = _spy(monkeypatch)
+    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+    with poison_outputs():
+        out, lse = attention(q, k, v, spec, **kw)
+        again, _ = attention(q, k, v, spec, **kw)
+    assert len(calls) == 2 and calls[0] is not None  # the Hopper kernel, packed
+    ref, ref_lse = _per_sequence(q, k, v, cu_q, cu_k, spec, torch.float64)
+    low, _ = _per_sequence(q, k, v, cu_q, cu_k, spec, dtype)
+    assert_flash_rule("out", out, ref, low, 2)
+    assert torch.equal(out, again)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen) and (lse[~seen] == float("-inf")).all()
+    assert (lse[seen].double() - ref_lse[seen]).abs().max().item() <= 1e-3
+    assert (out.transpose(0, 1)[~seen] == 0).all()
+    monkeypatch.setenv("FLASHTILE_SM90", "0")
+    portable, _ = attention(q, k, v, spec, **kw)
+    assert_flash_rule("portable out", portable, ref, low, 2)
+
+
+@pytest.mark.parametrize("case", CASES[:3], ids=[c[0] for c in CASES[:3]])
+def test_sm90_varlen_backward_from_the_hopper_forward(case, monkeypatch):
+    """``flash_attn_varlen_func``'s gradients (the portable backward, from the Hopper forward's
+    output and lse) within 3x PyTorch's same-dtype error of float64."""
+    dtype = torch.bfloat16
+    q, k, v, cu_q, cu_k, max_q, max_k, spec = _inputs(case, dtype)
+    do = torch.randn_like(q)
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    calls = _spy(monkeypatch)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k, causal=spec.causal).backward(do)
+    assert len(calls) == 1 and calls[0] is not None
+    grads = []
+    for dt in (torch.float64, dtype):
+        ref_leaves = [x.detach().to(dt).requires_grad_() for x in (q, k, v)]
+        out, _ = _per_sequence(*ref_leaves, cu_q, cu_k, spec, dt)
+        out.backward(do.to(dt))
+        grads.append([x.grad for x in ref_leaves])
+    for name, g, r, lo in zip(("dq", "dk", "dv"), [x.grad for x in leaves], *grads):
+        assert_flash_rule(name, g, r, lo, 3)
