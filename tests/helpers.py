@@ -91,6 +91,16 @@ def check_flash_rule(name: str, got_out, got_grads, inputs, do, ref_fn, dtype,
         assert_flash_rule(f"{name}: {g_name}", got, want, base, 3, floor)
 
 
+def spy_keyword(monkeypatch, owner, name: str, keyword: str) -> list:
+    """Wrap ``owner.<name>`` so that each call records its ``keyword`` argument (None where the
+    call does not pass it) and then runs the original; the list of recorded values."""
+    calls = []
+    real = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a, **kw: calls.append(kw.get(keyword))
+                        or real(*a, **kw))
+    return calls
+
+
 def make_gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 

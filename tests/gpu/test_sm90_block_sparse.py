@@ -3,7 +3,7 @@ a float64 reference under flash-attn's error rule, rows with no block, the launc
 and the portable backward from the Hopper forward's lse; skipped without an sm_90 GPU."""
 import pytest
 import torch
-from helpers import assert_flash_rule
+from helpers import assert_flash_rule, spy_keyword
 
 from flashtile import block_sparse_attn_func
 from flashtile.autograd import attention
@@ -57,15 +57,6 @@ def _reference(q, k, v, mask, bs, causal, dtype):
     return out, torch.logsumexp(scores(q, k, spec, dtype=dtype, attn_bias=elem), -1)
 
 
-def _spy(monkeypatch):
-    """The ``sparse`` argument of each call of ``launch_sm90.forward``."""
-    calls = []
-    real = launch_sm90.forward
-    monkeypatch.setattr(launch_sm90, "forward", lambda *a, **kw: calls.append(kw.get("sparse"))
-                        or real(*a, **kw))
-    return calls
-
-
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_sm90_block_sparse_forward_matches_float64_reference(case, dtype, monkeypatch):
@@ -74,7 +65,7 @@ def test_sm90_block_sparse_forward_matches_float64_reference(case, dtype, monkey
     kernel within the same error."""
     q, k, v, mask, causal, bs = _inputs(case, dtype)
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
-    calls = _spy(monkeypatch)
+    calls = spy_keyword(monkeypatch, launch_sm90, "forward", "sparse")
     spec = AttnSpec(softmax_scale=q.shape[-1] ** -0.5, window_right=0 if causal else -1)
     with poison_outputs():
         out, lse = attention(q, k, v, spec, block_mask=mask, block_size=bs)
@@ -104,11 +95,8 @@ def test_sm90_block_sparse_backward_matches_float64_reference(case, dtype, monke
     q, k, v, mask, causal, bs = _inputs(case, dtype)
     do = torch.randn_like(q)
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
-    calls = _spy(monkeypatch)
-    fused = []
-    real = launch_sm90.fused_backward
-    monkeypatch.setattr(launch_sm90, "fused_backward", lambda *a, **kw: fused.append(
-        kw.get("sparse")) or real(*a, **kw))
+    calls = spy_keyword(monkeypatch, launch_sm90, "forward", "sparse")
+    fused = spy_keyword(monkeypatch, launch_sm90, "fused_backward", "sparse")
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     with poison_outputs():
         block_sparse_attn_func(*leaves, mask, bs, causal=causal).backward(do)
@@ -132,7 +120,7 @@ def test_sm90_block_sparse_takes_the_portable_kernels_where_the_tiles_do_not_fit
     """Blocks smaller than the Hopper tiles, lengths that are not multiples of them and dropout
     stay on the portable Triton kernels (no Hopper launch)."""
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
-    calls = _spy(monkeypatch)
+    calls = spy_keyword(monkeypatch, launch_sm90, "forward", "sparse")
     q, k, v = (torch.randn(1, 512, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     block_sparse_attn_func(q, k, v, torch.ones(1, 1, 8, 8, dtype=torch.bool, device="cuda"),
                            (64, 64))

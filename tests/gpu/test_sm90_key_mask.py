@@ -3,6 +3,7 @@ forward and fused backward against a float64 reference under flash-attn's error 
 rows that see no key, and the launches they take; skipped without an sm_90 GPU."""
 import pytest
 import torch
+from helpers import spy_keyword
 
 import flashtile
 from flashtile.autograd import attention
@@ -107,11 +108,7 @@ def _inputs(case, dtype):
 
 def _spy(monkeypatch, name):
     """The ``key_mask`` argument of each call of ``launch_sm90.<name>``."""
-    calls = []
-    real = getattr(launch_sm90, name)
-    monkeypatch.setattr(launch_sm90, name, lambda *a, **kw: calls.append(kw.get("key_mask"))
-                        or real(*a, **kw))
-    return calls
+    return spy_keyword(monkeypatch, launch_sm90, name, "key_mask")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])

@@ -4,7 +4,7 @@ or no query, the launch they take, repeatability, and the portable backward from
 forward's lse; skipped without an sm_90 GPU."""
 import pytest
 import torch
-from helpers import assert_flash_rule
+from helpers import assert_flash_rule, spy_keyword
 
 from flashtile import flash_attn_varlen_func
 from flashtile.autograd import attention
@@ -59,15 +59,6 @@ def _per_sequence(q, k, v, cu_q, cu_k, spec, dtype):
     return torch.cat(outs), torch.cat(lses, dim=-1)
 
 
-def _spy(monkeypatch):
-    """The ``varlen`` argument of each call of ``launch_sm90.forward``."""
-    calls = []
-    real = launch_sm90.forward
-    monkeypatch.setattr(launch_sm90, "forward", lambda *a, **kw: calls.append(kw.get("varlen"))
-                        or real(*a, **kw))
-    return calls
-
-
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_sm90_varlen_forward_matches_float64_reference(case, dtype, monkeypatch):
@@ -77,7 +68,7 @@ def test_sm90_varlen_forward_matches_float64_reference(case, dtype, monkeypatch)
     error."""
     q, k, v, cu_q, cu_k, max_q, max_k, spec = _inputs(case, dtype)
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
-    calls = _spy(monkeypatch)
+    calls = spy_keyword(monkeypatch, launch_sm90, "forward", "varlen")
     kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
     with poison_outputs():
         out, lse = attention(q, k, v, spec, **kw)
@@ -104,7 +95,7 @@ def test_sm90_varlen_backward_from_the_hopper_forward(case, monkeypatch):
     q, k, v, cu_q, cu_k, max_q, max_k, spec = _inputs(case, dtype)
     do = torch.randn_like(q)
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
-    calls = _spy(monkeypatch)
+    calls = spy_keyword(monkeypatch, launch_sm90, "forward", "varlen")
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k, causal=spec.causal).backward(do)
     assert len(calls) == 1 and calls[0] is not None
