@@ -94,7 +94,7 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                              desc_k=desc(ty, bn, head_dim, dtype, ragged),
                              desc_v=desc(ty, bn, head_dim, dtype, ragged),
                              desc_o=desc(ty, bq, head_dim, dtype, ragged), Lse="*fp32",
-                             qk_scale="fp32", **masks, CuQ="*fp32", CuK="*fp32",
+                             qk_scale="fp32", **masks, CuQ="*fp32", CuK="*fp32", Items="*fp32",
                              Out=f"*{ty}")
             for n_c in {2, launch_sm90.consumers(head_dim, causal, 0, ragged or keymask)}:
                 emit(f"fwd{'' if n_c == 2 else n_c}{r}-{ty}", attn_fwd_sm90_kernel,
@@ -107,7 +107,8 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                 # consumers as the launcher chooses for them)
                 for n_c in {2, launch_sm90.consumers(head_dim, causal, 0, True)}:
                     emit(f"fwd{'' if n_c == 2 else n_c}v-bf16", attn_fwd_sm90_kernel,
-                         dict(fwd_types, Lists="*fp32", CuQ="*i32", CuK="*i32"), head_dim,
+                         dict(fwd_types, Lists="*fp32", CuQ="*i32", CuK="*i32", Items="*i32"),
+                         head_dim,
                          causal, CONSUMERS=n_c)
         for head_dim in (64, 128, 256):
             # K/V tiles: each consumer's 64 keys, or with RAGGED both consumers' 128; at d = 256
@@ -123,7 +124,7 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                          desc_delta=flat, desc_dq=desc("fp32", bm, acc_cols, torch.float32,
                                                        ragged),
                          DK=f"*{ty}", DV=f"*{ty}", Counter="*i32", scale="fp32",
-                         qk_scale="fp32", **masks, Lists="*fp32",
+                         qk_scale="fp32", **masks, Lists="*fp32", CuQ="*fp32", CuK="*fp32",
                          # dK and dV stored by TMA in tiles of a consumer's keys (never read
                          # where the kernel stores them itself)
                          desc_dk=desc(ty, keys // 2, head_dim, dtype, False),
@@ -156,6 +157,11 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                 emit("bwds-bf16", attn_bwd_sm90_kernel, dict(types, Lists="*i32"), head_dim,
                      causal, WINDOW=False, DQ=True, PERSISTENT=True, RAGGED=False,
                      DKDV_TMA=True)
+                # "v": packed sequences (cumulative lengths int32; 2-D views; dK and dV
+                # stored by the kernel, masked)
+                emit("bwdv-bf16", attn_bwd_sm90_kernel, dict(types, CuQ="*i32", CuK="*i32"),
+                     head_dim, causal, WINDOW=False, DQ=True, PERSISTENT=True, RAGGED=False,
+                     DKDV_TMA=False)
 '''
 
 
@@ -172,7 +178,7 @@ def compiled() -> dict:
 
 
 # fwdr, bwdr, dkdvr: lengths that are not multiples of the tiles (3-D descriptors); fwdk, bwdk:
-# a key mask; fwds: a block mask
+# a key mask; fwds, bwds: a block mask; fwdv, bwdv: packed sequences
 VARIANTS = [f"fwd{r}-{ty}-d{d}-{mode}" for r, ty in (("", "bf16"), ("", "fp16"), ("r", "bf16"),
                                                      ("k", "bf16"), ("s", "bf16"),
                                                      ("v", "bf16"))
@@ -182,8 +188,8 @@ BWD_VARIANTS = [f"{kind}{r}-{ty}-d{d}-{mode}" for kind in ("bwd", "dkdv")
                 if not (kind == "dkdv" and r == "k")
                 for d in (64, 128, 256) for mode in ("full", "causal")] + [
     f"{kind}w-{ty}-d{d}-causal" for kind in ("bwd", "dkdv") for ty in ("bf16", "fp16")
-    for d in (64, 128, 256)] + [f"bwds-bf16-d{d}-{mode}" for d in (64, 128)
-                                for mode in ("full", "causal")]  # (a block mask)
+    for d in (64, 128, 256)] + [f"bwd{x}-bf16-d{d}-{mode}" for x in "sv" for d in (64, 128)
+                                for mode in ("full", "causal")]  # (a block mask, packed)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -286,9 +292,11 @@ def test_sm90_backward_compiles_for_hopper_with_its_structure(compiled, variant)
         assert row["tma_reductions"] == (16 if d == 256 else 4) and row["atomics"] == claims
     else:
         assert row["tma_reductions"] == 0 and row["atomics"] == claims
-    # dK and dV: one TMA store each in each consumer, but with ragged lengths and at d = 256
-    ragged = variant.split("-")[0].rstrip("w").endswith("r")
-    assert row["tma_stores"] == (0 if ragged or d == 256 else 4), row["tma_stores"]
+    # dK and dV: one TMA store each in each consumer, but with ragged lengths, packed
+    # sequences and at d = 256
+    kind = variant.split("-")[0]
+    own = kind.rstrip("w").endswith("r") or kind == "bwdv"
+    assert row["tma_stores"] == (0 if own or d == 256 else 4), row["tma_stores"]
 
 
 DQ_VARIANTS = [f"dq{r}-{ty}-d256-{mode}" for r, ty in (("", "bf16"), ("", "fp16"), ("r", "bf16"))
@@ -818,7 +826,7 @@ def test_sm90_block_sparse_forward_passes_its_lists(monkeypatch):
     assert (calls[-1][2]["tpb"], calls[-1][2]["ipr"]) == (2, 2)
     # a plan repeats a launch from its tensors' signature alone, which knows no block mask:
     # none for block-sparse calls; without a block mask the lse stands in for the lists
-    plan_key = (launch_sm90.signature(q, k, v), q.dtype, q.device, spec, None)
+    plan_key = launch_sm90._fwd_key(q, k, v, spec, None, None)
     assert launch_sm90._fwd_plans.get(plan_key) is None
     launch_sm90.forward(q, k, v, spec)
     assert calls[-1][1][5] is False and calls[-1][2]["Lists"] is calls[-1][2]["Lse"]
@@ -868,12 +876,28 @@ def test_sm90_varlen_forward_passes_the_packed_sequences(monkeypatch):
     assert (args["sq"], args["sk"], args["stride_lb"], args["stride_lh"]) == (400, 400, 0,
                                                                              total_q)
     assert args["Out"] is out and args["stride_om"] == 4 * 64
+    # the items' order: (sequence, row block) pairs b * 4 + i by the key tiles they walk, most
+    # first: sequence 2's three row blocks (400 keys: 4 tiles, + 1), sequence 0's one (300
+    # keys), sequence 1's three (200 keys); the row blocks past a sequence's end last. The
+    # same table again for the same tensors
+    assert args["lpt"] == 0 and args["Items"].dtype == torch.int32
+    assert args["Items"].tolist() == [8, 9, 10, 0, 4, 5, 6, 1, 2, 3, 7, 11]
+    assert launch_sm90.packed_order(cu_q, cu_k, 4, 128, 128,
+                                    launch_sm90._window(spec, 400, 400)) is args["Items"]
+    # causal (bottom-right per sequence): a row block walks the tiles up to its diagonal
+    causal_order = launch_sm90.packed_order(cu_q, cu_k, 4, 128, 128,
+                                            launch_sm90._window(causal, 400, 400))
+    # tiles + 1: seq 0 (shift 200) 4; seq 1 (shift -100) 2, 3, 3; seq 2 (shift 100) 3, 4, 5
+    assert causal_order.tolist() == [10, 0, 9, 5, 6, 8, 4, 1, 2, 3, 7, 11]
     assert {len(args[n][1]) for n in args if n.startswith("desc_")} == {2}
     assert args["desc_q"][1] == [total_q, 4 * 64] and args["desc_k"][1] == [total_k, 2 * 64]
-    assert launch_sm90._fwd_plans.get((launch_sm90.signature(q, k, v), q.dtype, q.device,
-                                       spec, None)) is None
+    # a plan under the packed tensors' key with the count and longest lengths (its test below)
+    assert launch_sm90._fwd_plans.get(launch_sm90._fwd_key(q, k, v, spec, None, None)) is None
+    assert launch_sm90._fwd_plans.get(launch_sm90._fwd_key(q, k, v, spec, None, (
+        cu_q, cu_k, 400, 400))).order == (4, 128, 128, launch_sm90._window(spec, 400, 400))
     # the dispatch (cumulative lengths of int64 arrive as int32)
     seen = []
+    monkeypatch.setattr(launch_sm90, "on_hopper", lambda q: True)
     monkeypatch.setattr(launch_sm90, "varlen_eligible", lambda *a: True)
     monkeypatch.setattr(launch_sm90, "forward", lambda *a, **kw: seen.append(kw["varlen"])
                         or (None, None))
@@ -913,14 +937,15 @@ def test_sm90_block_sparse_backward_passes_its_lists(monkeypatch):
     launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec, key,
                                sparse=sparse)
     (name, launch_key, args), = calls
-    assert name == "bwd" and launch_key[-2] is True and launch_key[-1] is False
+    # (the key ends with block mask, packed sequences, key mask)
+    assert name == "bwd" and launch_key[-3:] == (True, False, False)
     assert sorted(args) == sorted(launch_sm90._kernel("bwd").arg_names)
     assert args["Lists"] is sparse[0] and (args["tpr"], args["ipc"]) == (4, 2)
     assert (args["stride_xb"], args["stride_xh"], args["stride_xr"]) == tuple(sparse[1])
     assert launch_sm90._bwd_plans.get(key) is None
     launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec, key)
     # (without a block mask or key mask the lse stands in for both)
-    assert calls[-1][1][-2] is False and calls[-1][2]["Lists"] is calls[-1][2]["Ranges"]
+    assert calls[-1][1][-3] is False and calls[-1][2]["Lists"] is calls[-1][2]["Ranges"]
     assert launch_sm90._bwd_plans.get(key) is not None
     # the dispatch: a block mask goes to the fused kernel with the transposed lists
     seen = []
@@ -929,3 +954,140 @@ def test_sm90_block_sparse_backward_passes_its_lists(monkeypatch):
     launch_bwd.backward(do, q, k, v, out.contiguous(), lse, spec, block_mask=mask,
                         block_size=(256, 256))
     assert len(seen) == 1 and torch.equal(seen[0][0], sparse[0])
+
+
+def test_sm90_varlen_backward_passes_the_packed_sequences(monkeypatch):
+    """Packed sequences take the fused Hopper backward (d <= 128) as one batch entry of their
+    rows: every kernel parameter by name, the cumulative lengths as int32, the sequences as
+    the batch and the longest lengths as ``sq`` and ``sk`` (they size the key blocks), lse and
+    delta flat with each sequence's rows from a whole tile on (a TMA load's start must be
+    16-byte aligned), the gaps +inf and 0, 2-D descriptors, dK and dV stored by the kernel
+    (not by TMA, which would reach into the next sequence), a launch plan; the dispatch sends
+    plain ``cu_seqlens`` calls there, with fewer keys than queries in all, and keeps d = 256
+    away."""
+    import torch
+
+    from flashtile.backends.spec import AttnSpec
+    from flashtile.backends.triton import launch_bwd, launch_sm90
+
+    calls = _direct_launches(monkeypatch, "bwd")
+    total_q, total_k = 700, 500
+    q, do, out = (torch.randn(total_q, 4, 64) for _ in range(3))
+    k, v = (torch.randn(total_k, 2, 64) for _ in range(2))
+    lse = torch.randn(4, total_q)
+    cu_q = torch.tensor([0, 100, 400, 700], dtype=torch.int32)
+    cu_k = torch.tensor([0, 300, 350, 500], dtype=torch.int32)
+    spec = AttnSpec(softmax_scale=0.125, window_right=0)   # causal, per sequence
+    ok = launch_sm90.varlen_bwd_eligible
+    assert ok(q, k, v, do, k, v, spec)
+    assert not ok(q[None], k[None], v[None], do[None], k[None], v[None], spec)
+    wide = [torch.randn(x.shape[0], x.shape[1], 256) for x in (q, k, v, do)]
+    assert not ok(*wide, wide[1], wide[2], spec)
+    top_left = AttnSpec(softmax_scale=0.125, window_right=0, bottom_right=False)
+    assert not ok(q, k, v, do, k, v, top_left)
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    delta = torch.empty_like(lse)
+    launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec, ("plan",),
+                               varlen=(cu_q, cu_k, 300, 300))
+    (name, launch_key, args), = calls
+    assert name == "bwd" and launch_key[-3:] == (False, True, False)
+    assert sorted(args) == sorted(launch_sm90._kernel("bwd").arg_names)
+    assert args["CuQ"] is cu_q and args["CuK"] is cu_k
+    width = 896  # 700 rows + a 64-row tile for each of 3 sequences, in whole tiles
+    assert (args["sq"], args["sk"], args["sq_pad"], args["n_bh"]) == (300, 300, width, 3 * 2)
+    assert args["RAGGED"] is False and args["DKDV_TMA"] is False and args["PERSISTENT"]
+    assert args["desc_lse"][1] == [4 * width] and args["desc_delta"][1] == [4 * width]
+    lse_p, delta_p = args["desc_lse"][0].view(4, width), args["desc_delta"][0].view(4, width)
+    live = torch.zeros(width, dtype=torch.bool)
+    for (a, b), first in zip(((0, 100), (100, 400), (400, 700)), (0, 128, 512)):
+        # the kernel's offset: ((cu_q[b] + b * 64) // 64) * 64
+        assert torch.equal(lse_p[:, first:first + b - a], lse[:, a:b])
+        assert torch.equal(delta_p[:, first:first + b - a], delta[:, a:b])
+        live[first:first + b - a] = True
+    assert bool((lse_p[:, ~live] == float("inf")).all()) and not delta_p[:, ~live].any()
+    assert args["desc_q"][1] == [total_q, 4 * 64] and args["desc_k"][1] == [total_k, 2 * 64]
+    assert args["DK"].shape == (1, total_k, 2, 64) and args["stride_kn"] == 2 * 64
+    assert launch_sm90._bwd_plans.get(("plan",)) is not None
+    # the dispatch (cumulative lengths of int64 arrive as int32)
+    seen = []
+    monkeypatch.setattr(launch_sm90, "fused_backward", lambda *a, **kw: seen.append(kw["varlen"]))
+    launch_bwd.backward(do, q, k, v, out, lse, spec, cu_seqlens_q=cu_q.long(),
+                        cu_seqlens_k=cu_k.long(), max_seqlen_q=300, max_seqlen_k=300)
+    (cq, ck, mq, mk), = seen
+    assert cq.dtype == ck.dtype == torch.int32 and torch.equal(cq, cu_q) and (mq, mk) == (300, 300)
+
+
+def test_sm90_varlen_plans_replay_with_each_calls_own_tensors(monkeypatch):
+    """A packed call leaves forward and backward plans under its tensors' signatures (the
+    packed totals among them), the sequences' count and the longest lengths; a later call like
+    it (other tensors, other lengths of the same totals, count and longest) replays them with
+    its own tensors: its cumulative lengths, its own item order and lse/delta layout, its
+    outputs; another count or longest length finds no plan."""
+    import torch
+
+    from flashtile.backends.spec import AttnSpec
+    from flashtile.backends.triton import launch_sm90
+
+    _direct_launches(monkeypatch, "fwd")
+    calls, runs = [], []
+    monkeypatch.setattr(launch_sm90, "_launch", lambda name, device, key, grid, args, descs:
+                        calls.append(name) or ("k", [0] * len(launch_sm90._kernel(name).arg_names)))
+    monkeypatch.setattr(launch_sm90, "_plan_of", lambda plans, key: plans.get(key()))
+    monkeypatch.setattr(launch_sm90, "_run", lambda compiled, grid, values, device:
+                        runs.append((compiled, grid, values)))
+    names = launch_sm90._kernel("fwd").arg_names
+
+    def tensors(total_q, total_k):
+        return ([torch.randn(total_q, 4, 64) for _ in range(3)],
+                [torch.randn(total_k, 2, 64) for _ in range(2)])
+    spec = AttnSpec(softmax_scale=0.125, window_right=0)   # causal, per sequence
+    (q, do, o), (k, v) = tensors(700, 500)
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in ([0, 100, 400, 700],
+                                                               [0, 300, 350, 500]))
+    launch_sm90.forward(q, k, v, spec, varlen=(cu_q, cu_k, 300, 300))
+    assert len(calls) == 1 and not runs
+    # other tensors, other lengths: 3 sequences, the longest 300 and 300
+    (q2, do2, o2), (k2, v2) = tensors(700, 500)
+    cu_q2, cu_k2 = (torch.tensor(c, dtype=torch.int32) for c in ([0, 300, 400, 700],
+                                                                 [0, 200, 500, 500]))
+    out, lse = launch_sm90.planned_forward(q2, k2, v2, spec, varlen=(cu_q2, cu_k2, 300, 300))
+    (_, grid, values), = runs
+    got = dict(zip(names, values))
+    assert len(calls) == 1
+    assert got["CuQ"] is cu_q2 and got["CuK"] is cu_k2 and got["Out"] is out
+    assert got["Lse"] is lse and lse.shape == (4, 700) and out.shape == q2.shape
+    plan = launch_sm90._fwd_plans.get(launch_sm90._fwd_key(q2, k2, v2, spec, None,
+                                                           (cu_q2, cu_k2, 300, 300)))
+    assert plan.order[3] == launch_sm90._window(spec, 300, 300)
+    assert got["Items"] is launch_sm90.packed_order(cu_q2, cu_k2, *plan.order)
+    assert got["Items"].numel() == 3 * plan.order[0]
+    assert got["desc_q"].base.data_ptr() == q2.data_ptr() and got["desc_q"].shape == [700, 256]
+    assert got["desc_k"].shape == [500, 128] and got["desc_o"].base.data_ptr() == out.data_ptr()
+    assert launch_sm90.planned_forward(q2, k2, v2, spec, varlen=(cu_q2, cu_k2, 300, 301)) is None
+    four = (torch.tensor([0, 100, 300, 400, 700], dtype=torch.int32),
+            torch.tensor([0, 100, 200, 500, 500], dtype=torch.int32), 300, 300)
+    assert launch_sm90.planned_forward(q2, k2, v2, spec, varlen=four) is None
+    # the backward
+    lse = torch.randn(4, 700)
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    packed = (cu_q, cu_k, 300, 300)
+    key = launch_sm90.bwd_plan_key(q, k, v, o, do, lse, spec, None, varlen=packed)
+    launch_sm90.fused_backward(q, k, v, o, do, lse, torch.empty_like(lse), dq, dk, dv, spec,
+                               key, varlen=packed)
+    lse2 = torch.randn(4, 700)
+    packed2 = (cu_q2, cu_k2, 300, 300)
+    runs.clear()
+    dq2, dk2, dv2 = launch_sm90.planned_backward(q2, k2, v2, o2, do2, lse2, spec, None,
+                                                 varlen=packed2)
+    (_, _, values), = runs
+    got = dict(zip(launch_sm90._kernel("bwd").arg_names, values))
+    assert dq2.shape == q2.shape and dk2.shape == k2.shape and dv2.shape == v2.shape
+    assert got["CuQ"] is cu_q2 and got["CuK"] is cu_k2
+    assert got["DK"].data_ptr() == dk2.data_ptr() and got["DV"].data_ptr() == dv2.data_ptr()
+    # lse in this call's layout: sequence 1 of cu_q2 (rows 300:400) from row 320 on
+    assert got["desc_lse"].shape == [4 * 896]
+    assert torch.equal(got["desc_lse"].base.view(4, 896)[:, 320:420], lse2[:, 300:400])
+    assert launch_sm90.planned_backward(q2, k2, v2, o2, do2, lse2, spec, None,
+                                        varlen=(cu_q2, cu_k2, 301, 300)) is None
+    assert launch_sm90.planned_backward(q2, k2, v2, o2, do2, lse2, spec, None,
+                                        varlen=four) is None

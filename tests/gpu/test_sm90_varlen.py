@@ -1,7 +1,7 @@
-"""Packed sequences (``flash_attn_varlen_func``) on the Hopper (Gluon) forward: each sequence's
-output and lse against the float64 oracle under flash-attn's error rule, sequences with no key
-or no query, the launch they take, repeatability, and the portable backward from the Hopper
-forward's lse; skipped without an sm_90 GPU."""
+"""Packed sequences (``flash_attn_varlen_func``) on the Hopper (Gluon) kernels: each sequence's
+output, lse and gradients against the float64 oracle under flash-attn's error rule, sequences
+with no key or no query, the launches they take, repeatability, and launch plans of packed
+calls; skipped without an sm_90 GPU."""
 import pytest
 import torch
 from helpers import assert_flash_rule, spy_keyword
@@ -87,23 +87,64 @@ def test_sm90_varlen_forward_matches_float64_reference(case, dtype, monkeypatch)
     assert_flash_rule("portable out", portable, ref, low, 2)
 
 
-@pytest.mark.parametrize("case", CASES[:3], ids=[c[0] for c in CASES[:3]])
-def test_sm90_varlen_backward_from_the_hopper_forward(case, monkeypatch):
-    """``flash_attn_varlen_func``'s gradients (the portable backward, from the Hopper forward's
-    output and lse) within 3x PyTorch's same-dtype error of float64."""
-    dtype = torch.bfloat16
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_sm90_varlen_backward_matches_float64_reference(case, dtype, monkeypatch):
+    """``flash_attn_varlen_func``'s gradients within 3x PyTorch's same-dtype error of float64:
+    the fused Hopper backward at d = 64 and 128 (the portable kernels at d = 256), from the
+    Hopper forward's output and lse; rows that see no key get no dQ, keys that no row sees
+    no dK, dV (the buffers are poisoned with NaN)."""
     q, k, v, cu_q, cu_k, max_q, max_k, spec = _inputs(case, dtype)
     do = torch.randn_like(q)
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
     calls = spy_keyword(monkeypatch, launch_sm90, "forward", "varlen")
+    fused = spy_keyword(monkeypatch, launch_sm90, "fused_backward", "varlen")
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k, causal=spec.causal).backward(do)
+    with poison_outputs():
+        out = flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k, causal=spec.causal,
+                                     window_size=(spec.window_left, spec.window_right))
+        out.backward(do)
     assert len(calls) == 1 and calls[0] is not None
+    assert len(fused) == (1 if q.shape[-1] <= 128 else 0) and all(f is not None for f in fused)
     grads = []
     for dt in (torch.float64, dtype):
         ref_leaves = [x.detach().to(dt).requires_grad_() for x in (q, k, v)]
-        out, _ = _per_sequence(*ref_leaves, cu_q, cu_k, spec, dt)
-        out.backward(do.to(dt))
+        ref, _ = _per_sequence(*ref_leaves, cu_q, cu_k, spec, dt)
+        ref.backward(do.to(dt))
+        grads.append([x.grad for x in ref_leaves])
+    for name, g, r, lo in zip(("dq", "dk", "dv"), [x.grad for x in leaves], *grads):
+        assert_flash_rule(name, g, r, lo, 3)
+
+
+def test_sm90_varlen_plans_repeat_the_launches_with_the_new_lengths(monkeypatch):
+    """A packed call launched directly (a compiled variant's second call) leaves forward and
+    backward plans; a later call of the same totals, sequence count and longest lengths but
+    other sequences runs through them (no full launch path): its output bitwise the full
+    path's for its own lengths, its gradients within 3x PyTorch's same-dtype error of float64
+    per its own sequences."""
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    monkeypatch.setattr(launch_sm90, "_fwd_plans", type(launch_sm90._fwd_plans)())
+    monkeypatch.setattr(launch_sm90, "_bwd_plans", type(launch_sm90._bwd_plans)())
+    dtype = torch.bfloat16
+    spec = AttnSpec(softmax_scale=128 ** -0.5, window_right=0)   # causal, GQA
+    runs = []
+    for lengths in ([300, 129, 700], [300, 129, 700], [700, 1, 428]):
+        q, k, v, cu_q, cu_k, max_q, max_k, _ = _inputs(
+            ("plan", lengths, None, 8, 2, 128, True, (-1, -1)), dtype)
+        do = torch.randn_like(q)
+        full_fwd = spy_keyword(monkeypatch, launch_sm90, "forward", "varlen")
+        full_bwd = spy_keyword(monkeypatch, launch_sm90, "fused_backward", "varlen")
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k, causal=True)
+        out.backward(do)
+        runs.append((len(full_fwd), len(full_bwd)))   # (each round's spies wrap the last's)
+    assert runs[0] == (1, 1) and runs[-1] == (0, 0)   # the last call: both plans
+    assert torch.equal(out, launch_sm90.forward(q, k, v, spec, varlen=(cu_q, cu_k, 700, 700))[0])
+    grads = []
+    for dt in (torch.float64, dtype):
+        ref_leaves = [x.detach().to(dt).requires_grad_() for x in (q, k, v)]
+        ref, _ = _per_sequence(*ref_leaves, cu_q, cu_k, spec, dt)
+        ref.backward(do.to(dt))
         grads.append([x.grad for x in ref_leaves])
     for name, g, r, lo in zip(("dq", "dk", "dv"), [x.grad for x in leaves], *grads):
         assert_flash_rule(name, g, r, lo, 3)

@@ -57,12 +57,17 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu
         return launch_sm90.forward(q, k, v, spec, sparse=sparse)
     elif (cu_seqlens_q is not None and block_table is None and alibi_slopes is None
           and attn_bias is None and rng_seed is None and block_mask is None
-          and out_dtype is None and launch_sm90.varlen_eligible(q, k, v, spec)):
+          and out_dtype is None and launch_sm90.on_hopper(q)):
         # packed sequences: the Hopper forward takes each one's rows from the cumulative
-        # lengths (the int32 the kernel reads)
-        return launch_sm90.forward(q, k, v, spec, varlen=(
-            cu_seqlens_q.to(torch.int32).contiguous(), cu_seqlens_k.to(torch.int32).contiguous(),
-            int(max_seqlen_q), int(max_seqlen_k)))
+        # lengths (the int32 the kernel reads), through the plan of an earlier call like this
+        # one where there is one
+        packed = (cu_seqlens_q.to(torch.int32).contiguous(),
+                  cu_seqlens_k.to(torch.int32).contiguous(), int(max_seqlen_q), int(max_seqlen_k))
+        res = launch_sm90.planned_forward(q, k, v, spec, varlen=packed)
+        if res is not None:
+            return res
+        if launch_sm90.varlen_eligible(q, k, v, spec):
+            return launch_sm90.forward(q, k, v, spec, varlen=packed)
     if not (no_feature and plans_enabled()):
         return _forward(q, k, v, spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                         max_seqlen_k, attn_bias, rng_seed, block_mask, block_size, block_table,

@@ -200,6 +200,15 @@ def sparse_bwd_eligible(q, k, v, do, dk, dv, spec: AttnSpec, block_mask, block_s
     return block_mask.shape[1] == 1 or q.shape[2] == k.shape[2]
 
 
+def varlen_bwd_eligible(q, k, v, do, dk, dv, spec: AttnSpec) -> bool:
+    """Packed ``(total, H, D)`` sequences the fused Hopper backward takes: :func:`bwd_eligible`
+    of the tensors as one batch entry at d = 64 or 128 (the persistent kernel), a window only
+    bottom-right (per sequence), any totals (:func:`varlen_eligible`'s rule)."""
+    if q.dim() != 3 or q.shape[-1] not in (64, 128) or not varlen_eligible(q, k, v, spec):
+        return False
+    return bwd_eligible(*(x.unsqueeze(0) for x in (q, k, v, do, dk, dv)), spec, packed=True)
+
+
 def _bwd_sparse_args(sparse, stand_in, keys: int) -> dict:
     """The backward's block-sparse arguments from ``sparse_index.sparse_args(...,
     transpose=True)``' ``(lists, strides, bs_m, bs_n)``, or without a block mask ``stand_in``
@@ -295,13 +304,14 @@ def _key_mask_args(key_mask, stand_in) -> dict:
     return dict(Ranges=ranges, KeyMask=mask, stride_mb=mask.stride(0))
 
 
-def bwd_eligible(q, k, v, do, dk, dv, spec: AttnSpec, deterministic: bool = False) -> bool:
+def bwd_eligible(q, k, v, do, dk, dv, spec: AttnSpec, deterministic: bool = False,
+                 packed: bool = False) -> bool:
     """Whether the Hopper backward kernel serves this call: the forward's conditions with
     ``D`` = 64, 128 or 256 (any lengths, as the forward's), ``do`` in a layout the TMA reads,
     ``dk`` and ``dv`` of one layout with contiguous rows.  ``deterministic`` (the kernel computes
     dK and dV only, dQ comes from a dQ kernel: :func:`dq_pass`): ``D`` = 64 only with causal
-    masking.  The
-    caller has ruled out every optional tensor."""
+    masking.  ``packed``: one batch entry of packed sequences (:func:`varlen_bwd_eligible`).
+    The caller has ruled out every optional tensor."""
     if not (_dense(q, k, v, do) and _plan(k)[2] == _plan(v)[2]):
         return False
     if dk.stride() != dv.stride() or dk.stride(-1) != 1:  # stored with dK's strides
@@ -317,7 +327,8 @@ def bwd_eligible(q, k, v, do, dk, dv, spec: AttnSpec, deterministic: bool = Fals
         return False
     if sq == 0 or sk == 0 or batch == 0:
         return False
-    return _plain(spec, sq, sk, window=True)
+    # (packed: one batch entry of packed sequences, windows per sequence: :func:`eligible`)
+    return _plain(spec, sq, max(sk, sq) if packed else sk, window=True)
 
 
 def fused_pays(sq: int, sk: int, causal: bool, head_dim: int) -> bool:
@@ -367,6 +378,7 @@ def bwd_persistent(head_dim: int) -> bool:
     return head_dim in (64, 128)
 
 
+@functools.lru_cache(maxsize=256)
 @functools.lru_cache(maxsize=256)
 def bwd_group(n_bh: int, group: int, sq: int, sk: int, head_dim: int, wl: int, wr: int,
               masked: bool, n_sm: int) -> int:
@@ -567,18 +579,31 @@ _FWD_ROLES = ("desc_q", "desc_k", "desc_v", "desc_o")  # descriptors of q, k, v,
 
 
 class _FwdPlan:
-    __slots__ = ("compiled", "grid", "values", "lse_at", "mask_at", "descs", "device")
+    __slots__ = ("compiled", "grid", "values", "lse_at", "mask_at", "packed_at", "descs",
+                 "device", "order")
 
-    def __init__(self, compiled, grid, values, descs, device):
+    def __init__(self, compiled, grid, values, descs, device, order=None):
         names = _kernel("fwd").arg_names
         self.compiled, self.grid, self.device = compiled, grid, device
         self.values, self.lse_at = list(values), names.index("Lse")
         self.mask_at = (names.index("KeyMask"), names.index("Ranges"))
+        # CuQ, CuK, Items, Out: packed sequences' (lse stands in for the first three and the
+        # kernel stores through desc_o, without)
+        self.packed_at = tuple(names.index(n) for n in ("CuQ", "CuK", "Items", "Out"))
         # (position, role, shape, strides, block, layout) of each descriptor
         self.descs = tuple((names.index(n), r, *descs[n][1:]) for r, n in enumerate(_FWD_ROLES))
+        # packed sequences: packed_order's arguments past the lengths, else None
+        self.order = order
         # the plan keeps no tensor of the call it was made from alive (every call fills them)
-        for at in (self.lse_at, *self.mask_at, *(d[0] for d in self.descs)):
+        for at in (self.lse_at, *self.mask_at, *self.packed_at, *(d[0] for d in self.descs)):
             self.values[at] = None
+
+
+def _fwd_key(q, k, v, spec: AttnSpec, key_mask, varlen) -> tuple:
+    """The key of a forward's plan: the tensors' signatures, dtype, device, spec, the key mask's
+    view's signature and packed sequences' count and longest lengths."""
+    return (signature(q, k, v), q.dtype, q.device, spec, _mask_key(key_mask),
+            None if varlen is None else (varlen[0].shape[0], varlen[2], varlen[3]))
 
 
 def _mask_key(key_mask):
@@ -614,21 +639,80 @@ def _run_plan(plan, values: list, tensors: tuple) -> None:
     _run(plan.compiled, plan.grid, values, plan.device)
 
 
-def planned_forward(q, k, v, spec: AttnSpec, key_mask=None):
+def planned_forward(q, k, v, spec: AttnSpec, key_mask=None, varlen=None):
     """:func:`forward`'s ``(out, lse)`` through the plan of an earlier call like this one (its
-    key mask's view alike), or None where there is none or plans are off (the caller then
-    checks :func:`eligible`)."""
-    plan = _plan_of(_fwd_plans, lambda: (signature(q, k, v), q.dtype, q.device, spec,
-                                         _mask_key(key_mask)))
+    key mask's view alike; ``varlen`` as :func:`forward`'s, as many sequences of the same
+    longest lengths), or None where there is none or plans are off (the caller then checks
+    :func:`eligible` or :func:`varlen_eligible`)."""
+    plan = _plan_of(_fwd_plans, lambda: _fwd_key(q, k, v, spec, key_mask, varlen))
     if plan is None:
         return None
     out = empty(q.shape, q.dtype, q.device)
-    lse = empty((q.shape[0], q.shape[2], q.shape[1]), torch.float32, q.device)
     values = plan.values.copy()
+    if varlen is None:
+        lse = empty((q.shape[0], q.shape[2], q.shape[1]), torch.float32, q.device)
+        packed = (lse, lse, lse, out)
+        tensors = (q, k, v, out)
+    else:
+        lse = empty((q.shape[1], q.shape[0]), torch.float32, q.device)
+        packed = (*varlen[:2], packed_order(*varlen[:2], *plan.order), out)
+        tensors = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0))
     values[plan.lse_at] = lse
+    for at, x in zip(plan.packed_at, packed):
+        values[at] = x
     _fill_mask(values, plan.mask_at, key_mask, lse)
-    _run_plan(plan, values, (q, k, v, out))
+    _run_plan(plan, values, tensors)
     return out, lse
+
+
+# packed_order's and packed_rows' tables, per pair of cumulative-length tensors (same objects,
+# same version counters) and launch geometry: a model's layers share one pair, so a step
+# builds each once
+_orders: dict = {}
+_ORDERS_SIZE = 64
+
+
+def packed_order(cu_q, cu_k, n_m: int, block_m: int, tile_n: int, window: dict):
+    """The forward's order of the work items of packed sequences (the kernel's ``Items``):
+    int32 ``(B * n_m,)``, every (sequence ``b``, row block ``i``) pair as ``b * n_m + i``, sorted
+    by the key tiles it walks (``_tile_range``'s count under ``window``, plus one for its Q and
+    first tile), most first; the row blocks past a sequence's end last.  Computed on the device
+    (no host read of the lengths, so it can be captured in a CUDA graph)."""
+    return _per_lengths(("order", id(cu_q), id(cu_k), n_m, block_m, tile_n, window["MASKED"],
+                         window["wl"], window["wr"]), cu_q, cu_k,
+                        lambda: _packed_order(cu_q, cu_k, n_m, block_m, tile_n, window))
+
+
+def _packed_order(cu_q, cu_k, n_m: int, block_m: int, tile_n: int, window: dict):
+    lq = (cu_q[1:] - cu_q[:-1])[:, None]                                   # [B, 1]
+    lk = (cu_k[1:] - cu_k[:-1])[:, None]                                   # [B, 1]
+    rows = torch.arange(n_m, device=cu_q.device, dtype=torch.int32)[None, :] * block_m
+    lo = torch.zeros_like(rows)
+    hi = lk.expand(-1, n_m)
+    if window["MASKED"]:  # each sequence's own bottom-right window
+        shift = lk - lq
+        lo = (rows + shift - window["wl"]).clamp(min=0) // tile_n
+        hi = torch.minimum(hi, rows + block_m + shift + window["wr"]).clamp(min=0)
+    tiles = (-(-hi // tile_n) - lo).clamp(min=1) + 1                      # [B, n_m]
+    work = torch.where(rows < lq, tiles, 0)
+    return torch.argsort(work.flatten(), descending=True, stable=True).to(torch.int32)
+
+
+def _per_lengths(key: tuple, cu_q, cu_k, make):
+    """``make()``, cached under ``key`` for these cumulative-length tensors (the same objects,
+    unchanged since: their version counters)."""
+    hit = _orders.get(key)
+    if hit is not None and hit[0]() is cu_q and hit[1]() is cu_k and hit[2] == (
+            cu_q._version, cu_k._version):
+        return hit[3]
+    value = make()
+    # (a table made while a CUDA graph is captured is filled only when the graph replays)
+    if not (cu_q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if len(_orders) >= _ORDERS_SIZE:
+            _orders.clear()
+        _orders[key] = (weakref.ref(cu_q), weakref.ref(cu_k), (cu_q._version, cu_k._version),
+                        value)
+    return value
 
 
 def varlen_eligible(q, k, v, spec: AttnSpec) -> bool:
@@ -694,9 +778,11 @@ def forward(q, k, v, spec: AttnSpec, key_mask=None, sparse=None, varlen=None):
                 qk_scale=spec.softmax_scale * LOG2E, **window,
                 STAGES=STAGES, num_warps=NUM_WARPS, CONSUMERS=n_c,
                 lpt=causal_order(n_m, batch * nheads, sq, sk, grid[0], tile_n, block_m)
-                if spec.causal else 0, **_key_mask_args(key_mask, lse),
+                if spec.causal and varlen is None else 0, **_key_mask_args(key_mask, lse),
                 **_sparse_args(sparse, lse, tile_n),
                 CuQ=lse if varlen is None else varlen[0], CuK=lse if varlen is None else varlen[1],
+                Items=lse if varlen is None else packed_order(varlen[0], varlen[1], n_m, block_m,
+                                                              tile_n, window),
                 Out=out, stride_om=0 if varlen is None else out.stride(0))
     if n_c == 1:
         args["maxnreg"] = 128
@@ -707,9 +793,12 @@ def forward(q, k, v, spec: AttnSpec, key_mask=None, sparse=None, varlen=None):
     launched = _launch("fwd", device, (q.dtype, head_dim, masked, n_c, ragged,
                                        sparse is not None, varlen is not None, keymask), grid,
                        args, descs)
-    if launched is not None and sparse is None and varlen is None:
-        _fwd_plans.put((signature(q, k, v), q.dtype, q.device, spec, _mask_key(key_mask)),
-                       _FwdPlan(launched[0], grid, launched[1], descs, device))
+    if launched is not None and sparse is None:
+        # (packed: the 3-D tensors' key, as planned_forward sees them)
+        key = (_fwd_key(q, k, v, spec, key_mask, None) if varlen is None else
+               _fwd_key(q[0], k[0], v[0], spec, None, varlen))
+        _fwd_plans.put(key, _FwdPlan(launched[0], grid, launched[1], descs, device,
+                                     None if varlen is None else (n_m, block_m, tile_n, window)))
     return out, lse
 
 
@@ -721,19 +810,25 @@ def _flat_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 
 
-def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None, sparse=None):
+def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None, sparse=None,
+         varlen=None):
     """Launch the backward kernel: with ``dq_acc`` (float32 like ``q``, zeroed) it also adds
     dQ into it; without, dK and dV only; ``key_mask`` as :func:`forward`'s; ``sparse`` the
-    transposed lists of a block mask (:func:`sparse_bwd_eligible`, :func:`_bwd_sparse_args`).  ``(launch, grid,
-    descriptors, persistent, ragged)`` when it launched a compiled variant directly (what a
-    plan repeats), else None."""
+    transposed lists of a block mask (:func:`sparse_bwd_eligible`, :func:`_bwd_sparse_args`);
+    ``varlen``: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` of packed
+    ``(1, total, H, D)`` views (:func:`varlen_bwd_eligible`; lse and delta ``(H, sq_pad)``,
+    :func:`packed_rows`).
+    ``(launch, grid, descriptors, persistent, ragged)`` when it launched a compiled variant
+    directly (what a plan repeats), else None."""
     batch, sq, nheads, head_dim = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
+    if varlen is not None:  # the sequences, the longest lengths (the packed rows: one entry)
+        batch, sq, sk = varlen[0].shape[0] - 1, varlen[2], varlen[3]
     device = q.device.index or 0
     fused = dq_acc is not None
     # lengths that are not multiples of the tiles: 3-D descriptors (_rows)
     keys = bwd_keys(head_dim)
-    ragged = bool(sq % BWD_BLOCK_M or sk % keys)
+    ragged = bool(sq % BWD_BLOCK_M or sk % keys) and varlen is None
     # a tile is half a head's columns of BWD_BLOCK_M rows, at d = 256 an eighth
     acc_tile = [BWD_BLOCK_M, head_dim // (8 if head_dim == 256 else 2)]
     if fused:
@@ -762,7 +857,8 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
                 WINDOW=window["MASKED"] and (window["wl"] < sq + sk or window["wr"] != 0),
                 DQ=fused, PERSISTENT=persistent, RAGGED=ragged, STAGES=STAGES,
                 num_warps=NUM_WARPS, **_key_mask_args(key_mask, lse),
-                **_bwd_sparse_args(sparse, lse, keys))
+                **_bwd_sparse_args(sparse, lse, keys),
+                CuQ=lse if varlen is None else varlen[0], CuK=lse if varlen is None else varlen[1])
     flat = _flat_layout()
     # K/V tiles: each consumer's keys, or at d = 256 and with ragged one tile of the item's
     # keys (the kernel's K/V buffer is one allocation: a 3-D TMA cannot write into a slice)
@@ -770,7 +866,9 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
     # dK and dV stored by TMA from a consumer's rows of the V buffer (2-D: not with ragged
     # lengths; d = 256 consumers share their keys); else by the kernel's own stores, and the
     # descriptors are of one tile, never read
-    args["DKDV_TMA"] = not ragged and head_dim != 256 and _dense(q, dk, dv)
+    # (packed: a key block's TMA store would reach into the next sequence's rows)
+    args["DKDV_TMA"] = (not ragged and head_dim != 256 and _dense(q, dk, dv)
+                        and varlen is None)
     if args["DKDV_TMA"]:
         desc_dk = _rows(dk, keys // 2, False, "dk", args)
         desc_dv = _rows(dv, keys // 2, False)
@@ -786,15 +884,46 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
                  desc_dk=desc_dk, desc_dv=desc_dv)
     launched = _launch("bwd", device, (q.dtype, head_dim, window["MASKED"], args["WINDOW"],
                                        fused, persistent, ragged, args["DKDV_TMA"],
-                                       sparse is not None, key_mask is not None), grid, args,
-                       descs)
+                                       sparse is not None, varlen is not None,
+                                       key_mask is not None), grid, args, descs)
     return (launched, grid, descs, persistent, ragged) if launched is not None else None
 
 
 def _one_tile(tile: list, dtype: torch.dtype, device) -> tuple:
-    """A stand-in descriptor (:func:`_descriptor`'s arguments) of one ``tile`` of a fresh
-    tensor, for a kernel parameter the launched variant never reads."""
+    """A stand-in descriptor (:func:`_descriptor`'s arguments) of one ``tile`` of a tensor,
+    for a kernel parameter the launched variant never reads (one tensor per tile, dtype and
+    device: nothing reads or writes it)."""
+    return _stand_in(tuple(tile), dtype, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _stand_in(tile: tuple, dtype: torch.dtype, device) -> tuple:
+    tile = list(tile)
     return (empty(tile, dtype, device), tile, [tile[1], 1], tile, _layout(*tile, dtype))
+
+
+def packed_rows(lse, delta, cu_q):
+    """``lse`` and ``delta`` of packed sequences (float32 ``(H, total_q)``) laid out for the
+    backward kernel's TMA loads: ``(H, sq_pad)`` with sequence ``b``'s rows from
+    ``((cu_q[b] + b * BWD_BLOCK_M) // BWD_BLOCK_M) * BWD_BLOCK_M`` on (a whole tile, so every
+    load starts 16-byte aligned; a misaligned start is an illegal instruction), the gaps +inf
+    and 0 as :func:`_pad_rows`' padding.  Each sequence's offset grows by at least its length
+    plus one over the previous one's, so ``sq_pad = total_q + B * BWD_BLOCK_M`` (rounded to a
+    tile) holds them all.  On the device: no host read of the lengths."""
+    nheads, total = lse.shape
+    width = -(-(total + (cu_q.numel() - 1) * BWD_BLOCK_M) // BWD_BLOCK_M) * BWD_BLOCK_M
+    dst = _per_lengths(("rows", id(cu_q), total), cu_q, cu_q, lambda: _packed_rows(cu_q, total))
+    lse_p = torch.full((nheads, width), float("inf"), dtype=torch.float32, device=lse.device)
+    delta_p = torch.zeros((nheads, width), dtype=torch.float32, device=lse.device)
+    return lse_p.index_copy_(1, dst, lse), delta_p.index_copy_(1, dst, delta)
+
+
+def _packed_rows(cu_q, total: int):
+    """:func:`packed_rows`' position of each packed row (int64 ``(total,)``)."""
+    rows = torch.arange(total, device=cu_q.device, dtype=torch.int32)
+    seq = torch.searchsorted(cu_q[1:], rows, right=True)          # each row's sequence
+    first = cu_q[seq]                                              # its first packed row
+    return rows - first + (first + seq * BWD_BLOCK_M) // BWD_BLOCK_M * BWD_BLOCK_M
 
 
 def _pad_rows(lse, delta):
@@ -885,16 +1014,21 @@ def _prologue(q, out, do, delta, zero: bool = True):
 
 
 def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec,
-                   plan_key=None, key_mask=None, sparse=None) -> None:
+                   plan_key=None, key_mask=None, sparse=None, varlen=None) -> None:
     """Fill ``dq``, ``dk``, ``dv`` (``bwd_eligible`` holds; ``out`` contiguous; ``lse`` and the
     buffer ``delta`` contiguous float32 ``(B, H, Sq)``): a prologue kernel computes ``delta``
     and zeroes a float32 dQ accumulator, the backward kernel adds every dQ tile into it, and
     one copy converts it into ``dq``.  With ``plan_key`` (:func:`bwd_plan_key`) a direct
     launch leaves a plan that :func:`planned_backward` repeats; ``key_mask`` as
     :func:`forward`'s; ``sparse`` as :func:`_bwd`'s (no plan: its key does not see the
-    mask)."""
+    mask); ``varlen``: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` of packed
+    ``(total, H, D)`` tensors (:func:`varlen_bwd_eligible`; lse and delta ``(H, total_q)``)."""
+    if varlen is not None:  # one batch entry of the packed rows (forward's views)
+        q, k, v, out, do, dq, dk, dv = (x.unsqueeze(0) for x in (q, k, v, out, do, dq, dk, dv))
     dq_acc = _prologue(q, out, do, delta)
-    launched = _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec, key_mask, sparse)
+    if varlen is not None:
+        lse, delta = packed_rows(lse, delta, varlen[0])
+    launched = _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec, key_mask, sparse, varlen)
     dq.copy_(dq_acc)
     if plan_key is not None and launched is not None and sparse is None:
         _bwd_plans.put(plan_key, _BwdPlan(*launched, q.device.index or 0))
@@ -911,8 +1045,8 @@ _BWD_ROLES = ("desc_q", "desc_do", "desc_k", "desc_v", "desc_lse", "desc_delta",
 
 
 class _BwdPlan:
-    __slots__ = ("compiled", "grid", "values", "descs", "at", "mask_at", "persistent", "ragged",
-                 "device")
+    __slots__ = ("compiled", "grid", "values", "descs", "at", "mask_at", "cu_at", "persistent",
+                 "ragged", "device")
 
     def __init__(self, launched, grid, descs, persistent, ragged, device):
         names = _kernel("bwd").arg_names
@@ -923,38 +1057,53 @@ class _BwdPlan:
         # of each descriptor
         self.at = tuple(names.index(n) for n in ("DK", "DV", "Counter"))
         self.mask_at = (names.index("KeyMask"), names.index("Ranges"))
+        self.cu_at = (names.index("CuQ"), names.index("CuK"))  # (packed sequences)
         self.descs = tuple((names.index(n), r, *descs[n][1:]) for r, n in enumerate(_BWD_ROLES))
         # the plan keeps no tensor of the call it was made from alive (every call fills them)
-        for at in (*self.at, *self.mask_at, *(d[0] for d in self.descs)):
+        for at in (*self.at, *self.mask_at, *self.cu_at, *(d[0] for d in self.descs)):
             self.values[at] = None
 
 
-def bwd_plan_key(q, k, v, out, do, lse, spec: AttnSpec, setting, key_mask=None) -> tuple:
+def bwd_plan_key(q, k, v, out, do, lse, spec: AttnSpec, setting, key_mask=None,
+                 varlen=None) -> tuple:
     """The key of a fused backward's plan: the tensors' signatures, dtype, device, spec,
-    ``setting`` (what else the caller's choice of path reads) and the key mask's view's
-    signature."""
+    ``setting`` (what else the caller's choice of path reads), the key mask's view's
+    signature and packed sequences' count and longest lengths (``varlen`` as
+    :func:`fused_backward`'s)."""
     return (signature(q, k, v, out, do, lse), q.dtype, q.device, spec, setting,
-            _mask_key(key_mask))
+            _mask_key(key_mask),
+            None if varlen is None else (varlen[0].shape[0], varlen[2], varlen[3]))
 
 
-def planned_backward(q, k, v, out, do, lse, spec: AttnSpec, setting, key_mask=None):
+def planned_backward(q, k, v, out, do, lse, spec: AttnSpec, setting, key_mask=None,
+                     varlen=None):
     """``(dq, dk, dv)`` of :func:`fused_backward` through the plan of an earlier call like this
-    one (``lse`` contiguous; ``key_mask`` as :func:`forward`'s), or None where there is none or
-    plans are off (the caller then takes its full path)."""
+    one (``lse`` contiguous; ``key_mask`` as :func:`forward`'s, ``varlen`` as
+    :func:`fused_backward`'s), or None where there is none or plans are off (the caller then
+    takes its full path)."""
     plan = _plan_of(_bwd_plans, lambda: bwd_plan_key(q, k, v, out, do, lse, spec, setting,
-                                                      key_mask))
+                                                      key_mask, varlen))
     if plan is None:
         return None
     dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
     delta = empty(lse.shape, torch.float32, lse.device)
+    cu = (lse, lse)  # (stand-ins without packed sequences)
+    if varlen is not None:  # one batch entry of the packed rows, as fused_backward's
+        cu = varlen[:2]
+        q, k, v, out, do, dq, dk, dv = (x.unsqueeze(0) for x in (q, k, v, out, do, dq, dk, dv))
     dq_acc = _prologue(q, out, do, delta)
     if plan.ragged:
         lse, delta = _pad_rows(lse, delta)
+    if varlen is not None:
+        lse, delta = packed_rows(lse, delta, varlen[0])
     values = plan.values.copy()
     values[plan.at[0]], values[plan.at[1]] = dk, dv
     values[plan.at[2]] = (torch.zeros(1, dtype=torch.int32, device=q.device) if plan.persistent
                           else dk)
+    values[plan.cu_at[0]], values[plan.cu_at[1]] = cu
     _fill_mask(values, plan.mask_at, key_mask, lse)
     _run_plan(plan, values, (q, do, k, v, lse, delta, dq_acc, dk, dv))
     dq.copy_(dq_acc)
+    if varlen is not None:
+        return dq[0], dk[0], dv[0]
     return dq, dk, dv

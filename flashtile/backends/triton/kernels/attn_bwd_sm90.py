@@ -75,7 +75,7 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .attn_fwd_sm90 import _key_masked, _key_range, _key_visible, _tma_load
+from .attn_fwd_sm90 import _key_masked, _key_range, _key_visible, _sequence, _tma_load
 
 LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -299,11 +299,13 @@ def _produce_item(w, c, t, b_w, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_
                   bar_qd, bar_free, sq, sk, sq_pad, nheads_k, n_bh, bh_group, group, q_rb, q_rh,
                   q_ch,
                   do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl, wr, masked, window, Ranges,
-                  Lists, stride_xb, stride_xh, stride_xr, tpr, ipc,
+                  Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ, CuK,
                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr):
     """Load work item ``w`` (the CTA's ``c``-th): its K and V, then its (Q, dO, lse, delta)
     tiles into the ring from position ``t`` on; the ring position after them."""
     SPARSE: gl.constexpr = Lists.dtype.element_ty == gl.int32
+    # packed sequences' cumulative lengths are int32 (without them the lse pointer stands in)
+    VARLEN: gl.constexpr = CuQ.dtype.element_ty == gl.int32
     STAGES: gl.constexpr = q_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     KEYS: gl.constexpr = k_smem.shape[0]   # keys of a work item
@@ -313,10 +315,13 @@ def _produce_item(w, c, t, b_w, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_
     KV_LOADS: gl.constexpr = KEYS // KV_ROWS
     nbytes: gl.constexpr = (desc_q.block_type.nbytes + desc_do.block_type.nbytes
                             + desc_lse.block_type.nbytes + desc_delta.block_type.nbytes)
-    i_n, i_bh = _item_keys(w, _blocks(sk, KEYS, RAGGED), n_bh, bh_group)
+    i_n, i_bh = _item_keys(w, _blocks(sk, KEYS, RAGGED or VARLEN), n_bh, bh_group)
     i_b = i_bh // nheads_k
     i_hk = i_bh % nheads_k
     n0 = i_n * KEYS
+    # the item's sequence: its first query and key rows and lengths (packed), else (0, sq,
+    # 0, sk)
+    q0, sq_i, k0s, sk_i = _sequence(CuQ, CuK, i_b, n_bh // nheads_k, sq, sk, VARLEN)
     if PERSISTENT:
         # the consumers read the previous item's K and V to its last dq: then the slots are
         # free; the item goes to the consumers with the arrival on bar_kv below
@@ -326,6 +331,8 @@ def _produce_item(w, c, t, b_w, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_
     # the item's K and V (d <= 128: rows [0, 64) are consumer 0's keys, [64, 128) consumer
     # 1's; the sequences' coordinates in the descriptors: launch_sm90._plan, _tma_load)
     base_k = i_b * kv_rb + i_hk * kv_rh
+    if VARLEN:  # (packed rows: the 2-D views of one batch entry)
+        base_k = k0s + i_hk * kv_rh
     if KV_LOADS == 1:
         _tma_load(desc_k, base_k, n0, i_hk * kv_ch, bar_kv, k_smem)
         _tma_load(desc_v, base_k, n0, i_hk * kv_ch, bar_kv, v_smem)
@@ -335,8 +342,10 @@ def _produce_item(w, c, t, b_w, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_
                       k_smem.slice(i * KV_ROWS, KV_ROWS))
             _tma_load(desc_v, base_k, n0 + i * KV_ROWS, i_hk * kv_ch, bar_kv,
                       v_smem.slice(i * KV_ROWS, KV_ROWS))
-    lo, n_m = _query_tiles(n0, KEYS, sq, sk - sq, wl, wr, masked, window, Ranges, i_b,
-                           BLOCK_M, RAGGED)
+    lo, n_m = _query_tiles(n0, KEYS, sq_i, sk_i - sq_i, wl, wr, masked, window, Ranges, i_b,
+                           BLOCK_M, RAGGED or VARLEN)
+    if VARLEN:  # the key blocks past a sequence's end (the longest sequence's) walk no tile
+        n_m = gl.where(n0 < sk_i, n_m, 0)
     p_rows = Lists
     if SPARSE:  # the query tiles of the column's mask rows (one list for the group's heads)
         p_rows, n_m = _sparse_rows(Lists, i_b, i_hk * group, i_n, stride_xb, stride_xh,
@@ -349,11 +358,19 @@ def _produce_item(w, c, t, b_w, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_
         mbarrier.wait(bar_free.index(i_s), ((t // STAGES) & 1) ^ 1, pred=t >= STAGES)
         bar = bar_qd.index(i_s)
         mbarrier.expect(bar, nbytes)
-        _tma_load(desc_q, i_b * q_rb + i_h * q_rh, m0, i_h * q_ch, bar, q_smem.index(i_s))
-        _tma_load(desc_do, i_b * do_rb + i_h * do_rh, m0, i_h * do_ch, bar, do_smem.index(i_s))
+        base_q = i_b * q_rb + i_h * q_rh
+        base_do = i_b * do_rb + i_h * do_rh
         # lse and delta are (B, H, sq_pad) float32, seen flat (sq_pad = Sq, or with RAGGED
-        # padded to whole tiles: launch_sm90._bwd)
+        # padded to whole tiles: launch_sm90._bwd; packed: (H, sq_pad), packed_rows)
         p_l = (i_b * nheads_k * group + i_h) * sq_pad + m0
+        if VARLEN:  # a tile's rows past the sequence are the next one's: masked (consumers)
+            base_q = q0 + i_h * q_rh
+            base_do = q0 + i_h * do_rh
+            # lse and delta: each sequence's rows from a whole tile on (a TMA's start must be
+            # 16-byte aligned; launch_sm90.packed_rows lays them out)
+            p_l = i_h * sq_pad + ((q0 + i_b * BLOCK_M) // BLOCK_M) * BLOCK_M + m0
+        _tma_load(desc_q, base_q, m0, i_h * q_ch, bar, q_smem.index(i_s))
+        _tma_load(desc_do, base_do, m0, i_h * do_ch, bar, do_smem.index(i_s))
         tma.async_copy_global_to_shared(desc_lse, [p_l], bar, lse_smem.index(i_s))
         tma.async_copy_global_to_shared(desc_delta, [p_l], bar, delta_smem.index(i_s))
         t += 1
@@ -366,9 +383,9 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
                   bar_free, Counter, sq, sk, sq_pad, nheads_k, n_bh, bh_group, group, q_rb, q_rh,
                   q_ch,
                   do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl, wr, masked, window, Ranges,
-                  Lists, stride_xb, stride_xh, stride_xr, tpr, ipc,
+                  Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ, CuK,
                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr):
-    n_items = _blocks(sk, k_smem.shape[0], RAGGED) * n_bh
+    n_items = _blocks(sk, k_smem.shape[0], RAGGED or CuQ.dtype.element_ty == gl.int32) * n_bh
     if PERSISTENT:
         c = 0  # items of this CTA so far (K/V phase)
         t = 0  # (Q, dO) tiles loaded so far, over the items (ring position and phase)
@@ -380,8 +397,8 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
                               item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, sq, sk, sq_pad,
                               nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh,
                               do_ch, kv_rb, kv_rh, kv_ch, wl, wr, masked, window, Ranges,
-                              Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, PERSISTENT,
-                              RAGGED)
+                              Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ, CuK,
+                              PERSISTENT, RAGGED)
             c += 1
             # claimed while the consumers still work on this item's last tiles
             b_w = _claim(Counter)
@@ -397,7 +414,7 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
                       delta_smem, item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, sq, sk, sq_pad,
                       nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch,
                       kv_rb, kv_rh, kv_ch, wl, wr, masked, window, Ranges, Lists, stride_xb,
-                      stride_xh, stride_xr, tpr, ipc, PERSISTENT, RAGGED)
+                      stride_xh, stride_xr, tpr, ipc, CuQ, CuK, PERSISTENT, RAGGED)
 
 
 @gluon.jit
@@ -406,7 +423,7 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
                   DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group,
                   scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb, desc_dk,
                   desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc,
-                  DQ: gl.constexpr,
+                  CuQ, CuK, DQ: gl.constexpr,
                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr):
     """Work item ``w`` of one consumer warpgroup, its tiles from ring position ``t`` on (K and V
     already loaded): dK and dV of its 64 keys, and with ``DQ`` its adds into dQ; the ring
@@ -427,8 +444,10 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
+    # packed sequences (the producer's)
+    VARLEN: gl.constexpr = CuQ.dtype.element_ty == gl.int32
     shift = sk - sq
-    n_kb = _blocks(sk, 2 * BLOCK_NW, RAGGED)
+    n_kb = _blocks(sk, 2 * BLOCK_NW, RAGGED or VARLEN)
     k_tile = k_smem.index(0).slice(i_wg * BLOCK_NW, BLOCK_NW)   # [64, D] this consumer's keys
     v_tile = v_smem.index(0).slice(i_wg * BLOCK_NW, BLOCK_NW)   # [64, D]
     k_half = k_smem.index(0).slice(i_wg * HALF_D, HALF_D, dim=1)  # [128 keys, D / 2]
@@ -453,6 +472,13 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
     sq_rows = sq
     if RAGGED:
         sq_rows = 1
+    dq_base = i_b * sq_rows
+    # the item's sequence (_produce_item's): packed, its rows from q0 (the dQ accumulator's
+    # too) and its own shift; else (0, sq, 0, sk)
+    q0, sq_i, k0s, sk_i = _sequence(CuQ, CuK, i_b, n_bh // nheads_k, sq, sk, VARLEN)
+    if VARLEN:
+        shift = sk_i - sq_i
+        dq_base = q0
     o_k = k0 + gl.arange(0, BLOCK_NW, layout=row_s)            # [64] keys
     b_dk = gl.zeros([BLOCK_NW, HEAD_DIM], gl.float32, layout=g_layout)   # [64, D]
     b_dv = gl.zeros([BLOCK_NW, HEAD_DIM], gl.float32, layout=g_layout)   # [64, D]
@@ -462,8 +488,10 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
     b_dq0 = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=q_layout)     # [BLOCK_M, D / 2]
     m_prev = 0  # the previous tile's first row and head (its dq is added one step late)
     h_prev = 0
-    lo, n_m = _query_tiles(n0, 2 * BLOCK_NW, sq, shift, wl, wr, masked, window, Ranges, i_b,
-                           BLOCK_M, RAGGED)
+    lo, n_m = _query_tiles(n0, 2 * BLOCK_NW, sq_i, shift, wl, wr, masked, window, Ranges, i_b,
+                           BLOCK_M, RAGGED or VARLEN)
+    if VARLEN:  # (_produce_item's)
+        n_m = gl.where(n0 < sk_i, n_m, 0)
     SPARSE: gl.constexpr = Lists.dtype.element_ty == gl.int32
     p_rows = Lists
     if SPARSE:  # (_produce_item's walk)
@@ -499,6 +527,12 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
         b_st = warpgroup_mma_wait(num_outstanding=1, deps=(b_st,))
         b_st = _masked_scores(b_st, o_k, o_r, m0, k0, shift, wl, wr, masked, window, kpart,
                               b_kvis, KEYMASK)
+        if VARLEN:
+            # a tile's rows and keys past the sequence's ends are the next sequence's (read
+            # by the TMA): p = 0 for them, so they add nothing to dK, dV or dQ
+            if (m0 + BLOCK_M > sq_i) | (k0 + BLOCK_NW > sk_i):
+                m_in = (o_k < sk_i)[:, None] & ((m0 + o_r) < sq_i)[None, :]   # [64, BLOCK_M]
+                b_st = gl.where(m_in, b_st, float("-inf"))
         # lse and delta from shared memory (staged with Q and dO): read where they are
         # used, they do not hold registers across the products
         b_pt = _probs(b_st, lse_smem.index(i_s).load(col_s), qk_scale, RAGGED)  # [64, BLOCK_M]
@@ -533,7 +567,7 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
             mbarrier.arrive(bar_free.index(i_s))
             mbarrier.arrive(bar_dsfree.index(1 - i_d), pred=j > 0)
             if j > 0:
-                _dq_add(b_dq, desc_dq, dq_tile, i_b * sq_rows, m_prev,
+                _dq_add(b_dq, desc_dq, dq_tile, dq_base, m_prev,
                         h_prev * HEAD_DIM + dq_col, scale, RAGGED)
             m_prev = m0
             h_prev = i_h
@@ -549,11 +583,11 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
         # it); with a window, keys that no row's window reaches have no tile (without, the
         # check is the constant True)
         has_tile = True
-        if window or KEYMASK or SPARSE:  # (a key mask or a block mask's empty column may
-            has_tile = n_t > 0           # hide all of the item's keys)
+        if window or KEYMASK or SPARSE or VARLEN:  # (a key mask, a block mask's empty
+            has_tile = n_t > 0  # column or a key block past a packed sequence's end: no tile)
         if has_tile:
             _dq_last(t - 1, bar_ds, bar_dsfree, ds_smem, k_half, b_dq0, desc_dq, dq_tile,
-                     i_b * sq_rows, m_prev, h_prev * HEAD_DIM + dq_col, scale, RAGGED)
+                     dq_base, m_prev, h_prev * HEAD_DIM + dq_col, scale, RAGGED)
     if DKDV_TMA:
         # through this consumer's rows of the V buffer (its products above have completed),
         # before the producer may load the next item's into it (taken afresh: at d = 128 the
@@ -567,8 +601,12 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
             # this consumer reads the item's K and V no more: the producer may load the
             # next's while the stores below run
             mbarrier.arrive(bar_kvfree)
-        _store_dkdv(b_dk, b_dv, DK, DV, i_b, i_hk, k0, 0, stride_kb, stride_kn, stride_kh, sk,
-                    scale, RAGGED)
+        if VARLEN:  # rows of the packed keys; those past the sequence's end are the next's
+            _store_dkdv(b_dk, b_dv, DK, DV, i_b * 0, i_hk, k0s + k0, 0, stride_kb, stride_kn,
+                        stride_kh, k0s + sk_i, scale, True)
+        else:
+            _store_dkdv(b_dk, b_dv, DK, DV, i_b, i_hk, k0, 0, stride_kb, stride_kn, stride_kh,
+                        sk, scale, RAGGED)
     return t
 
 
@@ -778,10 +816,10 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
                   bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
                   stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
-                  stride_xr, tpr, ipc, DQ: gl.constexpr,
+                  stride_xr, tpr, ipc, CuQ, CuK, DQ: gl.constexpr,
                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr):
     if PERSISTENT:
-        n_items = _blocks(sk, k_smem.shape[1], RAGGED) * n_bh
+        n_items = _blocks(sk, k_smem.shape[1], RAGGED or CuQ.dtype.element_ty == gl.int32) * n_bh
         w_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         c = 0  # items of this CTA so far (K/V phase)
         t = 0  # tiles so far, over the items: ring stage, ds buffer and their phases
@@ -794,7 +832,7 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
                               stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group,
                               scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb,
                               desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
-                              stride_xr, tpr, ipc, DQ, PERSISTENT, RAGGED, DKDV_TMA)
+                              stride_xr, tpr, ipc, CuQ, CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA)
             c += 1
             mbarrier.wait(bar_kv, c & 1)
             w = gl.max(item_smem.load(w_layout), axis=0)
@@ -814,7 +852,7 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
                       stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group, scale,
                       qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb, desc_dk,
                       desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh, stride_xr, tpr,
-                      ipc, DQ, PERSISTENT, RAGGED, DKDV_TMA)
+                      ipc, CuQ, CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA)
 
 
 # A partition is a function of its own: one wrapper per consumer warpgroup.
@@ -824,14 +862,14 @@ def _bwd_consumer0(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sme
                    desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
                    bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
                    stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
-                   stride_xr, tpr, ipc, DQ: gl.constexpr,
+                   stride_xr, tpr, ipc, CuQ, CuK, DQ: gl.constexpr,
                    PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr):
     _bwd_consumer(0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                   item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
                   bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
                   stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
-                  stride_xr, tpr, ipc, DQ, PERSISTENT, RAGGED, DKDV_TMA)
+                  stride_xr, tpr, ipc, CuQ, CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA)
 
 
 @gluon.jit
@@ -840,14 +878,14 @@ def _bwd_consumer1(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sme
                    desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
                    bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
                    stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
-                   stride_xr, tpr, ipc, DQ: gl.constexpr,
+                   stride_xr, tpr, ipc, CuQ, CuK, DQ: gl.constexpr,
                    PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr):
     _bwd_consumer(1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                   item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
                   bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
                   stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
-                  stride_xr, tpr, ipc, DQ, PERSISTENT, RAGGED, DKDV_TMA)
+                  stride_xr, tpr, ipc, CuQ, CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA)
 
 
 @gluon.jit
@@ -856,7 +894,7 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
                          nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch,
                          kv_rb, kv_rh, kv_ch, dk_rb, dk_rh, dk_ch, scale, qk_scale, wl, wr, Ranges,
                          KeyMask, stride_mb, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc,
-                         MASKED: gl.constexpr, WINDOW: gl.constexpr,
+                         CuQ, CuK, MASKED: gl.constexpr, WINDOW: gl.constexpr,
                          DQ: gl.constexpr, PERSISTENT: gl.constexpr, RAGGED: gl.constexpr,
                          DKDV_TMA: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     """Persistent grid (at most one CTA per SM): a work item is 128 keys of one key/value head
@@ -874,7 +912,15 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
     ``stride_xh``; one list for the query heads of a key/value head): a block mask whose
     columns are ``ipc`` work items wide and whose rows are ``tpr`` query tiles high, each item
     walking only its column's rows (``_sparse_rows``; d <= 128); without one the lse pointer
-    (the element type tells)."""
+    (the element type tells).  ``CuQ``, ``CuK`` (int32 ``(B + 1,)``): packed sequences
+    (``VARLEN``; the persistent d <= 128 kernel): q, k, v, dO and the dQ accumulator are
+    ``(total, H, D)`` seen as one batch entry by 2-D descriptors, ``sq`` and ``sk`` the longest
+    sequences (they size the key blocks), lse and delta ``(H, sq_pad)`` with each sequence's
+    rows from a whole tile on (``launch_sm90.packed_rows``); an item's sequence
+    comes from the cumulative lengths (``_sequence``), its key blocks past the sequence's end
+    walk no tile, a tile's rows and keys past the ends (the next sequence's, read by the TMA)
+    are masked, and dK, dV are stored from registers with the keys past the end masked; without
+    them the lse pointer."""
     BLOCK_M: gl.constexpr = desc_q.block_type.shape[-2]
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[-1]
     # d = 256: both consumers share an item's 64 keys (_consume_item_wide); else each owns 64
@@ -883,6 +929,9 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
     gl.static_assert(not (WIDE and PERSISTENT), "the d = 256 consumers walk one item a CTA")
     gl.static_assert(not (WIDE and Lists.dtype.element_ty == gl.int32),
                      "block masks: d <= 128 only")
+    gl.static_assert(not ((WIDE or DKDV_TMA or RAGGED or not PERSISTENT)
+                          and CuQ.dtype.element_ty == gl.int32),
+                     "packed sequences: the persistent d <= 128 kernel, 2-D views, own stores")
     # keys of an item (a RAGGED K/V descriptor's tile holds them all, at d <= 128 one
     # consumer's otherwise)
     KEYS: gl.constexpr = desc_k.block_type.shape[-2] * (1 if RAGGED or WIDE else 2)
@@ -947,19 +996,19 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
                           bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb, stride_kn, stride_kh,
                           sq, sk, nheads_k, n_bh, bh_group, group, scale, qk_scale, wl, wr,
                           MASKED, WINDOW, Ranges, KeyMask, stride_mb, desc_dk, desc_dv, dk_rb,
-                          dk_rh, dk_ch, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, DQ,
-                          PERSISTENT, RAGGED, DKDV_TMA)),
+                          dk_rh, dk_ch, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ,
+                          CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA)),
         (_bwd_consumer1, (q_smem, do_smem, k_all, v_all, lse_smem, delta_smem, ds_smem,
                           dq_smem, item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn,
                           bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb, stride_kn, stride_kh,
                           sq, sk, nheads_k, n_bh, bh_group, group, scale, qk_scale, wl, wr,
                           MASKED, WINDOW, Ranges, KeyMask, stride_mb, desc_dk, desc_dv, dk_rb,
-                          dk_rh, dk_ch, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, DQ,
-                          PERSISTENT, RAGGED, DKDV_TMA)),
+                          dk_rh, dk_ch, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ,
+                          CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA)),
         (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
                          k_smem, v_smem, lse_smem, delta_smem, item_smem, bar_kv, bar_kvfree,
                          bar_qd, bar_free, Counter, sq, sk, sq_pad, nheads_k, n_bh, bh_group, group,
                          q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl, wr,
                          MASKED, WINDOW, Ranges, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc,
-                         PERSISTENT, RAGGED)),
+                         CuQ, CuK, PERSISTENT, RAGGED)),
     ], [4, 1], [CONSUMER_REGS, 24])
