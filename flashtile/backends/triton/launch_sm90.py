@@ -665,7 +665,7 @@ def planned_forward(q, k, v, spec: AttnSpec, key_mask=None, varlen=None):
     return out, lse
 
 
-# packed_order's and packed_rows' tables, per pair of cumulative-length tensors (same objects,
+# packed_order's and packed_prologue's tables, per pair of cumulative-length tensors (same objects,
 # same version counters) and launch geometry: a model's layers share one pair, so a step
 # builds each once
 _orders: dict = {}
@@ -811,13 +811,13 @@ def _flat_layout():
 
 
 def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None, sparse=None,
-         varlen=None):
+         varlen=None, counter=None):
     """Launch the backward kernel: with ``dq_acc`` (float32 like ``q``, zeroed) it also adds
     dQ into it; without, dK and dV only; ``key_mask`` as :func:`forward`'s; ``sparse`` the
     transposed lists of a block mask (:func:`sparse_bwd_eligible`, :func:`_bwd_sparse_args`);
     ``varlen``: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` of packed
     ``(1, total, H, D)`` views (:func:`varlen_bwd_eligible`; lse and delta ``(H, sq_pad)``,
-    :func:`packed_rows`).
+    :func:`packed_prologue`).
     ``(launch, grid, descriptors, persistent, ragged)`` when it launched a compiled variant
     directly (what a plan repeats), else None."""
     batch, sq, nheads, head_dim = q.shape
@@ -842,7 +842,8 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
     # persistent: at most one CTA per SM, claiming work items from a counter zeroed here;
     # else one CTA per item, and the kernel reads no counter (``dk`` stands in)
     grid = (min(n_items, n_sm) if persistent else n_items,)
-    counter = zeros(1, torch.int32, q.device) if persistent else dk
+    if counter is None:  # (packed: packed_prologue's, zeroed)
+        counter = zeros(1, torch.int32, q.device) if persistent else dk
     window = _window(spec, sq, sk)
     bh_group = bwd_group(n_bh, nheads // nheads_k, sq, sk, head_dim, window["wl"],
                          window["wr"], window["MASKED"], n_sm)
@@ -902,28 +903,42 @@ def _stand_in(tile: tuple, dtype: torch.dtype, device) -> tuple:
     return (empty(tile, dtype, device), tile, [tile[1], 1], tile, _layout(*tile, dtype))
 
 
-def packed_rows(lse, delta, cu_q):
-    """``lse`` and ``delta`` of packed sequences (float32 ``(H, total_q)``) laid out for the
-    backward kernel's TMA loads: ``(H, sq_pad)`` with sequence ``b``'s rows from
-    ``((cu_q[b] + b * BWD_BLOCK_M) // BWD_BLOCK_M) * BWD_BLOCK_M`` on (a whole tile, so every
-    load starts 16-byte aligned; a misaligned start is an illegal instruction), the gaps +inf
-    and 0 as :func:`_pad_rows`' padding.  Each sequence's offset grows by at least its length
-    plus one over the previous one's, so ``sq_pad = total_q + B * BWD_BLOCK_M`` (rounded to a
-    tile) holds them all.  On the device: no host read of the lengths."""
+def packed_prologue(q, out, do, lse, cu_q):
+    """:func:`_prologue` of packed sequences (``q``, ``out``, ``do``: ``(1, total_q, H, D)``
+    views; ``lse`` float32 ``(H, total_q)``), in one launch: the zeroed dQ accumulator, lse and
+    delta laid out for the backward kernel's TMA loads, ``(H, sq_pad)`` with sequence ``b``'s
+    rows from ``((cu_q[b] + b * BWD_BLOCK_M) // BWD_BLOCK_M) * BWD_BLOCK_M`` on (a whole tile,
+    so every load starts 16-byte aligned; a misaligned start is an illegal instruction) and the
+    gaps +inf and 0 as :func:`_pad_rows`' padding, and a zeroed int32 work counter.  Each
+    sequence's offset grows by at least its length plus one over the previous one's, so
+    ``sq_pad = total_q + B * BWD_BLOCK_M`` (rounded to a tile) holds them all.  ``(dq_acc,
+    lse_p, delta_p, counter)``.  On the device: no host read of the lengths."""
     nheads, total = lse.shape
     width = -(-(total + (cu_q.numel() - 1) * BWD_BLOCK_M) // BWD_BLOCK_M) * BWD_BLOCK_M
-    dst = _per_lengths(("rows", id(cu_q), total), cu_q, cu_q, lambda: _packed_rows(cu_q, total))
-    lse_p = torch.full((nheads, width), float("inf"), dtype=torch.float32, device=lse.device)
-    delta_p = torch.zeros((nheads, width), dtype=torch.float32, device=lse.device)
-    return lse_p.index_copy_(1, dst, lse), delta_p.index_copy_(1, dst, delta)
+    src = _per_lengths(("rows", id(cu_q), total), cu_q, cu_q,
+                       lambda: _packed_rows(cu_q, total, width))
+    dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    lse_p = empty((nheads, width), torch.float32, q.device)
+    delta_p = empty((nheads, width), torch.float32, q.device)
+    counter = empty((1,), torch.int32, q.device)
+    rows = width * nheads
+    launch(attn_bwd_delta_kernel, (-(-rows // DELTA_ROWS),), O=out, DO=do, DELTA=delta_p,
+           DQ_ACC=dq_acc, stride_db=0, stride_ds=do.stride(1), stride_dh=do.stride(2),
+           n_rows=rows, seqlen_q=width, nheads=nheads, LSE=lse, LSE_P=lse_p, SRC=src,
+           COUNTER=counter, total=total, HEAD_DIM=q.shape[-1], ROWS=DELTA_ROWS, ZERO=True,
+           PACKED=True, num_warps=4)
+    return dq_acc, lse_p, delta_p, counter
 
 
-def _packed_rows(cu_q, total: int):
-    """:func:`packed_rows`' position of each packed row (int64 ``(total,)``)."""
+def _packed_rows(cu_q, total: int, width: int):
+    """:func:`packed_prologue`'s packed row at each position of the padded layout (int32
+    ``(width,)``, -1 in the gaps)."""
     rows = torch.arange(total, device=cu_q.device, dtype=torch.int32)
     seq = torch.searchsorted(cu_q[1:], rows, right=True)          # each row's sequence
     first = cu_q[seq]                                              # its first packed row
-    return rows - first + (first + seq * BWD_BLOCK_M) // BWD_BLOCK_M * BWD_BLOCK_M
+    dst = rows - first + (first + seq * BWD_BLOCK_M) // BWD_BLOCK_M * BWD_BLOCK_M
+    return torch.full((width,), -1, dtype=torch.int32, device=cu_q.device).index_copy_(
+        0, dst, rows)
 
 
 def _pad_rows(lse, delta):
@@ -1008,8 +1023,9 @@ def _prologue(q, out, do, delta, zero: bool = True):
     rows = batch * sq * nheads
     launch(attn_bwd_delta_kernel, (-(-rows // DELTA_ROWS),), O=out, DO=do, DELTA=delta,
            DQ_ACC=dq_acc, stride_db=do.stride(0), stride_ds=do.stride(1), stride_dh=do.stride(2),
-           n_rows=rows, seqlen_q=sq, nheads=nheads, HEAD_DIM=head_dim, ROWS=DELTA_ROWS,
-           ZERO=zero, num_warps=4)
+           n_rows=rows, seqlen_q=sq, nheads=nheads, LSE=delta, LSE_P=delta, SRC=delta,
+           COUNTER=delta, total=0, HEAD_DIM=head_dim, ROWS=DELTA_ROWS, ZERO=zero, PACKED=False,
+           num_warps=4)
     return dq_acc
 
 
@@ -1022,13 +1038,16 @@ def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec,
     launch leaves a plan that :func:`planned_backward` repeats; ``key_mask`` as
     :func:`forward`'s; ``sparse`` as :func:`_bwd`'s (no plan: its key does not see the
     mask); ``varlen``: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` of packed
-    ``(total, H, D)`` tensors (:func:`varlen_bwd_eligible`; lse and delta ``(H, total_q)``)."""
+    ``(total, H, D)`` tensors (:func:`varlen_bwd_eligible`; lse ``(H, total_q)``; ``delta``
+    unused: :func:`packed_prologue` lays out its own)."""
+    counter = None
     if varlen is not None:  # one batch entry of the packed rows (forward's views)
         q, k, v, out, do, dq, dk, dv = (x.unsqueeze(0) for x in (q, k, v, out, do, dq, dk, dv))
-    dq_acc = _prologue(q, out, do, delta)
-    if varlen is not None:
-        lse, delta = packed_rows(lse, delta, varlen[0])
-    launched = _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec, key_mask, sparse, varlen)
+        dq_acc, lse, delta, counter = packed_prologue(q, out, do, lse, varlen[0])
+    else:
+        dq_acc = _prologue(q, out, do, delta)
+    launched = _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec, key_mask, sparse, varlen,
+                    counter)
     dq.copy_(dq_acc)
     if plan_key is not None and launched is not None and sparse is None:
         _bwd_plans.put(plan_key, _BwdPlan(*launched, q.device.index or 0))
@@ -1086,20 +1105,21 @@ def planned_backward(q, k, v, out, do, lse, spec: AttnSpec, setting, key_mask=No
     if plan is None:
         return None
     dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
-    delta = empty(lse.shape, torch.float32, lse.device)
-    cu = (lse, lse)  # (stand-ins without packed sequences)
-    if varlen is not None:  # one batch entry of the packed rows, as fused_backward's
+    if varlen is None:
+        cu = (lse, lse)  # (stand-ins without packed sequences)
+        delta = empty(lse.shape, torch.float32, lse.device)
+        dq_acc = _prologue(q, out, do, delta)
+        counter = (torch.zeros(1, dtype=torch.int32, device=q.device) if plan.persistent
+                   else dk)
+        if plan.ragged:
+            lse, delta = _pad_rows(lse, delta)
+    else:  # one batch entry of the packed rows, as fused_backward's
         cu = varlen[:2]
         q, k, v, out, do, dq, dk, dv = (x.unsqueeze(0) for x in (q, k, v, out, do, dq, dk, dv))
-    dq_acc = _prologue(q, out, do, delta)
-    if plan.ragged:
-        lse, delta = _pad_rows(lse, delta)
-    if varlen is not None:
-        lse, delta = packed_rows(lse, delta, varlen[0])
+        dq_acc, lse, delta, counter = packed_prologue(q, out, do, lse, varlen[0])
     values = plan.values.copy()
     values[plan.at[0]], values[plan.at[1]] = dk, dv
-    values[plan.at[2]] = (torch.zeros(1, dtype=torch.int32, device=q.device) if plan.persistent
-                          else dk)
+    values[plan.at[2]] = counter
     values[plan.cu_at[0]], values[plan.cu_at[1]] = cu
     _fill_mask(values, plan.mask_at, key_mask, lse)
     _run_plan(plan, values, (q, do, k, v, lse, delta, dq_acc, dk, dv))

@@ -361,13 +361,13 @@ def _produce_item(w, c, t, b_w, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_
         base_q = i_b * q_rb + i_h * q_rh
         base_do = i_b * do_rb + i_h * do_rh
         # lse and delta are (B, H, sq_pad) float32, seen flat (sq_pad = Sq, or with RAGGED
-        # padded to whole tiles: launch_sm90._bwd; packed: (H, sq_pad), packed_rows)
+        # padded to whole tiles: launch_sm90._bwd; packed: (H, sq_pad), packed_prologue)
         p_l = (i_b * nheads_k * group + i_h) * sq_pad + m0
         if VARLEN:  # a tile's rows past the sequence are the next one's: masked (consumers)
             base_q = q0 + i_h * q_rh
             base_do = q0 + i_h * do_rh
             # lse and delta: each sequence's rows from a whole tile on (a TMA's start must be
-            # 16-byte aligned; launch_sm90.packed_rows lays them out)
+            # 16-byte aligned; launch_sm90.packed_prologue lays them out)
             p_l = i_h * sq_pad + ((q0 + i_b * BLOCK_M) // BLOCK_M) * BLOCK_M + m0
         _tma_load(desc_q, base_q, m0, i_h * q_ch, bar, q_smem.index(i_s))
         _tma_load(desc_do, base_do, m0, i_h * do_ch, bar, do_smem.index(i_s))
@@ -916,7 +916,7 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
     (``VARLEN``; the persistent d <= 128 kernel): q, k, v, dO and the dQ accumulator are
     ``(total, H, D)`` seen as one batch entry by 2-D descriptors, ``sq`` and ``sk`` the longest
     sequences (they size the key blocks), lse and delta ``(H, sq_pad)`` with each sequence's
-    rows from a whole tile on (``launch_sm90.packed_rows``); an item's sequence
+    rows from a whole tile on (``launch_sm90.packed_prologue``); an item's sequence
     comes from the cumulative lengths (``_sequence``), its key blocks past the sequence's end
     walk no tile, a tile's rows and keys past the ends (the next sequence's, read by the TMA)
     are masked, and dK, dV are stored from registers with the keys past the end masked; without

@@ -344,29 +344,53 @@ def attn_bwd_dq_kernel(
 
 @triton.jit
 def attn_bwd_delta_kernel(O, DO, DELTA, DQ_ACC, stride_db, stride_ds, stride_dh, n_rows,
-                          seqlen_q, nheads, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
-                          ZERO: tl.constexpr):
+                          seqlen_q, nheads, LSE, LSE_P, SRC, COUNTER, total,
+                          HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, ZERO: tl.constexpr,
+                          PACKED: tl.constexpr):
     """Prologue of the Hopper backward kernels, which compute no ``delta`` themselves:
     ``delta = rowsum(dO * O)`` into ``DELTA`` (float32 ``(B, H, Sq)``) and with ``ZERO`` (the
     fused kernel, ``attn_bwd_sm90.py`` with ``DQ``) the float32 dQ accumulator zeroed, for
     ``ROWS`` of the ``B * Sq * H`` rows of the contiguous ``(B, Sq, H, D)`` tensors ``O`` and
     ``DQ_ACC`` a program (``DO``: the same shape with strides ``stride_d*`` and contiguous
-    rows)."""
+    rows).
+
+    ``PACKED`` (packed sequences, ``B = 1``, ``Sq = total``): the rows are those of the padded
+    layout ``(H, seqlen_q)`` of ``launch_sm90.packed_prologue`` instead, position ``i`` of head
+    ``h`` holding packed row ``SRC[i]`` (int32, -1 in the gaps): ``DELTA[h, i]`` its delta and
+    ``LSE_P[h, i] = LSE[h, SRC[i]]`` (``LSE`` float32 ``(H, total)``), the gaps 0 and +inf (p = 0
+    and delta = 0 there); program 0 zeroes the kernel's work counter ``COUNTER``.  One launch
+    where the layout would otherwise take five small device ops."""
     i_r = tl.program_id(0)
     o_r = i_r * ROWS + tl.arange(0, ROWS)                          # [ROWS] rows (b, s, h)
     o_d = tl.arange(0, HEAD_DIM)                                   # [D]
     m_r = o_r < n_rows
-    p = o_r.to(tl.int64)[:, None] * HEAD_DIM + o_d[None, :]        # [ROWS, D]
     i_h = o_r % nheads
     i_bs = o_r // nheads
+    m_live = m_r
+    i_row = o_r                                                    # [ROWS] row of O, DQ_ACC
+    if PACKED:
+        i_src = tl.load(SRC + i_bs, mask=m_r, other=-1)            # [ROWS] packed row or -1
+        m_live = m_r & (i_src >= 0)
+        i_bs = tl.maximum(i_src, 0)
+        i_row = i_bs * nheads + i_h
+        if i_r == 0:
+            tl.store(COUNTER, 0)
+    p = i_row.to(tl.int64)[:, None] * HEAD_DIM + o_d[None, :]      # [ROWS, D]
     p_do = ((i_bs // seqlen_q).to(tl.int64) * stride_db
             + (i_bs % seqlen_q).to(tl.int64) * stride_ds
             + i_h.to(tl.int64) * stride_dh)[:, None] + o_d[None, :]     # [ROWS, D]
-    b_o = tl.load(O + p, mask=m_r[:, None], other=0.0).to(tl.float32)
-    b_do = tl.load(DO + p_do, mask=m_r[:, None], other=0.0).to(tl.float32)
+    if PACKED:  # (one sequence of all the packed rows)
+        p_do = (i_bs.to(tl.int64) * stride_ds + i_h.to(tl.int64) * stride_dh)[:, None] \
+            + o_d[None, :]
+    b_o = tl.load(O + p, mask=m_live[:, None], other=0.0).to(tl.float32)
+    b_do = tl.load(DO + p_do, mask=m_live[:, None], other=0.0).to(tl.float32)
     if ZERO:
-        tl.store(DQ_ACC + p, tl.zeros([ROWS, HEAD_DIM], tl.float32), mask=m_r[:, None])
+        tl.store(DQ_ACC + p, tl.zeros([ROWS, HEAD_DIM], tl.float32), mask=m_live[:, None])
     b_delta = tl.sum(b_o * b_do, axis=1)                           # [ROWS]
     # row (b * Sq + s) * H + h  ->  delta[b, h, s]
     p_delta = ((i_bs // seqlen_q) * nheads + i_h).to(tl.int64) * seqlen_q + i_bs % seqlen_q
+    if PACKED:  # position i of head h, gaps included
+        p_delta = i_h.to(tl.int64) * seqlen_q + o_r // nheads
+        b_lse = tl.load(LSE + i_h.to(tl.int64) * total + i_bs, mask=m_live, other=float("inf"))
+        tl.store(LSE_P + p_delta, b_lse, mask=m_r)
     tl.store(DELTA + p_delta, b_delta, mask=m_r)
