@@ -74,6 +74,19 @@ def assert_flash_rule(name: str, got, ref64, same_dtype, factor: float, floor: f
                                           f"same-dtype error {base:.3e} (+{floor:g})")
 
 
+def assert_grads_flash_rule(got_grads, inputs, do, ref_fn, dtype):
+    """``got_grads`` (dq, dk, dv w.r.t. ``inputs``) within 3x PyTorch's same-dtype error of
+    float64 (flash-attn's rule for gradients): ``ref_fn(*leaves, dt)`` is the oracle's output
+    in ``dt``, run in float64 and in ``dtype``."""
+    grads = []
+    for dt in (torch.float64, dtype):
+        leaves = [x.detach().to(dt).requires_grad_() for x in inputs]
+        ref_fn(*leaves, dt).backward(do.to(dt))
+        grads.append([x.grad for x in leaves])
+    for name, g, r, lo in zip(("dq", "dk", "dv"), got_grads, *grads):
+        assert_flash_rule(name, g, r, lo, 3)
+
+
 def check_flash_rule(name: str, got_out, got_grads, inputs, do, ref_fn, dtype,
                      grad_names=("dq", "dk", "dv", "dbias")):
     """Compares ``got_out`` / ``got_grads`` (w.r.t. ``inputs``) with ``ref_fn(*inputs64)`` in

@@ -3,7 +3,7 @@ a float64 reference under flash-attn's error rule, rows with no block, the launc
 and the portable backward from the Hopper forward's lse; skipped without an sm_90 GPU."""
 import pytest
 import torch
-from helpers import assert_flash_rule, spy_keyword
+from helpers import assert_flash_rule, assert_grads_flash_rule, spy_keyword
 
 from flashtile import block_sparse_attn_func
 from flashtile.autograd import attention
@@ -103,14 +103,8 @@ def test_sm90_block_sparse_backward_matches_float64_reference(case, dtype, monke
     assert len(calls) == 1 and calls[0] is not None
     one_mask = mask.shape[1] == 1 or q.shape[2] == k.shape[2]
     assert len(fused) == (1 if one_mask else 0) and all(f is not None for f in fused)
-    grads = []
-    for dt in (torch.float64, dtype):
-        ref_leaves = [x.detach().to(dt).requires_grad_() for x in (q, k, v)]
-        out, _ = _reference(*ref_leaves, mask, bs, causal, dt)
-        out.backward(do.to(dt))
-        grads.append([x.grad for x in ref_leaves])
-    for name, g, r, lo in zip(("dq", "dk", "dv"), [x.grad for x in leaves], *grads):
-        assert_flash_rule(name, g, r, lo, 3)
+    assert_grads_flash_rule([x.grad for x in leaves], (q, k, v), do, lambda q_, k_, v_, dt:
+                            _reference(q_, k_, v_, mask, bs, causal, dt)[0], dtype)
     # rows that see no key get no dQ
     _, ref_lse = _reference(q, k, v, mask, bs, causal, torch.float64)
     assert (leaves[0].grad.transpose(1, 2)[~torch.isfinite(ref_lse)] == 0).all()

@@ -4,7 +4,7 @@ with no key or no query, the launches they take, repeatability, and launch plans
 calls; skipped without an sm_90 GPU."""
 import pytest
 import torch
-from helpers import assert_flash_rule, spy_keyword
+from helpers import assert_flash_rule, assert_grads_flash_rule, spy_keyword
 
 from flashtile import flash_attn_varlen_func
 from flashtile.autograd import attention
@@ -59,19 +59,6 @@ def _per_sequence(q, k, v, cu_q, cu_k, spec, dtype):
     return torch.cat(outs), torch.cat(lses, dim=-1)
 
 
-def _assert_grads(leaves, q, k, v, do, cu_q, cu_k, spec, dtype):
-    """The ``leaves``' gradients within 3x PyTorch's same-dtype error of float64 (the oracle
-    sequence by sequence)."""
-    grads = []
-    for dt in (torch.float64, dtype):
-        ref_leaves = [x.detach().to(dt).requires_grad_() for x in (q, k, v)]
-        ref, _ = _per_sequence(*ref_leaves, cu_q, cu_k, spec, dt)
-        ref.backward(do.to(dt))
-        grads.append([x.grad for x in ref_leaves])
-    for name, g, r, lo in zip(("dq", "dk", "dv"), [x.grad for x in leaves], *grads):
-        assert_flash_rule(name, g, r, lo, 3)
-
-
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_sm90_varlen_forward_matches_float64_reference(case, dtype, monkeypatch):
@@ -119,7 +106,8 @@ def test_sm90_varlen_backward_matches_float64_reference(case, dtype, monkeypatch
         out.backward(do)
     assert len(calls) == 1 and calls[0] is not None
     assert len(fused) == (1 if q.shape[-1] <= 128 else 0) and all(f is not None for f in fused)
-    _assert_grads(leaves, q, k, v, do, cu_q, cu_k, spec, dtype)
+    assert_grads_flash_rule([x.grad for x in leaves], (q, k, v), do, lambda q_, k_, v_, dt:
+                            _per_sequence(q_, k_, v_, cu_q, cu_k, spec, dt)[0], dtype)
 
 
 def test_sm90_varlen_plans_repeat_the_launches_with_the_new_lengths(monkeypatch):
@@ -146,4 +134,5 @@ def test_sm90_varlen_plans_repeat_the_launches_with_the_new_lengths(monkeypatch)
         runs.append((len(full_fwd), len(full_bwd)))   # (each round's spies wrap the last's)
     assert runs[0] == (1, 1) and runs[-1] == (0, 0)   # the last call: both plans
     assert torch.equal(out, launch_sm90.forward(q, k, v, spec, varlen=(cu_q, cu_k, 700, 700))[0])
-    _assert_grads(leaves, q, k, v, do, cu_q, cu_k, spec, dtype)
+    assert_grads_flash_rule([x.grad for x in leaves], (q, k, v), do, lambda q_, k_, v_, dt:
+                            _per_sequence(q_, k_, v_, cu_q, cu_k, spec, dt)[0], dtype)

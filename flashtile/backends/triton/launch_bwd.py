@@ -188,13 +188,12 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
         grads = launch_sm90.planned_backward(q, k, v, out, do, lse, spec, _chunk_env())
         if grads is not None:
             return grads
-    packed = None
     if (cu_seqlens_q is not None and alibi_slopes is None and attn_bias is None
             and rng_seed is None and block_mask is None and dbias is None and grad_dtype is None
             and do.stride(-1) == 1 and not _deterministic(spec) and plans_enabled()
             and launch_sm90.on_hopper(q)):
         # packed sequences: the fused Hopper backward's plan of an earlier call like this one
-        packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        packed = launch_sm90.packed_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         grads = launch_sm90.planned_backward(q, k, v, out, do, lse, spec, _chunk_env(),
                                              varlen=packed)
         if grads is not None:
@@ -248,13 +247,6 @@ def _key_mask(q, k, spec: AttnSpec, attn_bias, dbias, alibi_slopes, cu_seqlens_q
     return launch_sm90.key_mask_of(attn_bias, q.shape[0], k.shape[1])
 
 
-def _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple:
-    """The Hopper kernels' ``varlen``: the cumulative lengths as int32 (what they read) and
-    the longest lengths as ints."""
-    return (cu_seqlens_q.to(torch.int32).contiguous(), cu_seqlens_k.to(torch.int32).contiguous(),
-            int(max_seqlen_q), int(max_seqlen_k))
-
-
 def _deterministic(spec: AttnSpec) -> bool:
     """Whether the call asked for bitwise-reproducible gradients (flash-attn's argument, or
     PyTorch's global switch, read per call)."""
@@ -305,7 +297,7 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
             and launch_sm90.varlen_bwd_eligible(q, k, v, do, dk, dv, spec)):
         # packed sequences: the fused Hopper backward takes each one's rows from the
         # cumulative lengths (the int32 the kernel reads); a direct launch leaves a plan
-        packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        packed = launch_sm90.packed_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         key = (launch_sm90.bwd_plan_key(q, k, v, out, do, lse, spec, _chunk_env(),
                                         varlen=packed) if plans_enabled() else None)
         launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec, key,

@@ -61,8 +61,7 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu
         # packed sequences: the Hopper forward takes each one's rows from the cumulative
         # lengths (the int32 the kernel reads), through the plan of an earlier call like this
         # one where there is one
-        packed = (cu_seqlens_q.to(torch.int32).contiguous(),
-                  cu_seqlens_k.to(torch.int32).contiguous(), int(max_seqlen_q), int(max_seqlen_k))
+        packed = launch_sm90.packed_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         res = launch_sm90.planned_forward(q, k, v, spec, varlen=packed)
         if res is not None:
             return res

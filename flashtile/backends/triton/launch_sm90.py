@@ -715,6 +715,13 @@ def _per_lengths(key: tuple, cu_q, cu_k, make):
     return value
 
 
+def packed_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple:
+    """The kernels' ``varlen``: the cumulative lengths as int32 (what they read) and the
+    longest lengths as ints."""
+    return (cu_seqlens_q.to(torch.int32).contiguous(), cu_seqlens_k.to(torch.int32).contiguous(),
+            int(max_seqlen_q), int(max_seqlen_k))
+
+
 def varlen_eligible(q, k, v, spec: AttnSpec) -> bool:
     """Packed ``(total, H, D)`` sequences the Hopper forward takes: :func:`eligible` of the
     tensors as one batch entry, a window only bottom-right (per sequence), no empty tensor."""
