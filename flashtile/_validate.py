@@ -17,6 +17,7 @@ import numbers
 
 import torch
 
+from ._tensor_cache import TensorCache
 from .backends.spec import AttnSpec, KVCacheSpec
 from .paged_kv import check_page_size, row_capacity
 
@@ -310,6 +311,23 @@ def _cu_values(name: str, values: list[int], total, max_seqlen, max_name: str) -
     return lengths
 
 
+_varlen_checked = TensorCache()
+
+
+def _varlen_lengths(cu_seqlens_q, cu_seqlens_k, total_q: int, k, max_seqlen_q: int,
+                    max_seqlen_k: int, paged: bool) -> list[int]:
+    """The key lengths, after checking both cumulative-length tensors (one host read)."""
+    lens_q = _cu_values("cu_seqlens_q", cu_seqlens_q.tolist(), total_q, max_seqlen_q,
+                        "max_seqlen_q")
+    # paged k/v: the pool's size says nothing about the number of keys
+    lens_k = _cu_values("cu_seqlens_k", cu_seqlens_k.tolist(), None if paged else k.shape[0],
+                        max_seqlen_k, "max_seqlen_k")
+    if len(lens_q) != len(lens_k):
+        raise FlashtileInputError(f"cu_seqlens_q describes {len(lens_q)} sequences but "
+                                  f"cu_seqlens_k describes {len(lens_k)}")
+    return lens_k
+
+
 def varlen_values(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int,
                   k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                   block_table_: torch.Tensor | None) -> None:
@@ -320,16 +338,15 @@ def varlen_values(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_
     index tensors (see :func:`value_checks_enabled`; where it is impossible, use
     :func:`varlen_guard`)."""
     paged = block_table_ is not None
-    lens_q = _cu_values("cu_seqlens_q", cu_seqlens_q.tolist(), total_q, max_seqlen_q,
-                        "max_seqlen_q")
-    # paged k/v: the pool's size says nothing about the number of keys
-    lens_k = _cu_values("cu_seqlens_k", cu_seqlens_k.tolist(), None if paged else k.shape[0],
-                        max_seqlen_k, "max_seqlen_k")
-    if len(lens_q) != len(lens_k):
-        raise FlashtileInputError(f"cu_seqlens_q describes {len(lens_q)} sequences but "
-                                  f"cu_seqlens_k describes {len(lens_k)}")
     if not paged:
+        # a model's layers pass the same lengths: one host read a step (_tensor_cache)
+        _varlen_checked.get((int(total_q), int(k.shape[0]), int(max_seqlen_q),
+                             int(max_seqlen_k)), (cu_seqlens_q, cu_seqlens_k),
+                            lambda: _varlen_lengths(cu_seqlens_q, cu_seqlens_k, total_q, k,
+                                                    max_seqlen_q, max_seqlen_k, False))
         return
+    lens_k = _varlen_lengths(cu_seqlens_q, cu_seqlens_k, total_q, k, max_seqlen_q,
+                             max_seqlen_k, True)
     if block_table_.shape[0] != len(lens_k):
         raise FlashtileInputError(f"block_table must have shape (batch, max_num_blocks) with "
                                   f"batch = {len(lens_k)} (from cu_seqlens_k), got "

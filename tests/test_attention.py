@@ -1080,3 +1080,22 @@ def test_block_lists_follow_in_place_mask_changes():
     assert_close("same mask, same output", again, first, atol=0)
     assert_close("after the in-place change", changed, fresh, atol=0)
     assert not torch.equal(changed[:, 16:], first[:, 16:]), "the change must matter"
+
+
+def test_block_sparse_under_inference_mode_equals_no_grad():
+    """Under ``torch.inference_mode`` (inference tensors have no version counter, so their
+    block lists are not cached) a block-sparse call gives the ``torch.no_grad`` output, call
+    after call."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (randn(1, 64, 2, 16, dtype=torch.float32, gen=gen) for _ in range(3))
+    mask = torch.ones(1, 1, 4, 4, dtype=torch.bool)
+    mask[..., 2:, 0] = False
+    with flashtile.use_backend("triton"):
+        with torch.no_grad():
+            want = flashtile.block_sparse_attn_func(q, k, v, mask, block_size=(16, 16))
+        with torch.inference_mode():
+            frozen = [x.clone() for x in (q, k, v, mask)]
+            got = [flashtile.block_sparse_attn_func(*frozen, block_size=(16, 16))
+                   for _ in range(2)]
+    for out in got:
+        assert_close("inference mode vs no_grad", out, want, atol=0)

@@ -417,6 +417,27 @@ def test_padded_mask_path_equals_varlen_path(model, padding):
         _assert_close(f"grad of {pname}", p.grad, q.grad, torch.float32)
 
 
+@_transformers_test
+def test_varlen_padded_path_unpads_once_a_forward(monkeypatch):
+    """register(padded='varlen'): the layers of one forward share the padding mask's unpadding
+    (its indices and lengths, one host read of the mask), each running the varlen kernel."""
+    from flashtile._tensor_cache import TensorCache
+
+    torch.manual_seed(2)
+    varlen, _ = _pair("llama-gqa", name=VARLEN_NAME)
+    ids, mask = _batch("left")
+    cache, made = TensorCache(), []
+    real_get = cache.get
+    monkeypatch.setattr(cache, "get", lambda key, tensors, make: real_get(
+        key, tensors, lambda: made.append(key[0]) or make()))
+    monkeypatch.setattr(ft_hf, "_per_mask", cache)
+    calls = _count_varlen(monkeypatch)
+    with torch.no_grad():
+        varlen(ids, attention_mask=mask)
+    assert len(calls) == varlen.config.num_hidden_layers == 2
+    assert made == ["unpad"]
+
+
 def _count_varlen(monkeypatch):
     calls = []
     real = ft_hf.flash_attn_varlen_func

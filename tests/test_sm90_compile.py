@@ -622,7 +622,7 @@ def test_sm90_key_mask_summary_is_reused_while_the_mask_is_unchanged(monkeypatch
 
     from flashtile.backends.triton import launch_sm90
 
-    monkeypatch.setattr(launch_sm90, "_key_masks", {})
+    monkeypatch.setattr(launch_sm90, "_key_masks", type(launch_sm90._key_masks)())
     summaries = []
     real = launch_sm90.key_ranges
     monkeypatch.setattr(launch_sm90, "key_ranges", lambda m: summaries.append(1) or real(m))
@@ -638,6 +638,12 @@ def test_sm90_key_mask_summary_is_reused_while_the_mask_is_unchanged(monkeypatch
     assert launch_sm90.key_mask_of(other, 2, 64)[1].tolist() == [[0, 64, 1], [0, 64, 1]]
     assert len(summaries) == 3
     assert launch_sm90.key_mask_of(other.float(), 2, 64) is None
+    with torch.inference_mode():  # no version counter: summarised on every call
+        frozen = torch.ones(2, 64, dtype=torch.bool)
+        for _ in range(2):
+            assert launch_sm90.key_mask_of(frozen[:, None, None, :], 2, 64)[1].tolist() == [
+                [0, 64, 1], [0, 64, 1]]
+    assert len(summaries) == 5
 
 
 def _layouts_of(batch, seq, heads, head_dim):
@@ -1034,8 +1040,10 @@ def test_sm90_varlen_plans_replay_with_each_calls_own_tensors(monkeypatch):
 
     _direct_launches(monkeypatch, "fwd")
     calls, runs = [], []
+    # (a direct launch's argument values: the call's tensors where the kernel takes them)
     monkeypatch.setattr(launch_sm90, "_launch", lambda name, device, key, grid, args, descs:
-                        calls.append(name) or ("k", [0] * len(launch_sm90._kernel(name).arg_names)))
+                        calls.append(name) or ("k", [args.get(n, 0) for n in
+                                                     launch_sm90._kernel(name).arg_names]))
     monkeypatch.setattr(launch_sm90, "_plan_of", lambda plans, key: plans.get(key()))
     monkeypatch.setattr(launch_sm90, "_run", lambda compiled, grid, values, device:
                         runs.append((compiled, grid, values)))
@@ -1063,6 +1071,9 @@ def test_sm90_varlen_plans_replay_with_each_calls_own_tensors(monkeypatch):
     plan = launch_sm90._fwd_plans.get(launch_sm90._fwd_key(q2, k2, v2, spec, None,
                                                            (cu_q2, cu_k2, 300, 300)))
     assert plan.order[3] == launch_sm90._window(spec, 300, 300)
+    # the plan keeps none of the first call's tensors; the lists' stand-in is this call's lse
+    assert not any(isinstance(x, torch.Tensor) for x in plan.values)
+    assert got["Lists"] is lse and got["Ranges"] is lse
     assert got["Items"] is launch_sm90.packed_order(cu_q2, cu_k2, *plan.order)
     assert got["Items"].numel() == 3 * plan.order[0]
     assert got["desc_q"].base.data_ptr() == q2.data_ptr() and got["desc_q"].shape == [700, 256]
@@ -1087,6 +1098,9 @@ def test_sm90_varlen_plans_replay_with_each_calls_own_tensors(monkeypatch):
     got = dict(zip(launch_sm90._kernel("bwd").arg_names, values))
     assert dq2.shape == q2.shape and dk2.shape == k2.shape and dv2.shape == v2.shape
     assert got["CuQ"] is cu_q2 and got["CuK"] is cu_k2
+    (plan,) = launch_sm90._bwd_plans._plans.values()
+    assert not any(isinstance(x, torch.Tensor) for x in plan.values)
+    assert got["Lists"] is got["KeyMask"] and got["Lists"].shape == (4, 896)
     assert got["DK"].data_ptr() == dk2.data_ptr() and got["DV"].data_ptr() == dv2.data_ptr()
     # lse in this call's layout: sequence 1 of cu_q2 (rows 300:400) from row 320 on
     assert got["desc_lse"].shape == [4 * 896]

@@ -348,3 +348,52 @@ def test_varlen_guard_when_values_cannot_be_read(backend, monkeypatch):
                 out, *grads = run(args)
             assert out.shape == args[0].shape and torch.isfinite(out).all()
             assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_varlen_value_checks_read_a_lengths_tensor_once_while_unchanged(monkeypatch):
+    """A model's layers pass the same ``cu_seqlens``: the value checks read them on the host
+    once, again after an in-place change (and reject the new values), again for other totals
+    or longest lengths, and on every call for inference tensors (no version counter)."""
+    from flashtile import _validate as V
+
+    monkeypatch.setattr(V, "_varlen_checked", type(V._varlen_checked)())
+    reads = []
+    real = V._cu_values
+    monkeypatch.setattr(V, "_cu_values", lambda name, *a: reads.append(name) or real(name, *a))
+    cu, k = _i32(0, 3, 7), torch.randn(7, 2, 16)
+    for _ in range(3):
+        V.varlen_values(cu, cu, 7, k, 4, 4, None)
+    assert reads == ["cu_seqlens_q", "cu_seqlens_k"]
+    cu[1] = 9
+    with pytest.raises(ValueError, match="non-decreasing"):
+        V.varlen_values(cu, cu, 7, k, 4, 4, None)
+    cu[1] = 3
+    V.varlen_values(cu, cu, 7, k, 4, 4, None)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        V.varlen_values(cu, cu, 7, k, 3, 4, None)
+    assert len(reads) == 6   # (a rejected q stops before k)
+    with torch.inference_mode():
+        frozen = _i32(0, 3, 7)
+        for _ in range(2):
+            V.varlen_values(frozen, frozen, 7, k, 4, 4, None)
+    assert len(reads) == 10
+
+
+def test_tensor_cache_keys_on_the_tensor_objects_and_their_versions():
+    """``TensorCache`` reuses a value for the same, unchanged tensors only: not for an equal
+    tensor, not after an in-place write through a view, not for inference tensors."""
+    from flashtile._tensor_cache import TensorCache
+
+    cache, made = TensorCache(size=2), []
+
+    def get(key, *tensors):
+        return cache.get(key, tensors, lambda: made.append(key) or len(made))
+
+    a = torch.zeros(4)
+    assert get("x", a) == get("x", a) == 1
+    assert get("x", a.clone()) == 2 and get("y", a) == 3
+    a[1:].add_(1)
+    assert get("x", a) == 4
+    with torch.inference_mode():
+        frozen = torch.zeros(4)
+        assert get("x", frozen) == 5 and get("x", frozen) == 6

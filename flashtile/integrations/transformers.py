@@ -43,10 +43,10 @@ from typing import Callable
 import torch
 
 from .. import _validate as V
+from .._tensor_cache import TensorCache
 from ..autograd import attention, dropout_seed
 from ..block_sparse import block_sparse_attn_func, global_block_mask, local_block_mask
 from ..interface import flash_attn_func, flash_attn_varlen_func
-from ..padding import pad_input, unpad_input
 
 try:
     from transformers import AttentionInterface
@@ -171,39 +171,67 @@ def _masked(q, k, v, bias, dropout, scaling, causal, window, softcap):
     return out
 
 
+# What the varlen paths derive from a mask or a lengths tensor, computed once per tensor: every
+# layer of a step passes the same one, and each derivation reads it on the host
+_per_mask = TensorCache(size=16)
+
+
+def _cached(tag: str, t: torch.Tensor, make):
+    """``make()`` once for the contents of ``t`` (a view: per its geometry and base tensor,
+    unchanged since; ``flashtile._tensor_cache``)."""
+    base = t if t._base is None else t._base
+    return _per_mask.get((tag, t.data_ptr(), t.shape, t.stride()), (base,), make)
+
+
 def _varlen_packed(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
     flat = [x.reshape(-1, *x.shape[2:]) for x in (q, k, v)]
-    out = flash_attn_varlen_func(*flat, cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q),
-                                 int(max_k), **kw)
+    cu_q, cu_k = (cu if cu.dtype == torch.int32 else _cached("int32", cu, lambda c=cu: c.to(
+        torch.int32)) for cu in (cu_q, cu_k))
+    out = flash_attn_varlen_func(*flat, cu_q, cu_k, int(max_q), int(max_k), **kw)
     return out.view(q.shape)
 
 
 def _segments_to_cu(segment_ids: torch.Tensor):
     """Packed rows: a sequence starts where the id changes and at the start of every row."""
-    batch, seqlen = segment_ids.shape
-    start = torch.ones_like(segment_ids, dtype=torch.bool)
-    start[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
-    idx = start.reshape(-1).nonzero().flatten().to(torch.int32)
-    cu = torch.cat([idx, idx.new_tensor([batch * seqlen])])
-    return cu, int((cu[1:] - cu[:-1]).max())
+    def make():
+        batch, seqlen = segment_ids.shape
+        start = torch.ones_like(segment_ids, dtype=torch.bool)
+        start[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+        idx = start.reshape(-1).nonzero().flatten().to(torch.int32)
+        cu = torch.cat([idx, idx.new_tensor([batch * seqlen])])
+        return cu, int((cu[1:] - cu[:-1]).max())
+    return _cached("segments", segment_ids, make)
+
+
+def _unpad_index(padding: torch.Tensor):
+    """``(indices int64, cu_seqlens int32, longest)`` of the tokens of a ``(batch, n)`` bool
+    padding mask, in batch-major order (one host read per mask)."""
+    def make():
+        lengths = padding.sum(dim=-1, dtype=torch.int32)
+        cu = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=padding.device)
+        torch.cumsum(lengths, dim=0, dtype=torch.int32, out=cu[1:])
+        return padding.flatten().nonzero().flatten(), cu, int(lengths.max())
+    return _cached("unpad", padding, make)
 
 
 def _unpadded(q, k, v, padding, **kw):
     """transformers' flash-path unpadding: keys/values of the valid positions, queries of the
     last ``Sq`` positions (one per row when ``Sq == 1``)."""
     batch, sq = q.shape[:2]
-    k_u, idx_k, cu_k, max_k, _ = unpad_input(k, padding)
-    v_u = v.reshape(-1, *v.shape[2:]).index_select(0, idx_k)
+    idx_k, cu_k, max_k = _unpad_index(padding)
+    k_u, v_u = (x.reshape(-1, *x.shape[2:]).index_select(0, idx_k) for x in (k, v))
     if sq == padding.shape[1]:
-        q_u, idx_q, cu_q, max_q = q.reshape(-1, *q.shape[2:]).index_select(0, idx_k), idx_k, cu_k, max_k
+        idx_q, cu_q, max_q = idx_k, cu_k, max_k
     elif sq == 1:
-        q_u, max_q = q.reshape(-1, *q.shape[2:]), 1
         cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-        idx_q = cu_q[:-1].long()
+        idx_q, max_q = cu_q[:-1].long(), 1
     else:
-        q_u, idx_q, cu_q, max_q, _ = unpad_input(q, padding[:, -sq:])
+        idx_q, cu_q, max_q = _unpad_index(padding[:, -sq:])
+    q_u = q.reshape(-1, *q.shape[2:]).index_select(0, idx_q)
     out = flash_attn_varlen_func(q_u, k_u, v_u, cu_q, cu_k, max_q, max_k, **kw)
-    return pad_input(out, idx_q, batch, sq)
+    # (the indices are the mask's own: pad_input's range check, a host read, is not needed)
+    full = out.new_zeros((batch * sq, *out.shape[1:])).index_copy(0, idx_q, out)
+    return full.view(batch, sq, *out.shape[1:])
 
 
 def _inputs(query, key, value):

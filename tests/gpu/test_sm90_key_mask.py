@@ -219,6 +219,31 @@ def test_sm90_sdpa_drop_in_takes_the_hopper_forward(monkeypatch):
     assert len(calls) == 2 and calls[0] is not None and calls[1] is None
 
 
+def test_sm90_key_mask_and_packed_calls_under_inference_mode_equal_no_grad():
+    """Under ``torch.inference_mode`` (inference tensors have no version counter: the key-mask
+    summary and the packed order tables are not cached) a padded SDPA call and a packed call
+    give their ``torch.no_grad`` outputs bitwise, call after call."""
+    from flashtile import flash_attn_varlen_func
+
+    q, k, v = (torch.randn(2, 4, 512, 64, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    mask = _mask("left", 2, 512, torch.Generator().manual_seed(2)).cuda()
+    cu = torch.tensor([0, 300, 429, 1024], dtype=torch.int32, device="cuda")
+    flat = [x.transpose(1, 2).reshape(1024, 4, 64) for x in (q, k, v)]
+
+    def calls(q, k, v, mask, flat, cu):
+        return (flashtile.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                flash_attn_varlen_func(*flat, cu, cu, 595, 595, causal=True))
+
+    with torch.no_grad():
+        want = calls(q, k, v, mask, flat, cu)
+    with torch.inference_mode():
+        frozen = [x.clone() for x in (q, k, v, mask)], [x.clone() for x in flat], cu.clone()
+        for _ in range(2):
+            got = calls(*frozen[0], *frozen[1:])
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("d,causal,seq", [(64, True, 1024), (128, False, 700)],
                          ids=["d64-causal", "d128-ragged"])
 def test_sm90_key_mask_plans_repeat_the_launch_with_new_masks(d, causal, seq, monkeypatch):

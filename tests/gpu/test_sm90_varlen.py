@@ -136,3 +136,87 @@ def test_sm90_varlen_plans_repeat_the_launches_with_the_new_lengths(monkeypatch)
     assert torch.equal(out, launch_sm90.forward(q, k, v, spec, varlen=(cu_q, cu_k, 700, 700))[0])
     assert_grads_flash_rule([x.grad for x in leaves], (q, k, v), do, lambda q_, k_, v_, dt:
                             _per_sequence(q_, k_, v_, cu_q, cu_k, spec, dt)[0], dtype)
+
+
+def _packed_step(leaves, cu_q, cu_k, max_q, max_k, do, causal):
+    """One packed forward + backward into the leaves' ``.grad``: the output."""
+    out = flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k, causal=causal)
+    out.backward(do)
+    return out
+
+
+@pytest.mark.parametrize("d,causal", [(64, True), (128, False)], ids=["d64-causal", "d128"])
+def test_sm90_varlen_cuda_graph_replay_takes_new_lengths(d, causal):
+    """A packed forward + backward captured in a CUDA graph (the capture path: no host read of
+    the lengths, clamped indices, the order table built on the device) replays on new inputs
+    and new sequence lengths of the same totals and longest lengths: output and dK, dV bitwise
+    an eager call's on the new lengths, the gradients within 3x PyTorch's same-dtype error of
+    float64 for the new sequences."""
+    dtype = torch.bfloat16
+    q, k, v, cu_q, cu_k, max_q, max_k, spec = _inputs(
+        ("graph", [300, 129, 700], None, 4, 2, d, causal, (-1, -1)), dtype)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    do = torch.randn_like(q)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm outside the capture
+        for _ in range(2):
+            _packed_step(leaves, cu_q, cu_k, max_q, max_k, do, causal)
+    torch.cuda.current_stream().wait_stream(stream)
+    for x in leaves:
+        x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _packed_step(leaves, cu_q, cu_k, max_q, max_k, do, causal)
+    new = _inputs(("graph", [700, 1, 428], None, 4, 2, d, causal, (-1, -1)), dtype)
+    new_q, new_k, new_v, new_cu_q, new_cu_k = new[:5]
+    new_do = torch.randn_like(do)
+    with torch.no_grad():
+        for x, y in zip(leaves, (new_q, new_k, new_v)):
+            x.copy_(y)
+    do.copy_(new_do)
+    cu_q.copy_(new_cu_q)
+    cu_k.copy_(new_cu_k)
+    out.fill_(float("nan"))
+    for x in leaves:
+        x.grad.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager_leaves = [x.detach().clone().requires_grad_() for x in (new_q, new_k, new_v)]
+    eager = _packed_step(eager_leaves, new_cu_q, new_cu_k, max_q, max_k, new_do, causal)
+    assert torch.equal(out, eager)
+    assert torch.equal(leaves[1].grad, eager_leaves[1].grad)
+    assert torch.equal(leaves[2].grad, eager_leaves[2].grad)
+    assert_grads_flash_rule([x.grad for x in leaves], (new_q, new_k, new_v), new_do,
+                            lambda q_, k_, v_, dt: _per_sequence(
+                                q_, k_, v_, new_cu_q, new_cu_k, spec, dt)[0], dtype)
+
+
+def test_sm90_varlen_compiled_fullgraph_dynamic_equals_eager(monkeypatch):
+    """A packed forward compiled with ``fullgraph=True, dynamic=True`` (the custom ops) and the
+    backward AOTAutograd builds for it launch the Hopper kernels, packed: output and dK, dV
+    bitwise an eager call's, gradients within 3x PyTorch's same-dtype error of float64, for
+    calls of different totals and sequence counts."""
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    monkeypatch.setattr(launch_sm90, "_fwd_plans", type(launch_sm90._fwd_plans)())
+    monkeypatch.setattr(launch_sm90, "_bwd_plans", type(launch_sm90._bwd_plans)())
+    dtype = torch.bfloat16
+    fn = torch.compile(lambda q, k, v, cu_q, cu_k, max_q, max_k: flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max_q, max_k, causal=True), fullgraph=True, dynamic=True)
+    for lengths in ([300, 129, 700], [513, 64, 777, 2]):
+        q, k, v, cu_q, cu_k, max_q, max_k, spec = _inputs(
+            ("compiled", lengths, None, 8, 2, 128, True, (-1, -1)), dtype)
+        do = torch.randn_like(q)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        calls = spy_keyword(monkeypatch, launch_sm90, "forward", "varlen")
+        fused = spy_keyword(monkeypatch, launch_sm90, "fused_backward", "varlen")
+        out = fn(*leaves, cu_q, cu_k, max_q, max_k)
+        got = torch.autograd.grad(out, leaves, do)
+        assert len(calls) == 1 and calls[0] is not None   # new totals: no plan yet
+        assert len(fused) == 1 and fused[0] is not None
+        want_out = flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k, causal=True)
+        want = torch.autograd.grad(want_out, leaves, do)
+        assert torch.equal(out, want_out)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+        assert_grads_flash_rule(got, (q, k, v), do, lambda q_, k_, v_, dt: _per_sequence(
+            q_, k_, v_, cu_q, cu_k, spec, dt)[0], dtype)

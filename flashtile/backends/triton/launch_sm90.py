@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import functools
 import heapq
-import weakref
 
 import torch
 
+from ..._tensor_cache import TensorCache
 from ..spec import AttnSpec
 from .. import env_reader, interpreting
 from .args import LOG2E
@@ -264,34 +264,26 @@ def key_ranges(mask):
 
 
 # Key masks summarised by earlier calls: a padded batch's one mask serves every layer's forward
-# and backward.  Key: the mask's address, shape and strides; value: (a weak reference to its
-# base tensor, its version counter, the uint8 view, the ranges).  The view holds the base
-# alive, so no other tensor takes its memory while the entry lives.
-_key_masks: dict = {}
-KEY_MASKS_KEPT = 8
+# and backward.  Key: the mask's address, shape and strides, for its base tensor unchanged
+# (``TensorCache``); value: the uint8 view and the ranges.  The view holds the base alive, so
+# no other tensor takes its memory while the entry lives.
+_key_masks = TensorCache(size=8)
 
 
 def key_mask_of(bias, batch: int, sk: int):
     """``(view, ranges)`` of :func:`key_mask` and :func:`key_ranges` for ``bias``, or None
     where it is not a key mask.  Reused while ``bias`` is unchanged (its version counter,
-    which every in-place write advances), except while a CUDA graph is captured: the capture
-    records the summary's kernel, so that a replay on new mask contents summarises them."""
-    capturing = bias.is_cuda and torch.cuda.is_current_stream_capturing()
-    if not capturing:
-        key = (bias.data_ptr(), bias.shape, bias.stride(), batch)
-        hit = _key_masks.get(key)
-        base = bias if bias._base is None else bias._base
-        if hit is not None and hit[0]() is base and hit[1] == bias._version:
-            return hit[2], hit[3]
+    which every in-place write advances), except while a CUDA graph is captured (the capture
+    records the summary's kernel, so that a replay on new mask contents summarises them) and
+    for inference tensors (no version counter)."""
+    base = bias if bias._base is None else bias._base
+    return _key_masks.get((bias.data_ptr(), bias.shape, bias.stride(), batch), (base,),
+                          lambda: _key_summary(bias, batch, sk))
+
+
+def _key_summary(bias, batch: int, sk: int):
     mask = key_mask(bias, batch, sk)
-    if mask is None:
-        return None
-    ranges = key_ranges(mask)
-    if not capturing:
-        if len(_key_masks) >= KEY_MASKS_KEPT:
-            _key_masks.clear()
-        _key_masks[key] = (weakref.ref(base), bias._version, mask, ranges)
-    return mask, ranges
+    return None if mask is None else (mask, key_ranges(mask))
 
 
 def _key_mask_args(key_mask, stand_in) -> dict:
@@ -586,7 +578,8 @@ class _FwdPlan:
         names = _kernel("fwd").arg_names
         self.compiled, self.grid, self.device = compiled, grid, device
         self.values, self.lse_at = list(values), names.index("Lse")
-        self.mask_at = (names.index("KeyMask"), names.index("Ranges"))
+        # KeyMask, Ranges; Lists (plans are of calls without a block mask: lse stands in)
+        self.mask_at = (names.index("KeyMask"), names.index("Ranges"), names.index("Lists"))
         # CuQ, CuK, Items, Out: packed sequences' (lse stands in for the first three and the
         # kernel stores through desc_o, without)
         self.packed_at = tuple(names.index(n) for n in ("CuQ", "CuK", "Items", "Out"))
@@ -613,9 +606,10 @@ def _mask_key(key_mask):
 
 
 def _fill_mask(values: list, mask_at: tuple, key_mask, stand_in) -> None:
-    """Put ``key_mask``'s view and ranges (or ``stand_in`` in both places) into a plan's
-    argument values."""
+    """Put ``key_mask``'s view and ranges (or ``stand_in`` in both places) and ``stand_in``
+    for the block-mask lists into a plan's argument values (``mask_at``: their positions)."""
     values[mask_at[0]], values[mask_at[1]] = key_mask or (stand_in, stand_in)
+    values[mask_at[2]] = stand_in
 
 
 def _plan_of(plans: PlanCache, key):
@@ -668,8 +662,7 @@ def planned_forward(q, k, v, spec: AttnSpec, key_mask=None, varlen=None):
 # packed_order's and packed_prologue's tables, per pair of cumulative-length tensors (same objects,
 # same version counters) and launch geometry: a model's layers share one pair, so a step
 # builds each once
-_orders: dict = {}
-_ORDERS_SIZE = 64
+_orders = TensorCache()
 
 
 def packed_order(cu_q, cu_k, n_m: int, block_m: int, tile_n: int, window: dict):
@@ -678,7 +671,7 @@ def packed_order(cu_q, cu_k, n_m: int, block_m: int, tile_n: int, window: dict):
     by the key tiles it walks (``_tile_range``'s count under ``window``, plus one for its Q and
     first tile), most first; the row blocks past a sequence's end last.  Computed on the device
     (no host read of the lengths, so it can be captured in a CUDA graph)."""
-    return _per_lengths(("order", id(cu_q), id(cu_k), n_m, block_m, tile_n, window["MASKED"],
+    return _per_lengths(("order", n_m, block_m, tile_n, window["MASKED"],
                          window["wl"], window["wr"]), cu_q, cu_k,
                         lambda: _packed_order(cu_q, cu_k, n_m, block_m, tile_n, window))
 
@@ -700,19 +693,8 @@ def _packed_order(cu_q, cu_k, n_m: int, block_m: int, tile_n: int, window: dict)
 
 def _per_lengths(key: tuple, cu_q, cu_k, make):
     """``make()``, cached under ``key`` for these cumulative-length tensors (the same objects,
-    unchanged since: their version counters)."""
-    hit = _orders.get(key)
-    if hit is not None and hit[0]() is cu_q and hit[1]() is cu_k and hit[2] == (
-            cu_q._version, cu_k._version):
-        return hit[3]
-    value = make()
-    # (a table made while a CUDA graph is captured is filled only when the graph replays)
-    if not (cu_q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        if len(_orders) >= _ORDERS_SIZE:
-            _orders.clear()
-        _orders[key] = (weakref.ref(cu_q), weakref.ref(cu_k), (cu_q._version, cu_k._version),
-                        value)
-    return value
+    unchanged since: ``TensorCache``)."""
+    return _orders.get(key, (cu_q, cu_k), make)
 
 
 def packed_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple:
@@ -922,7 +904,7 @@ def packed_prologue(q, out, do, lse, cu_q):
     lse_p, delta_p, counter)``.  On the device: no host read of the lengths."""
     nheads, total = lse.shape
     width = -(-(total + (cu_q.numel() - 1) * BWD_BLOCK_M) // BWD_BLOCK_M) * BWD_BLOCK_M
-    src = _per_lengths(("rows", id(cu_q), total), cu_q, cu_q,
+    src = _per_lengths(("rows", total), cu_q, cu_q,
                        lambda: _packed_rows(cu_q, total, width))
     dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     lse_p = empty((nheads, width), torch.float32, q.device)
@@ -1082,7 +1064,8 @@ class _BwdPlan:
         # positions of DK, DV and Counter; (position, role, shape, strides, block, layout)
         # of each descriptor
         self.at = tuple(names.index(n) for n in ("DK", "DV", "Counter"))
-        self.mask_at = (names.index("KeyMask"), names.index("Ranges"))
+        # KeyMask, Ranges; Lists (plans are of calls without a block mask: lse stands in)
+        self.mask_at = (names.index("KeyMask"), names.index("Ranges"), names.index("Lists"))
         self.cu_at = (names.index("CuQ"), names.index("CuK"))  # (packed sequences)
         self.descs = tuple((names.index(n), r, *descs[n][1:]) for r, n in enumerate(_BWD_ROLES))
         # the plan keeps no tensor of the call it was made from alive (every call fills them)

@@ -3,10 +3,10 @@ ones first, built once per mask tensor and cached; and the tile sizes that fit t
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 
+from ..._tensor_cache import TensorCache
 from ..spec import AttnSpec
 from .args import broadcast_strides
 
@@ -69,22 +69,12 @@ def _full_blocks(n_rows, n_cols, bs_m, bs_n, sq, sk, window_left, window_right, 
 # forward and the dQ kernel use the same lists: built once, they cost no launches afterwards
 # (building them takes ~10 small kernels, which at low density is more host time than the
 # attention itself).  An entry is used only while it refers to the very tensor, unmodified
-# (same object, same version counter).
-_lists_cache: dict = {}
-_LISTS_CACHE_SIZE = 64
+# (``TensorCache``: same object, same version counter).
+_lists_cache = TensorCache()
 
 
 def _mask_lists(block_mask: torch.Tensor, key: tuple, build):
-    entry = _lists_cache.get((id(block_mask), key))
-    if entry is not None:
-        ref, version, idx = entry
-        if ref() is block_mask and block_mask._version == version:
-            return idx
-    idx = build()
-    if len(_lists_cache) >= _LISTS_CACHE_SIZE:
-        _lists_cache.clear()
-    _lists_cache[(id(block_mask), key)] = (weakref.ref(block_mask), block_mask._version, idx)
-    return idx
+    return _lists_cache.get(key, (block_mask,), build)
 
 
 def sparse_args(block_mask, block_size, sq: int = 0, sk: int = 0, spec: AttnSpec | None = None,
