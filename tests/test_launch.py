@@ -318,6 +318,19 @@ def test_plan_rebuilds_each_descriptor_for_the_new_tensors(stubbed):
             0: (torch.randn(2), lambda t: t)})))
         outs = (fastlaunch.empty((1,), torch.float32, "cpu"),)
     assert fastlaunch.record_plan(rec, first, outs) is None
+    # ... unless it is a stand-in kept for good (fastlaunch.constant): rebuilt per replay
+    stand_in = fastlaunch.constant(torch.empty(2))
+    with fastlaunch.recording() as rec:
+        fastlaunch.recorder().launches.append(("gluon kernel", (2,), (handle, [None], {
+            0: (stand_in, lambda t: ("descriptor of", t))})))
+        outs = (fastlaunch.empty((1,), torch.float32, "cpu"),)
+    plan = fastlaunch.record_plan(rec, first, outs)
+    (_, template, _), = plan.launches
+    assert not any(isinstance(v, (tuple, torch.Tensor)) for v in template)
+    ran.clear()
+    plan.run(second)
+    (_, _, args), = ran
+    assert args[0] == ("descriptor of", stand_in) and args[0][1] is stand_in
 
 
 @pytest.mark.parametrize("case", ["forward", "backward", "decode"])

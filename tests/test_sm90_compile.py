@@ -1027,6 +1027,37 @@ def test_sm90_varlen_backward_passes_the_packed_sequences(monkeypatch):
     assert cq.dtype == ck.dtype == torch.int32 and torch.equal(cq, cu_q) and (mq, mk) == (300, 300)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_sm90_backward_prologue_computes_delta_and_zeroes_accumulator_and_counter(packed):
+    """The Hopper backward's prologue kernel (run by the interpreter): ``delta = rowsum(dO *
+    O)`` per row, the float32 dQ accumulator and the persistent kernel's work counter zeroed
+    (dense: where a counter is given; packed: lse and delta in the padded per-sequence layout,
+    its gaps +inf and 0)."""
+    import torch
+
+    from flashtile.backends.triton import launch_sm90
+
+    total, heads, d = 70, 2, 64
+    out, do = torch.randn(1, total, heads, d), torch.randn(1, total, heads, d)
+    want = (out * do).sum(-1)[0].T                                         # [H, total]
+    if not packed:
+        delta = torch.full((1, heads, total), float("nan"))
+        counter = torch.full((1,), 7, dtype=torch.int32)
+        dq_acc = launch_sm90._prologue(out, out, do, delta, counter=counter)
+        torch.testing.assert_close(delta[0], want)
+    else:
+        cu = torch.tensor([0, 5, 70], dtype=torch.int32)
+        lse = torch.randn(heads, total)
+        dq_acc, lse_p, delta, counter = launch_sm90.packed_prologue(out, out, do, lse, cu)
+        # sequence 0 from row 0, sequence 1 from ((5 + 64) // 64) * 64 = 64
+        torch.testing.assert_close(delta[:, :5], want[:, :5])
+        torch.testing.assert_close(delta[:, 64:129], want[:, 5:])
+        assert torch.equal(lse_p[:, 64:129], lse[:, 5:])
+        assert (delta[:, 5:64] == 0).all() and (lse_p[:, 5:64] == float("inf")).all()
+    assert dq_acc.shape == out.shape and dq_acc.dtype == torch.float32
+    assert (dq_acc == 0).all() and counter.tolist() == [0]
+
+
 def test_sm90_varlen_plans_replay_with_each_calls_own_tensors(monkeypatch):
     """A packed call leaves forward and backward plans under its tensors' signatures (the
     packed totals among them), the sequences' count and the longest lengths; a later call like

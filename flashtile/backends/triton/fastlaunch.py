@@ -76,6 +76,17 @@ def empty_like(x: torch.Tensor, dtype=None) -> torch.Tensor:
     return _new(torch.empty_like(x, dtype=dtype))
 
 
+# Tensors a kernel is handed in place of a parameter the launched variant never reads (one
+# stand-in per tile shape, made once and kept): a plan rebuilds their descriptors as its own
+_constants: dict = {}
+
+
+def constant(t: torch.Tensor) -> torch.Tensor:
+    """``t``, kept for good as a stand-in that plans may use (:func:`record_plan`)."""
+    _constants[id(t)] = t
+    return t
+
+
 def zeros(shape, dtype, device) -> torch.Tensor:
     """A buffer that must start at zero (a work counter), noted by the call's
     :func:`recording` as one: a plan's replay zeroes its fresh buffer too."""
@@ -416,13 +427,16 @@ class Plan:
     """A recorded call: buffers to allocate (shape, strides, dtype, whether zeroed), then
     launches ``(function, argument template, slots)`` (:func:`bind`), each slot ``(position, kind,
     index)`` with kind 0 the address of input ``index`` and 1 that of buffer ``index``, or
-    ``(position, kind, index, build)`` with kind 2 (an input) or 3 (a buffer) a TMA descriptor
-    ``build(tensor)`` of that tensor; ``outputs`` are buffer indices."""
+    ``(position, kind, index, build)`` with kind 2 (an input), 3 (a buffer) or 4 (one of
+    ``constants``, :func:`constant` stand-ins) a TMA descriptor ``build(tensor)`` of that
+    tensor; ``outputs`` are buffer indices."""
 
-    __slots__ = ("allocs", "launches", "outputs", "device")
+    __slots__ = ("allocs", "launches", "outputs", "device", "constants")
 
-    def __init__(self, allocs: list, launches: list, outputs: tuple, device: torch.device):
+    def __init__(self, allocs: list, launches: list, outputs: tuple, device: torch.device,
+                 constants: tuple = ()):
         self.allocs, self.launches, self.outputs, self.device = allocs, launches, outputs, device
+        self.constants = constants
 
     def run(self, inputs: tuple, after_first=None) -> tuple | None:
         """The outputs of the recorded call replayed for ``inputs`` (same signature as the
@@ -436,7 +450,7 @@ class Plan:
             buf = torch.empty_strided(shape, stride, dtype=dtype, device=device)
             bufs.append(buf.zero_() if zero else buf)
         outs = tuple([bufs[i] for i in self.outputs])
-        pools = (addresses(inputs), addresses(bufs), inputs, bufs)
+        pools = (addresses(inputs), addresses(bufs), inputs, bufs, self.constants)
         stream = raw_stream(device.index)
         for function, template, slots in self.launches:
             args = template.copy()
@@ -474,7 +488,7 @@ def record_plan(rec: Recorder, inputs: tuple, outputs: tuple, roles: dict | None
     call (a converted copy), an output is not a buffer of the call, or the call's tensors are
     not on the current CUDA device (whose stream the launches went to).
 
-    Tensors are placed by identity.  One tensor passed as several inputs
+    Tensors are placed by identity; a descriptor may also be of a :func:`constant` stand-in.  One tensor passed as several inputs
     (``flash_attn_func(x, x, x)``) is placed by ``roles``, ``{kernel: plan_roles(kernel,
     ...)}``, so that the plan also serves a later call with distinct tensors; where no role
     places such a tensor, no plan (a later call of the same signature may pass distinct ones).
@@ -493,7 +507,7 @@ def record_plan(rec: Recorder, inputs: tuple, outputs: tuple, roles: dict | None
                 where[id(t)] = (0, i)
     for j, t in enumerate(rec.allocs):
         where[id(t)] = (1, j)  # fresh buffers: never an input
-    launches = []
+    launches, constants = [], []
     for kernel, grid, launched in rec.launches:
         if launched is None:
             return None
@@ -505,6 +519,9 @@ def record_plan(rec: Recorder, inputs: tuple, outputs: tuple, roles: dict | None
             if pos in descs:
                 t, build = descs[pos]
                 slot = where.get(id(t))
+                if slot is None and _constants.get(id(t)) is t:
+                    constants.append(t)
+                    slot = (2, len(constants) - 1)   # (kind 4: a stand-in)
                 if slot is None or id(t) in shared:
                     return None
                 template[pos] = None
@@ -531,4 +548,4 @@ def record_plan(rec: Recorder, inputs: tuple, outputs: tuple, roles: dict | None
         out_index.append(slot[1])
     allocs = [(tuple(t.shape), t.stride(), t.dtype, j in rec.zeroed)
               for j, t in enumerate(rec.allocs)]
-    return Plan(allocs, launches, tuple(out_index), device)
+    return Plan(allocs, launches, tuple(out_index), device, tuple(constants))

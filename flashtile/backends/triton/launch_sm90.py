@@ -19,7 +19,7 @@ from ..._tensor_cache import TensorCache
 from ..spec import AttnSpec
 from .. import env_reader, interpreting
 from .args import LOG2E
-from .fastlaunch import (INTERNALS_OK, PlanCache, _run, empty, empty_like, launch,
+from .fastlaunch import (INTERNALS_OK, PlanCache, _run, constant, empty, empty_like, launch,
                          launch_hooks_set, plans_enabled, recorder, run_direct, signature,
                          zeros)
 from .kernels.bwd import attn_bwd_delta_kernel
@@ -889,7 +889,9 @@ def _one_tile(tile: list, dtype: torch.dtype, device) -> tuple:
 @functools.lru_cache(maxsize=64)
 def _stand_in(tile: tuple, dtype: torch.dtype, device) -> tuple:
     tile = list(tile)
-    return (empty(tile, dtype, device), tile, [tile[1], 1], tile, _layout(*tile, dtype))
+    # (made once, outside any call's buffers: plans take its descriptor as a stand-in)
+    return (constant(torch.empty(tile, dtype=dtype, device=device)), tile, [tile[1], 1], tile,
+            _layout(*tile, dtype))
 
 
 def packed_prologue(q, out, do, lse, cu_q):
@@ -915,7 +917,7 @@ def packed_prologue(q, out, do, lse, cu_q):
            DQ_ACC=dq_acc, stride_db=0, stride_ds=do.stride(1), stride_dh=do.stride(2),
            n_rows=rows, seqlen_q=width, nheads=nheads, LSE=lse, LSE_P=lse_p, SRC=src,
            COUNTER=counter, total=total, HEAD_DIM=q.shape[-1], ROWS=DELTA_ROWS, ZERO=True,
-           PACKED=True, num_warps=4)
+           PACKED=True, COUNT=True, num_warps=4)
     return dq_acc, lse_p, delta_p, counter
 
 
@@ -1003,18 +1005,19 @@ def dkdv(q, k, v, do, lse, delta, dk, dv, spec: AttnSpec) -> None:
     _bwd(q, k, v, do, lse, delta, None, dk, dv, spec)
 
 
-def _prologue(q, out, do, delta, zero: bool = True):
-    """The Hopper backward's prologue: ``delta = rowsum(dO * O)``, and for the fused kernel
+def _prologue(q, out, do, delta, zero: bool = True, counter=None):
+    """The Hopper backward's prologue: ``delta = rowsum(dO * O)``, for the fused kernel
     (``zero``) a zeroed float32 dQ accumulator like ``q``, which it returns (without, ``delta``
-    stands in for the accumulator the kernel then does not write)."""
+    stands in for the accumulator the kernel then does not write), and ``counter`` (int32
+    ``(1,)``, the persistent kernel's work counter) zeroed where given."""
     batch, sq, nheads, head_dim = q.shape
     dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device) if zero else delta
     rows = batch * sq * nheads
     launch(attn_bwd_delta_kernel, (-(-rows // DELTA_ROWS),), O=out, DO=do, DELTA=delta,
            DQ_ACC=dq_acc, stride_db=do.stride(0), stride_ds=do.stride(1), stride_dh=do.stride(2),
            n_rows=rows, seqlen_q=sq, nheads=nheads, LSE=delta, LSE_P=delta, SRC=delta,
-           COUNTER=delta, total=0, HEAD_DIM=head_dim, ROWS=DELTA_ROWS, ZERO=zero, PACKED=False,
-           num_warps=4)
+           COUNTER=delta if counter is None else counter, total=0, HEAD_DIM=head_dim,
+           ROWS=DELTA_ROWS, ZERO=zero, PACKED=False, COUNT=counter is not None, num_warps=4)
     return dq_acc
 
 
@@ -1033,6 +1036,9 @@ def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec,
     if varlen is not None:  # one batch entry of the packed rows (forward's views)
         q, k, v, out, do, dq, dk, dv = (x.unsqueeze(0) for x in (q, k, v, out, do, dq, dk, dv))
         dq_acc, lse, delta, counter = packed_prologue(q, out, do, lse, varlen[0])
+    elif bwd_persistent(q.shape[-1]):  # the prologue zeroes the work counter too
+        counter = empty((1,), torch.int32, q.device)
+        dq_acc = _prologue(q, out, do, delta, counter=counter)
     else:
         dq_acc = _prologue(q, out, do, delta)
     launched = _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec, key_mask, sparse, varlen,
@@ -1098,9 +1104,8 @@ def planned_backward(q, k, v, out, do, lse, spec: AttnSpec, setting, key_mask=No
     if varlen is None:
         cu = (lse, lse)  # (stand-ins without packed sequences)
         delta = empty(lse.shape, torch.float32, lse.device)
-        dq_acc = _prologue(q, out, do, delta)
-        counter = (torch.zeros(1, dtype=torch.int32, device=q.device) if plan.persistent
-                   else dk)
+        counter = empty((1,), torch.int32, q.device) if plan.persistent else dk
+        dq_acc = _prologue(q, out, do, delta, counter=counter if plan.persistent else None)
         if plan.ragged:
             lse, delta = _pad_rows(lse, delta)
     else:  # one batch entry of the packed rows, as fused_backward's

@@ -346,20 +346,21 @@ def attn_bwd_dq_kernel(
 def attn_bwd_delta_kernel(O, DO, DELTA, DQ_ACC, stride_db, stride_ds, stride_dh, n_rows,
                           seqlen_q, nheads, LSE, LSE_P, SRC, COUNTER, total,
                           HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, ZERO: tl.constexpr,
-                          PACKED: tl.constexpr):
+                          PACKED: tl.constexpr, COUNT: tl.constexpr):
     """Prologue of the Hopper backward kernels, which compute no ``delta`` themselves:
     ``delta = rowsum(dO * O)`` into ``DELTA`` (float32 ``(B, H, Sq)``) and with ``ZERO`` (the
     fused kernel, ``attn_bwd_sm90.py`` with ``DQ``) the float32 dQ accumulator zeroed, for
     ``ROWS`` of the ``B * Sq * H`` rows of the contiguous ``(B, Sq, H, D)`` tensors ``O`` and
     ``DQ_ACC`` a program (``DO``: the same shape with strides ``stride_d*`` and contiguous
-    rows).
+    rows).  With ``COUNT`` program 0 zeroes the persistent kernel's work counter ``COUNTER``
+    (int32 ``(1,)``): one device op less than a separate fill.
 
     ``PACKED`` (packed sequences, ``B = 1``, ``Sq = total``): the rows are those of the padded
     layout ``(H, seqlen_q)`` of ``launch_sm90.packed_prologue`` instead, position ``i`` of head
     ``h`` holding packed row ``SRC[i]`` (int32, -1 in the gaps): ``DELTA[h, i]`` its delta and
     ``LSE_P[h, i] = LSE[h, SRC[i]]`` (``LSE`` float32 ``(H, total)``), the gaps 0 and +inf (p = 0
-    and delta = 0 there); program 0 zeroes the kernel's work counter ``COUNTER``.  One launch
-    where the layout would otherwise take five small device ops."""
+    and delta = 0 there), with ``COUNT`` the counter zeroed too.  One launch where the layout
+    would otherwise take five small device ops."""
     i_r = tl.program_id(0)
     o_r = i_r * ROWS + tl.arange(0, ROWS)                          # [ROWS] rows (b, s, h)
     o_d = tl.arange(0, HEAD_DIM)                                   # [D]
@@ -373,6 +374,7 @@ def attn_bwd_delta_kernel(O, DO, DELTA, DQ_ACC, stride_db, stride_ds, stride_dh,
         m_live = m_r & (i_src >= 0)
         i_bs = tl.maximum(i_src, 0)
         i_row = i_bs * nheads + i_h
+    if COUNT:
         if i_r == 0:
             tl.store(COUNTER, 0)
     p = i_row.to(tl.int64)[:, None] * HEAD_DIM + o_d[None, :]      # [ROWS, D]
