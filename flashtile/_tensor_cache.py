@@ -53,5 +53,9 @@ class TensorCache:
         self._entries[full_key] = (tuple(weakref.ref(t) for t in tensors), versions, value)
         return value
 
-    def clear(self) -> None:
-        self._entries.clear()
+    def get_view(self, key: Hashable, view: torch.Tensor, make: Callable):
+        """:meth:`get` for the contents of ``view``: keyed by its address and geometry, for
+        its base tensor unchanged (views of one tensor share its version counter), so that a
+        new view of the same elements finds the value."""
+        base = view if view._base is None else view._base
+        return self.get((key, view.data_ptr(), view.shape, view.stride()), (base,), make)

@@ -115,13 +115,19 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor,
     valid = attention_mask.bool()
     selected = valid if unused_mask is None else valid | unused_mask.bool()
     seqused = valid.sum(dim=-1, dtype=torch.int32)
-    seqlens = selected.sum(dim=-1, dtype=torch.int32)
-    indices = torch.nonzero(selected.flatten(), as_tuple=False).flatten()
-    cu_seqlens = torch.zeros(seqlens.shape[0] + 1, dtype=torch.int32, device=valid.device)
-    torch.cumsum(seqlens, dim=0, dtype=torch.int32, out=cu_seqlens[1:])
-    max_seqlen = int(seqlens.max()) if seqlens.numel() else 0
+    indices, cu_seqlens, max_seqlen = unpad_index(selected)
     flat = hidden_states.reshape(-1, *hidden_states.shape[2:])
     return flat.index_select(0, indices), indices, cu_seqlens, max_seqlen, seqused
+
+
+def unpad_index(selected: torch.Tensor):
+    """``(indices, cu_seqlens, max_seqlen)`` of :func:`unpad_input` for a bool ``(batch,
+    seqlen)`` mask of the tokens to pack (one host read: the longest length)."""
+    seqlens = selected.sum(dim=-1, dtype=torch.int32)
+    indices = torch.nonzero(selected.flatten(), as_tuple=False).flatten()
+    cu_seqlens = torch.zeros(seqlens.shape[0] + 1, dtype=torch.int32, device=selected.device)
+    torch.cumsum(seqlens, dim=0, dtype=torch.int32, out=cu_seqlens[1:])
+    return indices, cu_seqlens, int(seqlens.max()) if seqlens.numel() else 0
 
 
 def unpad_input_for_concatenated_sequences(hidden_states: torch.Tensor,

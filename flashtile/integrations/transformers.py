@@ -47,6 +47,7 @@ from .._tensor_cache import TensorCache
 from ..autograd import attention, dropout_seed
 from ..block_sparse import block_sparse_attn_func, global_block_mask, local_block_mask
 from ..interface import flash_attn_func, flash_attn_varlen_func
+from ..padding import unpad_index
 
 try:
     from transformers import AttentionInterface
@@ -176,17 +177,11 @@ def _masked(q, k, v, bias, dropout, scaling, causal, window, softcap):
 _per_mask = TensorCache(size=16)
 
 
-def _cached(tag: str, t: torch.Tensor, make):
-    """``make()`` once for the contents of ``t`` (a view: per its geometry and base tensor,
-    unchanged since; ``flashtile._tensor_cache``)."""
-    base = t if t._base is None else t._base
-    return _per_mask.get((tag, t.data_ptr(), t.shape, t.stride()), (base,), make)
-
-
 def _varlen_packed(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
     flat = [x.reshape(-1, *x.shape[2:]) for x in (q, k, v)]
-    cu_q, cu_k = (cu if cu.dtype == torch.int32 else _cached("int32", cu, lambda c=cu: c.to(
-        torch.int32)) for cu in (cu_q, cu_k))
+    cu_q, cu_k = (cu if cu.dtype == torch.int32 else
+                  _per_mask.get_view("int32", cu, lambda c=cu: c.to(torch.int32))
+                  for cu in (cu_q, cu_k))
     out = flash_attn_varlen_func(*flat, cu_q, cu_k, int(max_q), int(max_k), **kw)
     return out.view(q.shape)
 
@@ -200,25 +195,20 @@ def _segments_to_cu(segment_ids: torch.Tensor):
         idx = start.reshape(-1).nonzero().flatten().to(torch.int32)
         cu = torch.cat([idx, idx.new_tensor([batch * seqlen])])
         return cu, int((cu[1:] - cu[:-1]).max())
-    return _cached("segments", segment_ids, make)
+    return _per_mask.get_view("segments", segment_ids, make)
 
 
-def _unpad_index(padding: torch.Tensor):
-    """``(indices int64, cu_seqlens int32, longest)`` of the tokens of a ``(batch, n)`` bool
-    padding mask, in batch-major order (one host read per mask)."""
-    def make():
-        lengths = padding.sum(dim=-1, dtype=torch.int32)
-        cu = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=padding.device)
-        torch.cumsum(lengths, dim=0, dtype=torch.int32, out=cu[1:])
-        return padding.flatten().nonzero().flatten(), cu, int(lengths.max())
-    return _cached("unpad", padding, make)
+def _unpad(padding: torch.Tensor):
+    """:func:`flashtile.padding.unpad_index` of a ``(batch, n)`` bool padding mask, once per
+    mask."""
+    return _per_mask.get_view("unpad", padding, lambda: unpad_index(padding))
 
 
 def _unpadded(q, k, v, padding, **kw):
     """transformers' flash-path unpadding: keys/values of the valid positions, queries of the
     last ``Sq`` positions (one per row when ``Sq == 1``)."""
     batch, sq = q.shape[:2]
-    idx_k, cu_k, max_k = _unpad_index(padding)
+    idx_k, cu_k, max_k = _unpad(padding)
     k_u, v_u = (x.reshape(-1, *x.shape[2:]).index_select(0, idx_k) for x in (k, v))
     if sq == padding.shape[1]:
         idx_q, cu_q, max_q = idx_k, cu_k, max_k
@@ -226,7 +216,7 @@ def _unpadded(q, k, v, padding, **kw):
         cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
         idx_q, max_q = cu_q[:-1].long(), 1
     else:
-        idx_q, cu_q, max_q = _unpad_index(padding[:, -sq:])
+        idx_q, cu_q, max_q = _unpad(padding[:, -sq:])
     q_u = q.reshape(-1, *q.shape[2:]).index_select(0, idx_q)
     out = flash_attn_varlen_func(q_u, k_u, v_u, cu_q, cu_k, max_q, max_k, **kw)
     # (the indices are the mask's own: pad_input's range check, a host read, is not needed)

@@ -488,10 +488,11 @@ def record_plan(rec: Recorder, inputs: tuple, outputs: tuple, roles: dict | None
     call (a converted copy), an output is not a buffer of the call, or the call's tensors are
     not on the current CUDA device (whose stream the launches went to).
 
-    Tensors are placed by identity; a descriptor may also be of a :func:`constant` stand-in.  One tensor passed as several inputs
-    (``flash_attn_func(x, x, x)``) is placed by ``roles``, ``{kernel: plan_roles(kernel,
-    ...)}``, so that the plan also serves a later call with distinct tensors; where no role
-    places such a tensor, no plan (a later call of the same signature may pass distinct ones).
+    Tensors are placed by identity; a descriptor may also be of a :func:`constant` stand-in.
+    One tensor passed as several inputs (``flash_attn_func(x, x, x)``) is placed by ``roles``,
+    ``{kernel: plan_roles(kernel, ...)}``, so that the plan also serves a later call with
+    distinct tensors; where no role places such a tensor, no plan (a later call of the same
+    signature may pass distinct ones).
     """
     if not rec.launches or not outputs:
         return None

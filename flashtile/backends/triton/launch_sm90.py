@@ -276,9 +276,7 @@ def key_mask_of(bias, batch: int, sk: int):
     which every in-place write advances), except while a CUDA graph is captured (the capture
     records the summary's kernel, so that a replay on new mask contents summarises them) and
     for inference tensors (no version counter)."""
-    base = bias if bias._base is None else bias._base
-    return _key_masks.get((bias.data_ptr(), bias.shape, bias.stride(), batch), (base,),
-                          lambda: _key_summary(bias, batch, sk))
+    return _key_masks.get_view(batch, bias, lambda: _key_summary(bias, batch, sk))
 
 
 def _key_summary(bias, batch: int, sk: int):
@@ -671,9 +669,9 @@ def packed_order(cu_q, cu_k, n_m: int, block_m: int, tile_n: int, window: dict):
     by the key tiles it walks (``_tile_range``'s count under ``window``, plus one for its Q and
     first tile), most first; the row blocks past a sequence's end last.  Computed on the device
     (no host read of the lengths, so it can be captured in a CUDA graph)."""
-    return _per_lengths(("order", n_m, block_m, tile_n, window["MASKED"],
-                         window["wl"], window["wr"]), cu_q, cu_k,
-                        lambda: _packed_order(cu_q, cu_k, n_m, block_m, tile_n, window))
+    return _orders.get(("order", n_m, block_m, tile_n, window["MASKED"],
+                        window["wl"], window["wr"]), (cu_q, cu_k),
+                       lambda: _packed_order(cu_q, cu_k, n_m, block_m, tile_n, window))
 
 
 def _packed_order(cu_q, cu_k, n_m: int, block_m: int, tile_n: int, window: dict):
@@ -689,12 +687,6 @@ def _packed_order(cu_q, cu_k, n_m: int, block_m: int, tile_n: int, window: dict)
     tiles = (-(-hi // tile_n) - lo).clamp(min=1) + 1                      # [B, n_m]
     work = torch.where(rows < lq, tiles, 0)
     return torch.argsort(work.flatten(), descending=True, stable=True).to(torch.int32)
-
-
-def _per_lengths(key: tuple, cu_q, cu_k, make):
-    """``make()``, cached under ``key`` for these cumulative-length tensors (the same objects,
-    unchanged since: ``TensorCache``)."""
-    return _orders.get(key, (cu_q, cu_k), make)
 
 
 def packed_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple:
@@ -906,8 +898,7 @@ def packed_prologue(q, out, do, lse, cu_q):
     lse_p, delta_p, counter)``.  On the device: no host read of the lengths."""
     nheads, total = lse.shape
     width = -(-(total + (cu_q.numel() - 1) * BWD_BLOCK_M) // BWD_BLOCK_M) * BWD_BLOCK_M
-    src = _per_lengths(("rows", total), cu_q, cu_q,
-                       lambda: _packed_rows(cu_q, total, width))
+    src = _orders.get(("rows", total), (cu_q,), lambda: _packed_rows(cu_q, total, width))
     dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     lse_p = empty((nheads, width), torch.float32, q.device)
     delta_p = empty((nheads, width), torch.float32, q.device)

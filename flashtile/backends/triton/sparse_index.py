@@ -73,10 +73,6 @@ def _full_blocks(n_rows, n_cols, bs_m, bs_n, sq, sk, window_left, window_right, 
 _lists_cache = TensorCache()
 
 
-def _mask_lists(block_mask: torch.Tensor, key: tuple, build):
-    return _lists_cache.get(key, (block_mask,), build)
-
-
 def sparse_args(block_mask, block_size, sq: int = 0, sk: int = 0, spec: AttnSpec | None = None,
                 transpose: bool = False):
     """(index lists or None, (stride_b, stride_h, stride_row), bs_m, bs_n) for sequences of
@@ -96,7 +92,7 @@ def sparse_args(block_mask, block_size, sq: int = 0, sk: int = 0, spec: AttnSpec
 
     bounds = None if spec is None else (int(sq), int(sk), spec.window_left, spec.window_right,
                                         spec.bottom_right)
-    idx = _mask_lists(block_mask, (bs_m, bs_n, bounds, transpose), build)
+    idx = _lists_cache.get((bs_m, bs_n, bounds, transpose), (block_mask,), build)
     st = broadcast_strides(idx)
     return idx, st[:3], bs_m, bs_n
 
