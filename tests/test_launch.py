@@ -433,3 +433,61 @@ def test_launch_plans_switch():
         assert not fastlaunch.plans_enabled()
     # under the interpreter direct launches, and so plans, are off anyway
     assert fastlaunch.plans_enabled() is False
+
+
+def test_tma_launch_passes_the_c_launcher_what_tritons_wrapper_passes(monkeypatch):
+    """``fastlaunch.TmaLaunch``: a plan's launch of a kernel with TMA descriptors hands
+    Triton's C launcher exactly the arguments Triton's own descriptor wrapper
+    (``wrap_handle_tensordesc``, run here on a stub launcher) hands it for the same call,
+    pointers as their addresses; each descriptor is encoded once per address of its tensor
+    (a later call on the same tensors encodes nothing, a new tensor is encoded); a kernel
+    whose descriptors the plan does not all name gets no TmaLaunch."""
+    from types import SimpleNamespace
+
+    from triton.backends.nvidia import driver
+
+    encodes = []
+
+    def fake_encode(desc, meta):  # stands in for cuTensorMapEncodeTiled (GPU only)
+        encodes.append(desc.base.data_ptr())
+        return [("map", desc.base.data_ptr(), meta["swizzle"]), *desc.shape, *desc.strides]
+
+    monkeypatch.setattr(driver, "make_tensordesc_arg", fake_encode)
+    monkeypatch.setattr(fastlaunch, "_make_tensordesc_arg", fake_encode)
+    signature = {"desc_a": "tensordesc<fp16[64, 32]>", "X": "*fp32", "n": "i32",
+                 "desc_b": "tensordesc<fp16[64, 32]>", "Y": "*fp16", "FLAG": "constexpr"}
+    metas = [{"swizzle": 64}, {"swizzle": 128}]
+    seen = []
+    wrapped = driver.wrap_handle_tensordesc(lambda *a: seen.append(a), signature, metas)
+    run = SimpleNamespace(launch=wrapped, launch_cooperative_grid=False, launch_pdl=True,
+                          global_scratch_size=0, profile_scratch_size=0)
+    compiled = SimpleNamespace(run=run, src=SimpleNamespace(signature=signature),
+                               function=77, packed_metadata=("packed",))
+
+    def build(shape, strides):
+        return lambda t: SimpleNamespace(base=t, shape=shape, strides=strides)
+    builds = ((0, 1, build([128, 32], [32, 1])), (3, 0, build([256, 32], [32, 1])))
+    fast = fastlaunch.TmaLaunch.of(compiled, (5, 2), builds)
+    assert fast is not None
+
+    def call(a, b, x, y):
+        values = [None, x, 40, None, y, True]
+        head = (5, 2, 1, 999, 77, False, True, None, None, ("packed",), None, None, None)
+        wrapped(*head, *[build([128, 32], [32, 1])(b), *values[1:3],
+                         build([256, 32], [32, 1])(a), *values[4:]])
+        fast(values, (a, b), 999)
+        want, got = seen[-2:]
+        assert got == tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in want)
+
+    a, b = torch.randn(256, 32, dtype=torch.float16), torch.randn(128, 32, dtype=torch.float16)
+    x, y = torch.randn(8), torch.randn(8, dtype=torch.float16)
+    call(a, b, x, y)
+    assert encodes == [b.data_ptr(), a.data_ptr()] * 2   # Triton's wrapper, then the first call
+    call(a, b, torch.randn(8), y)
+    assert len(encodes) == 6                             # the wrapper's 2; TmaLaunch's none
+    b2 = torch.randn(128, 32, dtype=torch.float16)
+    call(a, b2, x, y)
+    assert encodes[-1] == b2.data_ptr() and len(encodes) == 9
+    # every descriptor parameter needs a build: else Triton's own launch path
+    assert fastlaunch.TmaLaunch.of(compiled, (5, 2), builds[:1]) is None
+    assert fastlaunch.TmaLaunch.of(SimpleNamespace(), (5, 2), builds) is None

@@ -281,6 +281,9 @@ def test_sm90_forward_plan_repeats_the_launch_with_the_new_tensors(seq, monkeypa
     # the plan holds no tensor (nor a descriptor of one) of the call it was made from
     (plan,) = launch_sm90._fwd_plans._plans.values()
     assert not any(isinstance(x, torch.Tensor) or hasattr(x, "base") for x in plan.values)
+    # replays go through fastlaunch.TmaLaunch (each descriptor encoded once per address; the
+    # replays below on the same tensors reuse the encodings)
+    assert plan.fast is not None
     q2, k2, v2 = (torch.randn_like(x) for x in (q, k, v))
     planned = launch_sm90.planned_forward(q2, k2, v2, spec)
     assert planned is not None
@@ -288,7 +291,7 @@ def test_sm90_forward_plan_repeats_the_launch_with_the_new_tensors(seq, monkeypa
         assert launch_sm90.planned_forward(q2, k2, v2, spec) is None
         full = launch_sm90.forward(q2, k2, v2, spec)
     assert torch.equal(planned[0], full[0]) and torch.equal(planned[1], full[1])
-    # the public function takes the plan: same bits again
+    # the public function takes the plan: same bits again (the same tensors: the encodings reused)
     assert torch.equal(flashtile.flash_attn_func(q2, k2, v2, softmax_scale=0.125, causal=True),
                        full[0])
     assert launch_sm90.planned_forward(q2, k2, v2, flashtile.backends.spec.AttnSpec(
@@ -390,6 +393,9 @@ def test_sm90_backward_plan_repeats_the_launch_with_the_new_tensors(d, causal, s
     backend.backward(do, q, k, v, out, lse, spec)
     (plan,) = launch_sm90._bwd_plans._plans.values()
     assert not any(isinstance(x, torch.Tensor) or hasattr(x, "base") for x in plan.values)
+    # replays go through fastlaunch.TmaLaunch (each descriptor encoded once per address; the
+    # replays below on the same tensors reuse the encodings)
+    assert plan.fast is not None
     do, q, k, v, out, lse = inputs()
     planned = launch_sm90.planned_backward(q, k, v, out, do, lse, spec, setting)
     assert planned is not None

@@ -38,8 +38,12 @@ if INTERNALS_OK:
     from triton.runtime.autotuner import Heuristics as _Heuristics
     from triton.runtime.errors import OutOfResources
     from triton.runtime.jit import JITFunction as _JITFunction
+    try:
+        from triton.backends.nvidia.driver import make_tensordesc_arg as _make_tensordesc_arg
+    except ImportError:  # pragma: no cover - a Triton built without the CUDA backend
+        _make_tensordesc_arg = None
 else:  # pragma: no cover - another Triton: the plain launch path only
-    _knobs = _Heuristics = _JITFunction = None
+    _knobs = _Heuristics = _JITFunction = _make_tensordesc_arg = None
 
     class OutOfResources(Exception):
         pass
@@ -319,6 +323,84 @@ def bind(compiled, grid: tuple, values: list) -> tuple:
 
 
 STREAM_ARG = 3  # where bind's arguments hold the stream
+
+
+# Launches with TMA descriptors.  Triton's launcher turns each descriptor argument into its
+# encoded form (``make_tensordesc_arg``: a ``cuTensorMapEncodeTiled`` call and the Python
+# around it) on every launch, and a Hopper forward + backward passes 13 of them.  The encoding
+# is a function of the tensor's address and the geometry only, and a plan's geometry is fixed
+# by its key, so :class:`TmaLaunch` keeps each encoding per address and hands the launcher's C
+# entry point the encoded arguments directly.
+_MAX_ENCODED = 256  # encodings kept per descriptor of a plan (a model's layers, each its own)
+
+
+class TmaLaunch:
+    """Repeated launches of one compiled kernel, whose TMA descriptor arguments are given as
+    tensors, straight through Triton's C launcher (``launch`` of the kernel's ``run``):
+    ``launch(values, tensors, stream)`` with ``values`` every argument in signature order
+    (what sits at a descriptor's position is ignored) and ``tensors`` the tensors the
+    descriptors describe, by ``role``.  Each descriptor is encoded by Triton's own
+    ``make_tensordesc_arg`` once per address of its tensor and kept; pointer arguments go as
+    addresses.  Build one with :meth:`of`."""
+
+    __slots__ = ("raw", "head", "slots", "ptr_at")
+
+    def __init__(self, raw, head: list, slots: tuple, ptr_at: tuple):
+        self.raw, self.head, self.slots, self.ptr_at = raw, head, slots, ptr_at
+
+    @classmethod
+    def of(cls, compiled, grid: tuple, descs: tuple) -> "TmaLaunch | None":
+        """The launch of ``compiled`` on ``grid`` whose descriptors are ``descs``, tuples
+        ``(position, role, build)`` with ``build(tensor)`` the descriptor object of a tensor
+        (every descriptor parameter of the kernel once); None where Triton's launcher is not
+        the one this was written against (the caller then launches as before)."""
+        if not INTERNALS_OK or _make_tensordesc_arg is None:
+            return None
+        # (loads the kernel on first use, which sets compiled.function)
+        run, src = getattr(compiled, "run", None), getattr(compiled, "src", None)
+        wrapped = getattr(run, "launch", None)
+        code, cells = getattr(wrapped, "__code__", None), getattr(wrapped, "__closure__", None)
+        if (code is None or not cells or getattr(run, "global_scratch_size", 1) != 0
+                or getattr(run, "profile_scratch_size", 1) != 0
+                or not isinstance(getattr(src, "signature", None), dict)):
+            return None
+        free = dict(zip(code.co_freevars, (c.cell_contents for c in cells)))
+        raw, metas = free.get("launcher"), free.get("tensordesc_meta")
+        types = list(src.signature.values())
+        at = [i for i, t in enumerate(types) if isinstance(t, str) and t.startswith("tensordesc")]
+        if (raw is None or not metas or len(metas) != len(at) or any(m is None for m in metas)
+                or sorted(d[0] for d in descs) != at):
+            return None
+        slots = tuple((pos, role, metas[at.index(pos)], build, {})
+                      for pos, role, build in sorted(descs, key=operator.itemgetter(0)))
+        ptr_at = tuple(i for i, t in enumerate(types) if isinstance(t, str) and t[:1] == "*")
+        g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        head = [*g, None, compiled.function, run.launch_cooperative_grid, run.launch_pdl, None,
+                None, compiled.packed_metadata, None, None, None]
+        return cls(raw, head, slots, ptr_at)
+
+    def __call__(self, values: list, tensors: tuple, stream: int) -> None:
+        for i in self.ptr_at:  # (the launcher would ask the driver about each tensor)
+            v = values[i]
+            if isinstance(v, torch.Tensor):
+                values[i] = v.data_ptr()
+        args = self.head.copy()
+        args[STREAM_ARG] = stream
+        prev = 0
+        for pos, role, meta, build, encoded in self.slots:
+            x = tensors[role]
+            address = x.data_ptr()
+            enc = encoded.get(address)
+            if enc is None:
+                if len(encoded) >= _MAX_ENCODED:
+                    encoded.clear()
+                # [encoded map, *shape, *strides]: ints and the map, no tensor kept alive
+                enc = encoded[address] = _make_tensordesc_arg(build(x), meta)
+            args += values[prev:pos]
+            args += enc
+            prev = pos + 1
+        args += values[prev:]
+        self.raw(*args)
 
 
 def bind_slots(compiled, grid: tuple, template: list, slots) -> tuple:

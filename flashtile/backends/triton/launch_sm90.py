@@ -19,9 +19,9 @@ from ..._tensor_cache import TensorCache
 from ..spec import AttnSpec
 from .. import env_reader, interpreting
 from .args import LOG2E
-from .fastlaunch import (INTERNALS_OK, PlanCache, _run, constant, empty, empty_like, launch,
-                         launch_hooks_set, plans_enabled, recorder, run_direct, signature,
-                         zeros)
+from .fastlaunch import (INTERNALS_OK, PlanCache, TmaLaunch, _run, constant, empty, empty_like,
+                         launch, launch_hooks_set, plans_enabled, raw_stream, recorder,
+                         run_direct, signature, zeros)
 from .kernels.bwd import attn_bwd_delta_kernel
 from .kernels.key_mask import key_mask_ranges_kernel
 
@@ -570,7 +570,7 @@ _FWD_ROLES = ("desc_q", "desc_k", "desc_v", "desc_o")  # descriptors of q, k, v,
 
 class _FwdPlan:
     __slots__ = ("compiled", "grid", "values", "lse_at", "mask_at", "packed_at", "descs",
-                 "device", "order")
+                 "device", "order", "fast")
 
     def __init__(self, compiled, grid, values, descs, device, order=None):
         names = _kernel("fwd").arg_names
@@ -583,6 +583,7 @@ class _FwdPlan:
         self.packed_at = tuple(names.index(n) for n in ("CuQ", "CuK", "Items", "Out"))
         # (position, role, shape, strides, block, layout) of each descriptor
         self.descs = tuple((names.index(n), r, *descs[n][1:]) for r, n in enumerate(_FWD_ROLES))
+        self.fast = _tma_launch(compiled, grid, self.descs)
         # packed sequences: packed_order's arguments past the lengths, else None
         self.order = order
         # the plan keeps no tensor of the call it was made from alive (every call fills them)
@@ -623,9 +624,21 @@ def _plan_of(plans: PlanCache, key):
     return plan
 
 
+def _tma_launch(compiled, grid: tuple, descs: tuple):
+    """A plan's :class:`fastlaunch.TmaLaunch` of ``compiled`` (``descs`` as the plan's), or
+    None where Triton's launcher is not the known one."""
+    return TmaLaunch.of(compiled, grid, tuple(
+        (at, role, functools.partial(_plan_descriptor, *geometry))
+        for at, role, *geometry in descs))
+
+
 def _run_plan(plan, values: list, tensors: tuple) -> None:
     """Launch ``plan`` with ``values`` (its argument values, the tensors of this call filled
-    in) and the descriptors of ``tensors`` (by role) rebuilt in place."""
+    in) and the descriptors of ``tensors`` (by role): through its :class:`TmaLaunch`, which
+    keeps each descriptor's encoding per address, else rebuilt in place."""
+    if plan.fast is not None:
+        plan.fast(values, tensors, raw_stream(plan.device))
+        return
     for at, role, shape, strides, block, layout in plan.descs:
         values[at] = _descriptor(tensors[role], shape, strides, block, layout, True)
     _run(plan.compiled, plan.grid, values, plan.device)
@@ -1051,7 +1064,7 @@ _BWD_ROLES = ("desc_q", "desc_do", "desc_k", "desc_v", "desc_lse", "desc_delta",
 
 class _BwdPlan:
     __slots__ = ("compiled", "grid", "values", "descs", "at", "mask_at", "cu_at", "persistent",
-                 "ragged", "device")
+                 "ragged", "device", "fast")
 
     def __init__(self, launched, grid, descs, persistent, ragged, device):
         names = _kernel("bwd").arg_names
@@ -1065,6 +1078,7 @@ class _BwdPlan:
         self.mask_at = (names.index("KeyMask"), names.index("Ranges"), names.index("Lists"))
         self.cu_at = (names.index("CuQ"), names.index("CuK"))  # (packed sequences)
         self.descs = tuple((names.index(n), r, *descs[n][1:]) for r, n in enumerate(_BWD_ROLES))
+        self.fast = _tma_launch(self.compiled, grid, self.descs)
         # the plan keeps no tensor of the call it was made from alive (every call fills them)
         for at in (*self.at, *self.mask_at, *self.cu_at, *(d[0] for d in self.descs)):
             self.values[at] = None
