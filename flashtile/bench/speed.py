@@ -458,7 +458,7 @@ def host_costs(rounds: int = HOST_ROUNDS) -> dict:
     and forward+backward, and the Triton forward launcher alone, each with direct launches off
     (``triton_run``) and on (``direct``); forward+backward with launch plans off and on; at 128
     positions (``n128``: the Hopper kernels' path on sm_90), the public forward with launch
-    plans off and on, and SDPA without a backend chosen.
+    plans off and on, SDPA without a backend chosen, and forward+backward of both.
 
     The host's pace drifts between blocks of calls (on the H100 machine by up to 3x), so every
     measurement is a block of calls repeated over ``rounds`` rounds, all measurements one after
@@ -509,6 +509,17 @@ def host_costs(rounds: int = HOST_ROUNDS) -> dict:
         cases[f"flashtile_fwd_us_n128_plans_{'on' if plans else 'off'}"] = (
             lambda: flashtile.flash_attn_func(q128, q128, q128, causal=True), 1000,
             lambda p=plans: launch_plans(p))
+    # forward + backward at 128 positions (on sm_90 the Hopper forward and fused backward,
+    # through their plans), and SDPA's default on the same tensors in its layout
+    qkv128 = [torch.randn_like(q128).requires_grad_() for _ in range(3)]
+    dout128 = torch.randn_like(q128)
+    qkv128t = [x.detach().transpose(1, 2).requires_grad_() for x in qkv128]
+    cases["sdpa_default_fwd_bwd_us_n128"] = (
+        lambda: sdpa(*qkv128t, is_causal=True).backward(dout128.transpose(1, 2)), 250,
+        contextlib.nullcontext)
+    cases["flashtile_fwd_bwd_us_n128"] = (
+        lambda: flashtile.flash_attn_func(*qkv128, causal=True).backward(dout128), 250,
+        contextlib.nullcontext)
     names = list(cases)
     for name in names:  # warm-up: compiles, records the plans
         fn, _, ctx = cases[name]
