@@ -427,8 +427,8 @@ def test_sm90_launchers_pass_exactly_the_kernels_parameters(monkeypatch):
     """``forward``, ``dkdv`` and ``fused_backward`` hand each Gluon kernel every parameter it
     declares, by name, and nothing else (a renamed or dropped parameter would otherwise first
     fail on an H100); the fused backward's prologue (a Triton kernel, interpreted here) writes
-    ``delta = rowsum(dO * O)``, a strided dO included, and zeroes the accumulator that the dQ
-    copy then reads."""
+    ``delta = rowsum(dO * O)``, a strided dO included (with ragged lengths lse and delta padded),
+    and zeroes the accumulator that the dQ copy then reads."""
     import torch
 
     from flashtile.backends.spec import AttnSpec
@@ -467,7 +467,13 @@ def test_sm90_launchers_pass_exactly_the_kernels_parameters(monkeypatch):
     dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
     delta = torch.full_like(lse, float("nan"))
     launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec)
-    torch.testing.assert_close(delta, (do * out).sum(-1).transpose(1, 2))
+    # the prologue lays lse and delta out padded to whole row tiles (+inf and 0 past Sq)
+    args = calls[-1][2]
+    lse_p, delta_p = args["desc_lse"][0], args["desc_delta"][0]
+    assert lse_p.shape == delta_p.shape == (2, 4, 128) and args["sq_pad"] == 128
+    assert torch.equal(lse_p[..., :100], lse) and torch.all(lse_p[..., 100:] == float("inf"))
+    torch.testing.assert_close(delta_p[..., :100], (do * out).sum(-1).transpose(1, 2))
+    assert torch.all(delta_p[..., 100:] == 0)
     # (d = 64 causal over 128 keys: one consumer, two CTAs an SM)
     # (the forward's consumer count and ragged flag; the backward's fused and ragged flags)
     assert [key[3:5] if name == "fwd" else (key[4], key[6]) for name, key, _ in calls] == [
@@ -1027,25 +1033,45 @@ def test_sm90_varlen_backward_passes_the_packed_sequences(monkeypatch):
     assert cq.dtype == ck.dtype == torch.int32 and torch.equal(cq, cu_q) and (mq, mk) == (300, 300)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
-def test_sm90_backward_prologue_computes_delta_and_zeroes_accumulator_and_counter(packed):
+@pytest.mark.parametrize("mode", ["dense", "dense-padded", "dense-whole-tiles", "packed"])
+def test_sm90_backward_prologue_computes_delta_and_zeroes_accumulator_and_counter(mode):
     """The Hopper backward's prologue kernel (run by the interpreter): ``delta = rowsum(dO *
     O)`` per row, the float32 dQ accumulator and the persistent kernel's work counter zeroed
-    (dense: where a counter is given; packed: lse and delta in the padded per-sequence layout,
-    its gaps +inf and 0)."""
+    (dense: where a counter is given; with the lse, lse and delta padded to whole row tiles
+    where Sq is not a multiple of one, bitwise ``_pad_rows``' padding of the unpadded ones, and
+    handed back as they are where it is; packed: lse and delta in the padded per-sequence
+    layout, its gaps +inf and 0)."""
     import torch
 
     from flashtile.backends.triton import launch_sm90
+    from flashtile.backends.triton.fastlaunch import poison_outputs
 
-    total, heads, d = 70, 2, 64
-    out, do = torch.randn(1, total, heads, d), torch.randn(1, total, heads, d)
-    want = (out * do).sum(-1)[0].T                                         # [H, total]
-    if not packed:
+    total, heads, d = (128 if mode == "dense-whole-tiles" else 70), 2, 64
+    batch = 1 if mode in ("dense", "packed") else 2
+    out, do = torch.randn(batch, total, heads, d), torch.randn(batch, total, heads, d)
+    want = (out * do).sum(-1).transpose(1, 2)                              # [B, H, total]
+    counter = torch.full((1,), 7, dtype=torch.int32)
+    if mode == "dense":
         delta = torch.full((1, heads, total), float("nan"))
-        counter = torch.full((1,), 7, dtype=torch.int32)
         dq_acc = launch_sm90._prologue(out, out, do, delta, counter=counter)
-        torch.testing.assert_close(delta[0], want)
+        torch.testing.assert_close(delta, want)
+    elif mode.startswith("dense-"):
+        lse = torch.randn(batch, heads, total)
+        delta = torch.full((batch, heads, total), float("nan"))
+        with poison_outputs():  # (fresh buffers start as NaN: every element written)
+            dq_acc, lse_p, delta_p = launch_sm90._prologue(out, out, do, delta,
+                                                           counter=counter, lse=lse)
+        if mode == "dense-whole-tiles":
+            assert lse_p is lse and delta_p is delta
+            torch.testing.assert_close(delta, want)
+        else:
+            want_lse, want_delta = launch_sm90._pad_rows(lse, want)
+            assert lse_p.shape == delta_p.shape == (batch, heads, 128)
+            assert torch.equal(lse_p, want_lse)
+            torch.testing.assert_close(delta_p, want_delta)
+            assert torch.all(delta_p[..., total:] == 0)
     else:
+        want = want[0]                                                     # [H, total]
         cu = torch.tensor([0, 5, 70], dtype=torch.int32)
         lse = torch.randn(heads, total)
         dq_acc, lse_p, delta, counter = launch_sm90.packed_prologue(out, out, do, lse, cu)

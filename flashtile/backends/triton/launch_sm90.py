@@ -841,7 +841,9 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
     window = _window(spec, sq, sk)
     bh_group = bwd_group(n_bh, nheads // nheads_k, sq, sk, head_dim, window["wl"],
                          window["wr"], window["MASKED"], n_sm)
-    if ragged:  # the kernel reads whole tiles of lse and delta: padded (_pad_rows)
+    if ragged and lse.shape[-1] % BWD_BLOCK_M:
+        # the kernel reads whole tiles of lse and delta: padded (_pad_rows; the fused
+        # kernel's prologue already pads them)
         lse, delta = _pad_rows(lse, delta)
     args = dict(DK=dk, DV=dv, Counter=counter,
                 stride_kb=dk.stride(0), stride_kn=dk.stride(1), stride_kh=dk.stride(2),
@@ -921,7 +923,7 @@ def packed_prologue(q, out, do, lse, cu_q):
            DQ_ACC=dq_acc, stride_db=0, stride_ds=do.stride(1), stride_dh=do.stride(2),
            n_rows=rows, seqlen_q=width, nheads=nheads, LSE=lse, LSE_P=lse_p, SRC=src,
            COUNTER=counter, total=total, HEAD_DIM=q.shape[-1], ROWS=DELTA_ROWS, ZERO=True,
-           PACKED=True, COUNT=True, num_warps=4)
+           PACKED=True, COUNT=True, PAD=False, num_warps=4)
     return dq_acc, lse_p, delta_p, counter
 
 
@@ -1009,28 +1011,40 @@ def dkdv(q, k, v, do, lse, delta, dk, dv, spec: AttnSpec) -> None:
     _bwd(q, k, v, do, lse, delta, None, dk, dv, spec)
 
 
-def _prologue(q, out, do, delta, zero: bool = True, counter=None):
+def _prologue(q, out, do, delta, zero: bool = True, counter=None, lse=None):
     """The Hopper backward's prologue: ``delta = rowsum(dO * O)``, for the fused kernel
     (``zero``) a zeroed float32 dQ accumulator like ``q``, which it returns (without, ``delta``
     stands in for the accumulator the kernel then does not write), and ``counter`` (int32
-    ``(1,)``, the persistent kernel's work counter) zeroed where given."""
+    ``(1,)``, the persistent kernel's work counter) zeroed where given.  With ``lse``
+    (float32 ``(B, H, Sq)``) ``(dq_acc, lse, delta)`` for the fused kernel: where ``Sq`` is not
+    a multiple of ``BWD_BLOCK_M``, lse and delta padded to whole tiles as :func:`_pad_rows`
+    pads them, in the same launch (``delta`` then unused)."""
     batch, sq, nheads, head_dim = q.shape
     dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device) if zero else delta
-    rows = batch * sq * nheads
+    width, lse_p = sq, delta
+    if lse is not None and sq % BWD_BLOCK_M:
+        width = sq + (-sq % BWD_BLOCK_M)
+        lse_p = empty((batch, nheads, width), torch.float32, q.device)
+        delta = empty((batch, nheads, width), torch.float32, q.device)
+    rows = batch * width * nheads
     launch(attn_bwd_delta_kernel, (-(-rows // DELTA_ROWS),), O=out, DO=do, DELTA=delta,
            DQ_ACC=dq_acc, stride_db=do.stride(0), stride_ds=do.stride(1), stride_dh=do.stride(2),
-           n_rows=rows, seqlen_q=sq, nheads=nheads, LSE=delta, LSE_P=delta, SRC=delta,
-           COUNTER=delta if counter is None else counter, total=0, HEAD_DIM=head_dim,
-           ROWS=DELTA_ROWS, ZERO=zero, PACKED=False, COUNT=counter is not None, num_warps=4)
-    return dq_acc
+           n_rows=rows, seqlen_q=width, nheads=nheads, LSE=delta if lse is None else lse,
+           LSE_P=lse_p, SRC=delta, COUNTER=delta if counter is None else counter, total=sq,
+           HEAD_DIM=head_dim, ROWS=DELTA_ROWS, ZERO=zero, PACKED=False,
+           COUNT=counter is not None, PAD=width != sq, num_warps=4)
+    if lse is None:
+        return dq_acc
+    return dq_acc, (lse if width == sq else lse_p), delta
 
 
 def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec,
                    plan_key=None, key_mask=None, sparse=None, varlen=None) -> None:
     """Fill ``dq``, ``dk``, ``dv`` (``bwd_eligible`` holds; ``out`` contiguous; ``lse`` and the
     buffer ``delta`` contiguous float32 ``(B, H, Sq)``): a prologue kernel computes ``delta``
-    and zeroes a float32 dQ accumulator, the backward kernel adds every dQ tile into it, and
-    one copy converts it into ``dq``.  With ``plan_key`` (:func:`bwd_plan_key`) a direct
+    (where ``Sq`` is not a multiple of ``BWD_BLOCK_M``, into a padded buffer of its own, with
+    lse's padded copy) and zeroes a float32 dQ accumulator, the backward kernel adds every dQ
+    tile into it, and one copy converts it into ``dq``.  With ``plan_key`` (:func:`bwd_plan_key`) a direct
     launch leaves a plan that :func:`planned_backward` repeats; ``key_mask`` as
     :func:`forward`'s; ``sparse`` as :func:`_bwd`'s (no plan: its key does not see the
     mask); ``varlen``: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` of packed
@@ -1040,11 +1054,10 @@ def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec,
     if varlen is not None:  # one batch entry of the packed rows (forward's views)
         q, k, v, out, do, dq, dk, dv = (x.unsqueeze(0) for x in (q, k, v, out, do, dq, dk, dv))
         dq_acc, lse, delta, counter = packed_prologue(q, out, do, lse, varlen[0])
-    elif bwd_persistent(q.shape[-1]):  # the prologue zeroes the work counter too
-        counter = empty((1,), torch.int32, q.device)
-        dq_acc = _prologue(q, out, do, delta, counter=counter)
-    else:
-        dq_acc = _prologue(q, out, do, delta)
+    else:  # (lse and delta padded where the lengths are not multiples of the row tile)
+        if bwd_persistent(q.shape[-1]):  # the prologue zeroes the work counter too
+            counter = empty((1,), torch.int32, q.device)
+        dq_acc, lse, delta = _prologue(q, out, do, delta, counter=counter, lse=lse)
     launched = _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec, key_mask, sparse, varlen,
                     counter)
     dq.copy_(dq_acc)
@@ -1110,9 +1123,8 @@ def planned_backward(q, k, v, out, do, lse, spec: AttnSpec, setting, key_mask=No
         cu = (lse, lse)  # (stand-ins without packed sequences)
         delta = empty(lse.shape, torch.float32, lse.device)
         counter = empty((1,), torch.int32, q.device) if plan.persistent else dk
-        dq_acc = _prologue(q, out, do, delta, counter=counter if plan.persistent else None)
-        if plan.ragged:
-            lse, delta = _pad_rows(lse, delta)
+        dq_acc, lse, delta = _prologue(q, out, do, delta,
+                                       counter=counter if plan.persistent else None, lse=lse)
     else:  # one batch entry of the packed rows, as fused_backward's
         cu = varlen[:2]
         q, k, v, out, do, dq, dk, dv = (x.unsqueeze(0) for x in (q, k, v, out, do, dq, dk, dv))

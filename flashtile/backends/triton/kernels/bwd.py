@@ -346,7 +346,7 @@ def attn_bwd_dq_kernel(
 def attn_bwd_delta_kernel(O, DO, DELTA, DQ_ACC, stride_db, stride_ds, stride_dh, n_rows,
                           seqlen_q, nheads, LSE, LSE_P, SRC, COUNTER, total,
                           HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, ZERO: tl.constexpr,
-                          PACKED: tl.constexpr, COUNT: tl.constexpr):
+                          PACKED: tl.constexpr, COUNT: tl.constexpr, PAD: tl.constexpr):
     """Prologue of the Hopper backward kernels, which compute no ``delta`` themselves:
     ``delta = rowsum(dO * O)`` into ``DELTA`` (float32 ``(B, H, Sq)``) and with ``ZERO`` (the
     fused kernel, ``attn_bwd_sm90.py`` with ``DQ``) the float32 dQ accumulator zeroed, for
@@ -360,7 +360,13 @@ def attn_bwd_delta_kernel(O, DO, DELTA, DQ_ACC, stride_db, stride_ds, stride_dh,
     ``h`` holding packed row ``SRC[i]`` (int32, -1 in the gaps): ``DELTA[h, i]`` its delta and
     ``LSE_P[h, i] = LSE[h, SRC[i]]`` (``LSE`` float32 ``(H, total)``), the gaps 0 and +inf (p = 0
     and delta = 0 there), with ``COUNT`` the counter zeroed too.  One launch where the layout
-    would otherwise take five small device ops."""
+    would otherwise take five small device ops.
+
+    ``PAD`` (``Sq`` not a multiple of the backward kernel's row tile): ``seqlen_q`` is the
+    padded length and ``total`` the true one; the rows are those of ``(B, seqlen_q, H)``,
+    ``DELTA`` and ``LSE_P`` float32 ``(B, H, seqlen_q)`` with ``LSE_P[b, h, s] = LSE[b, h, s]``
+    (``LSE`` ``(B, H, total)``) and the rows from ``total`` on +inf and 0, as the TMA tiles
+    of the backward kernel read them: two pads less a call."""
     i_r = tl.program_id(0)
     o_r = i_r * ROWS + tl.arange(0, ROWS)                          # [ROWS] rows (b, s, h)
     o_d = tl.arange(0, HEAD_DIM)                                   # [D]
@@ -374,6 +380,11 @@ def attn_bwd_delta_kernel(O, DO, DELTA, DQ_ACC, stride_db, stride_ds, stride_dh,
         m_live = m_r & (i_src >= 0)
         i_bs = tl.maximum(i_src, 0)
         i_row = i_bs * nheads + i_h
+    if PAD:  # position s of batch entry b: a row of O where s < total, else a gap
+        i_b = i_bs // seqlen_q
+        i_s = i_bs % seqlen_q
+        m_live = m_r & (i_s < total)
+        i_row = (i_b * total + i_s) * nheads + i_h
     if COUNT:
         if i_r == 0:
             tl.store(COUNTER, 0)
@@ -394,5 +405,9 @@ def attn_bwd_delta_kernel(O, DO, DELTA, DQ_ACC, stride_db, stride_ds, stride_dh,
     if PACKED:  # position i of head h, gaps included
         p_delta = i_h.to(tl.int64) * seqlen_q + o_r // nheads
         b_lse = tl.load(LSE + i_h.to(tl.int64) * total + i_bs, mask=m_live, other=float("inf"))
+        tl.store(LSE_P + p_delta, b_lse, mask=m_r)
+    if PAD:  # (p_delta is already the padded layout's, seqlen_q being the padded length)
+        b_lse = tl.load(LSE + (i_b * nheads + i_h).to(tl.int64) * total + i_s, mask=m_live,
+                        other=float("inf"))
         tl.store(LSE_P + p_delta, b_lse, mask=m_r)
     tl.store(DELTA + p_delta, b_delta, mask=m_r)
