@@ -290,7 +290,7 @@ def test_plan_rebuilds_each_descriptor_for_the_new_tensors(stubbed):
         outs = call(first)
     plan = fastlaunch.record_plan(rec, first, outs)
     assert plan is not None
-    (_, template, _), = plan.launches
+    (_, template, _, _), = plan.launches
     assert not any(isinstance(v, (tuple, torch.Tensor)) for v in template)
     second = (torch.randn(4, 8), torch.randn(3))
     (out,) = plan.run(second)
@@ -325,7 +325,7 @@ def test_plan_rebuilds_each_descriptor_for_the_new_tensors(stubbed):
             0: (stand_in, lambda t: ("descriptor of", t))})))
         outs = (fastlaunch.empty((1,), torch.float32, "cpu"),)
     plan = fastlaunch.record_plan(rec, first, outs)
-    (_, template, _), = plan.launches
+    (_, template, _, _), = plan.launches
     assert not any(isinstance(v, (tuple, torch.Tensor)) for v in template)
     ran.clear()
     plan.run(second)
@@ -491,3 +491,58 @@ def test_tma_launch_passes_the_c_launcher_what_tritons_wrapper_passes(monkeypatc
     # every descriptor parameter needs a build: else Triton's own launch path
     assert fastlaunch.TmaLaunch.of(compiled, (5, 2), builds[:1]) is None
     assert fastlaunch.TmaLaunch.of(SimpleNamespace(), (5, 2), builds) is None
+
+
+def test_plan_replays_gluon_launches_through_tma_launch(monkeypatch):
+    """A plan (``fastlaunch.record_plan``) of a launch recorded with TMA descriptors replays it
+    through ``TmaLaunch``: the C launcher gets what Triton's own descriptor wrapper gives it for
+    the replay's tensors (a new input, the replay's fresh output buffer), pointers as
+    addresses."""
+    from types import SimpleNamespace
+
+    from triton.backends.nvidia import driver
+
+    def fake_encode(desc, meta):  # stands in for cuTensorMapEncodeTiled (GPU only)
+        return [("map", desc.base.data_ptr(), meta["swizzle"]), *desc.shape, *desc.strides]
+
+    monkeypatch.setattr(driver, "make_tensordesc_arg", fake_encode)
+    monkeypatch.setattr(fastlaunch, "_make_tensordesc_arg", fake_encode)
+    monkeypatch.setattr(fastlaunch, "_current", lambda device: True)
+    monkeypatch.setattr(fastlaunch, "launch_hooks_set", lambda: False)
+    monkeypatch.setattr(fastlaunch, "raw_stream", lambda device: 999)
+    signature = {"desc_a": "tensordesc<fp16[64, 32]>", "X": "*fp32", "n": "i32",
+                 "desc_b": "tensordesc<fp16[64, 32]>", "FLAG": "constexpr"}
+    seen = []
+    wrapped = driver.wrap_handle_tensordesc(lambda *a: seen.append(a), signature,
+                                            [{"swizzle": 64}, {"swizzle": 128}])
+    run = SimpleNamespace(launch=wrapped, launch_cooperative_grid=False, launch_pdl=False,
+                          global_scratch_size=0, profile_scratch_size=0)
+    compiled = SimpleNamespace(run=run, src=SimpleNamespace(signature=signature),
+                               function=77, packed_metadata=("packed",))
+
+    def build(t):
+        return SimpleNamespace(base=t, shape=[t.shape[0], 32], strides=[32, 1])
+
+    def call(inputs):
+        out = fastlaunch.empty((128, 32), torch.float16, "cpu")
+        values = [build(inputs[0]), inputs[1], 40, build(out), True]
+        fastlaunch.recorder().launches.append(
+            ("kernel", (5,), (compiled, values, {0: (inputs[0], build), 3: (out, build)})))
+        return (out,)
+
+    def inputs():
+        return torch.randn(256, 32, dtype=torch.float16), torch.randn(8)
+    first = inputs()
+    with fastlaunch.recording() as rec:
+        outs = call(first)
+    plan = fastlaunch.record_plan(rec, first, outs)
+    (fast, template, _, tma), = plan.launches
+    assert tma and isinstance(fast, fastlaunch.TmaLaunch)
+    assert not any(isinstance(v, torch.Tensor) or hasattr(v, "base") for v in template)
+    second = inputs()
+    (out,) = plan.run(second)
+    assert out is not outs[0] and out.shape == (128, 32)
+    wrapped(5, 1, 1, 999, 77, False, False, None, None, ("packed",), None, None, None,
+            build(second[0]), second[1], 40, build(out), True)
+    got, want = seen
+    assert got == tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in want)

@@ -343,9 +343,12 @@ def test_sm90_two_kernel_backward_replays_a_plan_bitwise(d, causal, deterministi
     backend.backward(do, q, k, v, out, lse, spec)
     (plan,) = launch_bwd._plans._plans.values()
     assert not any(isinstance(x, torch.Tensor) or hasattr(x, "base")
-                   for _, template, _ in plan.launches for x in template)
-    # the Gluon launches' descriptors are rebuilt per replay
-    assert any(len(slot) == 4 for _, _, slots in plan.launches for slot in slots)
+                   for _, template, _, _ in plan.launches for x in template)
+    # the Gluon launches' descriptors are rebuilt per replay, through fastlaunch.TmaLaunch
+    # (each encoded once per address)
+    assert any(len(slot) == 4 for _, _, slots, _ in plan.launches for slot in slots)
+    assert all(tma == any(len(slot) == 4 for slot in slots)
+               for _, _, slots, tma in plan.launches)
     do, q, k, v, out, lse = inputs()
     full_calls.clear()
     planned = backend.backward(do, q, k, v, out, lse, spec)

@@ -507,11 +507,13 @@ def recorder() -> Recorder | None:
 
 class Plan:
     """A recorded call: buffers to allocate (shape, strides, dtype, whether zeroed), then
-    launches ``(function, argument template, slots)`` (:func:`bind`), each slot ``(position, kind,
-    index)`` with kind 0 the address of input ``index`` and 1 that of buffer ``index``, or
+    launches ``(function, argument template, slots, tma)`` (:func:`bind`), each slot ``(position,
+    kind, index)`` with kind 0 the address of input ``index`` and 1 that of buffer ``index``, or
     ``(position, kind, index, build)`` with kind 2 (an input), 3 (a buffer) or 4 (one of
     ``constants``, :func:`constant` stand-ins) a TMA descriptor ``build(tensor)`` of that
-    tensor; ``outputs`` are buffer indices."""
+    tensor; with ``tma`` the function is a :class:`TmaLaunch` of the kernel's arguments (the
+    template in signature order), handed the descriptors' tensors by position; ``outputs`` are
+    buffer indices."""
 
     __slots__ = ("allocs", "launches", "outputs", "device", "constants")
 
@@ -534,13 +536,23 @@ class Plan:
         outs = tuple([bufs[i] for i in self.outputs])
         pools = (addresses(inputs), addresses(bufs), inputs, bufs, self.constants)
         stream = raw_stream(device.index)
-        for function, template, slots in self.launches:
+        for function, template, slots, tma in self.launches:
             args = template.copy()
-            args[STREAM_ARG] = stream
-            for slot in slots:
-                pos, kind, i = slot[0], slot[1], slot[2]
-                args[pos] = pools[kind][i] if kind < 2 else slot[3](pools[kind][i])
-            function(*args)
+            if tma:  # a TmaLaunch: the descriptors' tensors by position
+                tensors = {}
+                for slot in slots:
+                    pos, kind, i = slot[0], slot[1], slot[2]
+                    if kind < 2:
+                        args[pos] = pools[kind][i]
+                    else:
+                        tensors[pos] = pools[kind][i]
+                function(args, tensors, stream)
+            else:
+                args[STREAM_ARG] = stream
+                for slot in slots:
+                    pos, kind, i = slot[0], slot[1], slot[2]
+                    args[pos] = pools[kind][i] if kind < 2 else slot[3](pools[kind][i])
+                function(*args)
             if after_first is not None:
                 after_first(outs)
                 after_first = None
@@ -622,7 +634,12 @@ def record_plan(rec: Recorder, inputs: tuple, outputs: tuple, roles: dict | None
                     return None
             template[pos] = None
             slots.append((pos, *slot))
-        launches.append(bind_slots(compiled, grid, template, slots))
+        fast = TmaLaunch.of(compiled, grid, tuple(
+            (slot[0], slot[0], slot[3]) for slot in slots if len(slot) == 4)) if descs else None
+        if fast is not None:  # (descriptors encoded once per address: TmaLaunch)
+            launches.append((fast, template, tuple(slots), True))
+        else:
+            launches.append((*bind_slots(compiled, grid, template, slots), False))
     out_index = []
     for t in outputs:
         slot = where.get(id(t))
