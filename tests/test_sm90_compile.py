@@ -1166,3 +1166,45 @@ def test_sm90_varlen_plans_replay_with_each_calls_own_tensors(monkeypatch):
                                         varlen=(cu_q2, cu_k2, 301, 300)) is None
     assert launch_sm90.planned_backward(q2, k2, v2, o2, do2, lse2, spec, None,
                                         varlen=four) is None
+
+
+def test_sm90_ragged_backward_plan_replays_with_lse_and_delta_padded(monkeypatch):
+    """A dense fused backward whose query length is not a multiple of the row tile leaves a
+    plan; its replay runs the prologue (interpreted here), which hands the kernel this call's
+    lse and delta padded to whole tiles (lse bitwise ``_pad_rows``' padding, delta
+    ``rowsum(dO * O)`` and 0 past ``Sq``), a zeroed work counter, and this call's dK and dV."""
+    import torch
+
+    from flashtile.backends.spec import AttnSpec
+    from flashtile.backends.triton import launch_sm90
+
+    _direct_launches(monkeypatch, "bwd")
+    runs = []
+    monkeypatch.setattr(launch_sm90, "_launch", lambda name, device, key, grid, args, descs:
+                        ("k", [args.get(n, 0) for n in launch_sm90._kernel(name).arg_names]))
+    monkeypatch.setattr(launch_sm90, "_plan_of", lambda plans, key: plans.get(key()))
+    monkeypatch.setattr(launch_sm90, "_run", lambda compiled, grid, values, device:
+                        runs.append(values))
+    spec = AttnSpec(softmax_scale=0.125, window_right=0)
+
+    def inputs():
+        q, o, do = (torch.randn(2, 100, 4, 64) for _ in range(3))
+        k, v = (torch.randn(2, 100, 2, 64) for _ in range(2))
+        return q, k, v, o, do, torch.randn(2, 4, 100)
+    q, k, v, o, do, lse = inputs()
+    key = launch_sm90.bwd_plan_key(q, k, v, o, do, lse, spec, None)
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    launch_sm90.fused_backward(q, k, v, o, do, lse, torch.empty_like(lse), dq, dk, dv, spec, key)
+    q, k, v, o, do, lse = inputs()
+    runs.clear()
+    dq, dk, dv = launch_sm90.planned_backward(q, k, v, o, do, lse, spec, None)
+    (values,) = runs
+    got = dict(zip(launch_sm90._kernel("bwd").arg_names, values))
+    lse_p = got["desc_lse"].base.view(2, 4, 128)
+    delta_p = got["desc_delta"].base.view(2, 4, 128)
+    assert torch.equal(lse_p, launch_sm90._pad_rows(lse, lse)[0])
+    torch.testing.assert_close(delta_p[..., :100], (do * o).sum(-1).transpose(1, 2))
+    assert torch.all(delta_p[..., 100:] == 0) and got["sq_pad"] == 128
+    assert got["DK"] is dk and got["DV"] is dv
+    if launch_sm90.bwd_persistent(64):
+        assert got["Counter"].tolist() == [0]

@@ -1018,14 +1018,15 @@ def _prologue(q, out, do, delta, zero: bool = True, counter=None, lse=None):
     ``(1,)``, the persistent kernel's work counter) zeroed where given.  With ``lse``
     (float32 ``(B, H, Sq)``) ``(dq_acc, lse, delta)`` for the fused kernel: where ``Sq`` is not
     a multiple of ``BWD_BLOCK_M``, lse and delta padded to whole tiles as :func:`_pad_rows`
-    pads them, in the same launch (``delta`` then unused)."""
+    pads them, in the same launch (``delta`` then unused; None: allocated here)."""
     batch, sq, nheads, head_dim = q.shape
-    dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device) if zero else delta
-    width, lse_p = sq, delta
-    if lse is not None and sq % BWD_BLOCK_M:
-        width = sq + (-sq % BWD_BLOCK_M)
-        lse_p = empty((batch, nheads, width), torch.float32, q.device)
+    width = sq if lse is None or sq % BWD_BLOCK_M == 0 else sq + (-sq % BWD_BLOCK_M)
+    if delta is None or width != sq:
         delta = empty((batch, nheads, width), torch.float32, q.device)
+    dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device) if zero else delta
+    lse_p = delta
+    if width != sq:
+        lse_p = empty((batch, nheads, width), torch.float32, q.device)
     rows = batch * width * nheads
     launch(attn_bwd_delta_kernel, (-(-rows // DELTA_ROWS),), O=out, DO=do, DELTA=delta,
            DQ_ACC=dq_acc, stride_db=do.stride(0), stride_ds=do.stride(1), stride_dh=do.stride(2),
@@ -1121,9 +1122,8 @@ def planned_backward(q, k, v, out, do, lse, spec: AttnSpec, setting, key_mask=No
     dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
     if varlen is None:
         cu = (lse, lse)  # (stand-ins without packed sequences)
-        delta = empty(lse.shape, torch.float32, lse.device)
         counter = empty((1,), torch.int32, q.device) if plan.persistent else dk
-        dq_acc, lse, delta = _prologue(q, out, do, delta,
+        dq_acc, lse, delta = _prologue(q, out, do, None,
                                        counter=counter if plan.persistent else None, lse=lse)
     else:  # one batch entry of the packed rows, as fused_backward's
         cu = varlen[:2]
