@@ -537,21 +537,19 @@ class Plan:
         pools = (addresses(inputs), addresses(bufs), inputs, bufs, self.constants)
         stream = raw_stream(device.index)
         for function, template, slots, tma in self.launches:
-            args = template.copy()
-            if tma:  # a TmaLaunch: the descriptors' tensors by position
-                tensors = {}
-                for slot in slots:
-                    pos, kind, i = slot[0], slot[1], slot[2]
-                    if kind < 2:
-                        args[pos] = pools[kind][i]
-                    else:
-                        tensors[pos] = pools[kind][i]
+            args, tensors = template.copy(), {}
+            for slot in slots:
+                pos, kind, i = slot[0], slot[1], slot[2]
+                if kind < 2:
+                    args[pos] = pools[kind][i]
+                elif tma:  # a TmaLaunch takes the descriptors' tensors by position
+                    tensors[pos] = pools[kind][i]
+                else:
+                    args[pos] = slot[3](pools[kind][i])
+            if tma:
                 function(args, tensors, stream)
             else:
                 args[STREAM_ARG] = stream
-                for slot in slots:
-                    pos, kind, i = slot[0], slot[1], slot[2]
-                    args[pos] = pools[kind][i] if kind < 2 else slot[3](pools[kind][i])
                 function(*args)
             if after_first is not None:
                 after_first(outs)

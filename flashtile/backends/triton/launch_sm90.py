@@ -1045,8 +1045,9 @@ def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec,
     buffer ``delta`` contiguous float32 ``(B, H, Sq)``): a prologue kernel computes ``delta``
     (where ``Sq`` is not a multiple of ``BWD_BLOCK_M``, into a padded buffer of its own, with
     lse's padded copy) and zeroes a float32 dQ accumulator, the backward kernel adds every dQ
-    tile into it, and one copy converts it into ``dq``.  With ``plan_key`` (:func:`bwd_plan_key`) a direct
-    launch leaves a plan that :func:`planned_backward` repeats; ``key_mask`` as
+    tile into it, and one copy converts it into ``dq``.  With ``plan_key``
+    (:func:`bwd_plan_key`) a direct launch leaves a plan that :func:`planned_backward`
+    repeats; ``key_mask`` as
     :func:`forward`'s; ``sparse`` as :func:`_bwd`'s (no plan: its key does not see the
     mask); ``varlen``: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` of packed
     ``(total, H, D)`` tensors (:func:`varlen_bwd_eligible`; lse ``(H, total_q)``; ``delta``
