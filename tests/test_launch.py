@@ -90,6 +90,45 @@ def test_run_direct_passes_the_grid_stream_and_every_argument(monkeypatch, grid,
     assert compiled.calls == [dims + (1007, "fn", "meta", None, None, None, "a", 2, None)]
 
 
+@pytest.mark.parametrize("entry", ["c-entry", "wrapper"])
+def test_bound_launch_passes_what_a_direct_launch_of_the_new_tensors_passes(monkeypatch, entry):
+    """``fastlaunch.BoundLaunch`` (a plan's replay of one direct launch, e.g. the Hopper
+    backward's prologue): Triton's C launcher gets exactly what a direct launch (``_run``,
+    through Triton's own ``CudaLauncher.__call__``) of the replay's tensors gives it, those
+    tensors as addresses and every other argument the recorded one; it keeps no tensor of the
+    recorded call (one left unnamed is refused).  Where the launcher would allocate scratch memory the replay goes through
+    Triton's wrapper instead, with the same arguments."""
+    from types import SimpleNamespace
+
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    monkeypatch.setattr(fastlaunch, "raw_stream", lambda device: 1000 + device)
+    seen = []
+    if entry == "c-entry":  # Triton's launcher around a stub C entry point
+        run = CudaLauncher.__new__(CudaLauncher)
+        run.launch = lambda *args: seen.append(args)
+        run.num_ctas, run.launch_cooperative_grid, run.launch_pdl = 1, False, True
+        run.global_scratch_size = run.profile_scratch_size = 0
+        run.global_scratch_align = run.profile_scratch_align = 1
+    else:  # a launcher bind cannot look into (no C entry point, no scratch sizes)
+        run = lambda *args: seen.append(args)  # noqa: E731
+    compiled = SimpleNamespace(run=run, function="fn", packed_metadata="meta")
+    kernel = SimpleNamespace(arg_names=["X", "n", "Y", "Z", "FLAG"])
+    x, y, z = torch.randn(8), torch.randn(4), torch.randn(2)
+    launched = (compiled, [x, 48, y, z, True])
+    bound = fastlaunch.BoundLaunch(kernel, launched, (3, 2), ("Y", "X", "Z"))
+    assert not any(isinstance(a, torch.Tensor) for a in bound.args)
+    assert bound.function is getattr(run, "launch", run)
+    x2, y2, z2 = torch.randn(8), torch.randn(4), torch.randn(2)
+    fastlaunch._run(compiled, (3, 2), [x2.data_ptr(), 48, y2.data_ptr(), z2.data_ptr(), True], 7)
+    bound((y2, x2, z2), 7)
+    want, got = seen
+    assert got == want and want[:4] == (3, 2, 1, 1007)
+    assert want[-5:] == (x2.data_ptr(), 48, y2.data_ptr(), z2.data_ptr(), True)
+    with pytest.raises(ValueError, match="not in"):  # Z would be launched again
+        fastlaunch.BoundLaunch(kernel, launched, (3, 2), ("Y", "X"))
+
+
 def test_run_direct_declines_while_a_profiler_hook_is_set(monkeypatch):
     from triton import knobs
     hook = lambda metadata: None  # noqa: E731

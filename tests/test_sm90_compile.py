@@ -1059,8 +1059,8 @@ def test_sm90_backward_prologue_computes_delta_and_zeroes_accumulator_and_counte
         lse = torch.randn(batch, heads, total)
         delta = torch.full((batch, heads, total), float("nan"))
         with poison_outputs():  # (fresh buffers start as NaN: every element written)
-            dq_acc, lse_p, delta_p = launch_sm90._prologue(out, out, do, delta,
-                                                           counter=counter, lse=lse)
+            dq_acc, lse_p, delta_p, _ = launch_sm90._prologue(out, out, do, delta,
+                                                              counter=counter, lse=lse)
         if mode == "dense-whole-tiles":
             assert lse_p is lse and delta_p is delta
             torch.testing.assert_close(delta, want)
@@ -1074,7 +1074,7 @@ def test_sm90_backward_prologue_computes_delta_and_zeroes_accumulator_and_counte
         want = want[0]                                                     # [H, total]
         cu = torch.tensor([0, 5, 70], dtype=torch.int32)
         lse = torch.randn(heads, total)
-        dq_acc, lse_p, delta, counter = launch_sm90.packed_prologue(out, out, do, lse, cu)
+        dq_acc, lse_p, delta, counter, _ = launch_sm90.packed_prologue(out, out, do, lse, cu)
         # sequence 0 from row 0, sequence 1 from ((5 + 64) // 64) * 64 = 64
         torch.testing.assert_close(delta[:, :5], want[:, :5])
         torch.testing.assert_close(delta[:, 64:129], want[:, 5:])
@@ -1208,3 +1208,81 @@ def test_sm90_ragged_backward_plan_replays_with_lse_and_delta_padded(monkeypatch
     assert got["DK"] is dk and got["DV"] is dv
     if launch_sm90.bwd_persistent(64):
         assert got["Counter"].tolist() == [0]
+
+
+@pytest.mark.parametrize("case", ["dense", "dense-ragged", "packed"])
+def test_sm90_backward_plan_replays_its_prologue_bound(monkeypatch, case):
+    """A fused backward's plan keeps its prologue's direct launch bound
+    (``fastlaunch.BoundLaunch``): a replay launches it without ``launch``, handing it this
+    call's O and dO, its lse, and the very buffers (delta, padded lse, dQ accumulator, work
+    counter) the backward kernel then reads, every other argument (shape scalars, flags) the
+    first call's."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from flashtile.backends.spec import AttnSpec
+    from flashtile.backends.triton import fastlaunch, launch_sm90
+    from flashtile.backends.triton.kernels.bwd import attn_bwd_delta_kernel
+
+    _direct_launches(monkeypatch, "bwd")
+    runs, direct, replays = [], [], []
+    monkeypatch.setattr(launch_sm90, "_launch", lambda name, device, key, grid, args, descs:
+                        ("k", [args.get(n, 0) for n in launch_sm90._kernel(name).arg_names]))
+    monkeypatch.setattr(launch_sm90, "_plan_of", lambda plans, key: plans.get(key()))
+    monkeypatch.setattr(launch_sm90, "_run", lambda compiled, grid, values, device:
+                        runs.append(values))
+    monkeypatch.setattr(fastlaunch, "raw_stream", lambda device: 999)
+    names = attn_bwd_delta_kernel.arg_names
+    compiled = SimpleNamespace(run=lambda *args: replays.append(args), function="fn",
+                               packed_metadata="meta")
+
+    def direct_launch(kernel, grid, **kwargs):  # a direct launch of the prologue: none runs
+        assert kernel is attn_bwd_delta_kernel
+        direct.append(kwargs)
+        return compiled, [kwargs[n] for n in names]
+    monkeypatch.setattr(launch_sm90, "launch", direct_launch)
+    spec = AttnSpec(softmax_scale=0.125, window_right=0)
+    sq = 128 if case == "dense" else 100
+    varlen = None
+    if case == "packed":
+        cu = torch.tensor([0, 30, 100], dtype=torch.int32)
+        varlen = (cu, cu, 70, 70)
+
+    def inputs():
+        if varlen is not None:
+            q, o, do = (torch.randn(sq, 4, 64) for _ in range(3))
+            return (q, *(torch.randn(sq, 2, 64) for _ in range(2)), o, do, torch.randn(4, sq))
+        q, o, do = (torch.randn(2, sq, 4, 64) for _ in range(3))
+        k, v = (torch.randn(2, sq, 2, 64) for _ in range(2))
+        return q, k, v, o, do, torch.randn(2, 4, sq)
+    q, k, v, o, do, lse = inputs()
+    key = launch_sm90.bwd_plan_key(q, k, v, o, do, lse, spec, None, varlen=varlen)
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    launch_sm90.fused_backward(q, k, v, o, do, lse, torch.empty_like(lse), dq, dk, dv, spec, key,
+                               varlen=varlen)
+    (first,) = direct
+    q, k, v, o, do, lse = inputs()
+    runs.clear()
+    launch_sm90.planned_backward(q, k, v, o, do, lse, spec, None, varlen=varlen)
+    assert len(direct) == 1, "the replay's prologue went through launch"
+    (args,) = replays
+    got = dict(zip(names, args[-len(names):]))
+    (values,) = runs
+    kernel = dict(zip(launch_sm90._kernel("bwd").arg_names, values))
+    assert got["O"] == o.data_ptr() and got["DO"] == do.data_ptr()
+    assert got["LSE"] == lse.data_ptr()
+    assert got["DELTA"] == kernel["desc_delta"].base.data_ptr()
+    assert got["DQ_ACC"] == kernel["desc_dq"].base.data_ptr()
+    if case == "dense":  # whole tiles: the kernel reads lse itself
+        assert kernel["desc_lse"].base is lse
+    else:
+        assert got["LSE_P"] == kernel["desc_lse"].base.data_ptr() != lse.data_ptr()
+    if case == "packed" or launch_sm90.bwd_persistent(64):
+        assert got["COUNTER"] == kernel["Counter"].data_ptr()
+    for n in names:
+        if n not in launch_sm90._PROLOGUE_PTRS:
+            assert got[n] == first[n], n
+    if case == "packed":
+        assert got["SRC"] == launch_sm90._orders.get(("rows", sq), (varlen[0],),
+                                                     lambda: None).data_ptr()

@@ -397,8 +397,9 @@ def test_sm90_backward_plan_repeats_the_launch_with_the_new_tensors(d, causal, s
     (plan,) = launch_sm90._bwd_plans._plans.values()
     assert not any(isinstance(x, torch.Tensor) or hasattr(x, "base") for x in plan.values)
     # replays go through fastlaunch.TmaLaunch (each descriptor encoded once per address; the
-    # replays below on the same tensors reuse the encodings)
-    assert plan.fast is not None
+    # replays below on the same tensors reuse the encodings), the prologue through its bound
+    # direct launch (fastlaunch.BoundLaunch)
+    assert plan.fast is not None and plan.prologue is not None
     do, q, k, v, out, lse = inputs()
     planned = launch_sm90.planned_backward(q, k, v, out, do, lse, spec, setting)
     assert planned is not None

@@ -133,6 +133,8 @@ def test_sm90_varlen_plans_repeat_the_launches_with_the_new_lengths(monkeypatch)
         out.backward(do)
         runs.append((len(full_fwd), len(full_bwd)))   # (each round's spies wrap the last's)
     assert runs[0] == (1, 1) and runs[-1] == (0, 0)   # the last call: both plans
+    (plan,) = launch_sm90._bwd_plans._plans.values()   # its prologue bound (BoundLaunch)
+    assert plan.prologue is not None
     assert torch.equal(out, launch_sm90.forward(q, k, v, spec, varlen=(cu_q, cu_k, 700, 700))[0])
     assert_grads_flash_rule([x.grad for x in leaves], (q, k, v), do, lambda q_, k_, v_, dt:
                             _per_sequence(q_, k_, v_, cu_q, cu_k, spec, dt)[0], dtype)

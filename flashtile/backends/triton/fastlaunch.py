@@ -403,6 +403,37 @@ class TmaLaunch:
         self.raw(*args)
 
 
+class BoundLaunch:
+    """One direct launch (:func:`launch`'s result ``(compiled, values)`` on ``grid``) kept for
+    replays whose arguments differ only in the tensors passed as the pointer parameters
+    ``names`` of ``kernel``: ``bound(tensors, device)`` launches the compiled kernel through
+    :func:`bind`'s function on ``device``'s current stream with the recorded arguments and
+    ``tensors`` (as addresses, in the order of ``names``).  Every other argument (the scalars
+    derived from shapes and strides, the constexprs) is the recorded one, so the caller's key
+    must fix them; ``names`` must hold every tensor argument (ValueError otherwise), so no
+    tensor of the recorded call is kept or launched again."""
+
+    __slots__ = ("function", "args", "at")
+
+    def __init__(self, kernel, launched: tuple, grid: tuple, names: tuple):
+        compiled, values = launched
+        params = list(kernel.arg_names)
+        self.function, self.args, slots = bind_slots(compiled, grid, values,
+                                                     tuple((params.index(n),) for n in names))
+        self.at = tuple(slot[0] for slot in slots)
+        for i in self.at:
+            self.args[i] = None
+        if any(isinstance(a, torch.Tensor) for a in self.args):
+            raise ValueError(f"BoundLaunch: a tensor argument of {kernel} is not in {names}")
+
+    def __call__(self, tensors: tuple, device: int) -> None:
+        args = self.args.copy()
+        args[STREAM_ARG] = raw_stream(device)
+        for i, t in zip(self.at, tensors):
+            args[i] = t.data_ptr()
+        self.function(*args)
+
+
 def bind_slots(compiled, grid: tuple, template: list, slots) -> tuple:
     """:func:`bind` of ``template``, with ``slots`` (tuples whose first item is a position in
     ``template``) moved to the same argument's position in the bound arguments:

@@ -19,9 +19,9 @@ from ..._tensor_cache import TensorCache
 from ..spec import AttnSpec
 from .. import env_reader, interpreting
 from .args import LOG2E
-from .fastlaunch import (INTERNALS_OK, PlanCache, TmaLaunch, _run, constant, empty, empty_like,
-                         launch, launch_hooks_set, plans_enabled, raw_stream, recorder,
-                         run_direct, signature, zeros)
+from .fastlaunch import (INTERNALS_OK, BoundLaunch, PlanCache, TmaLaunch, _run, constant,
+                         empty, empty_like, launch, launch_hooks_set, plans_enabled, raw_stream,
+                         recorder, run_direct, signature, zeros)
 from .kernels.bwd import attn_bwd_delta_kernel
 from .kernels.key_mask import key_mask_ranges_kernel
 
@@ -901,7 +901,12 @@ def _stand_in(tile: tuple, dtype: torch.dtype, device) -> tuple:
             _layout(*tile, dtype))
 
 
-def packed_prologue(q, out, do, lse, cu_q):
+# the prologue's pointer parameters (attn_bwd_delta_kernel), in the order the prologues pass
+# their tensors, launched or bound (a plan's fastlaunch.BoundLaunch)
+_PROLOGUE_PTRS = ("O", "DO", "DELTA", "DQ_ACC", "LSE", "LSE_P", "SRC", "COUNTER")
+
+
+def packed_prologue(q, out, do, lse, cu_q, bound=None):
     """:func:`_prologue` of packed sequences (``q``, ``out``, ``do``: ``(1, total_q, H, D)``
     views; ``lse`` float32 ``(H, total_q)``), in one launch: the zeroed dQ accumulator, lse and
     delta laid out for the backward kernel's TMA loads, ``(H, sq_pad)`` with sequence ``b``'s
@@ -910,7 +915,8 @@ def packed_prologue(q, out, do, lse, cu_q):
     gaps +inf and 0 as :func:`_pad_rows`' padding, and a zeroed int32 work counter.  Each
     sequence's offset grows by at least its length plus one over the previous one's, so
     ``sq_pad = total_q + B * BWD_BLOCK_M`` (rounded to a tile) holds them all.  ``(dq_acc,
-    lse_p, delta_p, counter)``.  On the device: no host read of the lengths."""
+    lse_p, delta_p, counter, launched)``, ``launched`` as :func:`_prologue`'s.  On the device: no
+    host read of the lengths."""
     nheads, total = lse.shape
     width = -(-(total + (cu_q.numel() - 1) * BWD_BLOCK_M) // BWD_BLOCK_M) * BWD_BLOCK_M
     src = _orders.get(("rows", total), (cu_q,), lambda: _packed_rows(cu_q, total, width))
@@ -918,13 +924,18 @@ def packed_prologue(q, out, do, lse, cu_q):
     lse_p = empty((nheads, width), torch.float32, q.device)
     delta_p = empty((nheads, width), torch.float32, q.device)
     counter = empty((1,), torch.int32, q.device)
+    ptrs = (out, do, delta_p, dq_acc, lse, lse_p, src, counter)
+    if bound is not None:
+        bound(ptrs, q.device.index)
+        return dq_acc, lse_p, delta_p, counter, None
     rows = width * nheads
-    launch(attn_bwd_delta_kernel, (-(-rows // DELTA_ROWS),), O=out, DO=do, DELTA=delta_p,
-           DQ_ACC=dq_acc, stride_db=0, stride_ds=do.stride(1), stride_dh=do.stride(2),
-           n_rows=rows, seqlen_q=width, nheads=nheads, LSE=lse, LSE_P=lse_p, SRC=src,
-           COUNTER=counter, total=total, HEAD_DIM=q.shape[-1], ROWS=DELTA_ROWS, ZERO=True,
-           PACKED=True, COUNT=True, PAD=False, num_warps=4)
-    return dq_acc, lse_p, delta_p, counter
+    grid = (-(-rows // DELTA_ROWS),)
+    launched = launch(attn_bwd_delta_kernel, grid, **dict(zip(_PROLOGUE_PTRS, ptrs)),
+                      stride_db=0, stride_ds=do.stride(1), stride_dh=do.stride(2), n_rows=rows,
+                      seqlen_q=width, nheads=nheads, total=total, HEAD_DIM=q.shape[-1],
+                      ROWS=DELTA_ROWS, ZERO=True, PACKED=True, COUNT=True, PAD=False,
+                      num_warps=4)
+    return dq_acc, lse_p, delta_p, counter, launched and (launched, grid)
 
 
 def _packed_rows(cu_q, total: int, width: int):
@@ -1011,14 +1022,17 @@ def dkdv(q, k, v, do, lse, delta, dk, dv, spec: AttnSpec) -> None:
     _bwd(q, k, v, do, lse, delta, None, dk, dv, spec)
 
 
-def _prologue(q, out, do, delta, zero: bool = True, counter=None, lse=None):
+def _prologue(q, out, do, delta, zero: bool = True, counter=None, lse=None, bound=None):
     """The Hopper backward's prologue: ``delta = rowsum(dO * O)``, for the fused kernel
     (``zero``) a zeroed float32 dQ accumulator like ``q``, which it returns (without, ``delta``
     stands in for the accumulator the kernel then does not write), and ``counter`` (int32
     ``(1,)``, the persistent kernel's work counter) zeroed where given.  With ``lse``
     (float32 ``(B, H, Sq)``) ``(dq_acc, lse, delta)`` for the fused kernel: where ``Sq`` is not
     a multiple of ``BWD_BLOCK_M``, lse and delta padded to whole tiles as :func:`_pad_rows`
-    pads them, in the same launch (``delta`` then unused; None: allocated here)."""
+    pads them, in the same launch (``delta`` then unused; None: allocated here), and
+    ``launched``: ``(launch's result, grid)`` where the launch was direct, for a plan's
+    :class:`fastlaunch.BoundLaunch`, else None.  ``bound``: that BoundLaunch of an earlier call
+    under the same plan key, which then launches (same geometry, these tensors)."""
     batch, sq, nheads, head_dim = q.shape
     width = sq if lse is None or sq % BWD_BLOCK_M == 0 else sq + (-sq % BWD_BLOCK_M)
     if delta is None or width != sq:
@@ -1027,16 +1041,25 @@ def _prologue(q, out, do, delta, zero: bool = True, counter=None, lse=None):
     lse_p = delta
     if width != sq:
         lse_p = empty((batch, nheads, width), torch.float32, q.device)
-    rows = batch * width * nheads
-    launch(attn_bwd_delta_kernel, (-(-rows // DELTA_ROWS),), O=out, DO=do, DELTA=delta,
-           DQ_ACC=dq_acc, stride_db=do.stride(0), stride_ds=do.stride(1), stride_dh=do.stride(2),
-           n_rows=rows, seqlen_q=width, nheads=nheads, LSE=delta if lse is None else lse,
-           LSE_P=lse_p, SRC=delta, COUNTER=delta if counter is None else counter, total=sq,
-           HEAD_DIM=head_dim, ROWS=DELTA_ROWS, ZERO=zero, PACKED=False,
-           COUNT=counter is not None, PAD=width != sq, num_warps=4)
+    # (SRC unused here; LSE too without lse, COUNTER without counter: delta stands in)
+    ptrs = (out, do, delta, dq_acc, delta if lse is None else lse, lse_p, delta,
+            delta if counter is None else counter)
+    launched = None
+    if bound is not None:
+        bound(ptrs, q.device.index)
+    else:
+        rows = batch * width * nheads
+        grid = (-(-rows // DELTA_ROWS),)
+        launched = launch(attn_bwd_delta_kernel, grid, **dict(zip(_PROLOGUE_PTRS, ptrs)),
+                          stride_db=do.stride(0), stride_ds=do.stride(1),
+                          stride_dh=do.stride(2), n_rows=rows, seqlen_q=width, nheads=nheads,
+                          total=sq, HEAD_DIM=head_dim, ROWS=DELTA_ROWS, ZERO=zero,
+                          PACKED=False, COUNT=counter is not None, PAD=width != sq,
+                          num_warps=4)
+        launched = launched and (launched, grid)
     if lse is None:
         return dq_acc
-    return dq_acc, (lse if width == sq else lse_p), delta
+    return dq_acc, (lse if width == sq else lse_p), delta, launched
 
 
 def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec,
@@ -1055,16 +1078,16 @@ def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec,
     counter = None
     if varlen is not None:  # one batch entry of the packed rows (forward's views)
         q, k, v, out, do, dq, dk, dv = (x.unsqueeze(0) for x in (q, k, v, out, do, dq, dk, dv))
-        dq_acc, lse, delta, counter = packed_prologue(q, out, do, lse, varlen[0])
+        dq_acc, lse, delta, counter, prologue = packed_prologue(q, out, do, lse, varlen[0])
     else:  # (lse and delta padded where the lengths are not multiples of the row tile)
         if bwd_persistent(q.shape[-1]):  # the prologue zeroes the work counter too
             counter = empty((1,), torch.int32, q.device)
-        dq_acc, lse, delta = _prologue(q, out, do, delta, counter=counter, lse=lse)
+        dq_acc, lse, delta, prologue = _prologue(q, out, do, delta, counter=counter, lse=lse)
     launched = _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec, key_mask, sparse, varlen,
                     counter)
     dq.copy_(dq_acc)
     if plan_key is not None and launched is not None and sparse is None:
-        _bwd_plans.put(plan_key, _BwdPlan(*launched, q.device.index or 0))
+        _bwd_plans.put(plan_key, _BwdPlan(*launched, q.device.index or 0, prologue))
 
 
 # Plans of the fused backward: a call whose q, k, v, out, dO and lse have the shapes, strides
@@ -1079,9 +1102,9 @@ _BWD_ROLES = ("desc_q", "desc_do", "desc_k", "desc_v", "desc_lse", "desc_delta",
 
 class _BwdPlan:
     __slots__ = ("compiled", "grid", "values", "descs", "at", "mask_at", "cu_at", "persistent",
-                 "ragged", "device", "fast")
+                 "ragged", "device", "fast", "prologue")
 
-    def __init__(self, launched, grid, descs, persistent, ragged, device):
+    def __init__(self, launched, grid, descs, persistent, ragged, device, prologue=None):
         names = _kernel("bwd").arg_names
         self.compiled, self.grid, self.device = launched[0], grid, device
         self.persistent, self.ragged = persistent, ragged
@@ -1094,6 +1117,10 @@ class _BwdPlan:
         self.cu_at = (names.index("CuQ"), names.index("CuK"))  # (packed sequences)
         self.descs = tuple((names.index(n), r, *descs[n][1:]) for r, n in enumerate(_BWD_ROLES))
         self.fast = _tma_launch(self.compiled, grid, self.descs)
+        # the prologue's launch, bound (its scalars are the key's: shapes, strides, count)
+        self.prologue = prologue and (
+            BoundLaunch(attn_bwd_delta_kernel, *prologue, _PROLOGUE_PTRS)
+            if INTERNALS_OK else None)
         # the plan keeps no tensor of the call it was made from alive (every call fills them)
         for at in (*self.at, *self.mask_at, *self.cu_at, *(d[0] for d in self.descs)):
             self.values[at] = None
@@ -1124,12 +1151,13 @@ def planned_backward(q, k, v, out, do, lse, spec: AttnSpec, setting, key_mask=No
     if varlen is None:
         cu = (lse, lse)  # (stand-ins without packed sequences)
         counter = empty((1,), torch.int32, q.device) if plan.persistent else dk
-        dq_acc, lse, delta = _prologue(q, out, do, None,
-                                       counter=counter if plan.persistent else None, lse=lse)
+        dq_acc, lse, delta, _ = _prologue(q, out, do, None, lse=lse, bound=plan.prologue,
+                                          counter=counter if plan.persistent else None)
     else:  # one batch entry of the packed rows, as fused_backward's
         cu = varlen[:2]
         q, k, v, out, do, dq, dk, dv = (x.unsqueeze(0) for x in (q, k, v, out, do, dq, dk, dv))
-        dq_acc, lse, delta, counter = packed_prologue(q, out, do, lse, varlen[0])
+        dq_acc, lse, delta, counter, _ = packed_prologue(q, out, do, lse, varlen[0],
+                                                         bound=plan.prologue)
     values = plan.values.copy()
     values[plan.at[0]], values[plan.at[1]] = dk, dv
     values[plan.at[2]] = counter
