@@ -19,6 +19,20 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+def pad_head_dims(q, k, v):
+    """``q``, ``k``, ``v`` (head dim last) whose value head dim ``Ev`` differs from the query's
+    ``E`` (multi-head latent attention: DeepSeek-V2/V3), with zeros padded onto the smaller of
+    the two so that all three share ``max(E, Ev)``: exact, because zero columns of q and k add
+    nothing to ``q.k`` and zero columns of v give output columns of zero, which the caller
+    crops to ``Ev`` (the softmax scale must stay ``E``'s: pass it explicitly).  Padding is
+    differentiable; it costs what the larger head dim costs."""
+    e, ev = q.shape[-1], v.shape[-1]
+    pad = torch.nn.functional.pad
+    if ev < e:
+        return q, k, pad(v, (0, e - ev))
+    return pad(q, (0, ev - e)), pad(k, (0, ev - e)), v
+
+
 def _maybe_contiguous(x):
     """A last dimension with stride != 1 is copied (flash-attn's ``maybe_contiguous``): the
     kernels read each row of ``headdim`` values as one contiguous vector."""
@@ -297,11 +311,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ``1 / (1 - dropout_p)``), always applied like PyTorch's (pass 0.0 in eval); the keep mask
     is drawn as in ``flash_attn_func`` (``torch.manual_seed`` makes it repeatable).
     ``scale`` (a finite float, or a one-element tensor) defaults to ``1 / sqrt(E)``.  The
-    value head dim must equal the query head dim; dtypes are float16, bfloat16, float32.
+    value head dim ``Ev`` may differ from ``E`` (the output is then ``(..., H, L, Ev)``): the
+    call runs at head dim ``max(E, Ev)`` with zeros padded in (:func:`pad_head_dims`, exact).
+    Dtypes are float16, bfloat16, float32.
     ``torch.func`` transforms (``grad``, ``vjp``, ``vmap`` and their compositions) work; under
     ``vmap`` the op runs once per mapped element.
 
-    Returns ``(..., H, L, E)`` in the input dtype.  On the Triton backend it is a transposed
+    Returns ``(..., H, L, Ev)`` in the input dtype.  On the Triton backend it is a transposed
     view of a ``(..., L, H, E)`` buffer, like PyTorch's CUDA flash backend; on the torch
     backend, calls PyTorch's fused CPU kernel computes exactly (no float mask, dropout or empty
     dimension) run that kernel on the inputs as they are: the output and the gradients have
@@ -322,9 +338,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         scale = float(scale)
     ndim = max(query.dim(), key.dim(), value.dim())
     L, E, S, Ev = query.shape[-2], query.shape[-1], key.shape[-2], value.shape[-1]
-    if key.shape[-1] != E or Ev != E:
-        raise V.FlashtileInputError(f"query, key and value must share the head dim, got "
-                         f"{E}, {key.shape[-1]}, {Ev}")
+    if key.shape[-1] != E:
+        raise V.FlashtileInputError(f"query and key must share the head dim E, got {E} and "
+                                    f"{key.shape[-1]}")
     if value.shape[-2] != S:
         raise V.FlashtileInputError(f"key and value must have the same number of keys S, got "
                          f"{tuple(key.shape)} and {tuple(value.shape)}")
@@ -355,7 +371,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         raise V.FlashtileInputError(f"query has {nheads_q} heads but key/value have {nheads_kv}: the "
                          f"number of query heads must be a multiple of the key/value heads "
                          f"with enable_gqa=True, or one of them must be 1{hint}")
-    out_shape = (*lead, nheads, L, E) if ndim >= 3 else (L, E)
+    out_shape = (*lead, nheads, L, Ev) if ndim >= 3 else (L, Ev)
     target = (*lead, nheads, L, S)
     if attn_mask is not None:
         V.attn_mask(attn_mask, query, target)
@@ -364,13 +380,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                              "semantics); fold the causal mask into attn_mask")
     spec = _spec(max(E, 1), scale, is_causal, (-1, -1), 0.0, dropout_p,
                  bottom_right=False, scale_name="scale")
-    if min(L, S, E, nheads, *lead) == 0:
+    if min(L, S, E, Ev, nheads, *lead) == 0:
         # Nothing to tile: PyTorch's own function computes exactly what it returns here
         # (empty outputs, or zeros when S == 0), with gradients.
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=spec.dropout_p,
             is_causal=is_causal, scale=None if scale is None else spec.softmax_scale,
             enable_gqa=enable_gqa)
+    if Ev != E:  # one head dim for the kernels (the output cropped below)
+        V.head_dim(Ev, "value")
+        q4, k4, v4 = pad_head_dims(q4, k4, v4)
     # key/value heads: one per query head, a group per key/value head (GQA), or one (MQA)
     if expand or nheads_q != nheads:
         q4, k4, v4 = (x if x.shape[:-2] == want else x.expand(*want, *x.shape[-2:])
@@ -394,6 +413,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                        heads_first=heads_first)
     if not heads_first:
         out = out.transpose(1, 2)
+    if Ev != E:
+        out = out[..., :Ev]
     return out if out.shape == out_shape else out.reshape(out_shape)
 
 

@@ -281,7 +281,8 @@ def test_conformance_jobs_summaries_merge_per_function():
 BACKENDS = ["triton", "torch"]
 ft_sdpa = flashtile.scaled_dot_product_attention
 
-# (id, query shape, key shape, value shape, kwargs); E = 16 throughout
+# (id, query shape, key shape, value shape, kwargs); E = 16 throughout, the value head dim
+# too but where a case says otherwise (computed at the larger head dim, zeros padded in)
 CASES = [
     ("2d", (9, 16), (13, 16), (13, 16), {}),
     ("2d-causal", (9, 16), (13, 16), (13, 16), {"is_causal": True}),
@@ -296,6 +297,11 @@ CASES = [
     ("gqa-kv-batch-1", (2, 4, 9, 16), (1, 2, 13, 16), (1, 2, 13, 16),
      {"enable_gqa": True, "is_causal": True}),
     ("kv-batch-1-bias", (3, 2, 9, 16), (1, 2, 13, 16), (1, 2, 13, 16), {"mask": (9, 13)}),
+    ("value-dim-8", (2, 2, 9, 16), (2, 2, 13, 16), (2, 2, 13, 8), {}),
+    ("value-dim-24-gqa-causal", (2, 4, 9, 16), (2, 2, 13, 16), (2, 2, 13, 24),
+     {"enable_gqa": True, "is_causal": True}),
+    ("value-dim-8-kv-batch-1-bias", (3, 2, 9, 16), (1, 2, 13, 16), (1, 2, 13, 8),
+     {"mask": (9, 13)}),
 ]
 
 
@@ -350,6 +356,7 @@ ZERO = [
     ("E0", (2, 3, 5, 0), (2, 3, 7, 0), (2, 3, 7, 0)),
     ("B0", (0, 3, 5, 16), (0, 3, 7, 16), (0, 3, 7, 16)),
     ("3d-L0", (3, 0, 16), (3, 7, 16), (3, 7, 16)),
+    ("Ev0", (2, 3, 5, 16), (2, 3, 7, 16), (2, 3, 7, 0)),
 ]
 
 

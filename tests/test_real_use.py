@@ -17,7 +17,8 @@ computes (the Triton kernels behind the ops are the same code as eager).
 transformers (tiny random configs, CPU): every comparison builds both models from their own
 config object (``_from_config`` writes the implementation into the config it is given) with the
 same weights, and compares flashtile's implementation with transformers' own (``sdpa``;
-``eager`` for Gemma 2, whose softcap SDPA refuses) within the tolerances transformers'
+``eager`` for Gemma 2, whose softcap SDPA refuses; DeepSeek-V3's value head dim differs from
+its query head dim) within the tolerances transformers'
 test-suite uses for eager vs SDPA (fp32: atol 1e-6, rtol 1e-4; bf16: atol 1e-2, rtol 1e-2).
 """
 from __future__ import annotations
@@ -34,12 +35,14 @@ from helpers import assert_flash_rule
 
 try:
     import transformers
-    from transformers import (Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel,
-                              LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM)
+    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma2Config,
+                              Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                              LlamaForCausalLM, MistralConfig, MistralForCausalLM)
 except ImportError:  # a [test] extra: without it only the transformers tests are skipped
     transformers = None
     Gemma2Config = Gemma2ForCausalLM = GPT2Config = GPT2LMHeadModel = None
     LlamaConfig = LlamaForCausalLM = MistralConfig = MistralForCausalLM = None
+    DeepseekV3Config = DeepseekV3ForCausalLM = None
 
 _CPU_TRITON = triton_unavailable_reason(torch.device("cpu"))
 _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -163,6 +166,10 @@ def _sdpa(scale, cap, q, k, v):
                                                   v.transpose(1, 2), is_causal=True, scale=scale)
 
 
+def _sdpa_value_dim(scale, cap, q, k, v):  # a value head dim of 8 for the query's 16
+    return _sdpa(scale, cap, q, k, v[..., :8])
+
+
 def _block_sparse(scale, cap, q, k, v):
     mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)
     return flashtile.block_sparse_attn_func(q, k, v, mask, block_size=(16, 16),
@@ -171,7 +178,8 @@ def _block_sparse(scale, cap, q, k, v):
 
 FUNCTIONS = {"flash_attn_func": (_dense, (2, 12, 4, 16)), "varlen": (_varlen, (12, 4, 16)),
              "qkvpacked": (_qkvpacked, (2, 12, 4, 16)), "kvpacked": (_kvpacked, (2, 12, 4, 16)),
-             "sdpa": (_sdpa, (2, 12, 4, 16)), "block_sparse": (_block_sparse, (2, 12, 4, 16))}
+             "sdpa": (_sdpa, (2, 12, 4, 16)), "sdpa-value-dim": (_sdpa_value_dim, (2, 12, 4, 16)),
+             "block_sparse": (_block_sparse, (2, 12, 4, 16))}
 
 
 @_compile_test
@@ -307,8 +315,18 @@ def _gemma2():  # alternating sliding / full layers, attention softcap, query_pr
                         query_pre_attn_scalar=24)
 
 
+def _deepseek_v3():  # multi-head latent attention: query head dim 24, value head dim 16
+    return DeepseekV3Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
+                            moe_intermediate_size=32, q_lora_rank=None, kv_lora_rank=32,
+                            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                            first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
+                            n_group=1, topk_group=1, max_position_embeddings=128)
+
+
 MODELS = {
     "llama-gqa": (LlamaForCausalLM, _llama, "sdpa"),
+    "deepseek-v3-mla": (DeepseekV3ForCausalLM, _deepseek_v3, "sdpa"),
     "gpt2": (GPT2LMHeadModel, _gpt2, "sdpa"),
     "mistral-window": (MistralForCausalLM, _mistral, "sdpa"),
     "gemma2-softcap-window": (Gemma2ForCausalLM, _gemma2, "eager"),
@@ -504,7 +522,7 @@ def test_flash_varlen_kwargs_are_used(monkeypatch):
 
 @_transformers_test
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-@pytest.mark.parametrize("model", ["llama-gqa", "gpt2", "mistral-window"])
+@pytest.mark.parametrize("model", ["llama-gqa", "gpt2", "mistral-window", "deepseek-v3-mla"])
 def test_greedy_generation_identical_tokens(model, cache):
     torch.manual_seed(5)
     ours, ref = _pair(model)

@@ -93,7 +93,8 @@ def test_varlen_rejects(override, exc, needle):
 
 SDPA_BAD = [
     ("gqa-without-flag", lambda: (torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)), {}, ValueError, "enable_gqa"),
-    ("value-headdim", lambda: (torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 8)), {}, ValueError, "head dim"),
+    ("key-headdim", lambda: (torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 8), torch.randn(1, 2, 8, 16)), {}, ValueError, "head dim"),
+    ("value-headdim-too-big", lambda: (torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 264)), {}, ValueError, "headdim of value"),
     ("rank1", lambda: (torch.randn(16),) * 3, {}, ValueError, "query"),
     ("batch-dims", lambda: (torch.randn(2, 2, 8, 16), torch.randn(3, 2, 8, 16), torch.randn(3, 2, 8, 16)), {}, ValueError, "batch"),
     ("int-query", lambda: (torch.ones(1, 2, 8, 16, dtype=torch.int64), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)), {}, TypeError, "query"),

@@ -34,6 +34,9 @@ flash-attention path does):
 - Any other mask (static caches, image-token overlays, chunked attention, ...) is built by
   transformers' SDPA mask function and applied as a boolean ``attn_mask``.
 - Under ``torch.autocast`` the inputs are cast to the autocast dtype first (as with SDPA).
+- A value head dim other than the query's (multi-head latent attention: DeepSeek-V2/V3) runs
+  at the larger of the two with zeros padded in, the output cropped (exact; transformers'
+  flash path pads the value the same way).
 """
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ from .. import _validate as V
 from .._tensor_cache import TensorCache
 from ..autograd import attention, dropout_seed
 from ..block_sparse import block_sparse_attn_func, global_block_mask, local_block_mask
-from ..interface import flash_attn_func, flash_attn_varlen_func
+from ..interface import flash_attn_func, flash_attn_varlen_func, pad_head_dims
 from ..padding import unpad_index
 
 try:
@@ -255,6 +258,10 @@ def _make_attention(padded: str) -> Callable:
         _common(module, kwargs)
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         q, k, v = _inputs(query, key, value)
+        d_v = v.shape[-1]
+        if d_v != q.shape[-1]:  # (the scale stays the query head dim's)
+            scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
+            q, k, v = pad_head_dims(q, k, v)
         window = (-1, -1)
         if sliding_window is not None:
             window = (int(sliding_window) - 1, int(sliding_window) - 1)  # causal sets right = 0
@@ -286,7 +293,7 @@ def _make_attention(padded: str) -> Callable:
             else:  # sequence ids of a packed batch
                 cu, longest = _segments_to_cu(attention_mask)
                 out = _varlen_packed(q, k, v, cu, cu, longest, longest, **kw)
-        return out, None
+        return (out if out.shape[-1] == d_v else out[..., :d_v]), None
 
     attention_forward.__qualname__ = attention_forward.__name__ = f"attention_forward_{padded}"
     return attention_forward

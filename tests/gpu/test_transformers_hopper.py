@@ -19,14 +19,23 @@ PADS = (0, 77, 150)  # left padding of each row
 
 
 def _model(kind: str, impl: str, dtype: torch.dtype):
-    """The same random model (seed 0) for every implementation: GPT-2 (d = 64) or Llama with
-    grouped-query attention (d = 128)."""
+    """The same random model (seed 0) for every implementation: GPT-2 (d = 64), Llama with
+    grouped-query attention (d = 128) or DeepSeek-V3 (multi-head latent attention: query head
+    dim 128, value head dim 64, run at 128 with the value padded)."""
     torch.manual_seed(0)
     if kind == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=256, n_layer=2, n_head=4,
                                       n_positions=512, resid_pdrop=0.0, embd_pdrop=0.0,
                                       attn_pdrop=0.0)
         cls = transformers.GPT2LMHeadModel
+    elif kind == "deepseek-v3":
+        cfg = transformers.DeepseekV3Config(
+            vocab_size=VOCAB, hidden_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=4, intermediate_size=768, moe_intermediate_size=128,
+            q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=64,
+            v_head_dim=64, first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
+            n_group=1, topk_group=1, max_position_embeddings=512)
+        cls = transformers.DeepseekV3ForCausalLM
     else:
         cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=512, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2,
@@ -47,7 +56,7 @@ def _run(model, ids, mask):
     return logits[valid].detach(), [p.grad.float() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "deepseek-v3"])
 def test_padded_batch_runs_on_hopper_and_matches_sdpa(kind, monkeypatch):
     """Logits within 2x, parameter gradients within 3x transformers' own bf16 error (its
     standard attention) against float32 ``sdpa`` (flash-attn's rule); no attention call took
