@@ -164,11 +164,15 @@ def check_qkv(q, k, v, layout_q: str, layout_kv: str, ndim: int, names=("q", "k"
     tensor(nq, q, ndim, layout_q)
     tensor(nk, k, ndim_kv, layout_kv)
     tensor(nv, v, ndim_kv, layout_kv)
-    named = dict(zip(names, (q, k, v)))
-    for name, x in named.items():
-        float_dtype(name, x)
-    same_dtype_device(named)
-    for name, x in named.items():
+    dt, dev = q.dtype, q.device
+    if k.dtype is dt and v.dtype is dt and k.device == dev and v.device == dev:
+        float_dtype(nq, q)  # (one dtype, one device: the checks of the three are q's)
+    else:  # the per-tensor checks, for the error that names the argument
+        named = dict(zip(names, (q, k, v)))
+        for name, x in named.items():
+            float_dtype(name, x)
+        same_dtype_device(named)
+    for name, x in ((nq, q), (nk, k), (nv, v)):
         last_dim_contiguous(name, x)
     if k.shape != v.shape:
         raise FlashtileInputError(f"{nk} and {nv} must have the same shape {layout_kv}, got "
