@@ -315,7 +315,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     call runs at head dim ``max(E, Ev)`` with zeros padded in (:func:`pad_head_dims`, exact).
     Dtypes are float16, bfloat16, float32.
     ``torch.func`` transforms (``grad``, ``vjp``, ``vmap`` and their compositions) work; under
-    ``vmap`` the op runs once per mapped element.
+    ``vmap`` the op runs once per mapped element.  Nested tensors with the jagged layout
+    (``torch.nested``, ``(B, H, j, E)`` with the ragged dimension third, as PyTorch takes them)
+    run each sequence through the varlen kernels on the packed values and return a jagged
+    ``(B, H, j, Ev)`` tensor sharing the query's ragged dimension (no ``attn_mask``).
 
     Returns ``(..., H, L, Ev)`` in the input dtype.  On the Triton backend it is a transposed
     view of a ``(..., L, H, E)`` buffer, like PyTorch's CUDA flash backend; on the torch
@@ -336,6 +339,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         raise TypeError(f"enable_gqa must be bool, not {type(enable_gqa).__name__}")
     if isinstance(scale, torch.Tensor) and scale.numel() == 1 and not _compiling():
         scale = float(scale)
+    if query.is_nested or key.is_nested or value.is_nested:
+        return _sdpa_jagged(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                            enable_gqa)
     ndim = max(query.dim(), key.dim(), value.dim())
     L, E, S, Ev = query.shape[-2], query.shape[-1], key.shape[-2], value.shape[-1]
     if key.shape[-1] != E:
@@ -416,6 +422,60 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if Ev != E:
         out = out[..., :Ev]
     return out if out.shape == out_shape else out.reshape(out_shape)
+
+
+def _sdpa_jagged(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """:func:`scaled_dot_product_attention` of nested tensors with the jagged layout
+    (``torch.nested``, ``layout=torch.jagged``), ``(B, H, j, E)`` with the ragged dimension
+    ``j`` third, as PyTorch takes them: each batch entry a sequence with its own length, run
+    through the varlen path on the packed values (no padding), causal top-left per sequence
+    as PyTorch's.  Returns a jagged ``(B, H, j, Ev)`` tensor with the query's ragged
+    structure."""
+    names = ("query", "key", "value")
+    for name, x in zip(names, (query, key, value)):
+        if not (x.is_nested and x.layout == torch.jagged and x.dim() == 4
+                and getattr(x, "_ragged_idx", None) == 2):
+            raise V.FlashtileInputError(
+                f"{name}: nested tensors must all have the jagged layout (layout=torch.jagged) "
+                f"and shape (B, H, j, E) with the ragged dimension third, got "
+                f"{'a nested' if x.is_nested else 'a dense'} tensor of shape {tuple(x.shape)}")
+    if attn_mask is not None:
+        raise V.FlashtileInputError("attn_mask is not supported with nested (jagged) tensors")
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))     # (B, j, H, E), j ragged
+    if not (q.shape[0] == k.shape[0] == v.shape[0]) or (
+            k.shape[1] != v.shape[1] and not torch.equal(k.offsets(), v.offsets())):
+        raise V.FlashtileInputError(
+            f"key and value must have the same sequences, and as many as query: got query "
+            f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
+    E, Ev, heads, heads_kv = q.shape[-1], v.shape[-1], q.shape[2], k.shape[2]
+    if k.shape[-1] != E:
+        raise V.FlashtileInputError(f"query and key must share the head dim E, got {E} and "
+                                    f"{k.shape[-1]}")
+    if heads != heads_kv and not (enable_gqa and heads_kv and heads % heads_kv == 0):
+        raise V.FlashtileInputError(
+            f"query has {heads} heads but key/value have {heads_kv}: with nested tensors the "
+            "query heads must equal the key/value heads, or be a multiple of them with "
+            "enable_gqa=True")
+    # (causal: top-left per sequence; where query and key share their ragged dimension, every
+    # sequence has as many keys as queries and bottom-right, the Hopper kernels' case, is the
+    # same mask)
+    spec = _spec(max(E, 1), scale, is_causal, (-1, -1), 0.0, dropout_p,
+                 bottom_right=k.shape[1] is q.shape[1], scale_name="scale")
+    qv, kv, vv = q.values(), k.values(), v.values()                # (total, H, E)
+    if Ev != E:
+        V.head_dim(Ev, "value")
+        qv, kv, vv = pad_head_dims(qv, kv, vv)
+    qv, kv, vv = _maybe_contiguous(qv), _maybe_contiguous(kv), _maybe_contiguous(vv)
+    _check_qkv(qv, kv, vv, "(B, H, j, E) jagged", "(B, H_kv, j, E) jagged", 3, names=names)
+    cu_q, cu_k = q.offsets(), k.offsets()
+    out, _ = attention(qv, kv, vv, spec, cu_seqlens_q=cu_q.to(torch.int32),
+                       cu_seqlens_k=cu_k.to(torch.int32), max_seqlen_q=q._get_max_seqlen(),
+                       max_seqlen_k=k._get_max_seqlen(),
+                       rng_seed=dropout_seed(spec, qv.device))
+    if out.shape[-1] != Ev:
+        out = out[..., :Ev]
+    # (the query's offsets: the output shares its ragged dimension)
+    return torch.nested.nested_tensor_from_jagged(out, offsets=cu_q).transpose(1, 2)
 
 
 def _broadcast(*shapes):

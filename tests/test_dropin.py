@@ -347,6 +347,69 @@ def test_broadcast_shapes_match_torch_float64(case, dtype, backend):
                      grad_names=("dq", "dk", "dv", "dmask"))
 
 
+# (id, query lengths, key lengths, heads, key/value heads, E, value head dim, causal): nested
+# tensors with the jagged layout, one sequence a batch entry; key lengths None: the keys share
+# the query's ragged dimension (its offsets)
+JAGGED = [
+    ("self-causal-gqa", [3, 5, 2], [3, 5, 2], 4, 2, 16, 16, True),
+    ("self-shared-ragged-causal", [4, 1, 6], None, 2, 2, 16, 16, True),
+    # causal is top-left per sequence: the second has more queries than keys
+    ("cross-causal-value-dim-8", [3, 5, 2], [6, 2, 4], 2, 2, 16, 8, True),
+    ("cross", [7, 1, 4], [2, 9, 5], 2, 2, 16, 16, False),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", JAGGED, ids=[c[0] for c in JAGGED])
+def test_jagged_nested_tensors_match_float64_per_sequence(case, dtype, backend):
+    """Nested (jagged) ``(B, H, j, E)`` inputs, as PyTorch's SDPA takes them: the output is a
+    jagged tensor sharing the query's ragged dimension, and its values and the gradients of
+    the packed inputs are each sequence's attention within flash-attn's rule of float64."""
+    name, lq, lk, heads, heads_kv, e, ev, causal = case
+    gen = torch.Generator().manual_seed(len(name))
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()]) for n in (lq, lk or lq))
+    if lk is None:
+        lk, cu_k = lq, cu_q
+    inputs = [randn(sum(lq), heads, e, dtype=dtype, gen=gen),
+              randn(sum(lk), heads_kv, e, dtype=dtype, gen=gen),
+              randn(sum(lk), heads_kv, ev, dtype=dtype, gen=gen)]
+    leaves = [x.clone().requires_grad_() for x in inputs]
+
+    def jagged(x, cu):  # (total, H, D) values -> (B, H, j, D)
+        return torch.nested.nested_tensor_from_jagged(x, offsets=cu).transpose(1, 2)
+    q, k, v = jagged(leaves[0], cu_q), jagged(leaves[1], cu_k), jagged(leaves[2], cu_k)
+    assert (k.shape[2] is q.shape[2]) == (cu_k is cu_q)
+    with flashtile.use_backend(backend), poison_outputs():
+        out = ft_sdpa(q, k, v, is_causal=causal, enable_gqa=True)
+        assert out.is_nested and out.shape[2] is q.shape[2] and out.shape[:2] == q.shape[:2]
+        values = out.transpose(1, 2).values()
+        assert values.shape == (sum(lq), heads, ev)
+        do = randn(*values.shape, dtype=dtype, gen=gen)
+        grads = torch.autograd.grad(values, leaves, do)
+    ref_one = _ref({"is_causal": causal, "enable_gqa": True})
+
+    def ref(q_, k_, v_, dtype):  # each sequence's (H, L, E) attention, packed again
+        return torch.cat([ref_one(q_[a:b].transpose(0, 1), k_[c:d].transpose(0, 1),
+                                  v_[c:d].transpose(0, 1), dtype=dtype).transpose(0, 1)
+                          for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])])
+    check_flash_rule(name, values, grads, inputs, do, ref, dtype, grad_names=("dq", "dk", "dv"))
+
+
+def test_jagged_nested_tensors_bad_input_names_the_argument():
+    """Nested inputs: every one jagged ``(B, H, j, E)``; no attn_mask."""
+    def jagged(*lens, h=2, e=16):
+        return torch.nested.nested_tensor([torch.randn(n, h, e) for n in lens],
+                                          layout=torch.jagged).transpose(1, 2)
+    q = jagged(3, 4)
+    with pytest.raises(ValueError, match="value: nested tensors must all have the jagged"):
+        ft_sdpa(q, q, torch.randn(2, 2, 4, 16))
+    with pytest.raises(ValueError, match="attn_mask is not supported with nested"):
+        ft_sdpa(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="heads"):
+        ft_sdpa(jagged(3, 4, h=3), q, q, enable_gqa=True)
+
+
 # (id, query, key, value): every zero-size dimension PyTorch accepts
 ZERO = [
     ("L0", (2, 3, 0, 16), (2, 3, 7, 16), (2, 3, 7, 16)),
