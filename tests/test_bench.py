@@ -1267,6 +1267,19 @@ def test_overhead_subcommand_routes_to_speed_overhead_main(monkeypatch, tmp_path
         assert not (tmp_path / "o.json").exists()
 
 
+def test_host_cost_block_reports_wall_and_cpu_time(monkeypatch):
+    """``speed._per_call_us``: per call, the wall time and the process's CPU time of a block of
+    calls; a call that waits without running (a sleep, as a host descheduled by other work)
+    adds wall time only, a call that computes adds both."""
+    import time as _time
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    wall, used = speed._per_call_us(lambda: _time.sleep(0.002), n=20)
+    assert wall >= 2000 and used < 0.5 * wall
+    x = torch.randn(200, 200)
+    wall, used = speed._per_call_us(lambda: (x @ x).sum(), n=20)
+    assert used > 0 and wall > 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Variants subcommand (flashtile.bench.variants)
 # ---------------------------------------------------------------------------------------------

@@ -438,15 +438,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 # --------------------------------------------------------------------------------------------
 # Host cost per call (``python -m flashtile.bench overhead``)
 # --------------------------------------------------------------------------------------------
-def _per_call_us(fn: Callable[[], Any], n: int = 2000) -> float:
-    """Wall-clock microseconds per call of ``fn`` over ``n`` calls (one block, between two
-    device synchronisations)."""
+def _per_call_us(fn: Callable[[], Any], n: int = 2000) -> tuple[float, float]:
+    """``(wall, cpu)`` microseconds per call of ``fn`` over ``n`` calls (one block, between two
+    device synchronisations): wall-clock time, and the CPU time of the process (every thread,
+    ``time.process_time``), which leaves out the time the host's scheduler gives to others, the
+    part of the wall time that spreads most on a shared machine."""
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(n):
         fn()
     torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
+    return ((time.perf_counter() - t0) / n * 1e6, (time.process_time() - c0) / n * 1e6)
 
 
 HOST_ROUNDS = 9
@@ -463,7 +465,9 @@ def host_costs(rounds: int = HOST_ROUNDS) -> dict:
     The host's pace drifts between blocks of calls (on the H100 machine by up to 3x), so every
     measurement is a block of calls repeated over ``rounds`` rounds, all measurements one after
     another in each round (order rotated), and the median over rounds is reported (with the
-    rounds under ``<name>_rounds``)."""
+    rounds under ``<name>_rounds``); beside each, the process's CPU time per call under
+    ``<name>_cpu`` (median) and ``<name>_cpu_rounds``: steadier where other work shares the
+    host (a host-bound loop spends its wall time on the CPU, whatever else runs)."""
     import flashtile
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -527,13 +531,18 @@ def host_costs(rounds: int = HOST_ROUNDS) -> dict:
             for _ in range(50):
                 fn()
     times: dict = {name: [] for name in names}
+    cpu: dict = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             fn, n, ctx = cases[name]
             with ctx():
-                times[name].append(_per_call_us(fn, n))
+                wall, used = _per_call_us(fn, n)
+            times[name].append(wall)
+            cpu[name].append(used)
     rec = {name: statistics.median(t) for name, t in times.items()}
     rec.update({f"{name}_rounds": t for name, t in times.items()})
+    rec.update({f"{name}_cpu": statistics.median(t) for name, t in cpu.items()})
+    rec.update({f"{name}_cpu_rounds": t for name, t in cpu.items()})
     return rec
 
 
