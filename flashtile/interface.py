@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import _validate as V
+from ._tensor_cache import TensorCache
 from . import backends, paged_kv
 from .autograd import attention, dropout_seed
 from ._validate import check_qkv as _check_qkv
@@ -424,6 +425,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     return out if out.shape == out_shape else out.reshape(out_shape)
 
 
+# int32 copies of nested tensors' offsets, per offsets tensor: the varlen path's tables are
+# cached by the identity of the cumulative-length tensors it is given, so each nested tensor
+# keeps handing it the same one
+_offsets32 = TensorCache()
+
+
 def _sdpa_jagged(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     """:func:`scaled_dot_product_attention` of nested tensors with the jagged layout
     (``torch.nested``, ``layout=torch.jagged``), ``(B, H, j, E)`` with the ragged dimension
@@ -468,8 +475,10 @@ def _sdpa_jagged(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
     qv, kv, vv = _maybe_contiguous(qv), _maybe_contiguous(kv), _maybe_contiguous(vv)
     _check_qkv(qv, kv, vv, "(B, H, j, E) jagged", "(B, H_kv, j, E) jagged", 3, names=names)
     cu_q, cu_k = q.offsets(), k.offsets()
-    out, _ = attention(qv, kv, vv, spec, cu_seqlens_q=cu_q.to(torch.int32),
-                       cu_seqlens_k=cu_k.to(torch.int32), max_seqlen_q=q._get_max_seqlen(),
+    cu_q32, cu_k32 = (_offsets32.get("int32", (cu,), lambda c=cu: c.to(torch.int32))
+                      for cu in (cu_q, cu_k))
+    out, _ = attention(qv, kv, vv, spec, cu_seqlens_q=cu_q32,
+                       cu_seqlens_k=cu_k32, max_seqlen_q=q._get_max_seqlen(),
                        max_seqlen_k=k._get_max_seqlen(),
                        rng_seed=dropout_seed(spec, qv.device))
     if out.shape[-1] != Ev:

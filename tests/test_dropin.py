@@ -396,6 +396,25 @@ def test_jagged_nested_tensors_match_float64_per_sequence(case, dtype, backend):
     check_flash_rule(name, values, grads, inputs, do, ref, dtype, grad_names=("dq", "dk", "dv"))
 
 
+def test_jagged_calls_hand_the_varlen_path_one_int32_offsets_tensor(monkeypatch):
+    """Two calls on the same nested tensors give the varlen path the same int32 offsets object
+    (its per-offsets tables are cached by identity); other nested tensors get their own."""
+    from flashtile import interface
+    seen = []
+    real = interface.attention
+    monkeypatch.setattr(interface, "attention", lambda *a, **kw: seen.append(
+        kw["cu_seqlens_q"]) or real(*a, **kw))
+    x = torch.nested.nested_tensor([torch.randn(n, 2, 16) for n in (3, 5)],
+                                   layout=torch.jagged).transpose(1, 2)
+    y = torch.nested.nested_tensor([torch.randn(n, 2, 16) for n in (3, 5)],
+                                   layout=torch.jagged).transpose(1, 2)
+    with flashtile.use_backend("torch"):
+        for q in (x, x, y):
+            ft_sdpa(q, q, q, is_causal=True)
+    assert seen[0] is seen[1] and seen[2] is not seen[0]
+    assert seen[0].dtype == torch.int32 and seen[0].tolist() == [0, 3, 8]
+
+
 def test_jagged_nested_tensors_bad_input_names_the_argument():
     """Nested inputs: every one jagged ``(B, H, j, E)``; no attn_mask."""
     def jagged(*lens, h=2, e=16):
