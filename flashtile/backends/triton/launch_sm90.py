@@ -1117,10 +1117,10 @@ class _BwdPlan:
         self.cu_at = (names.index("CuQ"), names.index("CuK"))  # (packed sequences)
         self.descs = tuple((names.index(n), r, *descs[n][1:]) for r, n in enumerate(_BWD_ROLES))
         self.fast = _tma_launch(self.compiled, grid, self.descs)
-        # the prologue's launch, bound (its scalars are the key's: shapes, strides, count)
-        self.prologue = prologue and (
-            BoundLaunch(attn_bwd_delta_kernel, *prologue, _PROLOGUE_PTRS)
-            if INTERNALS_OK else None)
+        # the prologue's direct launch, bound (its scalars are the key's: shapes, strides,
+        # count); None where it was not direct
+        self.prologue = prologue and BoundLaunch(attn_bwd_delta_kernel, *prologue,
+                                                 _PROLOGUE_PTRS)
         # the plan keeps no tensor of the call it was made from alive (every call fills them)
         for at in (*self.at, *self.mask_at, *self.cu_at, *(d[0] for d in self.descs)):
             self.values[at] = None
