@@ -26,12 +26,20 @@ def pad_head_dims(q, k, v):
     the two so that all three share ``max(E, Ev)``: exact, because zero columns of q and k add
     nothing to ``q.k`` and zero columns of v give output columns of zero, which the caller
     crops to ``Ev`` (the softmax scale must stay ``E``'s: pass it explicitly).  Padding is
-    differentiable; it costs what the larger head dim costs."""
+    differentiable; it costs what the larger head dim costs.  The padded key or value takes
+    the other's memory layout (the Hopper kernels walk K and V with the same coordinates)."""
     e, ev = q.shape[-1], v.shape[-1]
-    pad = torch.nn.functional.pad
     if ev < e:
-        return q, k, pad(v, (0, e - ev))
-    return pad(q, (0, ev - e)), pad(k, (0, ev - e)), v
+        return q, k, _pad_last(v, e, like=k)
+    return _pad_last(q, ev, like=q), _pad_last(k, ev, like=v), v
+
+
+def _pad_last(x, size, like):
+    """``x`` with zeros padded onto its last dimension up to ``size``, laid out in memory as
+    ``like`` is: its dimensions but the last in ``like``'s stride order, outermost first."""
+    order = sorted(range(x.dim() - 1), key=lambda i: (-like.stride(i), i)) + [x.dim() - 1]
+    back = [order.index(i) for i in range(x.dim())]
+    return torch.nn.functional.pad(x.permute(order), (0, size - x.shape[-1])).permute(back)
 
 
 def _maybe_contiguous(x):

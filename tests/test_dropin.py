@@ -429,6 +429,25 @@ def test_jagged_nested_tensors_bad_input_names_the_argument():
         ft_sdpa(jagged(3, 4, h=3), q, q, enable_gqa=True)
 
 
+@pytest.mark.parametrize("value_dim", [32, 128], ids=["value-smaller", "value-larger"])
+def test_pad_head_dims_gives_key_and_value_one_layout(value_dim):
+    """Multi-head latent attention's padding (``pad_head_dims``): the padded key or value takes
+    the other's memory layout (here keys in ``(B, H, S, D)`` order, values in ``(B, S, H, D)``
+    order, as transformers' DeepSeek-V3 makes them), so the Hopper kernels can walk both with
+    the same coordinates; the padding is zeros and the original values are kept."""
+    from flashtile.interface import pad_head_dims
+    q = torch.randn(2, 3, 5, 64).transpose(1, 2)                       # (B, S, H, D) views
+    k = torch.randn(2, 3, 5, 64).transpose(1, 2)
+    v = torch.randn(2, 5, 3, value_dim)
+    qp, kp, vp = pad_head_dims(q, k, v)
+    width = max(64, value_dim)
+    assert qp.shape == kp.shape[:-1] + (width,) and vp.shape == v.shape[:-1] + (width,)
+    assert kp.stride() == vp.stride()
+    for x, xp in ((q, qp), (k, kp), (v, vp)):
+        assert torch.equal(xp[..., :x.shape[-1]], x)
+        assert not xp[..., x.shape[-1]:].any()
+
+
 # (id, query, key, value): every zero-size dimension PyTorch accepts
 ZERO = [
     ("L0", (2, 3, 0, 16), (2, 3, 7, 16), (2, 3, 7, 16)),

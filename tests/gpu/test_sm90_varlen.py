@@ -222,3 +222,56 @@ def test_sm90_varlen_compiled_fullgraph_dynamic_equals_eager(monkeypatch):
         assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
         assert_grads_flash_rule(got, (q, k, v), do, lambda q_, k_, v_, dt: _per_sequence(
             q_, k_, v_, cu_q, cu_k, spec, dt)[0], dtype)
+
+
+# (id, query lengths, key lengths (None: the keys share the query's ragged dimension), heads,
+# key/value heads, E, value head dim, causal)
+JAGGED = [
+    ("self-causal-gqa-d128", [300, 1, 777, 64], None, 8, 2, 128, 128, True),
+    ("self-d64-value-dim-32", [129, 500], None, 4, 4, 64, 32, False),
+    ("cross-causal-top-left-d128", [300, 40], [100, 400], 4, 4, 128, 128, True),
+]
+
+
+@pytest.mark.parametrize("case", JAGGED, ids=[c[0] for c in JAGGED])
+def test_sm90_jagged_sdpa_matches_float64_per_sequence(case, monkeypatch):
+    """``F.scaled_dot_product_attention``'s drop-in on jagged nested tensors ``(B, H, j, E)``
+    on the GPU: each sequence's output and the packed inputs' gradients within flash-attn's
+    rule of float64; where key and query share the ragged dimension the Hopper varlen kernels
+    run (forward and fused backward), causal top-left per sequence otherwise."""
+    from flashtile.interface import scaled_dot_product_attention as ft_sdpa
+    name, lq, lk, heads, heads_kv, e, ev, causal = case
+    dtype = torch.bfloat16
+    cu_q = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()], device="cuda")
+    cu_k = cu_q if lk is None else torch.tensor([0, *torch.tensor(lk).cumsum(0).tolist()],
+                                                device="cuda")
+    lk = lk or lq
+    inputs = [torch.randn(sum(lq), heads, e, device="cuda", dtype=dtype),
+              torch.randn(sum(lk), heads_kv, e, device="cuda", dtype=dtype),
+              torch.randn(sum(lk), heads_kv, ev, device="cuda", dtype=dtype)]
+    leaves = [x.clone().requires_grad_() for x in inputs]
+
+    def jagged(x, cu):  # (total, H, D) values -> (B, H, j, D)
+        return torch.nested.nested_tensor_from_jagged(x, offsets=cu).transpose(1, 2)
+    q, k, v = jagged(leaves[0], cu_q), jagged(leaves[1], cu_k), jagged(leaves[2], cu_k)
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    calls = spy_keyword(monkeypatch, launch_sm90, "forward", "varlen")
+    fused = spy_keyword(monkeypatch, launch_sm90, "fused_backward", "varlen")
+    with poison_outputs():
+        out = ft_sdpa(q, k, v, is_causal=causal, enable_gqa=True)
+        values = out.transpose(1, 2).values()
+        do = torch.randn_like(values)
+        grads = torch.autograd.grad(values, leaves, do)
+    assert out.is_nested and values.shape == (sum(lq), heads, ev)
+    if k.shape[2] is q.shape[2]:
+        assert calls and calls[0] is not None and fused and fused[0] is not None
+    spec = AttnSpec(softmax_scale=e ** -0.5, window_right=0 if causal else -1,
+                    bottom_right=False)
+
+    def ref(q_, k_, v_, dt):  # each sequence's attention (top-left causal), packed again
+        return torch.cat([reference(q_[None, a:b], k_[None, c:d], v_[None, c:d], spec,
+                                    dtype=dt)[0]
+                          for a, b, c, d in zip(cu_q.tolist(), cu_q[1:].tolist(),
+                                                cu_k.tolist(), cu_k[1:].tolist())])
+    assert_flash_rule("out", values, ref(*inputs, torch.float64), ref(*inputs, dtype), 2)
+    assert_grads_flash_rule(list(grads), inputs, do, ref, dtype)
