@@ -322,7 +322,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ``scale`` (a finite float, or a one-element tensor) defaults to ``1 / sqrt(E)``.  The
     value head dim ``Ev`` may differ from ``E`` (the output is then ``(..., H, L, Ev)``): the
     call runs at head dim ``max(E, Ev)`` with zeros padded in (:func:`pad_head_dims`, exact).
-    Dtypes are float16, bfloat16, float32.
+    Dtypes are float16, bfloat16, float32; float64 calls, and ``dropout_p = 1`` (an output of
+    zeros), are PyTorch's own function's.
     ``torch.func`` transforms (``grad``, ``vjp``, ``vmap`` and their compositions) work; under
     ``vmap`` the op runs once per mapped element.  Nested tensors with the jagged layout
     (``torch.nested``, ``(B, H, j, E)`` with the ragged dimension third, as PyTorch takes them)
@@ -344,6 +345,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                              f"dimensions, got {tuple(x.shape)}")
     if type(is_causal) is not bool:  # noqa: E721  (PyTorch accepts exactly a bool)
         raise TypeError(f"is_causal must be bool, not {type(is_causal).__name__}")
+    if query.dtype == key.dtype == value.dtype == torch.float64 or (
+            type(dropout_p) in (int, float) and dropout_p == 1):
+        # Outside what the kernels compute (16/32-bit inputs, dropout below 1): PyTorch's own
+        # function, with its semantics and its errors (on the CPU its fused kernel, which never
+        # holds L x S scores, wherever that applies)
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+            scale=scale, enable_gqa=enable_gqa)
     if type(enable_gqa) is not bool:  # noqa: E721
         raise TypeError(f"enable_gqa must be bool, not {type(enable_gqa).__name__}")
     if isinstance(scale, torch.Tensor) and scale.numel() == 1 and not _compiling():

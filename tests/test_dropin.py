@@ -429,6 +429,44 @@ def test_jagged_nested_tensors_bad_input_names_the_argument():
         ft_sdpa(jagged(3, 4, h=3), q, q, enable_gqa=True)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_float64_calls_are_pytorchs_own_and_pass_gradcheck(causal, backend):
+    """float64 (which the kernels do not compute) runs PyTorch's own SDPA: the output and
+    gradients equal ``F.scaled_dot_product_attention``'s bitwise on the same inputs (GQA, a
+    broadcast bool mask or causal), are within 1e-12 of the formula in float64, and
+    ``torch.autograd.gradcheck`` passes through the drop-in."""
+    gen = torch.Generator().manual_seed(11 + causal)
+    q, k, v = (randn(2, h, n, 8, dtype=torch.float64, gen=gen).requires_grad_()
+               for h, n in ((4, 5), (2, 7), (2, 7)))
+    mask = None if causal else torch.rand(1, 1, 5, 7, generator=gen) > 0.3
+    kw = dict(attn_mask=mask, is_causal=causal, enable_gqa=True)
+    with flashtile.use_backend(backend):
+        out = ft_sdpa(q, k, v, **kw)
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        assert torch.autograd.gradcheck(lambda *x: ft_sdpa(*x, **kw), (q, k, v))
+    want = F.scaled_dot_product_attention(q, k, v, **kw)
+    assert out.dtype == torch.float64 and torch.equal(out, want)
+    for g, w in zip(grads, torch.autograd.grad(want, (q, k, v), torch.ones_like(want))):
+        assert torch.equal(g, w)
+    ref = _ref(dict(is_causal=causal, enable_gqa=True))(
+        q, k, v, *(() if mask is None else (torch.zeros(mask.shape, dtype=torch.float64)
+                                          .masked_fill(~mask, float("-inf")),)),
+        dtype=torch.float64)
+    torch.testing.assert_close(out, torch.nan_to_num(ref), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_one_gives_zeros_as_pytorch(backend):
+    """``dropout_p = 1`` drops every probability: zeros and zero gradients, as PyTorch's SDPA
+    (whose function runs the call)."""
+    q = torch.randn(2, 3, 6, 16, requires_grad=True)
+    with flashtile.use_backend(backend):
+        out = ft_sdpa(q, q, q, dropout_p=1.0, is_causal=True)
+        (grad,) = torch.autograd.grad(out.sum(), q)
+    assert out.shape == q.shape and not out.any() and not grad.any()
+
+
 @pytest.mark.parametrize("value_dim", [32, 128], ids=["value-smaller", "value-larger"])
 def test_pad_head_dims_gives_key_and_value_one_layout(value_dim):
     """Multi-head latent attention's padding (``pad_head_dims``): the padded key or value takes
