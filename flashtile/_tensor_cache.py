@@ -10,7 +10,7 @@ new tensor allocated at a freed one's address is never mistaken for it) as long 
 version counters are unchanged (every in-place write, through any view, bumps the counter).
 Inference tensors (made under ``torch.inference_mode``) have no version counter, and a value
 made while a CUDA graph is captured holds device memory that is filled only when the graph
-replays: neither is cached.
+replays: neither is cached, nor is anything while ``torch.compile`` traces.
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ import torch
 
 
 def _trackable(tensors: Sequence[torch.Tensor]) -> bool:
+    if torch.compiler.is_compiling():  # traced code runs once; the graph holds no cache
+        return False
     for t in tensors:
         if t.is_inference():
             return False

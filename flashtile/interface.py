@@ -448,6 +448,17 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 _offsets32 = TensorCache()
 
 
+def _max_seqlen(x, values):
+    """The longest sequence of the jagged ``x``: PyTorch's cached value, or read from its
+    offsets (one host read, then cached) - except while ``torch.compile`` traces, where a
+    read would be a data-dependent value: the packed total bounds it (the varlen path takes
+    any bound at least the longest; only the grid grows)."""
+    cached = x._maybe_max_seqlen
+    if cached is not None:
+        return cached
+    return values.shape[0] if _compiling() else x._get_max_seqlen()
+
+
 def _sdpa_jagged(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     """:func:`scaled_dot_product_attention` of nested tensors with the jagged layout
     (``torch.nested``, ``layout=torch.jagged``), ``(B, H, j, E)`` with the ragged dimension
@@ -495,8 +506,8 @@ def _sdpa_jagged(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
     cu_q32, cu_k32 = (_offsets32.get("int32", (cu,), lambda c=cu: c.to(torch.int32))
                       for cu in (cu_q, cu_k))
     out, _ = attention(qv, kv, vv, spec, cu_seqlens_q=cu_q32,
-                       cu_seqlens_k=cu_k32, max_seqlen_q=q._get_max_seqlen(),
-                       max_seqlen_k=k._get_max_seqlen(),
+                       cu_seqlens_k=cu_k32, max_seqlen_q=_max_seqlen(q, qv),
+                       max_seqlen_k=_max_seqlen(k, kv),
                        rng_seed=dropout_seed(spec, qv.device))
     if out.shape[-1] != Ev:
         out = out[..., :Ev]

@@ -396,6 +396,33 @@ def test_jagged_nested_tensors_match_float64_per_sequence(case, dtype, backend):
     check_flash_rule(name, values, grads, inputs, do, ref, dtype, grad_names=("dq", "dk", "dv"))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_jagged_compiled_fullgraph_dynamic_equals_eager(backend):
+    """A jagged self-attention call (GQA, causal) under ``torch.compile(fullgraph=True,
+    dynamic=True)``, on nested tensors that carry no longest length (the packed total bounds
+    it while tracing): the output and the packed inputs' gradients equal the eager call's,
+    for two batches of different lengths and counts."""
+    def f(x, kv):
+        q, k = x.transpose(1, 2), kv.transpose(1, 2)
+        return ft_sdpa(q, k, k, is_causal=True, enable_gqa=True).transpose(1, 2)
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    gen = torch.Generator().manual_seed(5)
+    for lens in ([3, 5, 2], [7, 1, 4, 6]):
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+        # (6 heads: PyTorch 2.13's dynamo fails to build its guards when a dimension of a
+        # nested tensor without a cached longest length equals its batch + 1, as 4 would here)
+        leaves = [randn(sum(lens), h, 16, gen=gen).requires_grad_() for h in (6, 2)]
+        outs = []
+        with flashtile.use_backend(backend):
+            for fn in (compiled, f):
+                x, kv = (torch.nested.nested_tensor_from_jagged(t, offsets=cu) for t in leaves)
+                values = fn(x, kv).values()
+                outs.append((values, *torch.autograd.grad(values, leaves,
+                                                          torch.ones_like(values))))
+        for name, got, want in zip(("out", "dq", "dkv"), *outs):
+            assert_close(name, got, want, atol=1e-6, rtol=1e-5)
+
+
 def test_jagged_calls_hand_the_varlen_path_one_int32_offsets_tensor(monkeypatch):
     """Two calls on the same nested tensors give the varlen path the same int32 offsets object
     (its per-offsets tables are cached by identity); other nested tensors get their own."""
