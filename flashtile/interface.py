@@ -37,7 +37,13 @@ def pad_head_dims(q, k, v):
 def _pad_last(x, size, like):
     """``x`` with zeros padded onto its last dimension up to ``size``, laid out in memory as
     ``like`` is: its dimensions but the last in ``like``'s stride order, outermost first."""
-    order = sorted(range(x.dim() - 1), key=lambda i: (-like.stride(i), i)) + [x.dim() - 1]
+    order = list(range(x.dim() - 1))
+    for i in range(1, len(order)):  # (an insertion sort: torch.compile sorts no symbolic keys)
+        j = i
+        while j and like.stride(order[j - 1]) < like.stride(order[j]):
+            order[j - 1], order[j] = order[j], order[j - 1]
+            j -= 1
+    order.append(x.dim() - 1)
     back = [order.index(i) for i in range(x.dim())]
     return torch.nn.functional.pad(x.permute(order), (0, size - x.shape[-1])).permute(back)
 
