@@ -351,6 +351,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                              f"dimensions, got {tuple(x.shape)}")
     if type(is_causal) is not bool:  # noqa: E721  (PyTorch accepts exactly a bool)
         raise TypeError(f"is_causal must be bool, not {type(is_causal).__name__}")
+    dtypes = (query.dtype, key.dtype, value.dtype)
+    if torch.float64 in dtypes and len(set(dtypes)) > 1:
+        raise TypeError(f"query, key and value must share one dtype, got "
+                        f"{', '.join(str(d).replace('torch.', '') for d in dtypes)}")
     if query.dtype == key.dtype == value.dtype == torch.float64 or (
             type(dropout_p) in (int, float) and dropout_p == 1):
         # Outside what the kernels compute (16/32-bit inputs, dropout below 1): PyTorch's own

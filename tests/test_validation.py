@@ -98,6 +98,8 @@ SDPA_BAD = [
     ("rank1", lambda: (torch.randn(16),) * 3, {}, ValueError, "query"),
     ("batch-dims", lambda: (torch.randn(2, 2, 8, 16), torch.randn(3, 2, 8, 16), torch.randn(3, 2, 8, 16)), {}, ValueError, "batch"),
     ("int-query", lambda: (torch.ones(1, 2, 8, 16, dtype=torch.int64), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)), {}, TypeError, "query"),
+    # float64 runs PyTorch's own function, only with all three float64
+    ("float64-query-float32-key", lambda: (torch.randn(1, 2, 8, 16, dtype=torch.float64), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)), {}, TypeError, "query, key and value must share one dtype, got float64, float32, float32"),
 ]
 
 

@@ -65,7 +65,7 @@ def cases(dev, dtype):
     add("sdpa head dim 300", lambda: scaled_dot_product_attention(*(r(1, 2, 8, 300),) * 3), ValueError, "headdim")
     add("sdpa mixed dtype", lambda: scaled_dot_product_attention(s4.float(), s4.half(), s4.half()), TypeError, "dtype")
     add("sdpa int32", lambda: scaled_dot_product_attention(*(torch.ones(2, 4, 8, 16, dtype=torch.int32, device=dev),) * 3), TypeError, "query")
-    add("sdpa float64 and float32", lambda: scaled_dot_product_attention(s4.double(), s4, s4), TypeError, "float64")
+    add("sdpa float64 and float32", lambda: scaled_dot_product_attention(s4.double(), s4, s4), TypeError, "share one dtype")
     add("sdpa key on meta", lambda: scaled_dot_product_attention(s4, s4.to("meta"), s4), ValueError, "meta")
     add("sdpa mask shape", lambda: scaled_dot_product_attention(s4, s4, s4, attn_mask=r(9, 10)), ValueError, "attn_mask")
     add("sdpa mask int64", lambda: scaled_dot_product_attention(s4, s4, s4, attn_mask=torch.ones(8, 8, dtype=torch.int64, device=dev)), TypeError, "attn_mask")
