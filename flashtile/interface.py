@@ -27,8 +27,10 @@ def pad_head_dims(q, k, v):
     nothing to ``q.k`` and zero columns of v give output columns of zero, which the caller
     crops to ``Ev`` (the softmax scale must stay ``E``'s: pass it explicitly).  Padding is
     differentiable; it costs what the larger head dim costs.  The padded key or value takes
-    the other's memory layout (the Hopper kernels walk K and V with the same coordinates)."""
+    the other's memory layout (the Hopper kernels walk K and V with the same coordinates).
+    The value head dim is checked here (the kernels' limit), the query's by the caller."""
     e, ev = q.shape[-1], v.shape[-1]
+    V.head_dim(ev, "value")
     if ev < e:
         return q, k, _pad_last(v, e, like=k)
     return _pad_last(q, ev, like=q), _pad_last(k, ev, like=v), v
@@ -352,14 +354,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if type(is_causal) is not bool:  # noqa: E721  (PyTorch accepts exactly a bool)
         raise TypeError(f"is_causal must be bool, not {type(is_causal).__name__}")
     dtypes = (query.dtype, key.dtype, value.dtype)
-    if torch.float64 in dtypes and len(set(dtypes)) > 1:
-        raise TypeError(f"query, key and value must share one dtype, got "
-                        f"{', '.join(str(d).replace('torch.', '') for d in dtypes)}")
-    if query.dtype == key.dtype == value.dtype == torch.float64 or (
-            type(dropout_p) in (int, float) and dropout_p == 1):
+    if torch.float64 in dtypes or (type(dropout_p) in (int, float) and dropout_p == 1):
         # Outside what the kernels compute (16/32-bit inputs, dropout below 1): PyTorch's own
         # function, with its semantics and its errors (on the CPU its fused kernel, which never
         # holds L x S scores, wherever that applies)
+        if len(set(dtypes)) > 1:
+            raise TypeError(f"query, key and value must share one dtype, got "
+                            f"{', '.join(str(d).replace('torch.', '') for d in dtypes)}")
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
             scale=scale, enable_gqa=enable_gqa)
@@ -422,7 +423,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             is_causal=is_causal, scale=None if scale is None else spec.softmax_scale,
             enable_gqa=enable_gqa)
     if Ev != E:  # one head dim for the kernels (the output cropped below)
-        V.head_dim(Ev, "value")
         q4, k4, v4 = pad_head_dims(q4, k4, v4)
     # key/value heads: one per query head, a group per key/value head (GQA), or one (MQA)
     if expand or nheads_q != nheads:
@@ -508,7 +508,6 @@ def _sdpa_jagged(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
                  bottom_right=k.shape[1] is q.shape[1], scale_name="scale")
     qv, kv, vv = q.values(), k.values(), v.values()                # (total, H, E)
     if Ev != E:
-        V.head_dim(Ev, "value")
         qv, kv, vv = pad_head_dims(qv, kv, vv)
     qv, kv, vv = _maybe_contiguous(qv), _maybe_contiguous(kv), _maybe_contiguous(vv)
     _check_qkv(qv, kv, vv, "(B, H, j, E) jagged", "(B, H_kv, j, E) jagged", 3, names=names)
