@@ -503,9 +503,10 @@ def _sdpa_jagged(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
             "enable_gqa=True")
     # (causal: top-left per sequence; where query and key share their ragged dimension, every
     # sequence has as many keys as queries and bottom-right, the Hopper kernels' case, is the
-    # same mask)
+    # same mask; nested ints compare equal only to themselves, and under torch.compile the
+    # traced one is a new object each time it is read, so ``==`` and not ``is``)
     spec = _spec(max(E, 1), scale, is_causal, (-1, -1), 0.0, dropout_p,
-                 bottom_right=k.shape[1] is q.shape[1], scale_name="scale")
+                 bottom_right=k.shape[1] == q.shape[1], scale_name="scale")
     qv, kv, vv = q.values(), k.values(), v.values()                # (total, H, E)
     if Ev != E:
         qv, kv, vv = pad_head_dims(qv, kv, vv)

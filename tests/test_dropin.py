@@ -397,11 +397,16 @@ def test_jagged_nested_tensors_match_float64_per_sequence(case, dtype, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_jagged_compiled_fullgraph_dynamic_equals_eager(backend):
+def test_jagged_compiled_fullgraph_dynamic_equals_eager(backend, monkeypatch):
     """A jagged self-attention call (GQA, causal) under ``torch.compile(fullgraph=True,
     dynamic=True)``, on nested tensors that carry no longest length (the packed total bounds
     it while tracing): the output and the packed inputs' gradients equal the eager call's,
-    for two batches of different lengths and counts."""
+    for two batches of different lengths and counts; both hand the backend the bottom-right
+    causal spec of a self-attention call (the Hopper kernels' case), not the top-left one."""
+    impl = flashtile.backends.get(backend)
+    specs = []
+    real = impl.forward
+    monkeypatch.setattr(impl, "forward", lambda *a, **kw: specs.append(a[3]) or real(*a, **kw))
     def f(x, kv):
         q, k = x.transpose(1, 2), kv.transpose(1, 2)
         return ft_sdpa(q, k, k, is_causal=True, enable_gqa=True).transpose(1, 2)
@@ -421,6 +426,7 @@ def test_jagged_compiled_fullgraph_dynamic_equals_eager(backend):
                                                           torch.ones_like(values))))
         for name, got, want in zip(("out", "dq", "dkv"), *outs):
             assert_close(name, got, want, atol=1e-6, rtol=1e-5)
+    assert len(specs) == 4 and all(s.bottom_right and s.window_right == 0 for s in specs)
 
 
 def test_jagged_calls_hand_the_varlen_path_one_int32_offsets_tensor(monkeypatch):

@@ -37,10 +37,12 @@ from flashtile.backends.triton.kernels.attn_bwd_dq_sm90 import attn_bwd_dq_sm90_
 from triton.experimental.gluon import language as gl
 
 
-def desc(ty, rows, head_dim, dtype, ragged):
-    # a RAGGED launch's descriptors are 3-D: one tile of one sequence
-    layout = launch_sm90._layout(rows, head_dim, dtype, ragged)
-    return f"tensordesc<{ty}[{'1, ' if ragged else ''}{rows}, {head_dim}],{layout!r}>"
+def desc(ty, rows, head_dim, dtype, ragged, heads=False):
+    # a RAGGED launch's descriptors are 3-D: one tile of one sequence; a padded head dim's
+    # with heads side by side have a dimension for the heads (4-D with RAGGED)
+    layout = launch_sm90._layout(rows, head_dim, dtype, ragged, heads)
+    block = ", ".join(map(str, launch_sm90._block(rows, head_dim, ragged, heads)))
+    return f"tensordesc<{ty}[{block}],{layout!r}>"
 
 
 def emit(name, kernel, types, head_dim, causal, **flags):
@@ -73,7 +75,7 @@ def emit(name, kernel, types, head_dim, causal, **flags):
         cubin_bytes=len(k.asm["cubin"]),
         ops={op: op in ptx for op in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg",
                                       "mbarrier.try_wait")},
-        tma_stores=len(re.findall(r"cp\.async\.bulk\.tensor\.[23]d\.global\.shared", ptx)),
+        tma_stores=len(re.findall(r"cp\.async\.bulk\.tensor\.[2-5]d\.global\.shared", ptx)),
         tma_reductions=ptx.count("cp.reduce.async.bulk.tensor"),
         atomics=len(re.findall(r"\s(?:atom|red)\.", ptx)), spill_bytes=spills,
         maxnreg=int(re.search(r"\.maxnreg (\d+)", ptx).group(1)))))
@@ -99,6 +101,14 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
             for n_c in {2, launch_sm90.consumers(head_dim, causal, 0, ragged or keymask)}:
                 emit(f"fwd{'' if n_c == 2 else n_c}{r}-{ty}", attn_fwd_sm90_kernel,
                      dict(fwd_types, Lists="*fp32"), head_dim, causal, CONSUMERS=n_c)
+            if not keymask and ty == "bf16" and head_dim != 64:
+                # "h": a head dim narrower than the tiles (96 at 128, 192 at 256) with heads
+                # side by side: each tensor's descriptor a view of one head's columns
+                hd = dict(fwd_types, **{n: desc(ty, rows, head_dim, dtype, ragged, True)
+                                        for n, rows in (("desc_q", bq), ("desc_k", bn),
+                                                        ("desc_v", bn), ("desc_o", bq))})
+                emit(f"fwdh{r}-{ty}", attn_fwd_sm90_kernel, dict(hd, Lists="*fp32"), head_dim,
+                     causal, CONSUMERS=2)
             if not r and ty == "bf16":
                 # "s": a block mask (its lists int32, lengths multiples of the tiles)
                 emit("fwds-bf16", attn_fwd_sm90_kernel, dict(fwd_types, Lists="*i32"),
@@ -182,7 +192,9 @@ def compiled() -> dict:
 VARIANTS = [f"fwd{r}-{ty}-d{d}-{mode}" for r, ty in (("", "bf16"), ("", "fp16"), ("r", "bf16"),
                                                      ("k", "bf16"), ("s", "bf16"),
                                                      ("v", "bf16"))
-            for d in (64, 128, 256) for mode in ("full", "causal")]
+            for d in (64, 128, 256) for mode in ("full", "causal")] + [
+    f"fwdh{r}-bf16-d{d}-{mode}" for r in ("", "r") for d in (128, 256)
+    for mode in ("full", "causal")]  # (a padded head dim's views of heads side by side)
 BWD_VARIANTS = [f"{kind}{r}-{ty}-d{d}-{mode}" for kind in ("bwd", "dkdv")
                 for r, ty in (("", "bf16"), ("", "fp16"), ("r", "bf16"), ("k", "bf16"))
                 if not (kind == "dkdv" and r == "k")
@@ -740,15 +752,20 @@ def test_sm90_forward_takes_windows_and_passes_their_edges(monkeypatch, left, ri
 
 @pytest.mark.parametrize("layout", ["contiguous", "sdpa", "fused-qkv"])
 @pytest.mark.parametrize("ragged", [False, True], ids=["aligned", "ragged"])
-def test_sm90_descriptor_coordinates_address_the_tensors_elements(layout, ragged):
+@pytest.mark.parametrize("d", [64, 96], ids=["d64", "d96-padded"])
+def test_sm90_descriptor_coordinates_address_the_tensors_elements(layout, ragged, d):
     """``launch_sm90._rows``: the coordinates the kernels compute for (batch entry, head, row,
     column) (``{prefix}_rb``, ``_rh``, ``_ch``; ``kernels/attn_fwd_sm90._tma_load``) address
     that element of the tensor, in the 2-D view of aligned lengths and in the 3-D view
     ``(sequences, S, columns)`` of lengths that are not multiples of the tiles, whose middle
-    dimension is exactly the sequence (the TMA reads zeros past it)."""
+    dimension is exactly the sequence (the TMA reads zeros past it).  A head dim of 96 in
+    tiles 128 wide (``padded_width``): the view's last dimension ends at the head's last
+    column (zeros past it), with heads side by side through a dimension for the heads whose
+    coordinate is the head's index (the kernel's ``_ch`` is 1)."""
     from flashtile.backends.triton import launch_sm90
 
-    batch, seq, heads, d = 3, 5, 4, 64
+    batch, seq, heads = 3, 5, 4
+    width = launch_sm90.padded_width(d)
     if layout == "contiguous":
         x = torch.randn(batch, seq, heads, d)
     elif layout == "sdpa":
@@ -756,19 +773,29 @@ def test_sm90_descriptor_coordinates_address_the_tensors_elements(layout, ragged
     else:  # the k slice of a fused (B, S, 3, H, D) projection
         x = torch.randn(batch, seq, 3, heads, d)[:, :, 1]
     args = {}
-    _, shape, strides, block, _ = launch_sm90._rows(x, 16, ragged, "x", args)
-    assert len(shape) == len(strides) == len(block) == (3 if ragged else 2)
-    assert block[-2:] == [16, d] and strides[-1] == 1
+    _, shape, strides, block, _ = launch_sm90._rows(x, 16, ragged, "x", args, width)
+    heads_view = width > d and layout != "sdpa"
+    assert len(shape) == len(strides) == len(block) == 2 + ragged + heads_view
+    assert block == [1] * ragged + [16] + [1] * heads_view + [width] and strides[-1] == 1
+    # (the view's edge: one head's last column, or in the 2-D view of heads side by side the
+    # last head's)
+    assert shape[-1] == (d if heads_view or layout == "sdpa" else heads * d)
     if ragged:
         assert shape[1] == seq and block[0] == 1
+    if heads_view:
+        assert args["x_ch"] == 1 and shape[-2] == heads
     base = x.storage_offset()
     for b in range(batch):
         for h in range(heads):
             for m in (0, seq - 1):
                 for c in (0, d - 1):
                     seq_at = b * args["x_rb"] + h * args["x_rh"]
-                    col = h * args["x_ch"] + c
-                    coords = [seq_at, m, col] if ragged else [seq_at + m, col]
+                    if heads_view:  # (_tma_load: the head's index, then its column)
+                        coords = [seq_at, m, h * args["x_ch"], c] if ragged else [
+                            seq_at + m, h * args["x_ch"], c]
+                    else:
+                        col = h * args["x_ch"] + c
+                        coords = [seq_at, m, col] if ragged else [seq_at + m, col]
                     assert all(0 <= i < n for i, n in zip(coords, shape))
                     offset = sum(i * st for i, st in zip(coords, strides))
                     want = b * x.stride(0) + m * x.stride(1) + h * x.stride(2) + c
@@ -882,7 +909,7 @@ def test_sm90_varlen_forward_passes_the_packed_sequences(monkeypatch):
     out, lse = launch_sm90.forward(q, k, v, spec, varlen=(cu_q, cu_k, 400, 400))
     (name, key, args), = calls
     assert out.shape == q.shape and lse.shape == (4, total_q)
-    assert key[3] == 2 and key[-2] is True and key[4] is False   # two consumers, 2-D views
+    assert key[3] == 2 and key[6] is True and key[4] is False   # two consumers, 2-D views
     assert sorted(args) == sorted(launch_sm90._kernel("fwd").arg_names)
     assert args["CuQ"] is cu_q and args["CuK"] is cu_k and args["batch"] == 3
     assert (args["sq"], args["sk"], args["stride_lb"], args["stride_lh"]) == (400, 400, 0,
@@ -1286,3 +1313,45 @@ def test_sm90_backward_plan_replays_its_prologue_bound(monkeypatch, case):
     if case == "packed":
         assert got["SRC"] == launch_sm90._orders.get(("rows", sq), (varlen[0],),
                                                      lambda: None).data_ptr()
+
+
+@pytest.mark.parametrize("head_dim, width", [(64, 64), (128, 128), (256, 256), (80, 128),
+                                             (96, 128), (120, 128), (136, 256), (192, 256),
+                                             (248, 256), (32, 0), (56, 0), (100, 0),
+                                             (264, 0), (512, 0)])
+def test_sm90_padded_width_of_head_dims(head_dim, width):
+    """``launch_sm90.padded_width``: the Hopper forward's tile width, the next of 64 / 128 /
+    256 for a multiple of 8 between them (the TMA's rows are 16-byte multiples), 0 outside."""
+    from flashtile.backends.triton import launch_sm90
+
+    assert launch_sm90.padded_width(head_dim) == width
+
+
+def test_sm90_forward_takes_padded_head_dims_only_where_asked(monkeypatch):
+    """``eligible(..., padded=True)`` (the dense forward's dispatch) takes d = 96 at width 128;
+    without it (key masks, block masks, packed sequences, and every backward) d = 96 stays on
+    the portable kernels; the launch's key tells the descriptors' ranks apart (the SDPA
+    layout's 2-D views, heads side by side through 3-D ones), so one compiled variant never
+    serves the other's descriptors."""
+    from flashtile.backends.spec import AttnSpec
+    from flashtile.backends.triton import launch_sm90
+
+    monkeypatch.setattr(launch_sm90, "_dense", lambda *tensors: True)
+    keys = []
+    monkeypatch.setattr(launch_sm90, "_launch", lambda name, device, key, grid, args, descs:
+                        keys.append((key, {n: d[3] for n, d in descs.items()})))
+    monkeypatch.setattr(launch_sm90, "_sm_count", lambda index: 132)
+    spec = AttnSpec(softmax_scale=96 ** -0.5, window_right=0)
+    q = torch.randn(2, 256, 4, 96)
+    sdpa = torch.randn(2, 4, 256, 96).transpose(1, 2)
+    assert launch_sm90.eligible(q, q, q, spec, padded=True)
+    assert not launch_sm90.eligible(q, q, q, spec)
+    assert not launch_sm90.bwd_eligible(q, q, q, q, q, q, spec)
+    assert not launch_sm90.varlen_eligible(q[0], q[0], q[0], spec)
+    launch_sm90.forward(q, q, q, spec)
+    launch_sm90.forward(sdpa, sdpa, sdpa, spec)
+    (heads_key, heads_blocks), (sdpa_key, sdpa_blocks) = keys
+    assert heads_key != sdpa_key
+    assert heads_blocks["desc_q"] == [64, 1, 128] and heads_blocks["desc_k"] == [128, 1, 128]
+    assert heads_blocks["desc_o"] == [64, 1, 128]   # (the output: contiguous, heads side by side)
+    assert sdpa_blocks["desc_q"] == [64, 128] and sdpa_blocks["desc_k"] == [128, 128]

@@ -806,3 +806,78 @@ def test_sm90_dq_kernel_matches_float64_reference(case, monkeypatch):
     monkeypatch.setenv("FLASHTILE_SM90_DQ", "0")
     triton_dq = dq()
     assert (triton_dq.double() - got.double()).abs().max().item() <= 3 * base + 1e-4
+
+
+PADDED_CASES = [  # (batch, sq, sk, heads, heads_k, d, causal, layout)
+    ("d96-causal-gqa", 2, 512, 512, 4, 2, 96, True, "contiguous"),
+    ("d96-ragged", 2, 300, 333, 4, 4, 96, False, "contiguous"),
+    ("d96-one-head-ragged-causal", 2, 200, 457, 1, 1, 96, True, "contiguous"),
+    ("d80-sdpa", 2, 384, 384, 4, 4, 80, False, "sdpa"),
+    ("d112-sdpa-ragged-causal", 1, 300, 300, 4, 2, 112, True, "sdpa"),
+    ("d96-fused-qkv-ragged", 2, 250, 250, 4, 4, 96, True, "fused-qkv"),
+    ("d160", 2, 256, 320, 4, 4, 160, False, "contiguous"),
+    ("d192-causal-ragged-gqa", 2, 300, 300, 6, 2, 192, True, "contiguous"),
+    ("d192-sdpa-ragged", 1, 333, 200, 4, 4, 192, False, "sdpa"),
+]
+
+
+@pytest.mark.parametrize("case", PADDED_CASES, ids=[c[0] for c in PADDED_CASES])
+def test_sm90_forward_pads_head_dims_to_the_next_width(case, monkeypatch):
+    """Head dims between 64 and 256 other than those (multiples of 8) run the Hopper forward
+    at the next width (``launch_sm90.padded_width``): the descriptors' tiles reach past each
+    head's last column, where the TMA reads zeros and stores nothing, heads side by side
+    through a view with a dimension for the heads.  The forward's output and lse within
+    flash-attn's rule of float64 (out 2x, gradients 3x through the portable backward), every
+    layout a model hands in (contiguous, SDPA, slices of a fused QKV projection), lengths
+    multiples of the tiles or not."""
+    _, batch, sq, sk, heads, heads_k, d, causal, layout = case
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    monkeypatch.setattr(launch_sm90, "_fwd_plans", type(launch_sm90._fwd_plans)())
+    dtype = torch.bfloat16
+    q = torch.randn(batch, sq, heads, d, device="cuda", dtype=dtype)
+    k = torch.randn(batch, sk, heads_k, d, device="cuda", dtype=dtype)
+    v = torch.randn(batch, sk, heads_k, d, device="cuda", dtype=dtype)
+    do = torch.randn(batch, sq, heads, d, device="cuda", dtype=dtype)
+    names = _launch_names(monkeypatch)
+    leaves = [_in_layout(x, layout).detach().requires_grad_() for x in (q, k, v)]
+    with poison_outputs():
+        out = flashtile.flash_attn_func(*leaves, causal=causal)
+        out.backward(do)
+    assert names and names[0] == "fwd", names   # the Hopper forward, then the portable backward
+    assert "bwd" not in names and "dq" not in names, names
+    ref = _grads(q, k, v, do, causal, torch.float64)
+    low = _grads(q, k, v, do, causal, dtype)
+    for name, g, r, lo, rule in zip(("out", "dq", "dk", "dv"), [out] + [x.grad for x in leaves],
+                                    ref, low, (2, 3, 3, 3)):
+        base = (lo.double() - r).abs().max().item()
+        err = (g.double() - r).abs().max().item()
+        assert torch.isfinite(g).all() and err <= rule * base + 1e-4, (name, err, base)
+    spec = flashtile.backends.spec.AttnSpec(softmax_scale=d ** -0.5,
+                                            window_right=0 if causal else -1)
+    _, lse = launch_sm90.forward(*(x.detach() for x in leaves), spec)
+    _, ref_lse = _reference(q, k, v, causal, torch.float64)
+    assert (lse.double() - ref_lse).abs().max().item() <= 1e-3
+
+
+@pytest.mark.parametrize("d", [96, 192])
+def test_sm90_padded_head_dims_keep_heads_apart(d, monkeypatch):
+    """With heads side by side in a row, a tile of the padded width starting at a head's first
+    column would read the next head's: with head 1 all NaN, head 0's output is finite and
+    within flash-attn's rule of float64, and its stores leave head 1's output alone (NaN from
+    its own inputs, not head 0's values)."""
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    batch, sq, heads = 2, 300, 2
+    q, k, v = (torch.randn(batch, sq, heads, d, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    for x in (q, k, v):
+        x[:, :, 1] = float("nan")
+    names = _launch_names(monkeypatch)
+    with poison_outputs():
+        out = flashtile.flash_attn_func(q, k, v, causal=True)
+    assert names == ["fwd"], names
+    ref, _ = _reference(q[:, :, :1], k[:, :, :1], v[:, :, :1], True, torch.float64)
+    low, _ = _reference(q[:, :, :1], k[:, :, :1], v[:, :, :1], True, torch.bfloat16)
+    base = (low.double() - ref).abs().max().item()
+    assert torch.isfinite(out[:, :, 0]).all()
+    assert (out[:, :, :1].double() - ref).abs().max().item() <= 2 * base + 1e-4
+    assert torch.isnan(out[:, :, 1]).all()

@@ -34,7 +34,9 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu
         res = launch_sm90.planned_forward(q, k, v, spec)
         if res is not None:
             return res
-        if launch_sm90.eligible(q, k, v, spec):
+        # (head dims between 64 and 256 other than those: at the next width, zeros past the
+        # head's last column, launch_sm90.padded_width)
+        if launch_sm90.eligible(q, k, v, spec, padded=True):
             return launch_sm90.forward(q, k, v, spec)
     elif (attn_bias is not None and alibi_slopes is None and cu_seqlens_q is None
           and rng_seed is None and block_mask is None and block_table is None

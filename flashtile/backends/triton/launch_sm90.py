@@ -141,9 +141,9 @@ def _dense(q, *tensors) -> bool:
     return not address & 15
 
 
-def eligible(q, k, v, spec: AttnSpec, packed: bool = False) -> bool:
+def eligible(q, k, v, spec: AttnSpec, packed: bool = False, padded: bool = False) -> bool:
     """Dense fp16/bf16 ``(B, S, H, D)`` in a layout the TMA reads (:func:`_plan`; K and V alike),
-    ``D`` in {64, 128, 256}, any sequence lengths (not multiples of the tiles: 3-D descriptors,
+    ``D`` in {64, 128, 256} (with ``padded``, any :func:`padded_width`), any sequence lengths (not multiples of the tiles: 3-D descriptors,
     :func:`_rows`), no softcap / dropout, causal masking or a window only with ``sk >= sq``
     (bottom-right).  The caller has already ruled out every optional tensor (ALiBi, bias,
     varlen, paging, sparsity); ``packed``: one batch entry of packed sequences (the windows are
@@ -152,7 +152,9 @@ def eligible(q, k, v, spec: AttnSpec, packed: bool = False) -> bool:
         return False
     batch, sq, nheads, head_dim = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
-    if head_dim not in (64, 128, 256) or v.shape[-1] != head_dim or nheads % nheads_k:
+    if head_dim not in (64, 128, 256) and not (padded and padded_width(head_dim)):
+        return False
+    if v.shape[-1] != head_dim or nheads % nheads_k:
         return False
     if sq == 0 or sk == 0 or batch == 0:
         return False
@@ -341,14 +343,33 @@ def fused_pays(sq: int, sk: int, causal: bool, head_dim: int) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _layout(rows: int, head_dim: int, dtype: torch.dtype, ragged: bool = False):
+def _layout(rows: int, head_dim: int, dtype: torch.dtype, ragged: bool = False,
+            heads: bool = False):
     """Shared-memory layout of a ``[rows, head_dim]`` tile (building one costs host time); with
-    ``ragged`` of the same tile in a 3-D descriptor (``[1, rows, head_dim]``: :func:`_rows`)."""
+    ``ragged`` and / or ``heads`` of the same tile in a descriptor of one sequence / one head
+    (``[1, rows, head_dim]``, ``[rows, 1, head_dim]``, ``[1, rows, 1, head_dim]``:
+    :func:`_rows`)."""
     from triton.experimental.gluon import language as gl
 
     g_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}.get(dtype, gl.float32)
-    return gl.NVMMASharedLayout.get_default_for([1, rows, head_dim] if ragged
-                                                else [rows, head_dim], g_dtype)
+    return gl.NVMMASharedLayout.get_default_for(_block(rows, head_dim, ragged, heads), g_dtype)
+
+
+def _block(rows: int, cols: int, ragged: bool, heads: bool) -> list:
+    """A descriptor's tile (:func:`_layout`)."""
+    return [1] * ragged + [rows] + [1] * heads + [cols]
+
+
+def padded_width(head_dim: int) -> int:
+    """The Hopper forward's tile width for ``head_dim``: itself at 64, 128 and 256; for another
+    multiple of 8 between 64 and 256 (80, 96, 112, 160, 192, ...) the next of those, its
+    descriptors' tiles reaching past each head's last column, where the TMA reads zeros (no
+    copy) and stores nothing; 0 where the kernels do not run."""
+    if head_dim in (64, 128, 256):
+        return head_dim
+    if head_dim % 8 or not 64 < head_dim < 256:
+        return 0
+    return 128 if head_dim < 128 else 256
 
 
 BWD_GROUP_L2 = 24 << 20  # bytes of Q, dO and dQ a group of backward CTAs may share through L2
@@ -539,17 +560,27 @@ def _rows(x, block_rows: int, ragged: bool, prefix: str = "", args: dict | None 
     view and a sequence's coordinate is its first row; with it the view is 3-D
     ``(sequences, S, columns)`` (a sequence per batch entry, or per batch entry and head in the
     SDPA layout) and the coordinate is the sequence's index: the TMA reads zeros past ``S``
-    and writes nothing there (``kernels/attn_fwd_sm90._tma_load``)."""
+    and writes nothing there (``kernels/attn_fwd_sm90._tma_load``).
+    ``cols`` wider than ``D`` (:func:`padded_width`): where a row holds several heads side by
+    side, a tile that wide would read the next head's columns, so the view has a dimension for
+    the heads (``(B * S, H, D)``, or with ``ragged`` ``(B, S, H, D)``), its tiles one head's,
+    and ``{prefix}_ch`` is 1 (the head's index is its coordinate); the TMA reads zeros past
+    ``D`` and writes nothing there."""
     shape, row_stride, (rb, rh, ch) = _plan(x)
     seq, cols = x.shape[1], cols or x.shape[-1]
-    if ragged:
-        shape, strides = [shape[0] // seq, seq, shape[1]], [seq * row_stride, row_stride, 1]
-        rb, rh, block = rb // seq, rh // seq, [1, block_rows, cols]
+    heads = cols > x.shape[-1] and ch != 0 and x.shape[2] > 1
+    if heads:
+        shape = [shape[0], x.shape[2], x.shape[-1]]
+        strides, ch = [row_stride, x.stride(2), 1], 1
     else:
-        strides, block = [row_stride, 1], [block_rows, cols]
+        strides = [row_stride, 1]
+    if ragged:
+        shape, strides = [shape[0] // seq, seq, *shape[1:]], [seq * row_stride, *strides]
+        rb, rh = rb // seq, rh // seq
     if args is not None:
         args.update({f"{prefix}_rb": rb, f"{prefix}_rh": rh, f"{prefix}_ch": ch})
-    return x, shape, strides, block, _layout(block_rows, cols, x.dtype, ragged)
+    return (x, shape, strides, _block(block_rows, cols, ragged, heads),
+            _layout(block_rows, cols, x.dtype, ragged, heads))
 
 
 def _window(spec: AttnSpec, sq: int, sk: int) -> dict:
@@ -746,7 +777,9 @@ def forward(q, k, v, spec: AttnSpec, key_mask=None, sparse=None, varlen=None):
         out4 = out
         lse_strides = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1))
     nheads_k = k.shape[2]
-    tile_n = block_n(head_dim)
+    # the tiles' width: a narrower head dim reads as zeros past its last column (padded_width)
+    width = padded_width(head_dim)
+    tile_n = block_n(width)
     device = q.device.index or 0
     window = _window(spec, sq, sk)
     masked = window["MASKED"]  # causal masking is the window (-1, 0)
@@ -756,7 +789,7 @@ def forward(q, k, v, spec: AttnSpec, key_mask=None, sparse=None, varlen=None):
     keymask = key_mask is not None
     # (with a key mask, two consumers where three would run: its code spills with three;
     # packed sequences' lengths are not multiples of three consumers' rows)
-    n_c = consumers(head_dim, masked, _mean_keys(sq, sk, window["wl"], window["wr"]),
+    n_c = consumers(width, masked, _mean_keys(sq, sk, window["wl"], window["wr"]),
                     ragged or keymask or varlen is not None)
     if sparse is not None:  # work items of BLOCK_M rows, whole parts of the mask's blocks
         n_c = 2
@@ -780,13 +813,15 @@ def forward(q, k, v, spec: AttnSpec, key_mask=None, sparse=None, varlen=None):
                 Out=out, stride_om=0 if varlen is None else out.stride(0))
     if n_c == 1:
         args["maxnreg"] = 128
-    descs = dict(desc_q=_rows(q, BLOCK_M // 2, ragged, "q", args),
-                 desc_k=_rows(k, tile_n, ragged, "kv", args),
-                 desc_v=_rows(v, tile_n, ragged, "kv", args),
-                 desc_o=_rows(out4, BLOCK_M // 2, ragged))
+    descs = dict(desc_q=_rows(q, BLOCK_M // 2, ragged, "q", args, width),
+                 desc_k=_rows(k, tile_n, ragged, "kv", args, width),
+                 desc_v=_rows(v, tile_n, ragged, "kv", args, width),
+                 desc_o=_rows(out4, BLOCK_M // 2, ragged, cols=width))
+    # (the compiled variant depends on the descriptors' ranks: a padded head dim's views)
     launched = _launch("fwd", device, (q.dtype, head_dim, masked, n_c, ragged,
-                                       sparse is not None, varlen is not None, keymask), grid,
-                       args, descs)
+                                       sparse is not None, varlen is not None,
+                                       tuple(len(d[3]) for d in descs.values()), keymask),
+                       grid, args, descs)
     if launched is not None and sparse is None:
         # (packed: the 3-D tensors' key, as planned_forward sees them)
         key = (_fwd_key(q, k, v, spec, key_mask, None) if varlen is None else

@@ -54,7 +54,10 @@ Scope (``launch_sm90.eligible`` checks it; every other call takes the portable T
 dense ``(B, S, H, D)`` inputs in a layout the TMA reads (contiguous, slices of a fused QKV
 projection, or the ``(B, H, S, D)`` SDPA layout transposed: ``launch_sm90._plan``; the producer
 takes each tensor's tile coordinates from its ``*_rb``, ``*_rh``, ``*_ch``), ``D`` in
-{64, 128, 256} (``BLOCK_N`` = 64 keys at 256), fp16/bf16, any lengths, no optional feature but
+{64, 128, 256} (``BLOCK_N`` = 64 keys at 256) - or, for dense calls, a multiple of 8 between
+them run at the next of those widths: the descriptors end at the head's last column, so the
+TMA reads zeros past it (zero columns add nothing to q.k and give zero output columns, which
+the output's TMA store does not write; ``_tma_load``) - fp16/bf16, any lengths, no optional feature but
 a window with ``sk >= sq`` (``MASKED``): query ``i`` sees key ``j`` iff
 ``-wl <= j - (i + sk - sq) <= wr`` (causal masking is ``wl`` = no edge, ``wr = 0``; the launcher
 passes an edge no key reaches for a side without one).  A block walks only the key tiles its
@@ -79,30 +82,62 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 LN2 = gl.constexpr(0.6931471805599453)
 
 
+@gluon.constexpr_function
+def _tile_rows(shape):
+    """The rows of a descriptor's tile ``shape`` (``_tma_load``'s four kinds)."""
+    return shape[1] if shape[0] == 1 else shape[0]
+
+
+@gluon.constexpr_function
+def _heads_view(shape):
+    """Whether a descriptor's tile ``shape`` is one head's of heads side by side
+    (``[rows, 1, D]`` or ``[1, rows, 1, D]``: a padded head dim, ``_tma_load``)."""
+    return len(shape) == 4 or (len(shape) == 3 and shape[1] == 1)
+
+
 @gluon.jit
 def _tma_load(desc, base, row, col, bar, smem):
     """Load the tile at ``row`` of a sequence into ``smem`` (``[rows, D]``).  A 2-D descriptor
     is the view of ``launch_sm90._plan`` and ``base`` the sequence's first row in it; a 3-D one
-    (``RAGGED``: lengths that are not multiples of the tiles) is ``(sequences, S, columns)``
-    and ``base`` the sequence's index, so rows past ``S`` read as zeros instead of the next
-    sequence's.  The rank is the descriptor's type: a constant in every partition (a flag
-    passed to a partition arrives as a run-time value)."""
-    RAGGED: gl.constexpr = len(desc.block_type.shape) == 3
-    if RAGGED:
-        tma.async_copy_global_to_shared(desc, [base, row, col], bar,
-                                        smem.reshape([1, smem.shape[0], smem.shape[1]]))
+    with tiles ``[1, rows, D]`` (``RAGGED``: lengths that are not multiples of the tiles) is
+    ``(sequences, S, columns)`` and ``base`` the sequence's index, so rows past ``S`` read as
+    zeros instead of the next sequence's.  A head dim narrower than the kernel's ``D`` (its
+    tiles then reach past the head's last column, where the TMA reads zeros) with heads side
+    by side in a row: the view is ``(rows, H, head dim)`` with tiles ``[rows, 1, D]``, or with
+    ``RAGGED`` ``(sequences, S, H, head dim)`` with tiles ``[1, rows, 1, D]``, and ``col`` is
+    the head's index.  The rank and tile are the descriptor's type: constants in every
+    partition (a flag passed to a partition arrives as a run-time value)."""
+    RANK: gl.constexpr = len(desc.block_type.shape)
+    R: gl.constexpr = smem.shape[0]
+    C: gl.constexpr = smem.shape[1]
+    if RANK == 4:
+        tma.async_copy_global_to_shared(desc, [base, row, col, 0], bar,
+                                        smem.reshape([1, R, 1, C]))
+    elif RANK == 3:
+        if _heads_view(desc.block_type.shape):
+            tma.async_copy_global_to_shared(desc, [base + row, col, 0], bar,
+                                            smem.reshape([R, 1, C]))
+        else:
+            tma.async_copy_global_to_shared(desc, [base, row, col], bar,
+                                            smem.reshape([1, R, C]))
     else:
         tma.async_copy_global_to_shared(desc, [base + row, col], bar, smem)
 
 
 @gluon.jit
 def _tma_store(desc, base, row, col, smem):
-    """Store ``smem`` at ``row`` of a sequence (``_tma_load``'s coordinates); through a 3-D
-    descriptor the rows past ``S`` are not written."""
-    RAGGED: gl.constexpr = len(desc.block_type.shape) == 3
-    if RAGGED:
-        tma.async_copy_shared_to_global(desc, [base, row, col],
-                                        smem.reshape([1, smem.shape[0], smem.shape[1]]))
+    """Store ``smem`` at ``row`` of a sequence (``_tma_load``'s coordinates and views); the
+    TMA writes nothing past ``S`` (``RAGGED``) or past a head's last column."""
+    RANK: gl.constexpr = len(desc.block_type.shape)
+    R: gl.constexpr = smem.shape[0]
+    C: gl.constexpr = smem.shape[1]
+    if RANK == 4:
+        tma.async_copy_shared_to_global(desc, [base, row, col, 0], smem.reshape([1, R, 1, C]))
+    elif RANK == 3:
+        if _heads_view(desc.block_type.shape):
+            tma.async_copy_shared_to_global(desc, [base + row, col, 0], smem.reshape([R, 1, C]))
+        else:
+            tma.async_copy_shared_to_global(desc, [base, row, col], smem.reshape([1, R, C]))
     else:
         tma.async_copy_shared_to_global(desc, [base + row, col], smem)
 
@@ -327,7 +362,7 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    RAGGED: gl.constexpr = len(desc_k.block_type.shape) == 3
+    RAGGED: gl.constexpr = desc_k.block_type.shape[0] == 1  # a sequence's tile (_tma_load)
     # a key mask's ranges are int32 (without one the lse pointer stands in)
     KEYMASK: gl.constexpr = Ranges.dtype.element_ty == gl.int32
     # block-sparse lists are int32 (without them the lse pointer stands in)
@@ -430,7 +465,10 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     O_TILES: gl.constexpr = o_smem.shape[0]  # one per consumer, or one shared (d = 256)
     NC: gl.constexpr = q_smem.shape[0]       # consumer warpgroups, taking turns in order
-    RAGGED: gl.constexpr = len(desc_o.block_type.shape) == 3
+    RAGGED: gl.constexpr = desc_o.block_type.shape[0] == 1  # a sequence's tile (_tma_load)
+    # the output's column coordinate of head i_h: its first column, or with heads side by side
+    # in a view of one head's columns (a padded head dim, _tma_load) its index
+    O_CH: gl.constexpr = 1 if _heads_view(desc_o.block_type.shape) else HEAD_DIM
     KEYMASK: gl.constexpr = Ranges.dtype.element_ty == gl.int32  # (the producer's)
     SPARSE: gl.constexpr = Lists.dtype.element_ty == gl.int32
     VARLEN: gl.constexpr = CuQ.dtype.element_ty == gl.int32  # (the producer's)
@@ -594,7 +632,7 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
                         tma.store_wait(pendings=0)  # the previous item's store has read it
                         o_tile.store(b_out.to(dtype))
                         fence_async_shared()
-                        _tma_store(desc_o, o_base, mq0, i_h * HEAD_DIM, o_tile)
+                        _tma_store(desc_o, o_base, mq0, i_h * O_CH, o_tile)
                     else:
                         _store_rows(Out, b_out.to(dtype), q0 + mq0, sq_i - mq0, stride_om,
                                     i_h * HEAD_DIM, VARLEN)
@@ -606,7 +644,7 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
                 if _whole(mq0, BLOCK_MQ, sq_i, VARLEN):
                     o_tile.store(b_out.to(dtype))
                     fence_async_shared()
-                    _tma_store(desc_o, o_base, mq0, i_h * HEAD_DIM, o_tile)
+                    _tma_store(desc_o, o_base, mq0, i_h * O_CH, o_tile)
                     tma.store_wait(pendings=0)
                 else:
                     _store_rows(Out, b_out.to(dtype), q0 + mq0, sq_i - mq0, stride_om,
@@ -663,9 +701,10 @@ def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, desc_o, Lse, stride_lb, stride_
     sequences, lse ``(H, total)``; a sequence's last row tile is stored from registers into
     ``Out`` (rows ``stride_om`` apart) with its rows masked; ``Items`` the order of the work
     items (``_packed_item``); without them the lse pointer."""
-    BLOCK_MQ: gl.constexpr = desc_q.block_type.shape[-2]   # rows of one consumer (64)
+    BLOCK_MQ: gl.constexpr = _tile_rows(desc_q.block_type.shape)   # rows of one consumer (64)
+    # the tiles' width: the head dim, or the next of 64 / 128 / 256 above a narrower one
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[-1]
-    BLOCK_N: gl.constexpr = desc_k.block_type.shape[-2]
+    BLOCK_N: gl.constexpr = _tile_rows(desc_k.block_type.shape)
     dtype: gl.constexpr = desc_q.dtype
     # the tiles' shared-memory layouts (a 3-D descriptor's is the 3-D one of the same tile)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_MQ, HEAD_DIM], dtype)
