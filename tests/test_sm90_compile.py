@@ -101,9 +101,10 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
             for n_c in {2, launch_sm90.consumers(head_dim, causal, 0, ragged or keymask)}:
                 emit(f"fwd{'' if n_c == 2 else n_c}{r}-{ty}", attn_fwd_sm90_kernel,
                      dict(fwd_types, Lists="*fp32"), head_dim, causal, CONSUMERS=n_c)
-            if not keymask and ty == "bf16" and head_dim != 64:
+            if ty == "bf16" and head_dim != 64:
                 # "h": a head dim narrower than the tiles (96 at 128, 192 at 256) with heads
-                # side by side: each tensor's descriptor a view of one head's columns
+                # side by side: each tensor's descriptor a view of one head's columns (with
+                # or without a key mask)
                 hd = dict(fwd_types, **{n: desc(ty, rows, head_dim, dtype, ragged, True)
                                         for n, rows in (("desc_q", bq), ("desc_k", bn),
                                                         ("desc_v", bn), ("desc_o", bq))})
@@ -193,7 +194,7 @@ VARIANTS = [f"fwd{r}-{ty}-d{d}-{mode}" for r, ty in (("", "bf16"), ("", "fp16"),
                                                      ("k", "bf16"), ("s", "bf16"),
                                                      ("v", "bf16"))
             for d in (64, 128, 256) for mode in ("full", "causal")] + [
-    f"fwdh{r}-bf16-d{d}-{mode}" for r in ("", "r") for d in (128, 256)
+    f"fwdh{r}-bf16-d{d}-{mode}" for r in ("", "r", "k") for d in (128, 256)
     for mode in ("full", "causal")]  # (a padded head dim's views of heads side by side)
 BWD_VARIANTS = [f"{kind}{r}-{ty}-d{d}-{mode}" for kind in ("bwd", "dkdv")
                 for r, ty in (("", "bf16"), ("", "fp16"), ("r", "bf16"), ("k", "bf16"))
@@ -1328,9 +1329,9 @@ def test_sm90_padded_width_of_head_dims(head_dim, width):
 
 
 def test_sm90_forward_takes_padded_head_dims_only_where_asked(monkeypatch):
-    """``eligible(..., padded=True)`` (the dense forward's dispatch) takes d = 96 at width 128;
-    without it (key masks, block masks, packed sequences, and every backward) d = 96 stays on
-    the portable kernels; the launch's key tells the descriptors' ranks apart (the SDPA
+    """``eligible(..., padded=True)`` (the dense forward's dispatch, with or without a key
+    mask) takes d = 96 at width 128; without it (block masks, packed sequences, and every
+    backward) d = 96 stays on the portable kernels; the launch's key tells the descriptors' ranks apart (the SDPA
     layout's 2-D views, heads side by side through 3-D ones), so one compiled variant never
     serves the other's descriptors."""
     from flashtile.backends.spec import AttnSpec

@@ -48,7 +48,7 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu
             res = launch_sm90.planned_forward(q, k, v, spec, mask)
             if res is not None:
                 return res
-            if launch_sm90.eligible(q, k, v, spec):
+            if launch_sm90.eligible(q, k, v, spec, padded=True):
                 return launch_sm90.forward(q, k, v, spec, key_mask=mask)
     elif (block_mask is not None and alibi_slopes is None and cu_seqlens_q is None
           and attn_bias is None and rng_seed is None and block_table is None
