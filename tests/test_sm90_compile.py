@@ -110,6 +110,10 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                                                         ("desc_v", bn), ("desc_o", bq))})
                 emit(f"fwdh{r}-{ty}", attn_fwd_sm90_kernel, dict(hd, Lists="*fp32"), head_dim,
                      causal, CONSUMERS=2)
+                if not r:  # "hv": packed sequences (their last row tiles stored by the kernel)
+                    emit(f"fwdhv-{ty}", attn_fwd_sm90_kernel,
+                         dict(hd, Lists="*fp32", CuQ="*i32", CuK="*i32", Items="*i32"),
+                         head_dim, causal, CONSUMERS=2)
             if not r and ty == "bf16":
                 # "s": a block mask (its lists int32, lengths multiples of the tiles)
                 emit("fwds-bf16", attn_fwd_sm90_kernel, dict(fwd_types, Lists="*i32"),
@@ -194,7 +198,7 @@ VARIANTS = [f"fwd{r}-{ty}-d{d}-{mode}" for r, ty in (("", "bf16"), ("", "fp16"),
                                                      ("k", "bf16"), ("s", "bf16"),
                                                      ("v", "bf16"))
             for d in (64, 128, 256) for mode in ("full", "causal")] + [
-    f"fwdh{r}-bf16-d{d}-{mode}" for r in ("", "r", "k") for d in (128, 256)
+    f"fwdh{r}-bf16-d{d}-{mode}" for r in ("", "r", "k", "v") for d in (128, 256)
     for mode in ("full", "causal")]  # (a padded head dim's views of heads side by side)
 BWD_VARIANTS = [f"{kind}{r}-{ty}-d{d}-{mode}" for kind in ("bwd", "dkdv")
                 for r, ty in (("", "bf16"), ("", "fp16"), ("r", "bf16"), ("k", "bf16"))
@@ -1330,7 +1334,7 @@ def test_sm90_padded_width_of_head_dims(head_dim, width):
 
 def test_sm90_forward_takes_padded_head_dims_only_where_asked(monkeypatch):
     """``eligible(..., padded=True)`` (the dense forward's dispatch, with or without a key
-    mask) takes d = 96 at width 128; without it (block masks, packed sequences, and every
+    mask, and packed sequences') takes d = 96 at width 128; without it (block masks, and every
     backward) d = 96 stays on the portable kernels; the launch's key tells the descriptors' ranks apart (the SDPA
     layout's 2-D views, heads side by side through 3-D ones), so one compiled variant never
     serves the other's descriptors."""
@@ -1348,7 +1352,9 @@ def test_sm90_forward_takes_padded_head_dims_only_where_asked(monkeypatch):
     assert launch_sm90.eligible(q, q, q, spec, padded=True)
     assert not launch_sm90.eligible(q, q, q, spec)
     assert not launch_sm90.bwd_eligible(q, q, q, q, q, q, spec)
+    assert launch_sm90.varlen_eligible(q[0], q[0], q[0], spec, padded=True)
     assert not launch_sm90.varlen_eligible(q[0], q[0], q[0], spec)
+    assert not launch_sm90.varlen_bwd_eligible(q[0], q[0], q[0], q[0], q[0], q[0], spec)
     launch_sm90.forward(q, q, q, spec)
     launch_sm90.forward(sdpa, sdpa, sdpa, spec)
     (heads_key, heads_blocks), (sdpa_key, sdpa_blocks) = keys

@@ -67,7 +67,7 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu
         res = launch_sm90.planned_forward(q, k, v, spec, varlen=packed)
         if res is not None:
             return res
-        if launch_sm90.varlen_eligible(q, k, v, spec):
+        if launch_sm90.varlen_eligible(q, k, v, spec, padded=True):
             return launch_sm90.forward(q, k, v, spec, varlen=packed)
     if not (no_feature and plans_enabled()):
         return _forward(q, k, v, spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

@@ -561,17 +561,19 @@ def _rows(x, block_rows: int, ragged: bool, prefix: str = "", args: dict | None 
     ``(sequences, S, columns)`` (a sequence per batch entry, or per batch entry and head in the
     SDPA layout) and the coordinate is the sequence's index: the TMA reads zeros past ``S``
     and writes nothing there (``kernels/attn_fwd_sm90._tma_load``).
-    ``cols`` wider than ``D`` (:func:`padded_width`): where a row holds several heads side by
-    side, a tile that wide would read the next head's columns, so the view has a dimension for
-    the heads (``(B * S, H, D)``, or with ``ragged`` ``(B, S, H, D)``), its tiles one head's,
+    ``cols`` wider than ``D`` (:func:`padded_width`): where a row holds the heads side by side
+    (one head too: a packed sequence's last tile, stored by the kernel, takes its columns from
+    the view's kind), a tile that wide would read the next head's columns, so the view has a
+    dimension for the heads (``(B * S, H, D)``, or with ``ragged`` ``(B, S, H, D)``), its tiles one head's,
     and ``{prefix}_ch`` is 1 (the head's index is its coordinate); the TMA reads zeros past
     ``D`` and writes nothing there."""
     shape, row_stride, (rb, rh, ch) = _plan(x)
     seq, cols = x.shape[1], cols or x.shape[-1]
-    heads = cols > x.shape[-1] and ch != 0 and x.shape[2] > 1
+    heads = cols > x.shape[-1] and ch != 0
     if heads:
+        # (one head: its index is always 0, and a stride its size keeps the TMA's alignment)
         shape = [shape[0], x.shape[2], x.shape[-1]]
-        strides, ch = [row_stride, x.stride(2), 1], 1
+        strides, ch = [row_stride, x.stride(2) if x.shape[2] > 1 else x.shape[-1], 1], 1
     else:
         strides = [row_stride, 1]
     if ragged:
@@ -740,16 +742,18 @@ def packed_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple
             int(max_seqlen_q), int(max_seqlen_k))
 
 
-def varlen_eligible(q, k, v, spec: AttnSpec) -> bool:
+def varlen_eligible(q, k, v, spec: AttnSpec, padded: bool = False) -> bool:
     """Packed ``(total, H, D)`` sequences the Hopper forward takes: :func:`eligible` of the
-    tensors as one batch entry, a window only bottom-right (per sequence), no empty tensor."""
+    tensors as one batch entry (``padded`` as its), a window only bottom-right (per sequence),
+    no empty tensor."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         return False
     if spec.has_window and not spec.bottom_right:
         return False
     # (a row of a sequence with fewer keys than queries that sees no key outputs 0, so the
     # packed totals need not have sk >= sq)
-    return eligible(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), spec, packed=True)
+    return eligible(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), spec, packed=True,
+                    padded=padded)
 
 
 def forward(q, k, v, spec: AttnSpec, key_mask=None, sparse=None, varlen=None):

@@ -337,10 +337,12 @@ def _whole(mq0, BLOCK_MQ: gl.constexpr, sq_i, VARLEN: gl.constexpr):
 
 
 @gluon.jit
-def _store_rows(Out, b_out, row0, n_rows, stride_om, col0, VARLEN: gl.constexpr):
+def _store_rows(Out, b_out, row0, n_rows, stride_om, col0, n_cols, VARLEN: gl.constexpr,
+                PADDED: gl.constexpr):
     """Store the first ``n_rows`` rows of ``b_out`` (``[rows, D]``, a consumer's output tile)
     at rows ``row0 + i`` and columns ``col0 + d`` of ``Out`` (rows ``stride_om`` elements
-    apart); only with ``VARLEN`` (no code without)."""
+    apart), with ``PADDED`` (a head dim narrower than the tile) only its first ``n_cols``
+    columns; only with ``VARLEN`` (no code without)."""
     if not VARLEN:
         return
     # (from the products' layout: a conversion would need shared memory that d = 256 lacks)
@@ -349,7 +351,10 @@ def _store_rows(Out, b_out, row0, n_rows, stride_om, col0, VARLEN: gl.constexpr)
     o_d = gl.arange(0, b_out.shape[1], layout=gl.SliceLayout(0, layout))     # [D]
     p_o = (Out + (row0 + o_r).to(gl.int64)[:, None] * stride_om
            + (col0 + o_d)[None, :])                                          # [rows, D]
-    gl.store(p_o, b_out, mask=(o_r < n_rows)[:, None])
+    m_o = (o_r < n_rows)[:, None]                                           # [rows, 1]
+    if PADDED:
+        m_o = m_o & (o_d < n_cols)[None, :]                                  # [rows, D]
+    gl.store(p_o, b_out, mask=m_o)
 
 
 @gluon.jit
@@ -468,7 +473,8 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
     RAGGED: gl.constexpr = desc_o.block_type.shape[0] == 1  # a sequence's tile (_tma_load)
     # the output's column coordinate of head i_h: its first column, or with heads side by side
     # in a view of one head's columns (a padded head dim, _tma_load) its index
-    O_CH: gl.constexpr = 1 if _heads_view(desc_o.block_type.shape) else HEAD_DIM
+    PADDED: gl.constexpr = _heads_view(desc_o.block_type.shape)
+    O_CH: gl.constexpr = 1 if PADDED else HEAD_DIM
     KEYMASK: gl.constexpr = Ranges.dtype.element_ty == gl.int32  # (the producer's)
     SPARSE: gl.constexpr = Lists.dtype.element_ty == gl.int32
     VARLEN: gl.constexpr = CuQ.dtype.element_ty == gl.int32  # (the producer's)
@@ -625,6 +631,11 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
             # store would overwrite: stored from registers, its rows masked
             if VARLEN:
                 o_base = q0
+            # the output's columns a head: the tile's, or with a padded head dim the head's own
+            # (packed outputs are contiguous (total, H, head dim): stride_om = H * head dim)
+            o_cols = HEAD_DIM
+            if VARLEN and PADDED:
+                o_cols = stride_om // nheads
             if O_TILES == NC:  # a tile of its own
                 if live:
                     if _whole(mq0, BLOCK_MQ, sq_i, VARLEN):
@@ -635,7 +646,7 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
                         _tma_store(desc_o, o_base, mq0, i_h * O_CH, o_tile)
                     else:
                         _store_rows(Out, b_out.to(dtype), q0 + mq0, sq_i - mq0, stride_om,
-                                    i_h * HEAD_DIM, VARLEN)
+                                    i_h * o_cols, o_cols, VARLEN, PADDED)
             else:
                 # one tile for both consumers, consumer 0 first in every item: wait for the
                 # other's store to have read it, and hand it over once this one's has
@@ -648,7 +659,7 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
                     tma.store_wait(pendings=0)
                 else:
                     _store_rows(Out, b_out.to(dtype), q0 + mq0, sq_i - mq0, stride_om,
-                                i_h * HEAD_DIM, VARLEN)
+                                i_h * o_cols, o_cols, VARLEN, PADDED)
                 mbarrier.arrive(bar_o.index(1 - i_wg))
             b_lse = (m_i * qk_scale + gl.log2(l_i)) * LN2
             if live:
