@@ -942,7 +942,7 @@ def test_sm90_varlen_forward_passes_the_packed_sequences(monkeypatch):
     # the dispatch (cumulative lengths of int64 arrive as int32)
     seen = []
     monkeypatch.setattr(launch_sm90, "on_hopper", lambda q: True)
-    monkeypatch.setattr(launch_sm90, "varlen_eligible", lambda *a: True)
+    monkeypatch.setattr(launch_sm90, "varlen_eligible", lambda *a, **kw: True)
     monkeypatch.setattr(launch_sm90, "forward", lambda *a, **kw: seen.append(kw["varlen"])
                         or (None, None))
     launch_fwd.forward(q, k, v, spec, cu_seqlens_q=cu_q.long(), cu_seqlens_k=cu_k.long(),
@@ -1362,3 +1362,68 @@ def test_sm90_forward_takes_padded_head_dims_only_where_asked(monkeypatch):
     assert heads_blocks["desc_q"] == [64, 1, 128] and heads_blocks["desc_k"] == [128, 1, 128]
     assert heads_blocks["desc_o"] == [64, 1, 128]   # (the output: contiguous, heads side by side)
     assert sdpa_blocks["desc_q"] == [64, 128] and sdpa_blocks["desc_k"] == [128, 128]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layout", ["contiguous", "sdpa"])
+def test_padded_backward_runs_at_the_next_width_on_zero_padded_copies(causal, layout,
+                                                                       monkeypatch):
+    """``launch_bwd._padded_backward``: where ``launch_sm90.pad_backward`` asks for it (long
+    keys, a head dim the Hopper forward pads; forced here, on the Triton kernels of the
+    interpreter), the backward runs once at the padded width on copies padded with zeros, and
+    the gradients, cropped into the inputs' layouts, are within flash-attn's rule of float64;
+    a call it declines runs at the head's own width."""
+    import flashtile
+    from flashtile.backends.spec import AttnSpec
+    from flashtile.backends.triton import launch_bwd, launch_sm90
+    from flashtile.reference.torch_ref import reference
+    from helpers import check_flash_rule, make_gen, randn
+
+    gen = make_gen(11)
+    batch, seq, heads, d = 2, 40, 2, 24
+    spec = AttnSpec(softmax_scale=d ** -0.5, window_right=0 if causal else -1)
+
+    def leaf(*shape):
+        x = randn(*shape, gen=gen)
+        if layout == "sdpa":  # (B, H, S, D) contiguous, seen as (B, S, H, D)
+            x = x.transpose(1, 2).contiguous().transpose(1, 2)
+        return x.requires_grad_()
+    q, k, v = leaf(batch, seq, heads, d), leaf(batch, seq, heads, d), leaf(batch, seq, heads, d)
+    do = randn(batch, seq, heads, d, gen=gen)
+    widths = []
+    real = launch_bwd._backward
+    monkeypatch.setattr(launch_bwd, "_backward", lambda do_, q_, *a, **kw: widths.append(
+        q_.shape[-1]) or real(do_, q_, *a, **kw))
+    for forced in (32, 0):
+        widths.clear()
+        # (as the real rule: no padding at the padded width itself)
+        monkeypatch.setattr(launch_sm90, "pad_backward",
+                            lambda q_, *a, w=forced: w if q_.shape[-1] != w else 0)
+        with flashtile.use_backend("triton"):
+            out = flashtile.flash_attn_func(q, k, v, causal=causal)
+            grads = torch.autograd.grad(out, (q, k, v), do)
+        assert widths == ([d, 32] if forced else [d])
+        assert all(g.shape == x.shape and g.stride() == x.stride()
+                   for g, x in zip(grads, (q, k, v)))
+        check_flash_rule(f"pad {forced}", out, grads, (q, k, v), do,
+                         lambda q_, k_, v_, dtype: reference(q_, k_, v_, spec, dtype=dtype),
+                         torch.float32)
+
+
+def test_pad_backward_asks_for_long_keys_at_padded_head_dims_only(monkeypatch):
+    """``launch_sm90.pad_backward``: the next width for a padded head dim from
+    ``PAD_BWD_KEYS`` keys on, where the Hopper forward would take the call; 0 for the head dims
+    the kernels have, for fewer keys, and for calls the Hopper kernels do not take."""
+    from flashtile.backends.spec import AttnSpec
+    from flashtile.backends.triton import launch_sm90
+
+    monkeypatch.setattr(launch_sm90, "_dense", lambda *tensors: True)
+    spec = AttnSpec(softmax_scale=0.1, window_right=0)
+    n = launch_sm90.PAD_BWD_KEYS
+
+    def call(d, sk, s=spec):
+        q, k = torch.empty(1, 128, 2, d), torch.empty(1, sk, 2, d)
+        return launch_sm90.pad_backward(q, k, k, s)
+    assert call(96, n) == 128 and call(192, n) == 256 and call(80, 2 * n) == 128
+    assert call(96, n - 1) == 0 and call(128, n) == 0 and call(40, n) == 0
+    assert call(96, n, AttnSpec(softmax_scale=0.1, softcap=5.0)) == 0

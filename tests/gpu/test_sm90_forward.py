@@ -881,3 +881,29 @@ def test_sm90_padded_head_dims_keep_heads_apart(d, monkeypatch):
     assert torch.isfinite(out[:, :, 0]).all()
     assert (out[:, :, :1].double() - ref).abs().max().item() <= 2 * base + 1e-4
     assert torch.isnan(out[:, :, 1]).all()
+
+
+@pytest.mark.parametrize("d,causal", [(96, True), (96, False), (192, True)])
+def test_sm90_padded_head_dims_backward_over_long_keys_on_hopper(d, causal, monkeypatch):
+    """From ``launch_sm90.PAD_BWD_KEYS`` keys a padded head dim's backward runs on the Hopper
+    kernels over copies padded with zeros to the next width (``launch_bwd._padded_backward``):
+    a Hopper backward kernel launches, and the gradients (cropped, in the inputs' layouts) are
+    within flash-attn's rule of float64; at SDPA layout inputs too."""
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    batch, seq, heads = 1, launch_sm90.PAD_BWD_KEYS, 2
+    q, k, v, do = (torch.randn(batch, seq, heads, d, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(4))
+    names = _launch_names(monkeypatch)
+    leaves = [_in_layout(x, "sdpa").detach().requires_grad_() for x in (q, k, v)]
+    with poison_outputs():
+        out = flashtile.flash_attn_func(*leaves, causal=causal)
+        out.backward(do)
+    assert names[0] == "fwd" and len(names) > 1 and set(names[1:]) <= {"bwd", "dq"}, names
+    ref = _grads(q, k, v, do, causal, torch.float64)
+    low = _grads(q, k, v, do, causal, torch.bfloat16)
+    for name, g, x, r, lo in zip(("dq", "dk", "dv"), [x.grad for x in leaves], leaves, ref[1:],
+                                 low[1:]):
+        assert g.stride() == x.stride()
+        base = (lo.double() - r).abs().max().item()
+        err = (g.double() - r).abs().max().item()
+        assert torch.isfinite(g).all() and err <= 3 * base + 1e-4, (name, err, base)

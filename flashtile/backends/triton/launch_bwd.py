@@ -234,6 +234,18 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
     return grads
 
 
+def _padded_backward(do, q, k, v, out, lse, spec: AttnSpec, width: int, dq, dk, dv):
+    """The backward of a head dim the Hopper forward pads (``launch_sm90.pad_backward``) on
+    copies of its tensors padded with zeros to ``width`` (zero columns add nothing to the
+    scores and get zero gradients), on the Hopper kernels of that width; the gradients'
+    first columns go into ``dq``, ``dk``, ``dv``."""
+    pad = (0, width - q.shape[-1])
+    grads = _backward(*(torch.nn.functional.pad(x, pad) for x in (do, q, k, v, out)), lse, spec)
+    for dst, g in zip((dq, dk, dv), grads):
+        dst.copy_(g[..., :dst.shape[-1]])
+    return dq, dk, dv
+
+
 def _key_mask(q, k, spec: AttnSpec, attn_bias, dbias, alibi_slopes, cu_seqlens_q, rng_seed,
               block_mask, grad_dtype):
     """``launch_sm90.key_mask_of`` of a dense call on a Hopper GPU whose one optional input is
@@ -267,6 +279,12 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
         return dq.zero_(), dk.zero_(), dv.zero_()
     if do.stride(-1) != 1:
         do = do.contiguous()
+    if (not varlen and alibi_slopes is None and attn_bias is None and rng_seed is None
+            and block_mask is None and dbias is None and grad_dtype is None
+            and not _deterministic(spec)):
+        width = launch_sm90.pad_backward(q, k, v, spec)
+        if width:
+            return _padded_backward(do, q, k, v, out, lse, spec, width, dq, dk, dv)
     delta = empty(lse.shape, torch.float32, lse.device)  # written by the dQ kernel
     mask = _key_mask(q, k, spec, attn_bias, dbias, alibi_slopes, cu_seqlens_q, rng_seed,
                      block_mask, grad_dtype)

@@ -360,6 +360,26 @@ def _block(rows: int, cols: int, ragged: bool, heads: bool) -> list:
     return [1] * ragged + [rows] + [1] * heads + [cols]
 
 
+# keys from which a padded head dim's backward runs on the Hopper kernels over copies padded to
+# the next width (pad_backward)
+PAD_BWD_KEYS = 4096
+
+
+def pad_backward(q, k, v, spec: AttnSpec) -> int:
+    """The width at which the backward of a dense call at a head dim the Hopper forward pads
+    (:func:`padded_width`) runs on the Hopper kernels, over copies of q, k, v, out and dO padded
+    with zeros (``launch_bwd._padded_backward``), or 0: the Triton kernels at the head's own
+    width.  The copies cost a read and a write of each tensor (and of the gradients' crop),
+    which pays over ``PAD_BWD_KEYS`` keys or more: d = 96 / 192 at N = 4K, bf16, H100, 0.69 ->
+    0.93x and 0.52 -> 0.84x SDPA's default with the forward padded as well, while at 1K a
+    causal d = 96 backward lost 17% (docs/dev/tuning-log.md, steps 100 and 103)."""
+    head_dim = q.shape[-1]
+    width = padded_width(head_dim)
+    if width in (0, head_dim) or k.dim() != 4 or k.shape[1] < PAD_BWD_KEYS:
+        return 0
+    return width if eligible(q, k, v, spec, padded=True) else 0
+
+
 def padded_width(head_dim: int) -> int:
     """The Hopper forward's tile width for ``head_dim``: itself at 64, 128 and 256; for another
     multiple of 8 between 64 and 256 (80, 96, 112, 160, 192, ...) the next of those, its
