@@ -40,7 +40,8 @@ def stand_in(monkeypatch):
         backends_used.append(name)
         yield
 
-    api = types.SimpleNamespace(flash_attn_func=_sdpa_stand_in, use_backend=use_backend)
+    api = types.SimpleNamespace(flash_attn_func=_sdpa_stand_in, use_backend=use_backend,
+                                scaled_dot_product_attention=F.scaled_dot_product_attention)
     monkeypatch.setattr(common, "flashtile_api", lambda: api)
     return backends_used
 
@@ -266,15 +267,37 @@ def test_sdpa_peers_use_bhnd_copies_of_the_same_data(impl):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_peers_and_flashtile_agree(stand_in, causal):
+    """flashtile (its own layout and the SDPA drop-in on the peers' ``(B, H, N, d)`` copies)
+    and the SDPA peers compute the same attention of the same inputs."""
     inp = common.make_inputs(1, 32, 2, 16, "fp32", "cpu")
     outs = {}
-    for name in ("flashtile", "sdpa", "sdpa_math"):
+    for name in ("flashtile", "flashtile_sdpa", "sdpa", "sdpa_math"):
         with common.IMPLS[name].context(inp.device):
             out = common.IMPLS[name].prepare(inp, causal, 0.25).fn()
         outs[name] = out if name != "flashtile" else out.transpose(1, 2)
     torch.testing.assert_close(outs["flashtile"], outs["sdpa"])
+    torch.testing.assert_close(outs["flashtile_sdpa"], outs["sdpa"])
     torch.testing.assert_close(outs["sdpa_math"], outs["sdpa"])
-    assert stand_in == ["torch"]
+    assert stand_in == ["torch", "torch"]
+
+
+@pytest.mark.skipif(not _real_flashtile_available(), reason="flashtile not importable")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_flashtile_sdpa_impl_runs_the_drop_in_on_bhnd_copies(causal):
+    """``flashtile_sdpa``: flashtile's own ``scaled_dot_product_attention`` (the real API) on
+    ``(B, H, N, d)`` copies of the inputs, equal to PyTorch's SDPA on them, forward and
+    backward (the bwd mode's gradients)."""
+    inp = common.make_inputs(1, 32, 2, 16, "fp32", "cpu")
+    with common.IMPLS["flashtile_sdpa"].context(inp.device):
+        prep = common.IMPLS["flashtile_sdpa"].prepare(inp, causal, 0.25)
+        out = prep.fn()
+        grads = common.MODES["bwd"].build(prep)()
+    assert all(x.shape == (1, 2, 32, 16) and x.is_contiguous() for x in prep.leaves)
+    q, k, v = (x.detach().clone().requires_grad_() for x in prep.leaves)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.25)
+    torch.testing.assert_close(out, ref)
+    for got, want in zip(grads, torch.autograd.grad(ref, (q, k, v), prep.dout)):
+        torch.testing.assert_close(got, want)
 
 
 def test_flashtile_leaves_share_the_inputs(stand_in):

@@ -220,6 +220,18 @@ def _prepare_flashtile_deterministic(inp: Inputs, causal: bool, scale: float) ->
     return _prepare_flashtile(inp, causal, scale, deterministic=True)
 
 
+def _prepare_flashtile_sdpa(inp: Inputs, causal: bool, scale: float) -> Prepared:
+    """flashtile's ``scaled_dot_product_attention`` on the SDPA peers' ``(B, H, N, d)`` copies:
+    the layout the drop-in and transformers models hand the kernels."""
+    ft = flashtile_api()
+    q, k, v = (bhnd(t).requires_grad_() for t in (inp.q, inp.k, inp.v))
+
+    def fn():
+        return ft.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+    return Prepared(fn, (q, k, v), bhnd(inp.dout))
+
+
 def bhnd(t: torch.Tensor) -> torch.Tensor:
     """``(B, N, H, d)`` -> contiguous ``(B, H, N, d)`` copy of the same values."""
     return t.detach().transpose(1, 2).contiguous()
@@ -306,6 +318,9 @@ IMPLS: dict[str, Impl] = {
     "flashtile_portable": Impl(_prepare_flashtile, flashtile_portable_context, peer=False,
                                description="flashtile with FLASHTILE_SM90=0 (the portable "
                                            "Triton kernels instead of the Hopper ones)"),
+    "flashtile_sdpa": Impl(_prepare_flashtile_sdpa, flashtile_context, peer=False,
+                           description="flashtile.scaled_dot_product_attention on (B, H, N, d) "
+                                       "inputs (the drop-in's and transformers' layout)"),
     "flashtile_deterministic": Impl(_prepare_flashtile_deterministic, flashtile_context,
                                     peer=False,
                                     description="flashtile with deterministic=True (on Hopper "
