@@ -1335,9 +1335,9 @@ def test_sm90_padded_width_of_head_dims(head_dim, width):
 def test_sm90_forward_takes_padded_head_dims_only_where_asked(monkeypatch):
     """``eligible(..., padded=True)`` (the dense forward's dispatch, with or without a key
     mask, and packed sequences') takes d = 96 at width 128; without it (block masks, and every
-    backward) d = 96 stays on the portable kernels; the launch's key tells the descriptors' ranks apart (the SDPA
-    layout's 2-D views, heads side by side through 3-D ones), so one compiled variant never
-    serves the other's descriptors."""
+    backward) d = 96 stays on the portable kernels; the launch's key tells the descriptors'
+    ranks apart (the SDPA layout's 2-D views, heads side by side through 3-D ones), so one
+    compiled variant never serves the other's descriptors."""
     from flashtile.backends.spec import AttnSpec
     from flashtile.backends.triton import launch_sm90
 

@@ -143,11 +143,11 @@ def _dense(q, *tensors) -> bool:
 
 def eligible(q, k, v, spec: AttnSpec, packed: bool = False, padded: bool = False) -> bool:
     """Dense fp16/bf16 ``(B, S, H, D)`` in a layout the TMA reads (:func:`_plan`; K and V alike),
-    ``D`` in {64, 128, 256} (with ``padded``, any :func:`padded_width`), any sequence lengths (not multiples of the tiles: 3-D descriptors,
-    :func:`_rows`), no softcap / dropout, causal masking or a window only with ``sk >= sq``
-    (bottom-right).  The caller has already ruled out every optional tensor (ALiBi, bias,
-    varlen, paging, sparsity); ``packed``: one batch entry of packed sequences (the windows are
-    each sequence's, any totals)."""
+    ``D`` in {64, 128, 256} (with ``padded``, any :func:`padded_width`), any sequence lengths
+    (not multiples of the tiles: 3-D descriptors, :func:`_rows`), no softcap / dropout, causal
+    masking or a window only with ``sk >= sq`` (bottom-right).  The caller has already ruled
+    out every optional tensor (ALiBi, bias, varlen, paging, sparsity); ``packed``: one batch
+    entry of packed sequences (the windows are each sequence's, any totals)."""
     if not _dense(q, k, v):
         return False
     batch, sq, nheads, head_dim = q.shape
@@ -584,9 +584,9 @@ def _rows(x, block_rows: int, ragged: bool, prefix: str = "", args: dict | None 
     ``cols`` wider than ``D`` (:func:`padded_width`): where a row holds the heads side by side
     (one head too: a packed sequence's last tile, stored by the kernel, takes its columns from
     the view's kind), a tile that wide would read the next head's columns, so the view has a
-    dimension for the heads (``(B * S, H, D)``, or with ``ragged`` ``(B, S, H, D)``), its tiles one head's,
-    and ``{prefix}_ch`` is 1 (the head's index is its coordinate); the TMA reads zeros past
-    ``D`` and writes nothing there."""
+    dimension for the heads (``(B * S, H, D)``, or with ``ragged`` ``(B, S, H, D)``), its tiles
+    one head's, and ``{prefix}_ch`` is 1 (the head's index is its coordinate); the TMA reads
+    zeros past ``D`` and writes nothing there."""
     shape, row_stride, (rb, rh, ch) = _plan(x)
     seq, cols = x.shape[1], cols or x.shape[-1]
     heads = cols > x.shape[-1] and ch != 0

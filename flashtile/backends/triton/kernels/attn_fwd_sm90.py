@@ -54,10 +54,11 @@ Scope (``launch_sm90.eligible`` checks it; every other call takes the portable T
 dense ``(B, S, H, D)`` inputs in a layout the TMA reads (contiguous, slices of a fused QKV
 projection, or the ``(B, H, S, D)`` SDPA layout transposed: ``launch_sm90._plan``; the producer
 takes each tensor's tile coordinates from its ``*_rb``, ``*_rh``, ``*_ch``), ``D`` in
-{64, 128, 256} (``BLOCK_N`` = 64 keys at 256) - or, for dense calls, a multiple of 8 between
-them run at the next of those widths: the descriptors end at the head's last column, so the
-TMA reads zeros past it (zero columns add nothing to q.k and give zero output columns, which
-the output's TMA store does not write; ``_tma_load``) - fp16/bf16, any lengths, no optional feature but
+{64, 128, 256} (``BLOCK_N`` = 64 keys at 256) - or, without a block mask, a multiple of 8
+between them run at the next of those widths: the descriptors end at the head's last column,
+so the TMA reads zeros past it (zero columns add nothing to q.k and give zero output columns,
+which the output's TMA store does not write; ``_tma_load``) - fp16/bf16, any lengths, no
+optional feature but
 a window with ``sk >= sq`` (``MASKED``): query ``i`` sees key ``j`` iff
 ``-wl <= j - (i + sk - sq) <= wr`` (causal masking is ``wl`` = no edge, ``wr = 0``; the launcher
 passes an edge no key reaches for a side without one).  A block walks only the key tiles its
@@ -83,9 +84,16 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.constexpr_function
+def _ragged_view(shape):
+    """Whether a descriptor's tile ``shape`` is one sequence's (``[1, rows, D]`` or
+    ``[1, rows, 1, D]``: ``RAGGED``, ``_tma_load``)."""
+    return shape[0] == 1
+
+
+@gluon.constexpr_function
 def _tile_rows(shape):
     """The rows of a descriptor's tile ``shape`` (``_tma_load``'s four kinds)."""
-    return shape[1] if shape[0] == 1 else shape[0]
+    return shape[1] if _ragged_view(shape) else shape[0]
 
 
 @gluon.constexpr_function
@@ -367,7 +375,7 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    RAGGED: gl.constexpr = desc_k.block_type.shape[0] == 1  # a sequence's tile (_tma_load)
+    RAGGED: gl.constexpr = _ragged_view(desc_k.block_type.shape)
     # a key mask's ranges are int32 (without one the lse pointer stands in)
     KEYMASK: gl.constexpr = Ranges.dtype.element_ty == gl.int32
     # block-sparse lists are int32 (without them the lse pointer stands in)
@@ -470,7 +478,7 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     O_TILES: gl.constexpr = o_smem.shape[0]  # one per consumer, or one shared (d = 256)
     NC: gl.constexpr = q_smem.shape[0]       # consumer warpgroups, taking turns in order
-    RAGGED: gl.constexpr = desc_o.block_type.shape[0] == 1  # a sequence's tile (_tma_load)
+    RAGGED: gl.constexpr = _ragged_view(desc_o.block_type.shape)
     # the output's column coordinate of head i_h: its first column, or with heads side by side
     # in a view of one head's columns (a padded head dim, _tma_load) its index
     PADDED: gl.constexpr = _heads_view(desc_o.block_type.shape)
