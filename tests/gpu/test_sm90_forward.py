@@ -907,3 +907,47 @@ def test_sm90_padded_head_dims_backward_over_long_keys_on_hopper(d, causal, monk
         base = (lo.double() - r).abs().max().item()
         err = (g.double() - r).abs().max().item()
         assert torch.isfinite(g).all() and err <= 3 * base + 1e-4, (name, err, base)
+
+
+@pytest.mark.parametrize("d", [96, 192])
+@pytest.mark.parametrize("seq", [512, 300], ids=["aligned", "ragged"])
+def test_sm90_padded_forward_cuda_graph_replay_equals_eager(d, seq):
+    """The padded head dims' descriptors (the heads views, tiles past each head's last column)
+    are made per call like the others: the forward captured in a CUDA graph replays on new
+    inputs copied into the captured buffers, bitwise an eager call."""
+    shape = (2, seq, 4, d)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    flashtile.flash_attn_func(q, k, v, causal=True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flashtile.flash_attn_func(q, k, v, causal=True)
+    for x in (q, k, v):
+        x.copy_(torch.randn_like(x))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, flashtile.flash_attn_func(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize("d,n", [(96, 300), (96, 4096), (192, 333)],
+                         ids=["d96-ragged", "d96-long-keys", "d192-ragged"])
+def test_sm90_padded_head_dims_under_compile_fullgraph_dynamic_equal_eager(d, n, monkeypatch):
+    """``torch.compile(fullgraph=True, dynamic=True)`` on SDPA-layout inputs at a padded head
+    dim runs what eager calls run (the padded Hopper forward; the portable backward, or from
+    ``PAD_BWD_KEYS`` keys the Hopper backward over padded copies): output bitwise, gradients
+    bitwise except dQ within one bfloat16 rounding (float32 atomics in no fixed order)."""
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    fn = torch.compile(lambda q, k, v: flashtile.flash_attn_func(q, k, v, causal=True),
+                       fullgraph=True, dynamic=True)
+    for seq in (n, n + 64):
+        base = [torch.randn(1, seq, 2, d, device="cuda", dtype=torch.bfloat16)
+                for _ in range(3)]
+        q, k, v = (_in_layout(x, "sdpa").requires_grad_() for x in base)
+        do = torch.randn(1, seq, 2, d, device="cuda", dtype=torch.bfloat16)
+        out = fn(q, k, v)
+        got = torch.autograd.grad(out, (q, k, v), do)
+        want_out = flashtile.flash_attn_func(q, k, v, causal=True)
+        want = torch.autograd.grad(want_out, (q, k, v), do)
+        assert torch.equal(out, want_out)
+        torch.testing.assert_close(got[0], want[0])
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
