@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import flashtile
-from flashtile.backends.triton import launch_sm90
+from flashtile.backends.triton import launch_bwd, launch_sm90
 from flashtile.backends.triton.fastlaunch import poison_outputs
 
 pytestmark = pytest.mark.skipif(
@@ -951,3 +951,79 @@ def test_sm90_padded_head_dims_under_compile_fullgraph_dynamic_equal_eager(d, n,
         assert torch.equal(out, want_out)
         torch.testing.assert_close(got[0], want[0])
         assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
+PADDED_BWD_CASES = [  # (batch, sq, sk, heads, heads_k, d, causal, layout)
+    ("d96-causal", 2, 512, 512, 4, 4, 96, True, "contiguous"),
+    ("d96-gqa-ragged", 2, 300, 333, 6, 2, 96, False, "contiguous"),
+    ("d80-sdpa-ragged-causal", 1, 300, 300, 4, 2, 80, True, "sdpa"),
+    ("d96-fused-qkv", 2, 256, 256, 4, 4, 96, False, "fused-qkv"),
+    ("d112-one-head", 2, 256, 384, 1, 1, 112, True, "contiguous"),
+    ("d192-causal-gqa", 1, 512, 512, 4, 2, 192, True, "contiguous"),
+    ("d192-sdpa-ragged", 2, 333, 200, 4, 4, 192, False, "sdpa"),
+    ("d160-fused-qkv-ragged-causal", 1, 250, 250, 4, 4, 160, True, "fused-qkv"),
+]
+
+
+@pytest.mark.parametrize("case", PADDED_BWD_CASES, ids=[c[0] for c in PADDED_BWD_CASES])
+def test_sm90_padded_backward_views_match_float64_reference(case, monkeypatch):
+    """``launch_sm90.padded_backward`` (``PAD_BWD_VIEWS``; ``PAD_BWD_KEYS`` lowered so that
+    short sequences take it): the Hopper backward kernels of the next width read q, dO, k and v
+    through the forward's views (zeros past each head's last column, no copies) and write dK,
+    dV and the dQ accumulator at that width (the dQ kernel at 256 through a view of dq),
+    cropped: gradients within flash-attn's rule of float64 in every layout a model hands in,
+    lengths multiples of the tiles or not, GQA, one head."""
+    _, batch, sq, sk, heads, heads_k, d, causal, layout = case
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    monkeypatch.setattr(launch_sm90, "PAD_BWD_VIEWS", True)
+    monkeypatch.setattr(launch_sm90, "PAD_BWD_KEYS", 1)
+    dtype = torch.bfloat16
+    q = torch.randn(batch, sq, heads, d, device="cuda", dtype=dtype)
+    k = torch.randn(batch, sk, heads_k, d, device="cuda", dtype=dtype)
+    v = torch.randn(batch, sk, heads_k, d, device="cuda", dtype=dtype)
+    do = torch.randn(batch, sq, heads, d, device="cuda", dtype=dtype)
+    names = _launch_names(monkeypatch)
+    widths = []  # the head dims the backward runs at (the copies' path: d, then the width)
+    real = launch_bwd._backward
+    monkeypatch.setattr(launch_bwd, "_backward", lambda do_, q_, *a, **kw: widths.append(
+        q_.shape[-1]) or real(do_, q_, *a, **kw))
+    leaves = [_in_layout(x, layout).detach().requires_grad_() for x in (q, k, v)]
+    with poison_outputs():
+        out = flashtile.flash_attn_func(*leaves, causal=causal)
+        out.backward(do)
+    want = ["fwd", "bwd"] if d <= 128 else ["fwd", "dq", "bwd"]
+    assert names == want and widths == [d], (names, widths)
+    ref = _grads(q, k, v, do, causal, torch.float64)
+    low = _grads(q, k, v, do, causal, dtype)
+    for name, g, x, r, lo in zip(("dq", "dk", "dv"), [x.grad for x in leaves], leaves, ref[1:],
+                                 low[1:]):
+        assert g.stride() == x.stride()
+        base = (lo.double() - r).abs().max().item()
+        err = (g.double() - r).abs().max().item()
+        assert torch.isfinite(g).all() and err <= 3 * base + 1e-4, (name, err, base)
+
+
+@pytest.mark.parametrize("d", [96, 192])
+def test_sm90_padded_backward_views_keep_heads_apart(d, monkeypatch):
+    """The backward's views of heads side by side: with head 1 all NaN, head 0's gradients are
+    finite and within flash-attn's rule of float64 (no tile of the kernels' width read into
+    the next head's columns)."""
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    monkeypatch.setattr(launch_sm90, "PAD_BWD_VIEWS", True)
+    monkeypatch.setattr(launch_sm90, "PAD_BWD_KEYS", 1)
+    batch, seq, heads = 2, 300, 2
+    q, k, v, do = (torch.randn(batch, seq, heads, d, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(4))
+    for x in (q, k, v, do):
+        x[:, :, 1] = float("nan")
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    with poison_outputs():
+        flashtile.flash_attn_func(*leaves, causal=True).backward(do)
+    one = [x[:, :, :1] for x in (q, k, v, do)]
+    ref = _grads(*one, True, torch.float64)
+    low = _grads(*one, True, torch.bfloat16)
+    for name, x, r, lo in zip(("dq", "dk", "dv"), leaves, ref[1:], low[1:]):
+        g = x.grad[:, :, :1]
+        base = (lo.double() - r).abs().max().item()
+        assert torch.isfinite(g).all(), name
+        assert (g.double() - r).abs().max().item() <= 3 * base + 1e-4, name

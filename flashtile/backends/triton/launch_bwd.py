@@ -238,7 +238,11 @@ def _padded_backward(do, q, k, v, out, lse, spec: AttnSpec, width: int, dq, dk, 
     """The backward of a head dim the Hopper forward pads (``launch_sm90.pad_backward``) on
     copies of its tensors padded with zeros to ``width`` (zero columns add nothing to the
     scores and get zero gradients), on the Hopper kernels of that width; the gradients'
-    first columns go into ``dq``, ``dk``, ``dv``."""
+    first columns go into ``dq``, ``dk``, ``dv``; or, where ``launch_sm90.padded_bwd_views``
+    holds, with no copy of the inputs (``launch_sm90.padded_backward``)."""
+    if launch_sm90.padded_bwd_views(q, k, v, out, do, dq):
+        launch_sm90.padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec, width)
+        return dq, dk, dv
     pad = (0, width - q.shape[-1])
     grads = _backward(*(torch.nn.functional.pad(x, pad) for x in (do, q, k, v, out)), lse, spec)
     for dst, g in zip((dq, dk, dv), grads):

@@ -380,6 +380,51 @@ def pad_backward(q, k, v, spec: AttnSpec) -> int:
     return width if eligible(q, k, v, spec, padded=True) else 0
 
 
+# whether a padded head dim's backward reads q, dO, k and v through views of the kernels'
+# width (padded_backward: no copies of the inputs) instead of zero-padded copies
+# (launch_bwd._padded_backward); off until the views' backward has run on a GPU
+# (tests/gpu/test_sm90_forward.py -k padded_backward_views; tuning log step 104)
+PAD_BWD_VIEWS = False
+
+
+def padded_bwd_views(q, k, v, out, do, dq) -> bool:
+    """Whether :func:`padded_backward` serves a call :func:`pad_backward` admits: the switch,
+    ``out`` contiguous (the prologue's rows), ``do`` and ``dq`` in layouts the TMA reads and
+    writes."""
+    return PAD_BWD_VIEWS and out.is_contiguous() and _dense(q, k, v, do, dq)
+
+
+def padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec: AttnSpec, width: int) -> None:
+    """Fill ``dq``, ``dk``, ``dv`` of a call :func:`pad_backward` admits at ``width``, with no
+    copy of the inputs: the Hopper kernels of that width read q, dO, k and v through views
+    whose tiles reach past each head's last column, where the TMA reads zeros (the forward's,
+    :func:`_rows`); zero columns add nothing to the scores and get zero gradients.  Where the
+    fused kernel pays at ``width`` (:func:`fused_pays`: 128) it adds dQ into a float32
+    accumulator ``width`` wide (zeroed by the prologue, which reads ``D`` columns of ``out``
+    and ``do`` for delta), cropped into ``dq`` by its conversion; else (256) the prologue's
+    delta, the dQ kernel storing through a view of ``dq`` (nothing past a head's last column),
+    and the dK/dV kernel.  dK and dV go into buffers ``width`` wide, cropped into ``dk``,
+    ``dv``."""
+    batch, sq, nheads, head_dim = q.shape
+    sk, nheads_k = k.shape[1], k.shape[2]
+    dk_w = empty((batch, sk, nheads_k, width), q.dtype, q.device)
+    dv_w = empty((batch, sk, nheads_k, width), q.dtype, q.device)
+    delta = empty((batch, nheads, sq), torch.float32, q.device)
+    if fused_pays(sq, sk, spec.causal, width):
+        counter = empty((1,), torch.int32, q.device) if bwd_persistent(width) else None
+        dq_acc, lse_p, delta, _ = _prologue(q, out, do, delta, counter=counter, lse=lse,
+                                            cols=width)
+        _bwd(q, k, v, do, lse_p, delta, dq_acc, dk_w, dv_w, spec, counter=counter,
+             width=width)
+        dq.copy_(dq_acc[..., :head_dim])
+    else:
+        _prologue(q, out, do, delta, zero=False, cols=width)
+        _dq(q, k, v, do, lse, delta, dq, spec, width)
+        _bwd(q, k, v, do, lse, delta, None, dk_w, dv_w, spec, width=width)
+    dk.copy_(dk_w[..., :head_dim])
+    dv.copy_(dv_w[..., :head_dim])
+
+
 def padded_width(head_dim: int) -> int:
     """The Hopper forward's tile width for ``head_dim``: itself at 64, 128 and 256; for another
     multiple of 8 between 64 and 256 (80, 96, 112, 160, 192, ...) the next of those, its
@@ -864,16 +909,20 @@ def _flat_layout():
 
 
 def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None, sparse=None,
-         varlen=None, counter=None):
+         varlen=None, counter=None, width: int = 0):
     """Launch the backward kernel: with ``dq_acc`` (float32 like ``q``, zeroed) it also adds
     dQ into it; without, dK and dV only; ``key_mask`` as :func:`forward`'s; ``sparse`` the
     transposed lists of a block mask (:func:`sparse_bwd_eligible`, :func:`_bwd_sparse_args`);
     ``varlen``: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` of packed
     ``(1, total, H, D)`` views (:func:`varlen_bwd_eligible`; lse and delta ``(H, sq_pad)``,
-    :func:`packed_prologue`).
+    :func:`packed_prologue`).  ``width`` wider than ``D`` (:func:`padded_backward`): the
+    kernel of that width reads q, dO, k and v through views whose tiles reach past each head's
+    last column (:func:`_rows`: zeros there), ``dq_acc``, ``dk`` and ``dv`` are ``width``
+    wide.
     ``(launch, grid, descriptors, persistent, ragged)`` when it launched a compiled variant
     directly (what a plan repeats), else None."""
-    batch, sq, nheads, head_dim = q.shape
+    batch, sq, nheads, d = q.shape
+    head_dim = width or d  # the kernel's width
     sk, nheads_k = k.shape[1], k.shape[2]
     if varlen is not None:  # the sequences, the longest lengths (the packed rows: one entry)
         batch, sq, sk = varlen[0].shape[0] - 1, varlen[2], varlen[3]
@@ -918,7 +967,10 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
     flat = _flat_layout()
     # K/V tiles: each consumer's keys, or at d = 256 and with ragged one tile of the item's
     # keys (the kernel's K/V buffer is one allocation: a 3-D TMA cannot write into a slice)
-    kv_rows = keys if ragged or head_dim == 256 else keys // 2
+    # (and where a padded head dim's view of K has a dimension for the heads, _rows: a 3-D
+    # TMA cannot write into a slice either)
+    heads_k = head_dim > d and _plan(k)[2][2] != 0
+    kv_rows = keys if ragged or head_dim == 256 or heads_k else keys // 2
     # dK and dV stored by TMA from a consumer's rows of the V buffer (2-D: not with ragged
     # lengths; d = 256 consumers share their keys); else by the kernel's own stores, and the
     # descriptors are of one tile, never read
@@ -931,15 +983,17 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
     else:
         args.update(dk_rb=0, dk_rh=0, dk_ch=0)
         desc_dk = desc_dv = _one_tile([keys // 2, head_dim], q.dtype, q.device)
-    descs = dict(desc_q=_rows(q, BWD_BLOCK_M, ragged, "q", args),
-                 desc_do=_rows(do, BWD_BLOCK_M, ragged, "do", args),
-                 desc_k=_rows(k, kv_rows, ragged, "kv", args),
-                 desc_v=_rows(v, kv_rows, ragged, "kv", args),
+    descs = dict(desc_q=_rows(q, BWD_BLOCK_M, ragged, "q", args, head_dim),
+                 desc_do=_rows(do, BWD_BLOCK_M, ragged, "do", args, head_dim),
+                 desc_k=_rows(k, kv_rows, ragged, "kv", args, head_dim),
+                 desc_v=_rows(v, kv_rows, ragged, "kv", args, head_dim),
                  desc_lse=(lse, [lse.numel()], [1], [BWD_BLOCK_M], flat),
                  desc_delta=(delta, [delta.numel()], [1], [BWD_BLOCK_M], flat), desc_dq=desc_dq,
                  desc_dk=desc_dk, desc_dv=desc_dv)
+    # (the compiled variant depends on the descriptors' ranks: a padded head dim's views)
     launched = _launch("bwd", device, (q.dtype, head_dim, window["MASKED"], args["WINDOW"],
                                        fused, persistent, ragged, args["DKDV_TMA"],
+                                       tuple(len(x[3]) for x in descs.values()),
                                        sparse is not None, varlen is not None,
                                        key_mask is not None), grid, args, descs)
     return (launched, grid, descs, persistent, ragged) if launched is not None else None
@@ -992,7 +1046,7 @@ def packed_prologue(q, out, do, lse, cu_q, bound=None):
     launched = launch(attn_bwd_delta_kernel, grid, **dict(zip(_PROLOGUE_PTRS, ptrs)),
                       stride_db=0, stride_ds=do.stride(1), stride_dh=do.stride(2), n_rows=rows,
                       seqlen_q=width, nheads=nheads, total=total, HEAD_DIM=q.shape[-1],
-                      ROWS=DELTA_ROWS, ZERO=True, PACKED=True, COUNT=True, PAD=False,
+                      O_COLS=q.shape[-1], ROWS=DELTA_ROWS, ZERO=True, PACKED=True, COUNT=True, PAD=False,
                       num_warps=4)
     return dq_acc, lse_p, delta_p, counter, launched and (launched, grid)
 
@@ -1044,10 +1098,14 @@ def dq_pass(q, k, v, out, do, lse, delta, dq_out, spec: AttnSpec) -> bool:
     return True
 
 
-def _dq(q, k, v, do, lse, delta, dq_out, spec: AttnSpec) -> None:
+def _dq(q, k, v, do, lse, delta, dq_out, spec: AttnSpec, width: int = 0) -> None:
     """Fill ``dq_out`` (like ``q``, rows contiguous) with the Gluon dQ kernel from ``lse`` and
-    ``delta`` (contiguous float32 ``(B, H, Sq)``, delta computed)."""
-    batch, sq, nheads, head_dim = q.shape
+    ``delta`` (contiguous float32 ``(B, H, Sq)``, delta computed); ``width`` wider than ``D``
+    (:func:`padded_backward`): the kernel of that width, q, dO, k, v and ``dq_out`` through
+    views whose tiles reach past each head's last column (:func:`_rows`: zeros read there,
+    nothing stored)."""
+    batch, sq, nheads, d = q.shape
+    head_dim = width or d  # the kernel's width
     sk, nheads_k = k.shape[1], k.shape[2]
     device = q.device.index or 0
     block_n = DQ_BLOCK_N
@@ -1064,14 +1122,15 @@ def _dq(q, k, v, do, lse, delta, dq_out, spec: AttnSpec) -> None:
                 WINDOW=window["MASKED"] and (window["wl"] < sq + sk or window["wr"] != 0),
                 RAGGED=ragged, STAGES=STAGES, num_warps=NUM_WARPS)
     flat = _flat_layout()
-    descs = dict(desc_q=_rows(q, DQ_ROWS, ragged, "q", args),
-                 desc_do=_rows(do, DQ_ROWS, ragged, "do", args),
-                 desc_k=_rows(k, block_n, ragged, "kv", args),
-                 desc_v=_rows(v, block_n, ragged, "kv", args),
+    descs = dict(desc_q=_rows(q, DQ_ROWS, ragged, "q", args, head_dim),
+                 desc_do=_rows(do, DQ_ROWS, ragged, "do", args, head_dim),
+                 desc_k=_rows(k, block_n, ragged, "kv", args, head_dim),
+                 desc_v=_rows(v, block_n, ragged, "kv", args, head_dim),
                  desc_lse=(lse, [lse.numel()], [1], [DQ_ROWS], flat),
                  desc_delta=(delta, [delta.numel()], [1], [DQ_ROWS], flat),
-                 desc_dq=_rows(dq_out, DQ_ROWS, ragged, "dq", args))
-    _launch("dq", device, (q.dtype, head_dim, window["MASKED"], args["WINDOW"], ragged),
+                 desc_dq=_rows(dq_out, DQ_ROWS, ragged, "dq", args, head_dim))
+    _launch("dq", device, (q.dtype, head_dim, window["MASKED"], args["WINDOW"], ragged,
+                           tuple(len(x[3]) for x in descs.values())),
             (n_m * batch * nheads,), args, descs)
 
 
@@ -1081,7 +1140,8 @@ def dkdv(q, k, v, do, lse, delta, dk, dv, spec: AttnSpec) -> None:
     _bwd(q, k, v, do, lse, delta, None, dk, dv, spec)
 
 
-def _prologue(q, out, do, delta, zero: bool = True, counter=None, lse=None, bound=None):
+def _prologue(q, out, do, delta, zero: bool = True, counter=None, lse=None, bound=None,
+              cols: int = 0):
     """The Hopper backward's prologue: ``delta = rowsum(dO * O)``, for the fused kernel
     (``zero``) a zeroed float32 dQ accumulator like ``q``, which it returns (without, ``delta``
     stands in for the accumulator the kernel then does not write), and ``counter`` (int32
@@ -1091,12 +1151,16 @@ def _prologue(q, out, do, delta, zero: bool = True, counter=None, lse=None, boun
     pads them, in the same launch (``delta`` then unused; None: allocated here), and
     ``launched``: ``(launch's result, grid)`` where the launch was direct, for a plan's
     :class:`fastlaunch.BoundLaunch`, else None.  ``bound``: that BoundLaunch of an earlier call
-    under the same plan key, which then launches (same geometry, these tensors)."""
+    under the same plan key, which then launches (same geometry, these tensors).  ``cols``
+    wider than ``D`` (:func:`padded_backward`): the accumulator ``(B, Sq, H, cols)``, every
+    column zeroed, delta from ``D`` columns of ``out`` and ``do``."""
     batch, sq, nheads, head_dim = q.shape
+    cols = cols or head_dim
     width = sq if lse is None or sq % BWD_BLOCK_M == 0 else sq + (-sq % BWD_BLOCK_M)
     if delta is None or width != sq:
         delta = empty((batch, nheads, width), torch.float32, q.device)
-    dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device) if zero else delta
+    dq_acc = (torch.empty((batch, sq, nheads, cols), dtype=torch.float32, device=q.device)
+              if zero else delta)
     lse_p = delta
     if width != sq:
         lse_p = empty((batch, nheads, width), torch.float32, q.device)
@@ -1112,7 +1176,8 @@ def _prologue(q, out, do, delta, zero: bool = True, counter=None, lse=None, boun
         launched = launch(attn_bwd_delta_kernel, grid, **dict(zip(_PROLOGUE_PTRS, ptrs)),
                           stride_db=do.stride(0), stride_ds=do.stride(1),
                           stride_dh=do.stride(2), n_rows=rows, seqlen_q=width, nheads=nheads,
-                          total=sq, HEAD_DIM=head_dim, ROWS=DELTA_ROWS, ZERO=zero,
+                          total=sq, HEAD_DIM=cols, O_COLS=head_dim, ROWS=DELTA_ROWS,
+                          ZERO=zero,
                           PACKED=False, COUNT=counter is not None, PAD=width != sq,
                           num_warps=4)
         launched = launched and (launched, grid)

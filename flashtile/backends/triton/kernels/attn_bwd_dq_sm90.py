@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 
 from .attn_bwd_sm90 import LOG2E
-from .attn_fwd_sm90 import _tile_range, _tma_load, _tma_store
+from .attn_fwd_sm90 import _tile_range, _tile_rows, _tma_load, _tma_store
 
 
 @gluon.jit
@@ -189,9 +189,10 @@ def attn_bwd_dq_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delt
                             num_warps: gl.constexpr):
     """One CTA a work item: ``2 * 64`` query rows of one (batch, head) pair (``n_m`` row blocks
     a pair, ``_dq_item``); ``desc_dq`` is dQ in q's dtype and layout, tiles of ``[64, D]``."""
-    HALF: gl.constexpr = desc_q.block_type.shape[-2]
+    # (a padded head dim's views have a tile [rows, 1, D] or [1, rows, 1, D]: _tma_load)
+    HALF: gl.constexpr = _tile_rows(desc_q.block_type.shape)
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[-1]
-    BLOCK_N: gl.constexpr = desc_k.block_type.shape[-2]
+    BLOCK_N: gl.constexpr = _tile_rows(desc_k.block_type.shape)
     dtype: gl.constexpr = desc_q.dtype
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)

@@ -67,6 +67,13 @@ end of a sequence reads zeros and its dQ reduction writes nothing there; lse and
 padded to whole tiles (+inf, 0: ``launch_sm90._pad_rows``), so those rows have p = 0.  Keys past
 ``sk`` (zeros) score 0, and ``p`` is capped at 1 (``s <= lse``): with zero k and v their
 products add nothing, and their dK, dV are not stored.
+
+A head dim narrower than the kernel's ``D`` (``launch_sm90.padded_backward``: 80, 96, 192, ...
+at 128 or 256) reads Q, dO, K and V through the forward's views with a dimension for the heads
+(tiles ``[rows, 1, D]``, ragged ``[1, rows, 1, D]``, the head's index as the coordinate), so
+the TMA reads zeros past each head's last column: zero columns add nothing to ``q·k`` or
+``dO·v``, and their dQ, dK, dV columns are zero, in buffers ``D`` wide (the accumulator, dK,
+dV) that the launcher crops.
 """
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -75,7 +82,8 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .attn_fwd_sm90 import _key_masked, _key_range, _key_visible, _sequence, _tma_load
+from .attn_fwd_sm90 import (_heads_view, _key_masked, _key_range, _key_visible, _sequence,
+                            _tile_rows, _tma_load)
 
 LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -309,9 +317,10 @@ def _produce_item(w, c, t, b_w, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_
     STAGES: gl.constexpr = q_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     KEYS: gl.constexpr = k_smem.shape[0]   # keys of a work item
-    KV_ROWS: gl.constexpr = desc_k.block_type.shape[-2]
+    KV_ROWS: gl.constexpr = _tile_rows(desc_k.block_type.shape)
     # K/V tiles: one per consumer (d <= 128), or one of all the item's keys (d = 256, and with
-    # RAGGED: a 3-D TMA cannot write into a slice of the buffer)
+    # RAGGED or a padded head dim's heads view: a 3-D TMA cannot write into a slice of the
+    # buffer)
     KV_LOADS: gl.constexpr = KEYS // KV_ROWS
     nbytes: gl.constexpr = (desc_q.block_type.nbytes + desc_do.block_type.nbytes
                             + desc_lse.block_type.nbytes + desc_delta.block_type.nbytes)
@@ -921,7 +930,8 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
     walk no tile, a tile's rows and keys past the ends (the next sequence's, read by the TMA)
     are masked, and dK, dV are stored from registers with the keys past the end masked; without
     them the lse pointer."""
-    BLOCK_M: gl.constexpr = desc_q.block_type.shape[-2]
+    # (a padded head dim's views have a tile [rows, 1, D] or [1, rows, 1, D]: _tma_load)
+    BLOCK_M: gl.constexpr = _tile_rows(desc_q.block_type.shape)
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[-1]
     # d = 256: both consumers share an item's 64 keys (_consume_item_wide); else each owns 64
     # of its 128
@@ -932,9 +942,11 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
     gl.static_assert(not ((WIDE or DKDV_TMA or RAGGED or not PERSISTENT)
                           and CuQ.dtype.element_ty == gl.int32),
                      "packed sequences: the persistent d <= 128 kernel, 2-D views, own stores")
-    # keys of an item (a RAGGED K/V descriptor's tile holds them all, at d <= 128 one
-    # consumer's otherwise)
-    KEYS: gl.constexpr = desc_k.block_type.shape[-2] * (1 if RAGGED or WIDE else 2)
+    # keys of an item (a RAGGED K/V descriptor's tile holds them all, and a padded head dim's
+    # view of heads side by side (the TMA cannot write a reshaped slice of the buffer); at
+    # d <= 128 one consumer's otherwise)
+    ONE_TILE: gl.constexpr = RAGGED or WIDE or _heads_view(desc_k.block_type.shape)
+    KEYS: gl.constexpr = _tile_rows(desc_k.block_type.shape) * (1 if ONE_TILE else 2)
     KV_TILE: gl.constexpr = KEYS if WIDE else KEYS // 2
     dtype: gl.constexpr = desc_q.dtype
     # the tiles' shared-memory layouts (a RAGGED descriptor's is the 3-D one of the same tile)

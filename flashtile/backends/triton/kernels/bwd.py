@@ -345,8 +345,9 @@ def attn_bwd_dq_kernel(
 @triton.jit
 def attn_bwd_delta_kernel(O, DO, DELTA, DQ_ACC, stride_db, stride_ds, stride_dh, n_rows,
                           seqlen_q, nheads, LSE, LSE_P, SRC, COUNTER, total,
-                          HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, ZERO: tl.constexpr,
-                          PACKED: tl.constexpr, COUNT: tl.constexpr, PAD: tl.constexpr):
+                          HEAD_DIM: tl.constexpr, O_COLS: tl.constexpr, ROWS: tl.constexpr,
+                          ZERO: tl.constexpr, PACKED: tl.constexpr, COUNT: tl.constexpr,
+                          PAD: tl.constexpr):
     """Prologue of the Hopper backward kernels, which compute no ``delta`` themselves:
     ``delta = rowsum(dO * O)`` into ``DELTA`` (float32 ``(B, H, Sq)``) and with ``ZERO`` (the
     fused kernel, ``attn_bwd_sm90.py`` with ``DQ``) the float32 dQ accumulator zeroed, for
@@ -366,7 +367,12 @@ def attn_bwd_delta_kernel(O, DO, DELTA, DQ_ACC, stride_db, stride_ds, stride_dh,
     padded length and ``total`` the true one; the rows are those of ``(B, seqlen_q, H)``,
     ``DELTA`` and ``LSE_P`` float32 ``(B, H, seqlen_q)`` with ``LSE_P[b, h, s] = LSE[b, h, s]``
     (``LSE`` ``(B, H, total)``) and the rows from ``total`` on +inf and 0, as the TMA tiles
-    of the backward kernel read them: two pads less a call."""
+    of the backward kernel read them: two pads less a call.
+
+    ``O_COLS`` below ``HEAD_DIM`` (a head dim the Hopper kernels run at the next width,
+    ``launch_sm90.padded_width``): ``O`` and ``DO`` are ``O_COLS`` wide (``O``'s rows that
+    pitch apart), the columns from ``O_COLS`` on read as zeros (they add nothing to delta), and
+    ``DQ_ACC`` is ``HEAD_DIM`` wide, every column zeroed."""
     i_r = tl.program_id(0)
     o_r = i_r * ROWS + tl.arange(0, ROWS)                          # [ROWS] rows (b, s, h)
     o_d = tl.arange(0, HEAD_DIM)                                   # [D]
@@ -388,15 +394,19 @@ def attn_bwd_delta_kernel(O, DO, DELTA, DQ_ACC, stride_db, stride_ds, stride_dh,
     if COUNT:
         if i_r == 0:
             tl.store(COUNTER, 0)
-    p = i_row.to(tl.int64)[:, None] * HEAD_DIM + o_d[None, :]      # [ROWS, D]
+    p = i_row.to(tl.int64)[:, None] * HEAD_DIM + o_d[None, :]      # [ROWS, D] of DQ_ACC
+    p_o = i_row.to(tl.int64)[:, None] * O_COLS + o_d[None, :]      # [ROWS, D] of O
     p_do = ((i_bs // seqlen_q).to(tl.int64) * stride_db
             + (i_bs % seqlen_q).to(tl.int64) * stride_ds
             + i_h.to(tl.int64) * stride_dh)[:, None] + o_d[None, :]     # [ROWS, D]
     if PACKED:  # (one sequence of all the packed rows)
         p_do = (i_bs.to(tl.int64) * stride_ds + i_h.to(tl.int64) * stride_dh)[:, None] \
             + o_d[None, :]
-    b_o = tl.load(O + p, mask=m_live[:, None], other=0.0).to(tl.float32)
-    b_do = tl.load(DO + p_do, mask=m_live[:, None], other=0.0).to(tl.float32)
+    m_ld = m_live[:, None]                                         # [ROWS, 1]
+    if O_COLS < HEAD_DIM:  # (a narrower head: its columns only)
+        m_ld = m_ld & (o_d < O_COLS)[None, :]                      # [ROWS, D]
+    b_o = tl.load(O + p_o, mask=m_ld, other=0.0).to(tl.float32)
+    b_do = tl.load(DO + p_do, mask=m_ld, other=0.0).to(tl.float32)
     if ZERO:
         tl.store(DQ_ACC + p, tl.zeros([ROWS, HEAD_DIM], tl.float32), mask=m_live[:, None])
     b_delta = tl.sum(b_o * b_do, axis=1)                           # [ROWS]
