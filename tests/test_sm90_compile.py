@@ -170,6 +170,10 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                      dict(types, **views), head_dim, causal, WINDOW=False, DQ=fused,
                      PERSISTENT=launch_sm90.bwd_persistent(head_dim), RAGGED=ragged,
                      DKDV_TMA=tma_dkdv)
+                if fused and not r:  # "hv": packed sequences (dK, dV stored by the kernel)
+                    emit(f"bwdhv-{ty}", attn_bwd_sm90_kernel,
+                         dict(types, **views, CuQ="*i32", CuK="*i32"), head_dim, causal,
+                         WINDOW=False, DQ=True, PERSISTENT=True, RAGGED=False, DKDV_TMA=False)
                 if not fused:
                     dq_rows, dq_n = launch_sm90.DQ_ROWS, launch_sm90.DQ_BLOCK_N
                     emit(f"dqh{r}-{ty}", attn_bwd_dq_sm90_kernel, dict(
@@ -233,7 +237,8 @@ BWD_VARIANTS = [f"{kind}{r}-{ty}-d{d}-{mode}" for kind in ("bwd", "dkdv")
     for d in (64, 128, 256)] + [f"bwd{x}-bf16-d{d}-{mode}" for x in "sv" for d in (64, 128)
                                 for mode in ("full", "causal")] + [  # (a block mask, packed)
     f"{kind}h{r}-bf16-d{d}-{mode}" for kind, d in (("bwd", 128), ("dkdv", 256))
-    for r in ("", "r") for mode in ("full", "causal")]  # (a padded head dim's views)
+    for r in ("", "r") for mode in ("full", "causal")] + [
+    f"bwdhv-bf16-d128-{mode}" for mode in ("full", "causal")]  # (a padded head dim's views)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -339,7 +344,7 @@ def test_sm90_backward_compiles_for_hopper_with_its_structure(compiled, variant)
     # dK and dV: one TMA store each in each consumer, but with ragged lengths, packed
     # sequences and at d = 256
     kind = variant.split("-")[0]
-    own = kind.rstrip("w").endswith("r") or kind == "bwdv"
+    own = kind.rstrip("w").endswith("r") or kind in ("bwdv", "bwdhv")
     assert row["tma_stores"] == (0 if own or d == 256 else 4), row["tma_stores"]
 
 
@@ -1563,3 +1568,67 @@ def test_padded_backward_reads_each_head_through_views_of_the_kernels_width(d, s
         assert torch.equal(dq, patterns["desc_dq"][..., :d].to(dq.dtype))
     else:
         assert not bwd["DQ"]
+
+
+def test_padded_backward_of_packed_sequences_reads_views_and_crops(monkeypatch):
+    """``launch_sm90.padded_backward`` of packed sequences (``varlen_pad_width``: 128 for a
+    head dim the forward pads to it, with ``PAD_BWD_VIEWS``): one launch of the fused kernel
+    at 128 over the packed rows as one batch entry, each sequence's tiles of q, dO, k and v its
+    rows with zeros past the head's last column (emulated as the TMA reads them), delta in the
+    packed prologue's per-sequence layout from the head's own columns, dK and dV stored by the
+    kernel into buffers 128 wide, and the gradients cropped."""
+    from flashtile.backends.spec import AttnSpec
+    from flashtile.backends.triton import launch_sm90
+
+    calls = _direct_launches(monkeypatch, "bwd")
+    d, heads, heads_k = 96, 4, 2
+    lengths = [100, 300, 29]
+    cu = torch.tensor([0, 100, 400, 429], dtype=torch.int32)
+    total = 429
+    q, do = (torch.randn(total, heads, d, dtype=torch.float16) for _ in range(2))
+    k, v = (torch.randn(total, heads_k, d, dtype=torch.float16) for _ in range(2))
+    out = torch.randn(total, heads, d, dtype=torch.float16)
+    lse = torch.randn(heads, total)
+    spec = AttnSpec(softmax_scale=d ** -0.5, window_right=0)
+    monkeypatch.setattr(launch_sm90, "PAD_BWD_VIEWS", True)
+    assert launch_sm90.varlen_pad_width(q, k, v, out, do, q, spec) == 128
+    assert launch_sm90.varlen_pad_width(q[..., :64], k[..., :64], v[..., :64], out[..., :64],
+                                        do[..., :64], q[..., :64], spec) == 0  # (its own kernel)
+    monkeypatch.setattr(launch_sm90, "PAD_BWD_VIEWS", False)
+    assert launch_sm90.varlen_pad_width(q, k, v, out, do, q, spec) == 0
+    patterns = {}
+
+    def kernel_writes(name, device, key, grid, args, descs):
+        calls.append((name, key, {**args, **descs}))
+        for t in ("DK", "DV", "desc_dq"):
+            buf = descs[t][0] if t.startswith("desc") else args[t]
+            patterns[t] = torch.randn(buf.shape).to(buf.dtype)
+            buf.copy_(patterns[t])
+    monkeypatch.setattr(launch_sm90, "_launch", kernel_writes)
+    dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
+    varlen = launch_sm90.packed_args(cu, cu, max(lengths), max(lengths))
+    launch_sm90.padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec, 128, varlen)
+    (name, key, a), = calls
+    assert name == "bwd" and key[1] == 128 and a["DQ"] and not a["DKDV_TMA"]
+    assert a["CuQ"] is varlen[0] and (a["sq"], a["sk"]) == (300, 300)
+    for role, x, prefix, n_heads in (("desc_q", q, "q", heads), ("desc_do", do, "do", heads),
+                                     ("desc_k", k, "kv", heads_k), ("desc_v", v, "kv", heads_k)):
+        desc = a[role]
+        assert desc[3][-1] == 128 and desc[0].shape == (1, *x.shape)
+        for i, n in enumerate(lengths):
+            for h in range(n_heads):
+                got = _tma_tile(desc, int(cu[i]) + h * a[f"{prefix}_rh"], 0,
+                                h * a[f"{prefix}_ch"])
+                rows = min(n, got.shape[0])
+                assert torch.equal(got[:rows, :d], x[int(cu[i]):int(cu[i]) + rows, h]), role
+                assert not got[:, d:].any(), role   # zeros past the head's last column
+    delta = a["desc_delta"][0].view(heads, -1)
+    rowsum = (out.float() * do.float()).sum(-1).T                           # [H, total]
+    # sequence b from ((cu[b] + b * 64) // 64) * 64 (packed_prologue)
+    for (s0, s1), first in zip(((0, 100), (100, 400), (400, 429)), (0, 128, 512)):
+        torch.testing.assert_close(delta[:, first:first + s1 - s0], rowsum[:, s0:s1],
+                                   rtol=1e-3, atol=1e-3)
+    assert a["DK"].shape == (1, total, heads_k, 128)
+    assert torch.equal(dk, patterns["DK"][0, ..., :d])
+    assert torch.equal(dv, patterns["DV"][0, ..., :d])
+    assert torch.equal(dq, patterns["desc_dq"][0, ..., :d].to(dq.dtype))

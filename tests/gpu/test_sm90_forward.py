@@ -131,11 +131,13 @@ def test_sm90_forward_with_a_window_matches_float64_reference(case, dtype, monke
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seq", [512, 500], ids=["aligned", "ragged"])
-def test_sm90_forward_cuda_graph_replay_equals_eager(causal, seq):
+@pytest.mark.parametrize("d", [128, 96, 192])
+def test_sm90_forward_cuda_graph_replay_equals_eager(causal, seq, d):
     """The persistent grid and the tensor descriptors made per call replay correctly from a
     CUDA graph on new inputs copied into the captured buffers (3-D descriptors at a length
-    that is not a multiple of the tiles)."""
-    shape = (2, seq, 8, 128)
+    that is not a multiple of the tiles; at d = 96 / 192 the padded head dims' views, tiles
+    past each head's last column)."""
+    shape = (2, seq, 4, d)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     flashtile.flash_attn_func(q, k, v, causal=causal)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -159,19 +161,33 @@ def test_sm90_forward_under_compile_fullgraph_dynamic():
         assert torch.equal(fn(q, k, v), flashtile.flash_attn_func(q, k, v, causal=True))
 
 
-@pytest.mark.parametrize("d,causal", [(64, True), (128, True), (128, False), (256, False),
-                                      (256, True)],
-                         ids=["d64-causal", "d128-causal", "d128", "d256", "d256-causal"])
-def test_sm90_backward_under_compile_fullgraph_dynamic_equals_eager(d, causal):
+COMPILE_CASES = [  # (d, causal, lengths, layout)
+    ("d64-causal", 64, True, (256, 640, 300), "contiguous"),
+    ("d128-causal", 128, True, (256, 640, 300), "contiguous"),
+    ("d128", 128, False, (256, 640, 300), "contiguous"),
+    ("d256", 256, False, (256, 640, 300), "contiguous"),
+    ("d256-causal", 256, True, (256, 640, 300), "contiguous"),
+    # padded head dims at SDPA-layout inputs: the padded forward, the portable backward or,
+    # from PAD_BWD_KEYS keys, the Hopper backward over padded copies
+    ("d96-sdpa-causal", 96, True, (300, 364), "sdpa"),
+    ("d96-sdpa-causal-long-keys", 96, True, (4096, 4160), "sdpa"),
+    ("d192-sdpa-causal", 192, True, (333, 397), "sdpa"),
+]
+
+
+@pytest.mark.parametrize("case", COMPILE_CASES, ids=[c[0] for c in COMPILE_CASES])
+def test_sm90_backward_under_compile_fullgraph_dynamic_equals_eager(case, monkeypatch):
     """The forward compiled with ``fullgraph=True, dynamic=True`` and the backward AOTAutograd
-    builds for it, over three lengths (one not a multiple of the tiles), run the Hopper kernels
-    of eager calls: output, dK and dV bitwise, dQ within one bfloat16 rounding (the one-kernel
-    backward adds it up with float32 atomics in no fixed order)."""
+    builds for it, over lengths multiples of the tiles and not, run the Hopper kernels of eager
+    calls: output, dK and dV bitwise, dQ within one bfloat16 rounding (the one-kernel backward
+    adds it up with float32 atomics in no fixed order)."""
+    _, d, causal, lengths, layout = case
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
     fn = torch.compile(lambda q, k, v: flashtile.flash_attn_func(q, k, v, causal=causal),
                        fullgraph=True, dynamic=True)
-    for n in (256, 640, 300):
-        q, k, v = (torch.randn(2, n, 4, d, device="cuda", dtype=torch.bfloat16,
-                               requires_grad=True) for _ in range(3))
+    for n in lengths:
+        q, k, v = (_in_layout(torch.randn(2, n, 4, d, device="cuda", dtype=torch.bfloat16),
+                              layout).requires_grad_() for _ in range(3))
         do = torch.randn(2, n, 4, d, device="cuda", dtype=torch.bfloat16)
         out = fn(q, k, v)
         got = torch.autograd.grad(out, (q, k, v), do)
@@ -563,6 +579,8 @@ def _launch_names(monkeypatch) -> list:
 
 def _in_layout(x, layout):
     """``x`` (B, S, H, D) as the same values in another memory layout a caller may hand in."""
+    if layout == "contiguous":
+        return x
     if layout == "sdpa":  # (B, H, S, D) contiguous, transposed back
         return x.transpose(1, 2).contiguous().transpose(1, 2)
     batch, seq, heads, head_dim = x.shape  # a slice of a fused projection of 3 * H heads
@@ -821,6 +839,15 @@ PADDED_CASES = [  # (batch, sq, sk, heads, heads_k, d, causal, layout)
 ]
 
 
+def _padded_case_inputs(batch, sq, sk, heads, heads_k, d, dtype):
+    """q, k, v, dO of a case: ``(B, S, H, D)`` on the GPU, fresh random values."""
+    q = torch.randn(batch, sq, heads, d, device="cuda", dtype=dtype)
+    k = torch.randn(batch, sk, heads_k, d, device="cuda", dtype=dtype)
+    v = torch.randn(batch, sk, heads_k, d, device="cuda", dtype=dtype)
+    do = torch.randn(batch, sq, heads, d, device="cuda", dtype=dtype)
+    return q, k, v, do
+
+
 @pytest.mark.parametrize("case", PADDED_CASES, ids=[c[0] for c in PADDED_CASES])
 def test_sm90_forward_pads_head_dims_to_the_next_width(case, monkeypatch):
     """Head dims between 64 and 256 other than those (multiples of 8) run the Hopper forward
@@ -834,10 +861,7 @@ def test_sm90_forward_pads_head_dims_to_the_next_width(case, monkeypatch):
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
     monkeypatch.setattr(launch_sm90, "_fwd_plans", type(launch_sm90._fwd_plans)())
     dtype = torch.bfloat16
-    q = torch.randn(batch, sq, heads, d, device="cuda", dtype=dtype)
-    k = torch.randn(batch, sk, heads_k, d, device="cuda", dtype=dtype)
-    v = torch.randn(batch, sk, heads_k, d, device="cuda", dtype=dtype)
-    do = torch.randn(batch, sq, heads, d, device="cuda", dtype=dtype)
+    q, k, v, do = _padded_case_inputs(batch, sq, sk, heads, heads_k, d, dtype)
     names = _launch_names(monkeypatch)
     leaves = [_in_layout(x, layout).detach().requires_grad_() for x in (q, k, v)]
     with poison_outputs():
@@ -899,73 +923,31 @@ def test_sm90_padded_head_dims_backward_over_long_keys_on_hopper(d, causal, monk
         out = flashtile.flash_attn_func(*leaves, causal=causal)
         out.backward(do)
     assert names[0] == "fwd" and len(names) > 1 and set(names[1:]) <= {"bwd", "dq"}, names
+    _assert_grads_within_rule(leaves, q, k, v, do, causal)
+
+
+def _assert_grads_within_rule(leaves, q, k, v, do, causal):
+    """The leaves' gradients (in their own layouts) finite and within flash-attn's rule (3x
+    PyTorch's same-dtype error) of float64 attention of ``q``, ``k``, ``v``."""
     ref = _grads(q, k, v, do, causal, torch.float64)
-    low = _grads(q, k, v, do, causal, torch.bfloat16)
-    for name, g, x, r, lo in zip(("dq", "dk", "dv"), [x.grad for x in leaves], leaves, ref[1:],
-                                 low[1:]):
+    low = _grads(q, k, v, do, causal, q.dtype)
+    for name, x, r, lo in zip(("dq", "dk", "dv"), leaves, ref[1:], low[1:]):
+        g = x.grad
         assert g.stride() == x.stride()
         base = (lo.double() - r).abs().max().item()
         err = (g.double() - r).abs().max().item()
         assert torch.isfinite(g).all() and err <= 3 * base + 1e-4, (name, err, base)
 
 
-@pytest.mark.parametrize("d", [96, 192])
-@pytest.mark.parametrize("seq", [512, 300], ids=["aligned", "ragged"])
-def test_sm90_padded_forward_cuda_graph_replay_equals_eager(d, seq):
-    """The padded head dims' descriptors (the heads views, tiles past each head's last column)
-    are made per call like the others: the forward captured in a CUDA graph replays on new
-    inputs copied into the captured buffers, bitwise an eager call."""
-    shape = (2, seq, 4, d)
-    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    flashtile.flash_attn_func(q, k, v, causal=True)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = flashtile.flash_attn_func(q, k, v, causal=True)
-    for x in (q, k, v):
-        x.copy_(torch.randn_like(x))
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, flashtile.flash_attn_func(q, k, v, causal=True))
-
-
-@pytest.mark.parametrize("d,n", [(96, 300), (96, 4096), (192, 333)],
-                         ids=["d96-ragged", "d96-long-keys", "d192-ragged"])
-def test_sm90_padded_head_dims_under_compile_fullgraph_dynamic_equal_eager(d, n, monkeypatch):
-    """``torch.compile(fullgraph=True, dynamic=True)`` on SDPA-layout inputs at a padded head
-    dim runs what eager calls run (the padded Hopper forward; the portable backward, or from
-    ``PAD_BWD_KEYS`` keys the Hopper backward over padded copies): output bitwise, gradients
-    bitwise except dQ within one bfloat16 rounding (float32 atomics in no fixed order)."""
+def _views_backward(monkeypatch):
+    """The Hopper kernels on, the padded backward through views (``PAD_BWD_VIEWS``) at any
+    number of keys."""
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
-    fn = torch.compile(lambda q, k, v: flashtile.flash_attn_func(q, k, v, causal=True),
-                       fullgraph=True, dynamic=True)
-    for seq in (n, n + 64):
-        base = [torch.randn(1, seq, 2, d, device="cuda", dtype=torch.bfloat16)
-                for _ in range(3)]
-        q, k, v = (_in_layout(x, "sdpa").requires_grad_() for x in base)
-        do = torch.randn(1, seq, 2, d, device="cuda", dtype=torch.bfloat16)
-        out = fn(q, k, v)
-        got = torch.autograd.grad(out, (q, k, v), do)
-        want_out = flashtile.flash_attn_func(q, k, v, causal=True)
-        want = torch.autograd.grad(want_out, (q, k, v), do)
-        assert torch.equal(out, want_out)
-        torch.testing.assert_close(got[0], want[0])
-        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    monkeypatch.setattr(launch_sm90, "PAD_BWD_VIEWS", True)
+    monkeypatch.setattr(launch_sm90, "PAD_BWD_KEYS", 1)
 
 
-PADDED_BWD_CASES = [  # (batch, sq, sk, heads, heads_k, d, causal, layout)
-    ("d96-causal", 2, 512, 512, 4, 4, 96, True, "contiguous"),
-    ("d96-gqa-ragged", 2, 300, 333, 6, 2, 96, False, "contiguous"),
-    ("d80-sdpa-ragged-causal", 1, 300, 300, 4, 2, 80, True, "sdpa"),
-    ("d96-fused-qkv", 2, 256, 256, 4, 4, 96, False, "fused-qkv"),
-    ("d112-one-head", 2, 256, 384, 1, 1, 112, True, "contiguous"),
-    ("d192-causal-gqa", 1, 512, 512, 4, 2, 192, True, "contiguous"),
-    ("d192-sdpa-ragged", 2, 333, 200, 4, 4, 192, False, "sdpa"),
-    ("d160-fused-qkv-ragged-causal", 1, 250, 250, 4, 4, 160, True, "fused-qkv"),
-]
-
-
-@pytest.mark.parametrize("case", PADDED_BWD_CASES, ids=[c[0] for c in PADDED_BWD_CASES])
+@pytest.mark.parametrize("case", PADDED_CASES, ids=[c[0] for c in PADDED_CASES])
 def test_sm90_padded_backward_views_match_float64_reference(case, monkeypatch):
     """``launch_sm90.padded_backward`` (``PAD_BWD_VIEWS``; ``PAD_BWD_KEYS`` lowered so that
     short sequences take it): the Hopper backward kernels of the next width read q, dO, k and v
@@ -974,14 +956,8 @@ def test_sm90_padded_backward_views_match_float64_reference(case, monkeypatch):
     cropped: gradients within flash-attn's rule of float64 in every layout a model hands in,
     lengths multiples of the tiles or not, GQA, one head."""
     _, batch, sq, sk, heads, heads_k, d, causal, layout = case
-    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
-    monkeypatch.setattr(launch_sm90, "PAD_BWD_VIEWS", True)
-    monkeypatch.setattr(launch_sm90, "PAD_BWD_KEYS", 1)
-    dtype = torch.bfloat16
-    q = torch.randn(batch, sq, heads, d, device="cuda", dtype=dtype)
-    k = torch.randn(batch, sk, heads_k, d, device="cuda", dtype=dtype)
-    v = torch.randn(batch, sk, heads_k, d, device="cuda", dtype=dtype)
-    do = torch.randn(batch, sq, heads, d, device="cuda", dtype=dtype)
+    _views_backward(monkeypatch)
+    q, k, v, do = _padded_case_inputs(batch, sq, sk, heads, heads_k, d, torch.bfloat16)
     names = _launch_names(monkeypatch)
     widths = []  # the head dims the backward runs at (the copies' path: d, then the width)
     real = launch_bwd._backward
@@ -993,14 +969,7 @@ def test_sm90_padded_backward_views_match_float64_reference(case, monkeypatch):
         out.backward(do)
     want = ["fwd", "bwd"] if d <= 128 else ["fwd", "dq", "bwd"]
     assert names == want and widths == [d], (names, widths)
-    ref = _grads(q, k, v, do, causal, torch.float64)
-    low = _grads(q, k, v, do, causal, dtype)
-    for name, g, x, r, lo in zip(("dq", "dk", "dv"), [x.grad for x in leaves], leaves, ref[1:],
-                                 low[1:]):
-        assert g.stride() == x.stride()
-        base = (lo.double() - r).abs().max().item()
-        err = (g.double() - r).abs().max().item()
-        assert torch.isfinite(g).all() and err <= 3 * base + 1e-4, (name, err, base)
+    _assert_grads_within_rule(leaves, q, k, v, do, causal)
 
 
 @pytest.mark.parametrize("d", [96, 192])
@@ -1008,9 +977,7 @@ def test_sm90_padded_backward_views_keep_heads_apart(d, monkeypatch):
     """The backward's views of heads side by side: with head 1 all NaN, head 0's gradients are
     finite and within flash-attn's rule of float64 (no tile of the kernels' width read into
     the next head's columns)."""
-    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
-    monkeypatch.setattr(launch_sm90, "PAD_BWD_VIEWS", True)
-    monkeypatch.setattr(launch_sm90, "PAD_BWD_KEYS", 1)
+    _views_backward(monkeypatch)
     batch, seq, heads = 2, 300, 2
     q, k, v, do = (torch.randn(batch, seq, heads, d, device="cuda", dtype=torch.bfloat16)
                    for _ in range(4))

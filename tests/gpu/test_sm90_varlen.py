@@ -117,6 +117,30 @@ def test_sm90_varlen_backward_matches_float64_reference(case, dtype, monkeypatch
                             _per_sequence(q_, k_, v_, cu_q, cu_k, spec, dt)[0], dtype)
 
 
+PADDED = [c for c in CASES if c[5] not in (64, 128, 256) and c[5] < 128]
+
+
+@pytest.mark.parametrize("case", PADDED, ids=[c[0] for c in PADDED])
+def test_sm90_varlen_padded_backward_views_match_float64_reference(case, monkeypatch):
+    """Packed sequences at a head dim the forward pads to 128, with
+    ``launch_sm90.PAD_BWD_VIEWS``: the fused Hopper backward of width 128 through views of the
+    head's columns (``padded_backward``, one ``fused_backward`` of the packed rows), gradients
+    within 3x PyTorch's same-dtype error of float64 sequence by sequence."""
+    q, k, v, cu_q, cu_k, max_q, max_k, spec = _inputs(case, torch.bfloat16)
+    do = torch.randn_like(q)
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    monkeypatch.setattr(launch_sm90, "PAD_BWD_VIEWS", True)
+    fused = spy_keyword(monkeypatch, launch_sm90, "fused_backward", "width")
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    with poison_outputs():
+        out = flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k, causal=spec.causal,
+                                     window_size=(spec.window_left, spec.window_right))
+        out.backward(do)
+    assert fused == [128]
+    assert_grads_flash_rule([x.grad for x in leaves], (q, k, v), do, lambda q_, k_, v_, dt:
+                            _per_sequence(q_, k_, v_, cu_q, cu_k, spec, dt)[0], torch.bfloat16)
+
+
 def test_sm90_varlen_plans_repeat_the_launches_with_the_new_lengths(monkeypatch):
     """A packed call launched directly (a compiled variant's second call) leaves forward and
     backward plans; a later call of the same totals, sequence count and longest lengths but

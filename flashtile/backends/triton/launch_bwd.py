@@ -313,10 +313,11 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
         launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec,
                                    sparse=sparse)
         return dq, dk, dv
-    if (varlen and alibi_slopes is None and attn_bias is None and rng_seed is None
-            and block_mask is None and dbias is None and grad_dtype is None
-            and not _deterministic(spec) and out.is_contiguous() and lse.is_contiguous()
-            and launch_sm90.varlen_bwd_eligible(q, k, v, do, dk, dv, spec)):
+    packed_plain = (varlen and alibi_slopes is None and attn_bias is None and rng_seed is None
+                    and block_mask is None and dbias is None and grad_dtype is None
+                    and not _deterministic(spec) and out.is_contiguous()
+                    and lse.is_contiguous())
+    if packed_plain and launch_sm90.varlen_bwd_eligible(q, k, v, do, dk, dv, spec):
         # packed sequences: the fused Hopper backward takes each one's rows from the
         # cumulative lengths (the int32 the kernel reads); a direct launch leaves a plan
         packed = launch_sm90.packed_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -324,6 +325,13 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
                                         varlen=packed) if plans_enabled() else None)
         launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec, key,
                                    varlen=packed)
+        return dq, dk, dv
+    width = packed_plain and launch_sm90.varlen_pad_width(q, k, v, out, do, dq, spec)
+    if width:
+        # packed sequences at a head dim the forward pads to 128: the fused Hopper backward
+        # of that width through views of the head's columns (launch_sm90.padded_backward)
+        packed = launch_sm90.packed_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        launch_sm90.padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec, width, packed)
         return dq, dk, dv
     features = (varlen or alibi_slopes is not None or attn_bias is not None
                 or rng_seed is not None or block_mask is not None or dbias is not None)

@@ -394,7 +394,8 @@ def padded_bwd_views(q, k, v, out, do, dq) -> bool:
     return PAD_BWD_VIEWS and out.is_contiguous() and _dense(q, k, v, do, dq)
 
 
-def padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec: AttnSpec, width: int) -> None:
+def padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec: AttnSpec, width: int,
+                    varlen=None) -> None:
     """Fill ``dq``, ``dk``, ``dv`` of a call :func:`pad_backward` admits at ``width``, with no
     copy of the inputs: the Hopper kernels of that width read q, dO, k and v through views
     whose tiles reach past each head's last column, where the TMA reads zeros (the forward's,
@@ -404,25 +405,41 @@ def padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec: AttnSpec, width: in
     and ``do`` for delta), cropped into ``dq`` by its conversion; else (256) the prologue's
     delta, the dQ kernel storing through a view of ``dq`` (nothing past a head's last column),
     and the dK/dV kernel.  dK and dV go into buffers ``width`` wide, cropped into ``dk``,
-    ``dv``."""
-    batch, sq, nheads, head_dim = q.shape
-    sk, nheads_k = k.shape[1], k.shape[2]
-    dk_w = empty((batch, sk, nheads_k, width), q.dtype, q.device)
-    dv_w = empty((batch, sk, nheads_k, width), q.dtype, q.device)
-    delta = empty((batch, nheads, sq), torch.float32, q.device)
-    if fused_pays(sq, sk, spec.causal, width):
-        counter = empty((1,), torch.int32, q.device) if bwd_persistent(width) else None
-        dq_acc, lse_p, delta, _ = _prologue(q, out, do, delta, counter=counter, lse=lse,
-                                            cols=width)
-        _bwd(q, k, v, do, lse_p, delta, dq_acc, dk_w, dv_w, spec, counter=counter,
-             width=width)
-        dq.copy_(dq_acc[..., :head_dim])
+    ``dv``.  ``varlen``: packed ``(total, H, D)`` sequences as :func:`fused_backward`'s
+    (:func:`varlen_pad_width`: the fused kernel at 128)."""
+    head_dim = q.shape[-1]
+    dk_w = empty((*k.shape[:-1], width), q.dtype, q.device)
+    dv_w = empty((*v.shape[:-1], width), q.dtype, q.device)
+    if varlen is not None:  # (the packed prologue lays out its own delta)
+        fused_backward(q, k, v, out, do, lse, None, dq, dk_w, dv_w, spec, varlen=varlen,
+                       width=width)
     else:
-        _prologue(q, out, do, delta, zero=False, cols=width)
-        _dq(q, k, v, do, lse, delta, dq, spec, width)
-        _bwd(q, k, v, do, lse, delta, None, dk_w, dv_w, spec, width=width)
+        batch, sq, nheads, _ = q.shape
+        delta = empty((batch, nheads, sq), torch.float32, q.device)
+        if fused_pays(sq, k.shape[1], spec.causal, width):
+            fused_backward(q, k, v, out, do, lse, delta, dq, dk_w, dv_w, spec, width=width)
+        else:
+            _prologue(q, out, do, delta, zero=False, cols=width)
+            _dq(q, k, v, do, lse, delta, dq, spec, width)
+            _bwd(q, k, v, do, lse, delta, None, dk_w, dv_w, spec, width=width)
     dk.copy_(dk_w[..., :head_dim])
     dv.copy_(dv_w[..., :head_dim])
+
+
+def varlen_pad_width(q, k, v, out, do, dq, spec: AttnSpec) -> int:
+    """The width at which :func:`padded_backward` takes packed ``(total, H, D)`` sequences, or
+    0: the switch, a head dim the forward pads to 128 (packed sequences run the persistent
+    kernel of d <= 128), the packed forward's conditions (:func:`varlen_eligible`), ``out``
+    contiguous, ``do`` and ``dq`` as the TMA reads them, ``do`` of q's dtype."""
+    head_dim = q.shape[-1]
+    if not PAD_BWD_VIEWS or q.dim() != 3 or head_dim == 128 or padded_width(head_dim) != 128:
+        return 0
+    if do.dtype != q.dtype or not out.is_contiguous():
+        return 0
+    if not (varlen_eligible(q, k, v, spec, padded=True)
+            and _dense(*(x.unsqueeze(0) for x in (q, k, v, do, dq)))):
+        return 0
+    return 128
 
 
 def padded_width(head_dim: int) -> int:
@@ -1019,7 +1036,7 @@ def _stand_in(tile: tuple, dtype: torch.dtype, device) -> tuple:
 _PROLOGUE_PTRS = ("O", "DO", "DELTA", "DQ_ACC", "LSE", "LSE_P", "SRC", "COUNTER")
 
 
-def packed_prologue(q, out, do, lse, cu_q, bound=None):
+def packed_prologue(q, out, do, lse, cu_q, bound=None, cols: int = 0):
     """:func:`_prologue` of packed sequences (``q``, ``out``, ``do``: ``(1, total_q, H, D)``
     views; ``lse`` float32 ``(H, total_q)``), in one launch: the zeroed dQ accumulator, lse and
     delta laid out for the backward kernel's TMA loads, ``(H, sq_pad)`` with sequence ``b``'s
@@ -1029,11 +1046,13 @@ def packed_prologue(q, out, do, lse, cu_q, bound=None):
     sequence's offset grows by at least its length plus one over the previous one's, so
     ``sq_pad = total_q + B * BWD_BLOCK_M`` (rounded to a tile) holds them all.  ``(dq_acc,
     lse_p, delta_p, counter, launched)``, ``launched`` as :func:`_prologue`'s.  On the device: no
-    host read of the lengths."""
+    host read of the lengths.  ``cols``: as :func:`_prologue`'s."""
     nheads, total = lse.shape
     width = -(-(total + (cu_q.numel() - 1) * BWD_BLOCK_M) // BWD_BLOCK_M) * BWD_BLOCK_M
     src = _orders.get(("rows", total), (cu_q,), lambda: _packed_rows(cu_q, total, width))
-    dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    head_dim = q.shape[-1]
+    cols = cols or head_dim
+    dq_acc = torch.empty((*q.shape[:-1], cols), dtype=torch.float32, device=q.device)
     lse_p = empty((nheads, width), torch.float32, q.device)
     delta_p = empty((nheads, width), torch.float32, q.device)
     counter = empty((1,), torch.int32, q.device)
@@ -1045,8 +1064,8 @@ def packed_prologue(q, out, do, lse, cu_q, bound=None):
     grid = (-(-rows // DELTA_ROWS),)
     launched = launch(attn_bwd_delta_kernel, grid, **dict(zip(_PROLOGUE_PTRS, ptrs)),
                       stride_db=0, stride_ds=do.stride(1), stride_dh=do.stride(2), n_rows=rows,
-                      seqlen_q=width, nheads=nheads, total=total, HEAD_DIM=q.shape[-1],
-                      O_COLS=q.shape[-1], ROWS=DELTA_ROWS, ZERO=True, PACKED=True, COUNT=True, PAD=False,
+                      seqlen_q=width, nheads=nheads, total=total, HEAD_DIM=cols,
+                      O_COLS=head_dim, ROWS=DELTA_ROWS, ZERO=True, PACKED=True, COUNT=True, PAD=False,
                       num_warps=4)
     return dq_acc, lse_p, delta_p, counter, launched and (launched, grid)
 
@@ -1187,7 +1206,8 @@ def _prologue(q, out, do, delta, zero: bool = True, counter=None, lse=None, boun
 
 
 def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec,
-                   plan_key=None, key_mask=None, sparse=None, varlen=None) -> None:
+                   plan_key=None, key_mask=None, sparse=None, varlen=None,
+                   width: int = 0) -> None:
     """Fill ``dq``, ``dk``, ``dv`` (``bwd_eligible`` holds; ``out`` contiguous; ``lse`` and the
     buffer ``delta`` contiguous float32 ``(B, H, Sq)``): a prologue kernel computes ``delta``
     (where ``Sq`` is not a multiple of ``BWD_BLOCK_M``, into a padded buffer of its own, with
@@ -1198,18 +1218,22 @@ def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec,
     :func:`forward`'s; ``sparse`` as :func:`_bwd`'s (no plan: its key does not see the
     mask); ``varlen``: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` of packed
     ``(total, H, D)`` tensors (:func:`varlen_bwd_eligible`; lse ``(H, total_q)``; ``delta``
-    unused: :func:`packed_prologue` lays out its own)."""
+    unused: :func:`packed_prologue` lays out its own); ``width`` wider than ``D``
+    (:func:`padded_backward`, no plan): the kernel of that width, ``dk`` and ``dv`` that wide,
+    the accumulator cropped into ``dq``."""
     counter = None
     if varlen is not None:  # one batch entry of the packed rows (forward's views)
         q, k, v, out, do, dq, dk, dv = (x.unsqueeze(0) for x in (q, k, v, out, do, dq, dk, dv))
-        dq_acc, lse, delta, counter, prologue = packed_prologue(q, out, do, lse, varlen[0])
+        dq_acc, lse, delta, counter, prologue = packed_prologue(q, out, do, lse, varlen[0],
+                                                                cols=width)
     else:  # (lse and delta padded where the lengths are not multiples of the row tile)
-        if bwd_persistent(q.shape[-1]):  # the prologue zeroes the work counter too
+        if bwd_persistent(width or q.shape[-1]):  # the prologue zeroes the work counter too
             counter = empty((1,), torch.int32, q.device)
-        dq_acc, lse, delta, prologue = _prologue(q, out, do, delta, counter=counter, lse=lse)
+        dq_acc, lse, delta, prologue = _prologue(q, out, do, delta, counter=counter, lse=lse,
+                                                 cols=width)
     launched = _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec, key_mask, sparse, varlen,
-                    counter)
-    dq.copy_(dq_acc)
+                    counter, width)
+    dq.copy_(dq_acc[..., :dq.shape[-1]] if width else dq_acc)
     if plan_key is not None and launched is not None and sparse is None:
         _bwd_plans.put(plan_key, _BwdPlan(*launched, q.device.index or 0, prologue))
 
