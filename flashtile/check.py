@@ -248,6 +248,9 @@ def cases(device: torch.device, quick: bool) -> list[Case]:
             Case(f"{t}-d256-odd", 1, 129, 129, 2, 1, 256 if gpu else 80, dtype, True),
             # a head dim the Hopper forward runs at the next width (zeros past the head)
             Case(f"{t}-d192-gqa-odd", 2, 333, 401, 6, 2, 192 if gpu else 48, dtype, True),
+            # ... whose backward from 4096 keys runs on the Hopper kernels of that width too
+            Case(f"{t}-d96-long-keys", 1, 4096 if gpu else 160, 4096 if gpu else 160, 4, 2,
+                 96 if gpu else 40, dtype, True),
         ]
     if gpu:
         out.append(Case("float32-d64", 1, 512, 512, 4, 4, 64, torch.float32, True))
