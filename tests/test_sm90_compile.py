@@ -156,7 +156,7 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                                                   ragged),
                     scale="fp32", qk_scale="fp32"), head_dim, causal, WINDOW=False,
                      RAGGED=ragged)
-            if ty == "bf16" and not keymask and head_dim != 64:
+            if ty == "bf16" and head_dim != 64:
                 # "h": a head dim narrower than the tiles (96 at 128, 192 at 256) with heads
                 # side by side: q, dO, k and v read through views of one head's columns
                 # (launch_sm90.padded_backward: the fused kernel at 128; at 256 the dQ kernel,
@@ -165,12 +165,14 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                 views = {n: desc(ty, rows, head_dim, dtype, ragged, True)
                          for n, rows in (("desc_q", bm), ("desc_do", bm), ("desc_k", keys),
                                          ("desc_v", keys))}
-                fused = head_dim == 128
+                # (a key mask: the fused kernel at either width, "bwdhk")
+                fused = head_dim == 128 or keymask
                 emit(f"{'bwd' if fused else 'dkdv'}h{r}-{ty}", attn_bwd_sm90_kernel,
                      dict(types, **views), head_dim, causal, WINDOW=False, DQ=fused,
                      PERSISTENT=launch_sm90.bwd_persistent(head_dim), RAGGED=ragged,
                      DKDV_TMA=tma_dkdv)
-                if fused and not r:  # "hv": packed sequences (dK, dV stored by the kernel)
+                if head_dim == 128 and not r:
+                    # "hv": packed sequences (dK, dV stored by the kernel)
                     emit(f"bwdhv-{ty}", attn_bwd_sm90_kernel,
                          dict(types, **views, CuQ="*i32", CuK="*i32"), head_dim, causal,
                          WINDOW=False, DQ=True, PERSISTENT=True, RAGGED=False, DKDV_TMA=False)
@@ -238,7 +240,8 @@ BWD_VARIANTS = [f"{kind}{r}-{ty}-d{d}-{mode}" for kind in ("bwd", "dkdv")
                                 for mode in ("full", "causal")] + [  # (a block mask, packed)
     f"{kind}h{r}-bf16-d{d}-{mode}" for kind, d in (("bwd", 128), ("dkdv", 256))
     for r in ("", "r") for mode in ("full", "causal")] + [
-    f"bwdhv-bf16-d128-{mode}" for mode in ("full", "causal")]  # (a padded head dim's views)
+    f"bwdh{x}-bf16-d{d}-{mode}" for x, ds in (("v", (128,)), ("k", (128, 256))) for d in ds
+    for mode in ("full", "causal")]  # (a padded head dim's views)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -1632,3 +1635,46 @@ def test_padded_backward_of_packed_sequences_reads_views_and_crops(monkeypatch):
     assert torch.equal(dk, patterns["DK"][0, ..., :d])
     assert torch.equal(dv, patterns["DV"][0, ..., :d])
     assert torch.equal(dq, patterns["desc_dq"][0, ..., :d].to(dq.dtype))
+
+
+@pytest.mark.parametrize("views", [True, False], ids=["views", "switch-off"])
+def test_padded_head_dims_backward_dispatch(views, monkeypatch):
+    """``launch_bwd.backward`` at a head dim the forward pads, on an H100 as far as the
+    launcher can tell: with ``PAD_BWD_VIEWS`` a dense call, a padded batch's key mask and
+    packed sequences take ``launch_sm90.padded_backward`` at 128 (the key mask passed on);
+    with the switch off the dense call takes the copies' path (a backward at the width) and
+    the others the portable kernels."""
+    from flashtile.backends.spec import AttnSpec
+    from flashtile.backends.triton import launch_bwd, launch_sm90
+
+    monkeypatch.setattr(launch_sm90, "on_hopper", lambda q: True)
+    monkeypatch.setattr(launch_sm90, "_dense", lambda *tensors: True)
+    monkeypatch.setattr(launch_sm90, "PAD_BWD_VIEWS", views)
+    monkeypatch.setattr(launch_sm90, "PAD_BWD_KEYS", 64)
+    seen, widths, portable = [], [], []
+    monkeypatch.setattr(launch_sm90, "padded_backward", lambda *a, **kw: seen.append(
+        (a[10], a[11] if len(a) > 11 else None, kw.get("key_mask"))))
+    monkeypatch.setattr(launch_bwd, "_padded_backward", lambda *a: widths.append(a[7]))
+    monkeypatch.setattr(launch_bwd, "_chunked", lambda *a: portable.append(1))
+    monkeypatch.setattr(launch_bwd, "launch", lambda kernel, grid, **kw: portable.append(
+        kernel))
+    d, seq = 96, 128
+    q, do, out = (torch.randn(2, seq, 4, d, dtype=torch.float16) for _ in range(3))
+    k, v = (torch.randn(2, seq, 2, d, dtype=torch.float16) for _ in range(2))
+    lse = torch.randn(2, 4, seq)
+    spec = AttnSpec(softmax_scale=d ** -0.5, window_right=0)
+    mask = torch.ones(2, 1, 1, seq, dtype=torch.bool)
+    mask[0, ..., :17] = False
+    launch_bwd.backward(do, q, k, v, out, lse, spec)
+    launch_bwd.backward(do, q, k, v, out, lse, spec, attn_bias=mask)
+    cu = torch.tensor([0, 100, 256], dtype=torch.int32)
+    flat = [x.reshape(-1, *x.shape[2:]) for x in (do, q, k, v, out)]
+    launch_bwd.backward(*flat, lse.transpose(0, 1).reshape(4, -1).contiguous(), spec,
+                        cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=156, max_seqlen_k=156)
+    if views:
+        assert widths == [128]  # (the dense call: _padded_backward, which takes the views)
+        (w_mask, packed_mask, key_mask), (w_packed, packed, none) = seen
+        assert (w_mask, packed_mask, none) == (128, None, None) and w_packed == 128
+        assert key_mask is not None and packed is not None and packed[0].dtype == torch.int32
+    else:
+        assert widths == [128] and seen == [] and portable

@@ -112,7 +112,7 @@ def _spy(monkeypatch, name):
 
 
 # head dims the forward runs at the next width (launch_sm90.padded_width; the backward of
-# these runs the portable kernels)
+# these runs the portable kernels, or with PAD_BWD_VIEWS the Hopper kernels of that width)
 PADDED_CASES = [
     ("d96-causal-left-gqa", 3, 512, 512, 4, 2, 96, True, "left"),
     ("d96-holes-ragged", 2, 300, 333, 4, 4, 96, False, "holes"),
@@ -148,15 +148,19 @@ def test_sm90_key_mask_forward_matches_float64_reference(case, dtype, monkeypatc
     assert (portable.double() - ref).abs().max().item() <= 2 * base + 1e-4
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case", CASES + PADDED_CASES, ids=[c[0] for c in CASES + PADDED_CASES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_sm90_key_mask_backward_matches_float64_reference(case, dtype, monkeypatch):
     """dQ, dK and dV with a key mask within 3x PyTorch's same-dtype error of float64: the
-    fused Hopper backward at every length and head dim, hidden keys and rows that see no key
-    with zero gradients."""
+    fused Hopper backward at every length and head dim (at 96 and 192 the kernel of the next
+    width through views of the head's columns: ``launch_sm90.PAD_BWD_VIEWS``, at any number
+    of keys), hidden keys and rows that see no key with zero gradients."""
     q, k, v, do, mask, causal = _inputs(case, dtype)
     sk, d = case[3], case[6]
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    if d not in (64, 128, 256):
+        monkeypatch.setattr(launch_sm90, "PAD_BWD_VIEWS", True)
+        monkeypatch.setattr(launch_sm90, "PAD_BWD_KEYS", 1)
     spec = AttnSpec(softmax_scale=d ** -0.5, window_right=0 if causal else -1)
     calls = _spy(monkeypatch, "fused_backward")
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]

@@ -238,9 +238,9 @@ def _padded_backward(do, q, k, v, out, lse, spec: AttnSpec, width: int, dq, dk, 
     """The backward of a head dim the Hopper forward pads (``launch_sm90.pad_backward``) on
     copies of its tensors padded with zeros to ``width`` (zero columns add nothing to the
     scores and get zero gradients), on the Hopper kernels of that width; the gradients'
-    first columns go into ``dq``, ``dk``, ``dv``; or, where ``launch_sm90.padded_bwd_views``
-    holds, with no copy of the inputs (``launch_sm90.padded_backward``)."""
-    if launch_sm90.padded_bwd_views(q, k, v, out, do, dq):
+    first columns go into ``dq``, ``dk``, ``dv``; or, where ``launch_sm90.padded_view_width``
+    admits the call, with no copy of the inputs (``launch_sm90.padded_backward``)."""
+    if launch_sm90.padded_view_width(q, k, v, out, do, dq, spec):
         launch_sm90.padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec, width)
         return dq, dk, dv
     pad = (0, width - q.shape[-1])
@@ -301,6 +301,13 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
                if plans_enabled() else None)
         launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec, key,
                                    key_mask=mask)
+        return dq, dk, dv
+    width = mask is not None and launch_sm90.padded_view_width(q, k, v, out, do, dq, spec)
+    if width:
+        # ... at a head dim the forward pads: the fused Hopper backward of the next width
+        # through views of the head's columns (launch_sm90.padded_backward)
+        launch_sm90.padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec, width,
+                                    key_mask=mask)
         return dq, dk, dv
     if (block_mask is not None and not varlen and alibi_slopes is None and attn_bias is None
             and rng_seed is None and dbias is None and grad_dtype is None

@@ -387,15 +387,19 @@ def pad_backward(q, k, v, spec: AttnSpec) -> int:
 PAD_BWD_VIEWS = False
 
 
-def padded_bwd_views(q, k, v, out, do, dq) -> bool:
-    """Whether :func:`padded_backward` serves a call :func:`pad_backward` admits: the switch,
-    ``out`` contiguous (the prologue's rows), ``do`` and ``dq`` in layouts the TMA reads and
+def padded_view_width(q, k, v, out, do, dq, spec: AttnSpec) -> int:
+    """The width at which :func:`padded_backward` serves a dense call (with or without a key
+    mask), or 0: the switch, :func:`pad_backward`'s conditions, ``out`` contiguous (the
+    prologue's rows), ``do`` of q's dtype, ``do`` and ``dq`` in layouts the TMA reads and
     writes."""
-    return PAD_BWD_VIEWS and out.is_contiguous() and _dense(q, k, v, do, dq)
+    if not PAD_BWD_VIEWS or do.dtype != q.dtype or not out.is_contiguous():
+        return 0
+    width = pad_backward(q, k, v, spec)
+    return width if width and _dense(q, k, v, do, dq) else 0
 
 
 def padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec: AttnSpec, width: int,
-                    varlen=None) -> None:
+                    varlen=None, key_mask=None) -> None:
     """Fill ``dq``, ``dk``, ``dv`` of a call :func:`pad_backward` admits at ``width``, with no
     copy of the inputs: the Hopper kernels of that width read q, dO, k and v through views
     whose tiles reach past each head's last column, where the TMA reads zeros (the forward's,
@@ -406,7 +410,8 @@ def padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec: AttnSpec, width: in
     delta, the dQ kernel storing through a view of ``dq`` (nothing past a head's last column),
     and the dK/dV kernel.  dK and dV go into buffers ``width`` wide, cropped into ``dk``,
     ``dv``.  ``varlen``: packed ``(total, H, D)`` sequences as :func:`fused_backward`'s
-    (:func:`varlen_pad_width`: the fused kernel at 128)."""
+    (:func:`varlen_pad_width`: the fused kernel at 128); ``key_mask`` as :func:`forward`'s (the
+    fused kernel at either width: the two kernels take no mask)."""
     head_dim = q.shape[-1]
     dk_w = empty((*k.shape[:-1], width), q.dtype, q.device)
     dv_w = empty((*v.shape[:-1], width), q.dtype, q.device)
@@ -416,8 +421,9 @@ def padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec: AttnSpec, width: in
     else:
         batch, sq, nheads, _ = q.shape
         delta = empty((batch, nheads, sq), torch.float32, q.device)
-        if fused_pays(sq, k.shape[1], spec.causal, width):
-            fused_backward(q, k, v, out, do, lse, delta, dq, dk_w, dv_w, spec, width=width)
+        if key_mask is not None or fused_pays(sq, k.shape[1], spec.causal, width):
+            fused_backward(q, k, v, out, do, lse, delta, dq, dk_w, dv_w, spec,
+                           key_mask=key_mask, width=width)
         else:
             _prologue(q, out, do, delta, zero=False, cols=width)
             _dq(q, k, v, do, lse, delta, dq, spec, width)
