@@ -927,13 +927,15 @@ def test_sm90_padded_head_dims_backward_over_long_keys_on_hopper(d, causal, monk
 
 
 def _assert_grads_within_rule(leaves, q, k, v, do, causal):
-    """The leaves' gradients (in their own layouts) finite and within flash-attn's rule (3x
-    PyTorch's same-dtype error) of float64 attention of ``q``, ``k``, ``v``."""
+    """The leaves' gradients finite and within flash-attn's rule (3x PyTorch's same-dtype
+    error) of float64 attention of ``q``, ``k``, ``v``; in the leaves' own layouts where these
+    own their storage (a slice of a fused projection gets autograd's contiguous layout)."""
     ref = _grads(q, k, v, do, causal, torch.float64)
     low = _grads(q, k, v, do, causal, q.dtype)
     for name, x, r, lo in zip(("dq", "dk", "dv"), leaves, ref[1:], low[1:]):
         g = x.grad
-        assert g.stride() == x.stride()
+        if x.untyped_storage().nbytes() == x.numel() * x.element_size():
+            assert g.stride() == x.stride(), name
         base = (lo.double() - r).abs().max().item()
         err = (g.double() - r).abs().max().item()
         assert torch.isfinite(g).all() and err <= 3 * base + 1e-4, (name, err, base)

@@ -1071,8 +1071,8 @@ def packed_prologue(q, out, do, lse, cu_q, bound=None, cols: int = 0):
     launched = launch(attn_bwd_delta_kernel, grid, **dict(zip(_PROLOGUE_PTRS, ptrs)),
                       stride_db=0, stride_ds=do.stride(1), stride_dh=do.stride(2), n_rows=rows,
                       seqlen_q=width, nheads=nheads, total=total, HEAD_DIM=cols,
-                      O_COLS=head_dim, ROWS=DELTA_ROWS, ZERO=True, PACKED=True, COUNT=True, PAD=False,
-                      num_warps=4)
+                      O_COLS=head_dim, ROWS=DELTA_ROWS, ZERO=True, PACKED=True, COUNT=True,
+                      PAD=False, num_warps=4)
     return dq_acc, lse_p, delta_p, counter, launched and (launched, grid)
 
 
@@ -1202,9 +1202,8 @@ def _prologue(q, out, do, delta, zero: bool = True, counter=None, lse=None, boun
                           stride_db=do.stride(0), stride_ds=do.stride(1),
                           stride_dh=do.stride(2), n_rows=rows, seqlen_q=width, nheads=nheads,
                           total=sq, HEAD_DIM=cols, O_COLS=head_dim, ROWS=DELTA_ROWS,
-                          ZERO=zero,
-                          PACKED=False, COUNT=counter is not None, PAD=width != sq,
-                          num_warps=4)
+                          ZERO=zero, PACKED=False, COUNT=counter is not None,
+                          PAD=width != sq, num_warps=4)
         launched = launched and (launched, grid)
     if lse is None:
         return dq_acc
