@@ -25,6 +25,7 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -308,13 +309,24 @@ def main(argv=None) -> int:
                         help="only the dropout / mask / bias / block-sparse / paged-varlen cases")
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--only", default="", help="run only cases whose name matches this "
-                        "regular expression (e.g. ^bfloat16); several processes with disjoint "
-                        "filters compile in parallel")
+                        "regular expression (e.g. ^bfloat16)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="processes that run the cases at once, each every JOBS-th case "
+                        "(on a GPU each compiles its own kernels: the first run on a machine "
+                        "is mostly compilation; default 1)")
+    parser.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # "i/n": --jobs' child
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     t0 = time.time()
     todo = feature_cases(device, args.quick) if args.features else cases(device, args.quick)
-    results = [run_case(c, device) for c in todo if re.search(args.only, c.name)]
+    todo = [c for c in todo if re.search(args.only, c.name)]
+    if args.shard:
+        i, n = map(int, args.shard.split("/"))
+        todo = todo[i::n]
+    if args.jobs > 1 and not args.shard:
+        results = _run_jobs(sys.argv[1:] if argv is None else list(argv), args.jobs, len(todo))
+    else:
+        results = [run_case(c, device) for c in todo]
     if not results:
         print(f"no case matches --only {args.only!r}")
         return 1
@@ -336,6 +348,31 @@ def main(argv=None) -> int:
             json.dump({"device": str(device), "torch": torch.__version__, "results": results}, f,
                       indent=1)
     return 1 if failed else 0
+
+
+def _run_jobs(argv: list, jobs: int, n_cases: int) -> list:
+    """Run ``main`` in ``jobs`` child processes, child ``i`` on cases ``i, i + jobs, ...``,
+    and return their results in the cases' order."""
+    import subprocess
+    import tempfile
+
+    jobs = min(jobs, max(n_cases, 1))
+    with tempfile.TemporaryDirectory() as tmp:
+        files = [os.path.join(tmp, f"shard{i}.json") for i in range(jobs)]
+        procs = [subprocess.Popen([sys.executable, "-m", "flashtile.check", *argv,
+                                   "--shard", f"{i}/{jobs}", "--json", files[i]],
+                                  stdout=subprocess.DEVNULL)
+                 for i in range(jobs)]
+        for proc in procs:
+            proc.wait()
+        shards = []
+        for f in files:
+            if not os.path.exists(f):  # a child that died before writing: its cases failed
+                raise RuntimeError(f"a check process wrote no results ({f})")
+            with open(f) as fh:
+                shards.append(json.load(fh)["results"])
+    # round robin back into the cases' order
+    return [shards[i % jobs][i // jobs] for i in range(n_cases)]
 
 
 if __name__ == "__main__":

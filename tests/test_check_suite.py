@@ -23,3 +23,18 @@ def test_check_quick_suite_passes_on_cpu(tmp_path):
         assert r["ok"], r["case"]
         for n in ("out", "dq", "dk", "dv"):
             assert r[n] <= r[n + "_bound"], (r["case"], n)
+
+
+def test_check_jobs_split_the_cases_and_merge_them_in_order(tmp_path, monkeypatch):
+    """``--jobs 3``: three child processes, each running every third case, and one report of
+    all of them in the cases' order, as one process gives (the children read the backend
+    from ``FLASHTILE_BACKEND``)."""
+    monkeypatch.setenv("FLASHTILE_BACKEND", "torch")
+    argv = ["--device", "cpu", "--quick", "--only", "d96|d192|d40"]
+    report = tmp_path / "jobs.json"
+    assert check.main([*argv, "--jobs", "3", "--json", str(report)]) == 0
+    results = json.loads(report.read_text())["results"]
+    want = [c.name for c in check.cases(check.torch.device("cpu"), True)
+            if check.re.search("d96|d192|d40", c.name)]
+    assert [r["case"] for r in results] == want and len(want) == 8
+    assert all(r["ok"] for r in results)
