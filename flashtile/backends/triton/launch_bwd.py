@@ -240,7 +240,7 @@ def _padded_backward(do, q, k, v, out, lse, spec: AttnSpec, width: int, dq, dk, 
     scores and get zero gradients), on the Hopper kernels of that width; the gradients'
     first columns go into ``dq``, ``dk``, ``dv``; or, where ``launch_sm90.padded_view_width``
     admits the call, with no copy of the inputs (``launch_sm90.padded_backward``)."""
-    if launch_sm90.padded_view_width(q, k, v, out, do, dq, spec):
+    if launch_sm90.padded_view_width(q, k, v, out, do, dq, spec, width):
         launch_sm90.padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec, width)
         return dq, dk, dv
     pad = (0, width - q.shape[-1])

@@ -387,14 +387,19 @@ def pad_backward(q, k, v, spec: AttnSpec) -> int:
 PAD_BWD_VIEWS = False
 
 
-def padded_view_width(q, k, v, out, do, dq, spec: AttnSpec) -> int:
+def _views_on(q, out, do) -> bool:
+    """:func:`padded_backward`'s conditions on any call: the switch, ``do`` of q's dtype,
+    ``out`` contiguous (the prologue's rows)."""
+    return PAD_BWD_VIEWS and do.dtype == q.dtype and out.is_contiguous()
+
+
+def padded_view_width(q, k, v, out, do, dq, spec: AttnSpec, width: int | None = None) -> int:
     """The width at which :func:`padded_backward` serves a dense call (with or without a key
-    mask), or 0: the switch, :func:`pad_backward`'s conditions, ``out`` contiguous (the
-    prologue's rows), ``do`` of q's dtype, ``do`` and ``dq`` in layouts the TMA reads and
-    writes."""
-    if not PAD_BWD_VIEWS or do.dtype != q.dtype or not out.is_contiguous():
+    mask), or 0: :func:`_views_on`, :func:`pad_backward`'s conditions (``width``: its answer,
+    where the caller has it), ``do`` and ``dq`` in layouts the TMA reads and writes."""
+    if not _views_on(q, out, do):
         return 0
-    width = pad_backward(q, k, v, spec)
+    width = pad_backward(q, k, v, spec) if width is None else width
     return width if width and _dense(q, k, v, do, dq) else 0
 
 
@@ -438,9 +443,9 @@ def varlen_pad_width(q, k, v, out, do, dq, spec: AttnSpec) -> int:
     kernel of d <= 128), the packed forward's conditions (:func:`varlen_eligible`), ``out``
     contiguous, ``do`` and ``dq`` as the TMA reads them, ``do`` of q's dtype."""
     head_dim = q.shape[-1]
-    if not PAD_BWD_VIEWS or q.dim() != 3 or head_dim == 128 or padded_width(head_dim) != 128:
+    if q.dim() != 3 or head_dim == 128 or padded_width(head_dim) != 128:
         return 0
-    if do.dtype != q.dtype or not out.is_contiguous():
+    if not _views_on(q, out, do):
         return 0
     if not (varlen_eligible(q, k, v, spec, padded=True)
             and _dense(*(x.unsqueeze(0) for x in (q, k, v, do, dq)))):
