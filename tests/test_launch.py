@@ -450,6 +450,20 @@ def test_no_plan_when_a_launch_was_not_direct(stubbed, monkeypatch, case):
     assert _record(case, INPUTS[case](_seed(case, "plain")))[1] is None
 
 
+def test_no_plan_of_a_call_that_works_besides_its_launches(stubbed):
+    """``fastlaunch.unplannable``: a call that does work a plan would skip (a PyTorch copy of a
+    buffer into an output: ``launch_sm90.padded_backward``'s crops) records no plan, though
+    every launch was direct; the same call without the mark records one."""
+    t = INPUTS["backward"](_seed("backward", "unplannable"))
+
+    def call(t):
+        outs = _bwd_call(t)
+        fastlaunch.unplannable()
+        return outs
+    assert _record("backward", t)[1] is not None
+    assert _record("backward", t, call)[1] is None
+
+
 @pytest.mark.parametrize("case", ["forward", "backward"])
 def test_launcher_records_a_plan_once_then_replays_it(stubbed, monkeypatch, case):
     """The public launchers: the first plain call of a signature records a plan, the next ones

@@ -1436,6 +1436,8 @@ def test_padded_backward_runs_at_the_next_width_on_zero_padded_copies(causal, la
     real = launch_bwd._backward
     monkeypatch.setattr(launch_bwd, "_backward", lambda do_, q_, *a, **kw: widths.append(
         q_.shape[-1]) or real(do_, q_, *a, **kw))
+    monkeypatch.setattr(launch_sm90, "PAD_BWD_VIEWS", False)  # (the copies' path)
+    monkeypatch.setattr(launch_sm90, "PAD_BWD_KEYS", 1)
     for forced in (32, 0):
         widths.clear()
         # (as the real rule: no padding at the padded width itself)
@@ -1452,16 +1454,19 @@ def test_padded_backward_runs_at_the_next_width_on_zero_padded_copies(causal, la
                          torch.float32)
 
 
-def test_pad_backward_asks_for_long_keys_at_padded_head_dims_only(monkeypatch):
+@pytest.mark.parametrize("views", [True, False], ids=["views", "copies"])
+def test_pad_backward_asks_for_long_keys_at_padded_head_dims_only(views, monkeypatch):
     """``launch_sm90.pad_backward``: the next width for a padded head dim from
-    ``PAD_BWD_KEYS`` keys on, where the Hopper forward would take the call; 0 for the head dims
-    the kernels have, for fewer keys, and for calls the Hopper kernels do not take."""
+    ``PAD_VIEW_KEYS`` keys on with ``PAD_BWD_VIEWS`` (else ``PAD_BWD_KEYS``), where the Hopper
+    forward would take the call; 0 for the head dims the kernels have, for fewer keys, and for
+    calls the Hopper kernels do not take."""
     from flashtile.backends.spec import AttnSpec
     from flashtile.backends.triton import launch_sm90
 
     monkeypatch.setattr(launch_sm90, "_dense", lambda *tensors: True)
+    monkeypatch.setattr(launch_sm90, "PAD_BWD_VIEWS", views)
     spec = AttnSpec(softmax_scale=0.1, window_right=0)
-    n = launch_sm90.PAD_BWD_KEYS
+    n = launch_sm90.PAD_VIEW_KEYS if views else launch_sm90.PAD_BWD_KEYS
 
     def call(d, sk, s=spec):
         q, k = torch.empty(1, 128, 2, d), torch.empty(1, sk, 2, d)
@@ -1510,7 +1515,7 @@ def test_padded_backward_reads_each_head_through_views_of_the_kernels_width(d, s
     256 the dQ kernel (storing through a view of ``dq``) and the dK/dV kernel; the gradients
     the kernels leave in buffers of that width come back cropped into the inputs' layouts."""
     from flashtile.backends.spec import AttnSpec
-    from flashtile.backends.triton import launch_sm90
+    from flashtile.backends.triton import fastlaunch, launch_sm90
 
     calls = _direct_launches(monkeypatch, "bwd")
     width = launch_sm90.padded_width(d)
@@ -1536,7 +1541,10 @@ def test_padded_backward_reads_each_head_through_views_of_the_kernels_width(d, s
             buf.copy_(patterns[t])
         return None
     monkeypatch.setattr(launch_sm90, "_launch", kernel_writes)
-    launch_sm90.padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec, width)
+    with fastlaunch.recording() as rec:
+        launch_sm90.padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec, width)
+    # the crops are no launches: the call is marked as one no launch plan repeats
+    assert (None, None, None) in rec.launches
     names = [c[0] for c in calls]
     assert names == (["bwd"] if width == 128 else ["dq", "bwd"]), names
     for name, key, a in calls:
@@ -1654,7 +1662,7 @@ def test_padded_head_dims_backward_dispatch(views, monkeypatch):
     seen, widths, portable = [], [], []
     monkeypatch.setattr(launch_sm90, "padded_backward", lambda *a, **kw: seen.append(
         (a[10], a[11] if len(a) > 11 else None, kw.get("key_mask"))))
-    monkeypatch.setattr(launch_bwd, "_padded_backward", lambda *a: widths.append(a[7]))
+    monkeypatch.setattr(launch_bwd, "_padded_backward", lambda *a: widths.append(a[7]) or a[8:])
     monkeypatch.setattr(launch_bwd, "_chunked", lambda *a: portable.append(1))
     monkeypatch.setattr(launch_bwd, "launch", lambda kernel, grid, **kw: portable.append(
         kernel))

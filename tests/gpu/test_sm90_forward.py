@@ -168,7 +168,7 @@ COMPILE_CASES = [  # (d, causal, lengths, layout)
     ("d256", 256, False, (256, 640, 300), "contiguous"),
     ("d256-causal", 256, True, (256, 640, 300), "contiguous"),
     # padded head dims at SDPA-layout inputs: the padded forward, the portable backward or,
-    # from PAD_BWD_KEYS keys, the Hopper backward over padded copies
+    # from PAD_VIEW_KEYS keys, the Hopper backward through views of the next width
     ("d96-sdpa-causal", 96, True, (300, 364), "sdpa"),
     ("d96-sdpa-causal-long-keys", 96, True, (4096, 4160), "sdpa"),
     ("d192-sdpa-causal", 192, True, (333, 397), "sdpa"),
@@ -909,11 +909,13 @@ def test_sm90_padded_head_dims_keep_heads_apart(d, monkeypatch):
 
 @pytest.mark.parametrize("d,causal", [(96, True), (96, False), (192, True)])
 def test_sm90_padded_head_dims_backward_over_long_keys_on_hopper(d, causal, monkeypatch):
-    """From ``launch_sm90.PAD_BWD_KEYS`` keys a padded head dim's backward runs on the Hopper
-    kernels over copies padded with zeros to the next width (``launch_bwd._padded_backward``):
-    a Hopper backward kernel launches, and the gradients (cropped, in the inputs' layouts) are
-    within flash-attn's rule of float64; at SDPA layout inputs too."""
+    """From ``launch_sm90.PAD_BWD_KEYS`` keys a padded head dim's backward that the views do
+    not serve (``PAD_BWD_VIEWS`` off here) runs on the Hopper kernels over copies padded with
+    zeros to the next width (``launch_bwd._padded_backward``): a Hopper backward kernel
+    launches, and the gradients (cropped, in the inputs' layouts) are within flash-attn's rule
+    of float64; at SDPA layout inputs too."""
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    monkeypatch.setattr(launch_sm90, "PAD_BWD_VIEWS", False)
     batch, seq, heads = 1, launch_sm90.PAD_BWD_KEYS, 2
     q, k, v, do = (torch.randn(batch, seq, heads, d, device="cuda", dtype=torch.bfloat16)
                    for _ in range(4))
@@ -946,12 +948,12 @@ def _views_backward(monkeypatch):
     number of keys."""
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
     monkeypatch.setattr(launch_sm90, "PAD_BWD_VIEWS", True)
-    monkeypatch.setattr(launch_sm90, "PAD_BWD_KEYS", 1)
+    monkeypatch.setattr(launch_sm90, "PAD_VIEW_KEYS", 1)
 
 
 @pytest.mark.parametrize("case", PADDED_CASES, ids=[c[0] for c in PADDED_CASES])
 def test_sm90_padded_backward_views_match_float64_reference(case, monkeypatch):
-    """``launch_sm90.padded_backward`` (``PAD_BWD_VIEWS``; ``PAD_BWD_KEYS`` lowered so that
+    """``launch_sm90.padded_backward`` (``PAD_BWD_VIEWS``; ``PAD_VIEW_KEYS`` lowered so that
     short sequences take it): the Hopper backward kernels of the next width read q, dO, k and v
     through the forward's views (zeros past each head's last column, no copies) and write dK,
     dV and the dQ accumulator at that width (the dQ kernel at 256 through a view of dq),
@@ -972,6 +974,59 @@ def test_sm90_padded_backward_views_match_float64_reference(case, monkeypatch):
     want = ["fwd", "bwd"] if d <= 128 else ["fwd", "dq", "bwd"]
     assert names == want and widths == [d], (names, widths)
     _assert_grads_within_rule(leaves, q, k, v, do, causal)
+
+
+@pytest.mark.parametrize("d,causal,seq", [(96, True, 384), (96, False, 300), (192, True, 384)],
+                         ids=["d96-causal", "d96-ragged", "d192-two-kernels"])
+def test_sm90_padded_backward_repeats_through_plans_with_its_crops(d, causal, seq, monkeypatch):
+    """A padded head dim's backward through views (``padded_backward``) called again with the
+    same shapes: at d = 96 the fused kernel's direct launch leaves a plan of width 128 whose
+    replay on new tensors crops dK and dV bitwise as the full path does (dQ within the
+    accumulator's summation order); at d = 192 (the dQ and dK/dV kernels) no plan of either
+    kind, since a launch plan would skip the crops (``fastlaunch.unplannable``): repeated calls
+    bitwise the full path's.  With ``PAD_BWD_VIEWS`` off the plan serves no call."""
+    from flashtile.backends import triton as backend
+    from flashtile.backends.triton.fastlaunch import PlanCache
+
+    _views_backward(monkeypatch)
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    monkeypatch.setattr(launch_sm90, "_bwd_plans", PlanCache())
+    monkeypatch.setattr(launch_bwd, "_plans", PlanCache())
+    spec = flashtile.backends.spec.AttnSpec(softmax_scale=d ** -0.5,
+                                            window_right=0 if causal else -1)
+    setting = launch_bwd._chunk_env()
+
+    def inputs():
+        q, k, v, do = (torch.randn(2, seq, 4, d, device="cuda", dtype=torch.bfloat16)
+                       for _ in range(4))
+        out, lse = backend.forward(q, k, v, spec)
+        return do, q, k, v, out, lse.contiguous()
+
+    do, q, k, v, out, lse = inputs()
+    backend.backward(do, q, k, v, out, lse, spec)  # compiled (or found), then launched directly
+    backend.backward(do, q, k, v, out, lse, spec)
+    assert not launch_bwd._plans._plans
+    do, q, k, v, out, lse = inputs()
+    with poison_outputs():  # (plans are off while outputs are poisoned)
+        full = launch_bwd._backward(do, q, k, v, out, lse, spec)
+    assert all(torch.isfinite(g).all() for g in full)
+    again = [backend.backward(do, q, k, v, out, lse, spec) for _ in range(2)]
+    if d == 192:
+        assert not launch_sm90._bwd_plans._plans
+        for grads in again:
+            assert all(torch.equal(g, f) for g, f in zip(grads, full))
+        return
+    (plan,) = launch_sm90._bwd_plans._plans.values()
+    assert plan.width == 128 and plan.fast is not None and plan.prologue is not None
+    planned = launch_sm90.planned_backward(q, k, v, out, do, lse, spec, setting)
+    assert planned is not None
+    for grads in (planned, *again):
+        assert [g.shape for g in grads] == [x.shape for x in (q, k, v)]
+        assert torch.equal(grads[1], full[1]) and torch.equal(grads[2], full[2])
+        # a float32 sum in another order rounds to bf16 at most one unit (2^-7) apart
+        torch.testing.assert_close(grads[0], full[0], rtol=2 ** -7, atol=1e-3)
+    monkeypatch.setattr(launch_sm90, "PAD_BWD_VIEWS", False)
+    assert launch_sm90.planned_backward(q, k, v, out, do, lse, spec, setting) is None
 
 
 @pytest.mark.parametrize("d", [96, 192])

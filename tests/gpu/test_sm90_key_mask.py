@@ -160,7 +160,7 @@ def test_sm90_key_mask_backward_matches_float64_reference(case, dtype, monkeypat
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
     if d not in (64, 128, 256):
         monkeypatch.setattr(launch_sm90, "PAD_BWD_VIEWS", True)
-        monkeypatch.setattr(launch_sm90, "PAD_BWD_KEYS", 1)
+        monkeypatch.setattr(launch_sm90, "PAD_VIEW_KEYS", 1)
     spec = AttnSpec(softmax_scale=d ** -0.5, window_right=0 if causal else -1)
     calls = _spy(monkeypatch, "fused_backward")
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]

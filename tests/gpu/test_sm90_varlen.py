@@ -9,7 +9,7 @@ from helpers import assert_flash_rule, assert_grads_flash_rule, spy_keyword
 from flashtile import flash_attn_varlen_func
 from flashtile.autograd import attention
 from flashtile.backends.spec import AttnSpec
-from flashtile.backends.triton import launch_sm90
+from flashtile.backends.triton import launch_bwd, launch_sm90
 from flashtile.backends.triton.fastlaunch import poison_outputs
 from flashtile.reference.torch_ref import reference, scores
 
@@ -119,21 +119,25 @@ def test_sm90_varlen_backward_matches_float64_reference(case, dtype, monkeypatch
                             _per_sequence(q_, k_, v_, cu_q, cu_k, spec, dt)[0], dtype)
 
 
-def test_sm90_varlen_plans_repeat_the_launches_with_the_new_lengths(monkeypatch):
+@pytest.mark.parametrize("d", [128, 96], ids=["d128", "d96-views"])
+def test_sm90_varlen_plans_repeat_the_launches_with_the_new_lengths(d, monkeypatch):
     """A packed call launched directly (a compiled variant's second call) leaves forward and
     backward plans; a later call of the same totals, sequence count and longest lengths but
     other sequences runs through them (no full launch path): its output bitwise the full
     path's for its own lengths, its gradients within 3x PyTorch's same-dtype error of float64
-    per its own sequences."""
+    per its own sequences.  At d = 96 the backward's plan is of the kernel of width 128
+    through views of the head's columns (``padded_backward``), whose gradients the plan crops
+    too; with ``PAD_BWD_VIEWS`` off it serves no call."""
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    monkeypatch.setattr(launch_sm90, "PAD_BWD_VIEWS", True)
     monkeypatch.setattr(launch_sm90, "_fwd_plans", type(launch_sm90._fwd_plans)())
     monkeypatch.setattr(launch_sm90, "_bwd_plans", type(launch_sm90._bwd_plans)())
     dtype = torch.bfloat16
-    spec = AttnSpec(softmax_scale=128 ** -0.5, window_right=0)   # causal, GQA
+    spec = AttnSpec(softmax_scale=d ** -0.5, window_right=0)   # causal, GQA
     runs = []
     for lengths in ([300, 129, 700], [300, 129, 700], [700, 1, 428]):
         q, k, v, cu_q, cu_k, max_q, max_k, _ = _inputs(
-            ("plan", lengths, None, 8, 2, 128, True, (-1, -1)), dtype)
+            ("plan", lengths, None, 8, 2, d, True, (-1, -1)), dtype)
         do = torch.randn_like(q)
         full_fwd = spy_keyword(monkeypatch, launch_sm90, "forward", "varlen")
         full_bwd = spy_keyword(monkeypatch, launch_sm90, "fused_backward", "varlen")
@@ -143,10 +147,16 @@ def test_sm90_varlen_plans_repeat_the_launches_with_the_new_lengths(monkeypatch)
         runs.append((len(full_fwd), len(full_bwd)))   # (each round's spies wrap the last's)
     assert runs[0] == (1, 1) and runs[-1] == (0, 0)   # the last call: both plans
     (plan,) = launch_sm90._bwd_plans._plans.values()   # its prologue bound (BoundLaunch)
-    assert plan.prologue is not None
+    assert plan.prologue is not None and plan.width == (0 if d == 128 else 128)
     assert torch.equal(out, launch_sm90.forward(q, k, v, spec, varlen=(cu_q, cu_k, 700, 700))[0])
     assert_grads_flash_rule([x.grad for x in leaves], (q, k, v), do, lambda q_, k_, v_, dt:
                             _per_sequence(q_, k_, v_, cu_q, cu_k, spec, dt)[0], dtype)
+    if d != 128:
+        monkeypatch.setattr(launch_sm90, "PAD_BWD_VIEWS", False)
+        assert launch_sm90.planned_backward(
+            q, k, v, out, do, launch_sm90.forward(q, k, v, spec, varlen=(cu_q, cu_k, 700, 700))[1],
+            spec, launch_bwd._chunk_env(), varlen=launch_sm90.packed_args(cu_q, cu_k, 700, 700)
+        ) is None
 
 
 def _packed_step(leaves, cu_q, cu_k, max_q, max_k, do, causal):

@@ -536,6 +536,15 @@ def recorder() -> Recorder | None:
     return getattr(_tls, "rec", None)
 
 
+def unplannable() -> None:
+    """Mark the call :func:`recording` records as one no :class:`Plan` may repeat: it does
+    work other than launches (a PyTorch operation, such as a copy of a buffer into an output),
+    which a plan would skip."""
+    rec = recorder()
+    if rec is not None:
+        rec.launches.append((None, None, None))  # (record_plan: a launch it cannot repeat)
+
+
 class Plan:
     """A recorded call: buffers to allocate (shape, strides, dtype, whether zeroed), then
     launches ``(function, argument template, slots, tma)`` (:func:`bind`), each slot ``(position,

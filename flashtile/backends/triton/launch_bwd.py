@@ -180,9 +180,11 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
     plain = (alibi_slopes is None and cu_seqlens_q is None and attn_bias is None
              and rng_seed is None and block_mask is None and dbias is None and grad_dtype is None
              and do.stride(-1) == 1 and plans_enabled())
-    # two kernels (dQ, then dK/dV) or, on Hopper, the fused backward where it pays
+    # two kernels (dQ, then dK/dV) or, on Hopper, the fused backward where it pays (at a
+    # head dim the forward pads, at the kernels' width: launch_sm90.padded_backward)
     two = plain and (_deterministic(spec) or not launch_sm90.fused_pays(
-        q.shape[1], k.shape[1], spec.causal, q.shape[-1]))
+        q.shape[1], k.shape[1], spec.causal,
+        launch_sm90.padded_width(q.shape[-1]) or q.shape[-1]))
     if plain and not two:
         # the fused Hopper backward's own plan (the switch is read per call)
         grads = launch_sm90.planned_backward(q, k, v, out, do, lse, spec, _chunk_env())
@@ -239,10 +241,16 @@ def _padded_backward(do, q, k, v, out, lse, spec: AttnSpec, width: int, dq, dk, 
     copies of its tensors padded with zeros to ``width`` (zero columns add nothing to the
     scores and get zero gradients), on the Hopper kernels of that width; the gradients'
     first columns go into ``dq``, ``dk``, ``dv``; or, where ``launch_sm90.padded_view_width``
-    admits the call, with no copy of the inputs (``launch_sm90.padded_backward``)."""
+    admits the call, with no copy of the inputs (``launch_sm90.padded_backward``).  None
+    (nothing launched) where neither serves: copies below ``launch_sm90.PAD_BWD_KEYS`` keys."""
     if launch_sm90.padded_view_width(q, k, v, out, do, dq, spec, width):
-        launch_sm90.padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec, width)
+        key = (launch_sm90.bwd_plan_key(q, k, v, out, do, lse, spec, _chunk_env())
+               if plans_enabled() else None)
+        launch_sm90.padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec, width,
+                                    plan_key=key)
         return dq, dk, dv
+    if k.shape[1] < launch_sm90.PAD_BWD_KEYS:
+        return None
     pad = (0, width - q.shape[-1])
     grads = _backward(*(torch.nn.functional.pad(x, pad) for x in (do, q, k, v, out)), lse, spec)
     for dst, g in zip((dq, dk, dv), grads):
@@ -287,8 +295,9 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
             and block_mask is None and dbias is None and grad_dtype is None
             and not _deterministic(spec)):
         width = launch_sm90.pad_backward(q, k, v, spec)
-        if width:
-            return _padded_backward(do, q, k, v, out, lse, spec, width, dq, dk, dv)
+        grads = width and _padded_backward(do, q, k, v, out, lse, spec, width, dq, dk, dv)
+        if grads:
+            return grads
     delta = empty(lse.shape, torch.float32, lse.device)  # written by the dQ kernel
     mask = _key_mask(q, k, spec, attn_bias, dbias, alibi_slopes, cu_seqlens_q, rng_seed,
                      block_mask, grad_dtype)
@@ -306,8 +315,10 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
     if width:
         # ... at a head dim the forward pads: the fused Hopper backward of the next width
         # through views of the head's columns (launch_sm90.padded_backward)
+        key = (launch_sm90.bwd_plan_key(q, k, v, out, do, lse, spec, _chunk_env(), mask)
+               if plans_enabled() else None)
         launch_sm90.padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec, width,
-                                    key_mask=mask)
+                                    key_mask=mask, plan_key=key)
         return dq, dk, dv
     if (block_mask is not None and not varlen and alibi_slopes is None and attn_bias is None
             and rng_seed is None and dbias is None and grad_dtype is None
@@ -338,7 +349,10 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
         # packed sequences at a head dim the forward pads to 128: the fused Hopper backward
         # of that width through views of the head's columns (launch_sm90.padded_backward)
         packed = launch_sm90.packed_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        launch_sm90.padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec, width, packed)
+        key = (launch_sm90.bwd_plan_key(q, k, v, out, do, lse, spec, _chunk_env(),
+                                        varlen=packed) if plans_enabled() else None)
+        launch_sm90.padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec, width, packed,
+                                    plan_key=key)
         return dq, dk, dv
     features = (varlen or alibi_slopes is not None or attn_bias is not None
                 or rng_seed is not None or block_mask is not None or dbias is not None)

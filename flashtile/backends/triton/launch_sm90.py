@@ -21,7 +21,7 @@ from .. import env_reader, interpreting
 from .args import LOG2E
 from .fastlaunch import (INTERNALS_OK, BoundLaunch, PlanCache, TmaLaunch, _run, constant,
                          empty, empty_like, launch, launch_hooks_set, plans_enabled, raw_stream,
-                         recorder, run_direct, signature, zeros)
+                         recorder, run_direct, signature, unplannable, zeros)
 from .kernels.bwd import attn_bwd_delta_kernel
 from .kernels.key_mask import key_mask_ranges_kernel
 
@@ -361,8 +361,11 @@ def _block(rows: int, cols: int, ragged: bool, heads: bool) -> list:
 
 
 # keys from which a padded head dim's backward runs on the Hopper kernels over copies padded to
-# the next width (pad_backward)
+# the next width (pad_backward), and through views of that width (PAD_BWD_VIEWS: no copies to
+# amortise; H200, bf16, d = 96 / 192 at 1K keys 1.10-1.50x the portable kernels, tuning log
+# step 104)
 PAD_BWD_KEYS = 4096
+PAD_VIEW_KEYS = 1024
 
 
 def pad_backward(q, k, v, spec: AttnSpec) -> int:
@@ -372,19 +375,22 @@ def pad_backward(q, k, v, spec: AttnSpec) -> int:
     width.  The copies cost a read and a write of each tensor (and of the gradients' crop),
     which pays over ``PAD_BWD_KEYS`` keys or more: d = 96 / 192 at N = 4K, bf16, H100, 0.69 ->
     0.93x and 0.52 -> 0.84x SDPA's default with the forward padded as well, while at 1K a
-    causal d = 96 backward lost 17% (docs/dev/tuning-log.md, steps 100 and 103)."""
+    causal d = 96 backward lost 17% (docs/dev/tuning-log.md, steps 100 and 103).  With
+    ``PAD_BWD_VIEWS`` (no copies: :func:`padded_backward`) from ``PAD_VIEW_KEYS`` keys; the
+    caller then takes the copies only from ``PAD_BWD_KEYS`` (``launch_bwd._padded_backward``)."""
     head_dim = q.shape[-1]
     width = padded_width(head_dim)
-    if width in (0, head_dim) or k.dim() != 4 or k.shape[1] < PAD_BWD_KEYS:
+    keys = min(PAD_VIEW_KEYS, PAD_BWD_KEYS) if PAD_BWD_VIEWS else PAD_BWD_KEYS
+    if width in (0, head_dim) or k.dim() != 4 or k.shape[1] < keys:
         return 0
     return width if eligible(q, k, v, spec, padded=True) else 0
 
 
 # whether a padded head dim's backward reads q, dO, k and v through views of the kernels'
 # width (padded_backward: no copies of the inputs) instead of zero-padded copies
-# (launch_bwd._padded_backward); off until the views' backward has run on a GPU
-# (tests/gpu/test_sm90_forward.py -k padded_backward_views; tuning log step 104)
-PAD_BWD_VIEWS = False
+# (launch_bwd._padded_backward): H200, bf16, d = 96 / 192, 1.46-1.74x the copies' speed at
+# 1K keys, 1.11-1.29x at 4K, 1.04-1.08x at 16K (tuning log step 104)
+PAD_BWD_VIEWS = True
 
 
 def _views_on(q, out, do) -> bool:
@@ -404,7 +410,7 @@ def padded_view_width(q, k, v, out, do, dq, spec: AttnSpec, width: int | None = 
 
 
 def padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec: AttnSpec, width: int,
-                    varlen=None, key_mask=None) -> None:
+                    varlen=None, key_mask=None, plan_key=None) -> None:
     """Fill ``dq``, ``dk``, ``dv`` of a call :func:`pad_backward` admits at ``width``, with no
     copy of the inputs: the Hopper kernels of that width read q, dO, k and v through views
     whose tiles reach past each head's last column, where the TMA reads zeros (the forward's,
@@ -416,18 +422,22 @@ def padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec: AttnSpec, width: in
     and the dK/dV kernel.  dK and dV go into buffers ``width`` wide, cropped into ``dk``,
     ``dv``.  ``varlen``: packed ``(total, H, D)`` sequences as :func:`fused_backward`'s
     (:func:`varlen_pad_width`: the fused kernel at 128); ``key_mask`` as :func:`forward`'s (the
-    fused kernel at either width: the two kernels take no mask)."""
+    fused kernel at either width: the two kernels take no mask).  With ``plan_key``
+    (:func:`bwd_plan_key`) the fused kernel's direct launch leaves a plan that
+    :func:`planned_backward` repeats, crops included; the crops are no launches, so a launch
+    plan (``fastlaunch.recording``) of the call is refused."""
+    unplannable()
     head_dim = q.shape[-1]
     dk_w = empty((*k.shape[:-1], width), q.dtype, q.device)
     dv_w = empty((*v.shape[:-1], width), q.dtype, q.device)
     if varlen is not None:  # (the packed prologue lays out its own delta)
-        fused_backward(q, k, v, out, do, lse, None, dq, dk_w, dv_w, spec, varlen=varlen,
-                       width=width)
+        fused_backward(q, k, v, out, do, lse, None, dq, dk_w, dv_w, spec, plan_key,
+                       varlen=varlen, width=width)
     else:
         batch, sq, nheads, _ = q.shape
         delta = empty((batch, nheads, sq), torch.float32, q.device)
         if key_mask is not None or fused_pays(sq, k.shape[1], spec.causal, width):
-            fused_backward(q, k, v, out, do, lse, delta, dq, dk_w, dv_w, spec,
+            fused_backward(q, k, v, out, do, lse, delta, dq, dk_w, dv_w, spec, plan_key,
                            key_mask=key_mask, width=width)
         else:
             _prologue(q, out, do, delta, zero=False, cols=width)
@@ -1229,8 +1239,9 @@ def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec,
     mask); ``varlen``: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` of packed
     ``(total, H, D)`` tensors (:func:`varlen_bwd_eligible`; lse ``(H, total_q)``; ``delta``
     unused: :func:`packed_prologue` lays out its own); ``width`` wider than ``D``
-    (:func:`padded_backward`, no plan): the kernel of that width, ``dk`` and ``dv`` that wide,
-    the accumulator cropped into ``dq``."""
+    (:func:`padded_backward`): the kernel of that width, ``dk`` and ``dv`` that wide, the
+    accumulator cropped into ``dq`` (a plan keeps the width: :func:`planned_backward` crops
+    as well)."""
     counter = None
     if varlen is not None:  # one batch entry of the packed rows (forward's views)
         q, k, v, out, do, dq, dk, dv = (x.unsqueeze(0) for x in (q, k, v, out, do, dq, dk, dv))
@@ -1245,7 +1256,7 @@ def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec,
                     counter, width)
     dq.copy_(dq_acc[..., :dq.shape[-1]] if width else dq_acc)
     if plan_key is not None and launched is not None and sparse is None:
-        _bwd_plans.put(plan_key, _BwdPlan(*launched, q.device.index or 0, prologue))
+        _bwd_plans.put(plan_key, _BwdPlan(*launched, q.device.index or 0, prologue, width))
 
 
 # Plans of the fused backward: a call whose q, k, v, out, dO and lse have the shapes, strides
@@ -1260,11 +1271,15 @@ _BWD_ROLES = ("desc_q", "desc_do", "desc_k", "desc_v", "desc_lse", "desc_delta",
 
 class _BwdPlan:
     __slots__ = ("compiled", "grid", "values", "descs", "at", "mask_at", "cu_at", "persistent",
-                 "ragged", "device", "fast", "prologue")
+                 "ragged", "device", "fast", "prologue", "width")
 
-    def __init__(self, launched, grid, descs, persistent, ragged, device, prologue=None):
+    def __init__(self, launched, grid, descs, persistent, ragged, device, prologue=None,
+                 width: int = 0):
         names = _kernel("bwd").arg_names
         self.compiled, self.grid, self.device = launched[0], grid, device
+        # a padded head dim's kernel width (padded_backward: dK, dV and the accumulator that
+        # wide, cropped), else 0
+        self.width = width
         self.persistent, self.ragged = persistent, ragged
         self.values = list(launched[1])
         # positions of DK, DV and Counter; (position, role, shape, strides, block, layout)
@@ -1303,26 +1318,36 @@ def planned_backward(q, k, v, out, do, lse, spec: AttnSpec, setting, key_mask=No
     takes its full path)."""
     plan = _plan_of(_bwd_plans, lambda: bwd_plan_key(q, k, v, out, do, lse, spec, setting,
                                                       key_mask, varlen))
-    if plan is None:
+    if plan is None or (plan.width and not PAD_BWD_VIEWS):
         return None
     dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
+    width = plan.width
     if varlen is None:
         cu = (lse, lse)  # (stand-ins without packed sequences)
         counter = empty((1,), torch.int32, q.device) if plan.persistent else dk
         dq_acc, lse, delta, _ = _prologue(q, out, do, None, lse=lse, bound=plan.prologue,
-                                          counter=counter if plan.persistent else None)
+                                          counter=counter if plan.persistent else None,
+                                          cols=width)
     else:  # one batch entry of the packed rows, as fused_backward's
         cu = varlen[:2]
         q, k, v, out, do, dq, dk, dv = (x.unsqueeze(0) for x in (q, k, v, out, do, dq, dk, dv))
         dq_acc, lse, delta, counter, _ = packed_prologue(q, out, do, lse, varlen[0],
-                                                         bound=plan.prologue)
+                                                         bound=plan.prologue, cols=width)
+    # a padded head dim's dK and dV: buffers of the kernel's width (padded_backward's)
+    dk_w, dv_w = ((empty((*x.shape[:-1], width), x.dtype, x.device) for x in (dk, dv))
+                  if width else (dk, dv))
     values = plan.values.copy()
-    values[plan.at[0]], values[plan.at[1]] = dk, dv
+    values[plan.at[0]], values[plan.at[1]] = dk_w, dv_w
     values[plan.at[2]] = counter
     values[plan.cu_at[0]], values[plan.cu_at[1]] = cu
     _fill_mask(values, plan.mask_at, key_mask, lse)
-    _run_plan(plan, values, (q, do, k, v, lse, delta, dq_acc, dk, dv))
-    dq.copy_(dq_acc)
+    _run_plan(plan, values, (q, do, k, v, lse, delta, dq_acc, dk_w, dv_w))
+    if width:
+        dq.copy_(dq_acc[..., :dq.shape[-1]])
+        dk.copy_(dk_w[..., :dk.shape[-1]])
+        dv.copy_(dv_w[..., :dv.shape[-1]])
+    else:
+        dq.copy_(dq_acc)
     if varlen is not None:
         return dq[0], dk[0], dv[0]
     return dq, dk, dv
