@@ -1581,13 +1581,16 @@ def test_padded_backward_reads_each_head_through_views_of_the_kernels_width(d, s
         assert not bwd["DQ"]
 
 
-def test_padded_backward_of_packed_sequences_reads_views_and_crops(monkeypatch):
+@pytest.mark.parametrize("narrow", [False, True], ids=["wide-dkdv", "narrow-dkdv"])
+def test_padded_backward_of_packed_sequences_reads_views_and_crops(narrow, monkeypatch):
     """``launch_sm90.padded_backward`` of packed sequences (``varlen_pad_width``: 128 for a
     head dim the forward pads to it, with ``PAD_BWD_VIEWS``): one launch of the fused kernel
     at 128 over the packed rows as one batch entry, each sequence's tiles of q, dO, k and v its
     rows with zeros past the head's last column (emulated as the TMA reads them), delta in the
     packed prologue's per-sequence layout from the head's own columns, dK and dV stored by the
-    kernel into buffers 128 wide, and the gradients cropped."""
+    kernel into buffers 128 wide, and the gradients cropped; with ``PAD_NARROW_DKDV`` into dk
+    and dv themselves (``dk_cols`` the head dim, their strides: the kernel masks the columns
+    past it), no crop."""
     from flashtile.backends.spec import AttnSpec
     from flashtile.backends.triton import launch_sm90
 
@@ -1607,6 +1610,7 @@ def test_padded_backward_of_packed_sequences_reads_views_and_crops(monkeypatch):
                                         do[..., :64], q[..., :64], spec) == 0  # (its own kernel)
     monkeypatch.setattr(launch_sm90, "PAD_BWD_VIEWS", False)
     assert launch_sm90.varlen_pad_width(q, k, v, out, do, q, spec) == 0
+    monkeypatch.setattr(launch_sm90, "PAD_NARROW_DKDV", narrow)
     patterns = {}
 
     def kernel_writes(name, device, key, grid, args, descs):
@@ -1639,9 +1643,15 @@ def test_padded_backward_of_packed_sequences_reads_views_and_crops(monkeypatch):
     for (s0, s1), first in zip(((0, 100), (100, 400), (400, 429)), (0, 128, 512)):
         torch.testing.assert_close(delta[:, first:first + s1 - s0], rowsum[:, s0:s1],
                                    rtol=1e-3, atol=1e-3)
-    assert a["DK"].shape == (1, total, heads_k, 128)
-    assert torch.equal(dk, patterns["DK"][0, ..., :d])
-    assert torch.equal(dv, patterns["DV"][0, ..., :d])
+    if narrow:  # the kernel's own masked stores into dk and dv (a view of one batch entry)
+        assert a["DK"].shape == (1, total, heads_k, d) and a["dk_cols"] == d
+        assert a["DK"].data_ptr() == dk.data_ptr() and a["DV"].data_ptr() == dv.data_ptr()
+        assert (a["stride_kn"], a["stride_kh"]) == dk.stride()[:2]
+        assert torch.equal(dk, patterns["DK"][0]) and torch.equal(dv, patterns["DV"][0])
+    else:
+        assert a["DK"].shape == (1, total, heads_k, 128) and a["dk_cols"] == 128
+        assert torch.equal(dk, patterns["DK"][0, ..., :d])
+        assert torch.equal(dv, patterns["DV"][0, ..., :d])
     assert torch.equal(dq, patterns["desc_dq"][0, ..., :d].to(dq.dtype))
 
 

@@ -119,17 +119,20 @@ def test_sm90_varlen_backward_matches_float64_reference(case, dtype, monkeypatch
                             _per_sequence(q_, k_, v_, cu_q, cu_k, spec, dt)[0], dtype)
 
 
-@pytest.mark.parametrize("d", [128, 96], ids=["d128", "d96-views"])
-def test_sm90_varlen_plans_repeat_the_launches_with_the_new_lengths(d, monkeypatch):
+@pytest.mark.parametrize("d,narrow", [(128, False), (96, False), (96, True)],
+                         ids=["d128", "d96-views", "d96-views-narrow-dkdv"])
+def test_sm90_varlen_plans_repeat_the_launches_with_the_new_lengths(d, narrow, monkeypatch):
     """A packed call launched directly (a compiled variant's second call) leaves forward and
     backward plans; a later call of the same totals, sequence count and longest lengths but
     other sequences runs through them (no full launch path): its output bitwise the full
     path's for its own lengths, its gradients within 3x PyTorch's same-dtype error of float64
     per its own sequences.  At d = 96 the backward's plan is of the kernel of width 128
     through views of the head's columns (``padded_backward``), whose gradients the plan crops
-    too; with ``PAD_BWD_VIEWS`` off it serves no call."""
+    too; with ``PAD_BWD_VIEWS`` off it serves no call.  With ``PAD_NARROW_DKDV`` the kernel
+    stores dK and dV into the narrow gradients itself (columns masked), the plan too."""
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
     monkeypatch.setattr(launch_sm90, "PAD_BWD_VIEWS", True)
+    monkeypatch.setattr(launch_sm90, "PAD_NARROW_DKDV", narrow)
     monkeypatch.setattr(launch_sm90, "_fwd_plans", type(launch_sm90._fwd_plans)())
     monkeypatch.setattr(launch_sm90, "_bwd_plans", type(launch_sm90._bwd_plans)())
     dtype = torch.bfloat16
@@ -148,6 +151,7 @@ def test_sm90_varlen_plans_repeat_the_launches_with_the_new_lengths(d, monkeypat
     assert runs[0] == (1, 1) and runs[-1] == (0, 0)   # the last call: both plans
     (plan,) = launch_sm90._bwd_plans._plans.values()   # its prologue bound (BoundLaunch)
     assert plan.prologue is not None and plan.width == (0 if d == 128 else 128)
+    assert plan.wide_dkdv == (d != 128 and not narrow)
     assert torch.equal(out, launch_sm90.forward(q, k, v, spec, varlen=(cu_q, cu_k, 700, 700))[0])
     assert_grads_flash_rule([x.grad for x in leaves], (q, k, v), do, lambda q_, k_, v_, dt:
                             _per_sequence(q_, k_, v_, cu_q, cu_k, spec, dt)[0], dtype)

@@ -393,6 +393,13 @@ def pad_backward(q, k, v, spec: AttnSpec) -> int:
 PAD_BWD_VIEWS = True
 
 
+# whether packed sequences' padded backward stores dK and dV into the narrow gradients (the
+# kernel masking columns from the head's last one: ``dk_cols``) instead of buffers of the
+# kernel's width cropped by two copies, a fifth of a causal packed d = 96 call's time (H200,
+# tuning log step 105); off until it has run on a GPU (step 106)
+PAD_NARROW_DKDV = False
+
+
 def _views_on(q, out, do) -> bool:
     """:func:`padded_backward`'s conditions on any call: the switch, ``do`` of q's dtype,
     ``out`` contiguous (the prologue's rows)."""
@@ -428,6 +435,12 @@ def padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec: AttnSpec, width: in
     plan (``fastlaunch.recording``) of the call is refused."""
     unplannable()
     head_dim = q.shape[-1]
+    if varlen is not None and PAD_NARROW_DKDV:
+        # packed sequences: the kernel stores dK and dV itself (not by TMA), its columns
+        # masked at the head's last one (dk_cols): into dk and dv, no crops
+        fused_backward(q, k, v, out, do, lse, None, dq, dk, dv, spec, plan_key, varlen=varlen,
+                       width=width)
+        return
     dk_w = empty((*k.shape[:-1], width), q.dtype, q.device)
     dv_w = empty((*v.shape[:-1], width), q.dtype, q.device)
     if varlen is not None:  # (the packed prologue lays out its own delta)
@@ -991,8 +1004,12 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
         # the kernel reads whole tiles of lse and delta: padded (_pad_rows; the fused
         # kernel's prologue already pads them)
         lse, delta = _pad_rows(lse, delta)
+    # (dK and dV narrower than the kernel only where it stores them itself, masked: packed)
+    assert dk.shape[-1] == head_dim or varlen is not None, "narrow dK, dV: packed only"
     args = dict(DK=dk, DV=dv, Counter=counter,
                 stride_kb=dk.stride(0), stride_kn=dk.stride(1), stride_kh=dk.stride(2),
+                # (packed sequences' dK and dV may be narrower than the kernel: padded_backward)
+                dk_cols=dk.shape[-1],
                 sq=sq, sk=sk, sq_pad=lse.shape[-1], nheads_k=nheads_k, n_bh=n_bh,
                 bh_group=bh_group, group=nheads // nheads_k, scale=spec.softmax_scale,
                 qk_scale=spec.softmax_scale * LOG2E, **window,
@@ -1271,17 +1288,19 @@ _BWD_ROLES = ("desc_q", "desc_do", "desc_k", "desc_v", "desc_lse", "desc_delta",
 
 class _BwdPlan:
     __slots__ = ("compiled", "grid", "values", "descs", "at", "mask_at", "cu_at", "persistent",
-                 "ragged", "device", "fast", "prologue", "width")
+                 "ragged", "device", "fast", "prologue", "width", "wide_dkdv")
 
     def __init__(self, launched, grid, descs, persistent, ragged, device, prologue=None,
                  width: int = 0):
         names = _kernel("bwd").arg_names
         self.compiled, self.grid, self.device = launched[0], grid, device
-        # a padded head dim's kernel width (padded_backward: dK, dV and the accumulator that
-        # wide, cropped), else 0
+        # a padded head dim's kernel width (padded_backward: the accumulator that wide,
+        # cropped), else 0; whether dK and dV went into buffers that wide too (else the kernel
+        # stored them narrow: PAD_NARROW_DKDV)
         self.width = width
         self.persistent, self.ragged = persistent, ragged
         self.values = list(launched[1])
+        self.wide_dkdv = bool(width) and self.values[names.index("dk_cols")] == width
         # positions of DK, DV and Counter; (position, role, shape, strides, block, layout)
         # of each descriptor
         self.at = tuple(names.index(n) for n in ("DK", "DV", "Counter"))
@@ -1333,21 +1352,20 @@ def planned_backward(q, k, v, out, do, lse, spec: AttnSpec, setting, key_mask=No
         q, k, v, out, do, dq, dk, dv = (x.unsqueeze(0) for x in (q, k, v, out, do, dq, dk, dv))
         dq_acc, lse, delta, counter, _ = packed_prologue(q, out, do, lse, varlen[0],
                                                          bound=plan.prologue, cols=width)
-    # a padded head dim's dK and dV: buffers of the kernel's width (padded_backward's)
+    # a padded head dim's dK and dV: buffers of the kernel's width (padded_backward's), unless
+    # the kernel stored them narrow
     dk_w, dv_w = ((empty((*x.shape[:-1], width), x.dtype, x.device) for x in (dk, dv))
-                  if width else (dk, dv))
+                  if plan.wide_dkdv else (dk, dv))
     values = plan.values.copy()
     values[plan.at[0]], values[plan.at[1]] = dk_w, dv_w
     values[plan.at[2]] = counter
     values[plan.cu_at[0]], values[plan.cu_at[1]] = cu
     _fill_mask(values, plan.mask_at, key_mask, lse)
     _run_plan(plan, values, (q, do, k, v, lse, delta, dq_acc, dk_w, dv_w))
-    if width:
-        dq.copy_(dq_acc[..., :dq.shape[-1]])
+    dq.copy_(dq_acc[..., :dq.shape[-1]] if width else dq_acc)
+    if plan.wide_dkdv:
         dk.copy_(dk_w[..., :dk.shape[-1]])
         dv.copy_(dv_w[..., :dv.shape[-1]])
-    else:
-        dq.copy_(dq_acc)
     if varlen is not None:
         return dq[0], dk[0], dv[0]
     return dq, dk, dv

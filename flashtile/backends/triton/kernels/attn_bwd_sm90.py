@@ -195,9 +195,11 @@ def _probs(b_st, b_lse, qk_scale, RAGGED: gl.constexpr):
 
 @gluon.jit
 def _store_dkdv(b_dk, b_dv, DK, DV, i_b, i_hk, k0, col, stride_kb, stride_kn, stride_kh, sk,
-                scale, RAGGED: gl.constexpr):
+                scale, RAGGED: gl.constexpr, cols=None):
     """``dK = scale * b_dk`` and ``dV = b_dv`` (``[n keys, c]`` float32 in a wgmma layout) at
-    keys ``k0:`` and columns ``col:`` of head ``i_hk`` of batch entry ``i_b``."""
+    keys ``k0:`` and columns ``col:`` of head ``i_hk`` of batch entry ``i_b``; with ``RAGGED``
+    none from key ``sk`` on, and with ``cols`` none from column ``cols`` on (dK and dV of a
+    padded head dim, narrower than the kernel's tiles)."""
     layout: gl.constexpr = b_dk.type.layout
     o_kg = k0 + gl.arange(0, b_dk.shape[0], layout=gl.SliceLayout(1, layout))
     o_d = col + gl.arange(0, b_dk.shape[1], layout=gl.SliceLayout(0, layout))
@@ -206,6 +208,8 @@ def _store_dkdv(b_dk, b_dv, DK, DV, i_b, i_hk, k0, col, stride_kb, stride_kn, st
     dtype: gl.constexpr = DK.dtype.element_ty
     if RAGGED:  # keys from sk on are no keys
         m_k = (o_kg < sk)[:, None]
+        if cols is not None:
+            m_k = m_k & (o_d < cols)[None, :]                           # [n, c]
         gl.store(DK + p_g, (b_dk * scale).to(dtype), mask=m_k)
         gl.store(DV + p_g, b_dv.to(dtype), mask=m_k)
     else:
@@ -429,10 +433,10 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
 @gluon.jit
 def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                   dq_smem, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK,
-                  DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group,
-                  scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb, desc_dk,
-                  desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc,
-                  CuQ, CuK, DQ: gl.constexpr,
+                  DV, stride_kb, stride_kn, stride_kh, dk_cols, sq, sk, nheads_k, n_bh, bh_group,
+                  group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb,
+                  desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh, stride_xr,
+                  tpr, ipc, CuQ, CuK, DQ: gl.constexpr,
                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr):
     """Work item ``w`` of one consumer warpgroup, its tiles from ring position ``t`` on (K and V
     already loaded): dK and dV of its 64 keys, and with ``DQ`` its adds into dQ; the ring
@@ -611,8 +615,9 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
             # next's while the stores below run
             mbarrier.arrive(bar_kvfree)
         if VARLEN:  # rows of the packed keys; those past the sequence's end are the next's
+            # (and columns from dk_cols on: a padded head dim's narrower dK, dV)
             _store_dkdv(b_dk, b_dv, DK, DV, i_b * 0, i_hk, k0s + k0, 0, stride_kb, stride_kn,
-                        stride_kh, k0s + sk_i, scale, True)
+                        stride_kh, k0s + sk_i, scale, True, dk_cols)
         else:
             _store_dkdv(b_dk, b_dv, DK, DV, i_b, i_hk, k0, 0, stride_kb, stride_kn, stride_kh,
                         sk, scale, RAGGED)
@@ -822,7 +827,7 @@ def _consume_item_wide(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, de
 @gluon.jit
 def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                   item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
-                  desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
+                  desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, dk_cols, sq, sk, nheads_k, n_bh,
                   bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
                   stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
                   stride_xr, tpr, ipc, CuQ, CuK, DQ: gl.constexpr,
@@ -838,10 +843,11 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
             t = _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem,
                               delta_smem, ds_smem, dq_smem, bar_kvfree, bar_qd, bar_free,
                               bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb,
-                              stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group,
-                              scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb,
-                              desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
-                              stride_xr, tpr, ipc, CuQ, CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA)
+                              stride_kn, stride_kh, dk_cols, sq, sk, nheads_k, n_bh, bh_group,
+                              group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
+                              stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb,
+                              stride_xh, stride_xr, tpr, ipc, CuQ, CuK, DQ, PERSISTENT, RAGGED,
+                              DKDV_TMA)
             c += 1
             mbarrier.wait(bar_kv, c & 1)
             w = gl.max(item_smem.load(w_layout), axis=0)
@@ -858,7 +864,7 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
         _consume_item(i_wg, gl.program_id(0), gl.to_tensor(0), q_smem, do_smem, k_smem,
                       v_smem, lse_smem, delta_smem, ds_smem, dq_smem, bar_kvfree, bar_qd,
                       bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb,
-                      stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group, scale,
+                      stride_kn, stride_kh, dk_cols, sq, sk, nheads_k, n_bh, bh_group, group, scale,
                       qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb, desc_dk,
                       desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh, stride_xr, tpr,
                       ipc, CuQ, CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA)
@@ -868,14 +874,14 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
 @gluon.jit
 def _bwd_consumer0(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                    item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
-                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
-                   bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
+                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, dk_cols, sq, sk, nheads_k,
+                   n_bh, bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
                    stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
                    stride_xr, tpr, ipc, CuQ, CuK, DQ: gl.constexpr,
                    PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr):
     _bwd_consumer(0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                   item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
-                  desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
+                  desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, dk_cols, sq, sk, nheads_k, n_bh,
                   bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
                   stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
                   stride_xr, tpr, ipc, CuQ, CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA)
@@ -884,14 +890,14 @@ def _bwd_consumer0(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sme
 @gluon.jit
 def _bwd_consumer1(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                    item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
-                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
-                   bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
+                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, dk_cols, sq, sk, nheads_k,
+                   n_bh, bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
                    stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
                    stride_xr, tpr, ipc, CuQ, CuK, DQ: gl.constexpr,
                    PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr):
     _bwd_consumer(1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                   item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
-                  desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
+                  desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, dk_cols, sq, sk, nheads_k, n_bh,
                   bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
                   stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
                   stride_xr, tpr, ipc, CuQ, CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA)
@@ -899,11 +905,11 @@ def _bwd_consumer1(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sme
 
 @gluon.jit
 def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, desc_dk,
-                         desc_dv, DK, DV, Counter, stride_kb, stride_kn, stride_kh, sq, sk, sq_pad,
-                         nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch,
-                         kv_rb, kv_rh, kv_ch, dk_rb, dk_rh, dk_ch, scale, qk_scale, wl, wr, Ranges,
-                         KeyMask, stride_mb, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc,
-                         CuQ, CuK, MASKED: gl.constexpr, WINDOW: gl.constexpr,
+                         desc_dv, DK, DV, Counter, stride_kb, stride_kn, stride_kh, dk_cols, sq, sk,
+                         sq_pad, nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh,
+                         do_ch, kv_rb, kv_rh, kv_ch, dk_rb, dk_rh, dk_ch, scale, qk_scale, wl, wr,
+                         Ranges, KeyMask, stride_mb, Lists, stride_xb, stride_xh, stride_xr, tpr,
+                         ipc, CuQ, CuK, MASKED: gl.constexpr, WINDOW: gl.constexpr,
                          DQ: gl.constexpr, PERSISTENT: gl.constexpr, RAGGED: gl.constexpr,
                          DKDV_TMA: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     """Persistent grid (at most one CTA per SM): a work item is 128 keys of one key/value head
@@ -928,8 +934,9 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
     rows from a whole tile on (``launch_sm90.packed_prologue``); an item's sequence
     comes from the cumulative lengths (``_sequence``), its key blocks past the sequence's end
     walk no tile, a tile's rows and keys past the ends (the next sequence's, read by the TMA)
-    are masked, and dK, dV are stored from registers with the keys past the end masked; without
-    them the lse pointer."""
+    are masked, and dK, dV are stored from registers with the keys past the end masked (and
+    the columns from ``dk_cols`` on: a padded head dim's dK and dV, narrower than the kernel's
+    ``D``; elsewhere ``dk_cols`` is ``D``); without them the lse pointer."""
     # (a padded head dim's views have a tile [rows, 1, D] or [1, rows, 1, D]: _tma_load)
     BLOCK_M: gl.constexpr = _tile_rows(desc_q.block_type.shape)
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[-1]
@@ -1006,14 +1013,14 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
         (_bwd_consumer0, (q_smem, do_smem, k_all, v_all, lse_smem, delta_smem, ds_smem,
                           dq_smem, item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn,
                           bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb, stride_kn, stride_kh,
-                          sq, sk, nheads_k, n_bh, bh_group, group, scale, qk_scale, wl, wr,
+                          dk_cols, sq, sk, nheads_k, n_bh, bh_group, group, scale, qk_scale, wl, wr,
                           MASKED, WINDOW, Ranges, KeyMask, stride_mb, desc_dk, desc_dv, dk_rb,
                           dk_rh, dk_ch, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ,
                           CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA)),
         (_bwd_consumer1, (q_smem, do_smem, k_all, v_all, lse_smem, delta_smem, ds_smem,
                           dq_smem, item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn,
                           bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb, stride_kn, stride_kh,
-                          sq, sk, nheads_k, n_bh, bh_group, group, scale, qk_scale, wl, wr,
+                          dk_cols, sq, sk, nheads_k, n_bh, bh_group, group, scale, qk_scale, wl, wr,
                           MASKED, WINDOW, Ranges, KeyMask, stride_mb, desc_dk, desc_dv, dk_rb,
                           dk_rh, dk_ch, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ,
                           CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA)),
