@@ -318,6 +318,17 @@ def test_sm90_forward_plan_repeats_the_launch_with_the_new_tensors(seq, monkeypa
     assert launch_sm90.planned_forward(q2, k2, v2, spec) is None
 
 
+def _backward_inputs(seq: int, d: int, spec):
+    """Fresh bf16 ``(2, seq, 4, d)`` q, k, v, dO and the Hopper backend's forward of them:
+    ``(do, q, k, v, out, lse)`` as ``backward`` takes them (lse contiguous)."""
+    from flashtile.backends import triton as backend
+
+    q, k, v, do = (torch.randn(2, seq, 4, d, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(4))
+    out, lse = backend.forward(q, k, v, spec)
+    return do, q, k, v, out, lse.contiguous()
+
+
 @pytest.mark.parametrize("d,causal,deterministic", [(256, False, False), (256, True, True),
                                                     (128, True, True), (128, False, True),
                                                     (64, True, True)],
@@ -345,10 +356,7 @@ def test_sm90_two_kernel_backward_replays_a_plan_bitwise(d, causal, deterministi
                                             deterministic=deterministic)
 
     def inputs():
-        q, k, v, do = (torch.randn(2, seq, 4, d, device="cuda", dtype=torch.bfloat16)
-                       for _ in range(4))
-        out, lse = backend.forward(q, k, v, spec)
-        return do, q, k, v, out, lse.contiguous()
+        return _backward_inputs(seq, d, spec)
 
     full_calls = []
     real = launch_bwd._backward
@@ -401,10 +409,7 @@ def test_sm90_backward_plan_repeats_the_launch_with_the_new_tensors(d, causal, s
     setting = launch_bwd._chunk_env()
 
     def inputs():
-        q, k, v, do = (torch.randn(2, seq, 4, d, device="cuda", dtype=torch.bfloat16)
-                       for _ in range(4))
-        out, lse = backend.forward(q, k, v, spec)
-        return do, q, k, v, out, lse.contiguous()
+        return _backward_inputs(seq, d, spec)
 
     do, q, k, v, out, lse = inputs()
     assert launch_sm90.planned_backward(q, k, v, out, do, lse, spec, setting) is None
@@ -997,10 +1002,7 @@ def test_sm90_padded_backward_repeats_through_plans_with_its_crops(d, causal, se
     setting = launch_bwd._chunk_env()
 
     def inputs():
-        q, k, v, do = (torch.randn(2, seq, 4, d, device="cuda", dtype=torch.bfloat16)
-                       for _ in range(4))
-        out, lse = backend.forward(q, k, v, spec)
-        return do, q, k, v, out, lse.contiguous()
+        return _backward_inputs(seq, d, spec)
 
     do, q, k, v, out, lse = inputs()
     backend.backward(do, q, k, v, out, lse, spec)  # compiled (or found), then launched directly
