@@ -48,6 +48,8 @@ def desc(ty, rows, head_dim, dtype, ragged, heads=False):
 def emit(name, kernel, types, head_dim, causal, **flags):
     # every other argument an integer, none equal to 1 (as the launcher specialises a call)
     names = kernel.arg_names
+    if "DK_COLS" in names:  # dK, dV as wide as the kernel unless a variant says otherwise
+        flags.setdefault("DK_COLS", head_dim)
     mask = "MASKED" if "MASKED" in names else "CAUSAL"  # the forward masks any window
     types = dict(types, STAGES="constexpr", num_warps="constexpr",
                  **{flag: "constexpr" for flag in (mask, *flags)})
@@ -172,10 +174,19 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                      PERSISTENT=launch_sm90.bwd_persistent(head_dim), RAGGED=ragged,
                      DKDV_TMA=tma_dkdv)
                 if head_dim == 128 and not r:
-                    # "hv": packed sequences (dK, dV stored by the kernel)
-                    emit(f"bwdhv-{ty}", attn_bwd_sm90_kernel,
-                         dict(types, **views, CuQ="*i32", CuK="*i32"), head_dim, causal,
-                         WINDOW=False, DQ=True, PERSISTENT=True, RAGGED=False, DKDV_TMA=False)
+                    # "hv": packed sequences (dK, dV stored by the kernel); "hvn": into dK and
+                    # dV of the head's own width (96), the columns past it masked
+                    for n, cols in (("", 128), ("n", 96)):
+                        emit(f"bwdhv{n}-{ty}", attn_bwd_sm90_kernel,
+                             dict(types, **views, CuQ="*i32", CuK="*i32"), head_dim, causal,
+                             WINDOW=False, DQ=True, PERSISTENT=True, RAGGED=False,
+                             DKDV_TMA=False, DK_COLS=cols)
+                if head_dim == 256 and not ragged:
+                    # "n": the dK/dV kernel (or with a key mask the fused one) at 256 storing
+                    # into dK and dV of the head's own width (192)
+                    emit(f"{'bwd' if fused else 'dkdv'}h{r}n-{ty}", attn_bwd_sm90_kernel,
+                         dict(types, **views), head_dim, causal, WINDOW=False, DQ=fused,
+                         PERSISTENT=False, RAGGED=False, DKDV_TMA=False, DK_COLS=192)
                 if not fused:
                     dq_rows, dq_n = launch_sm90.DQ_ROWS, launch_sm90.DQ_BLOCK_N
                     emit(f"dqh{r}-{ty}", attn_bwd_dq_sm90_kernel, dict(
@@ -240,8 +251,10 @@ BWD_VARIANTS = [f"{kind}{r}-{ty}-d{d}-{mode}" for kind in ("bwd", "dkdv")
                                 for mode in ("full", "causal")] + [  # (a block mask, packed)
     f"{kind}h{r}-bf16-d{d}-{mode}" for kind, d in (("bwd", 128), ("dkdv", 256))
     for r in ("", "r") for mode in ("full", "causal")] + [
-    f"bwdh{x}-bf16-d{d}-{mode}" for x, ds in (("v", (128,)), ("k", (128, 256))) for d in ds
-    for mode in ("full", "causal")]  # (a padded head dim's views)
+    f"bwdh{x}-bf16-d{d}-{mode}" for x, ds in (("v", (128,)), ("k", (128, 256)), ("vn", (128,)),
+                                              ("kn", (256,))) for d in ds
+    for mode in ("full", "causal")] + [  # (a padded head dim's views; n: narrow dK, dV)
+    f"dkdvhn-bf16-d256-{mode}" for mode in ("full", "causal")]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -347,7 +360,7 @@ def test_sm90_backward_compiles_for_hopper_with_its_structure(compiled, variant)
     # dK and dV: one TMA store each in each consumer, but with ragged lengths, packed
     # sequences and at d = 256
     kind = variant.split("-")[0]
-    own = kind.rstrip("w").endswith("r") or kind in ("bwdv", "bwdhv")
+    own = kind.rstrip("w").endswith("r") or kind in ("bwdv", "bwdhv", "bwdhvn")
     assert row["tma_stores"] == (0 if own or d == 256 else 4), row["tma_stores"]
 
 
@@ -1502,18 +1515,22 @@ def _tma_tile(desc, base: int, row: int, col: int):
     return big[base, row:row + rows, col:col + width]      # ragged: [1, rows, width]
 
 
+@pytest.mark.parametrize("narrow", [False, True], ids=["wide-dkdv", "narrow-dkdv"])
 @pytest.mark.parametrize("layout", ["contiguous", "sdpa"])
 @pytest.mark.parametrize("seq", [256, 200], ids=["aligned", "ragged"])
 @pytest.mark.parametrize("d", [96, 192])
 def test_padded_backward_reads_each_head_through_views_of_the_kernels_width(d, seq, layout,
-                                                                            monkeypatch):
+                                                                            narrow, monkeypatch):
     """``launch_sm90.padded_backward`` (no copies): every tile the kernels read of q, dO, k and
     v through the launcher's views (emulated as the TMA reads them, zeros past the view) is
     that head's rows with zeros past its last column, in both layouts, lengths multiples of
     the tiles or not; the prologue (run by the interpreter) computes delta from the head's
     own columns and zeroes a dQ accumulator of the kernels' width; 128 takes the fused kernel,
     256 the dQ kernel (storing through a view of ``dq``) and the dK/dV kernel; the gradients
-    the kernels leave in buffers of that width come back cropped into the inputs' layouts."""
+    the kernels leave in buffers of that width come back cropped into the inputs' layouts; with
+    ``PAD_NARROW_DKDV`` the dK/dV kernel at 256 stores into dk and dv themselves (``DK_COLS``
+    the head dim: its stores masked), no crops, and the call may be recorded as a launch plan
+    (launches only)."""
     from flashtile.backends.spec import AttnSpec
     from flashtile.backends.triton import fastlaunch, launch_sm90
 
@@ -1541,10 +1558,13 @@ def test_padded_backward_reads_each_head_through_views_of_the_kernels_width(d, s
             buf.copy_(patterns[t])
         return None
     monkeypatch.setattr(launch_sm90, "_launch", kernel_writes)
+    monkeypatch.setattr(launch_sm90, "PAD_NARROW_DKDV", narrow)
+    narrow = narrow and width == 256  # (at 128 the fused kernel stores dK, dV by TMA)
     with fastlaunch.recording() as rec:
         launch_sm90.padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec, width)
-    # the crops are no launches: the call is marked as one no launch plan repeats
-    assert (None, None, None) in rec.launches
+    # the crops (and the fused kernel's dQ conversion) are no launches: the call is marked as
+    # one no launch plan repeats, unless it is launches only
+    assert ((None, None, None) in rec.launches) == (not narrow)
     names = [c[0] for c in calls]
     assert names == (["bwd"] if width == 128 else ["dq", "bwd"]), names
     for name, key, a in calls:
@@ -1571,8 +1591,15 @@ def test_padded_backward_reads_each_head_through_views_of_the_kernels_width(d, s
     delta = bwd["desc_delta"][0].view(batch, heads, -1)[..., :seq]
     torch.testing.assert_close(delta, (out.float() * do.float()).sum(-1).transpose(1, 2),
                                rtol=1e-3, atol=1e-3)
-    assert bwd["DK"].shape == bwd["DV"].shape == (batch, seq, heads_k, width)
-    assert torch.equal(dk, patterns["DK"][..., :d]) and torch.equal(dv, patterns["DV"][..., :d])
+    if narrow:  # the kernel's own masked stores into dk and dv
+        assert bwd["DK"] is dk and bwd["DV"] is dv and bwd["DK_COLS"] == d
+        assert not bwd["DKDV_TMA"]
+        assert torch.equal(dk, patterns["DK"]) and torch.equal(dv, patterns["DV"])
+    else:
+        assert bwd["DK"].shape == bwd["DV"].shape == (batch, seq, heads_k, width)
+        assert bwd["DK_COLS"] == width
+        assert torch.equal(dk, patterns["DK"][..., :d])
+        assert torch.equal(dv, patterns["DV"][..., :d])
     assert dk.stride() == k.stride() and dv.stride() == v.stride()
     if width == 128:  # the fused kernel's accumulator, width wide, cropped into dq
         assert bwd["DQ"] and bwd["desc_dq"][0].shape == (batch, seq, heads, width)
@@ -1644,12 +1671,12 @@ def test_padded_backward_of_packed_sequences_reads_views_and_crops(narrow, monke
         torch.testing.assert_close(delta[:, first:first + s1 - s0], rowsum[:, s0:s1],
                                    rtol=1e-3, atol=1e-3)
     if narrow:  # the kernel's own masked stores into dk and dv (a view of one batch entry)
-        assert a["DK"].shape == (1, total, heads_k, d) and a["dk_cols"] == d
+        assert a["DK"].shape == (1, total, heads_k, d) and a["DK_COLS"] == d
         assert a["DK"].data_ptr() == dk.data_ptr() and a["DV"].data_ptr() == dv.data_ptr()
         assert (a["stride_kn"], a["stride_kh"]) == dk.stride()[:2]
         assert torch.equal(dk, patterns["DK"][0]) and torch.equal(dv, patterns["DV"][0])
     else:
-        assert a["DK"].shape == (1, total, heads_k, 128) and a["dk_cols"] == 128
+        assert a["DK"].shape == (1, total, heads_k, 128) and a["DK_COLS"] == 128
         assert torch.equal(dk, patterns["DK"][0, ..., :d])
         assert torch.equal(dv, patterns["DV"][0, ..., :d])
     assert torch.equal(dq, patterns["desc_dq"][0, ..., :d].to(dq.dtype))

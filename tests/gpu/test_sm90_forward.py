@@ -981,19 +981,25 @@ def test_sm90_padded_backward_views_match_float64_reference(case, monkeypatch):
     _assert_grads_within_rule(leaves, q, k, v, do, causal)
 
 
-@pytest.mark.parametrize("d,causal,seq", [(96, True, 384), (96, False, 300), (192, True, 384)],
-                         ids=["d96-causal", "d96-ragged", "d192-two-kernels"])
-def test_sm90_padded_backward_repeats_through_plans_with_its_crops(d, causal, seq, monkeypatch):
+@pytest.mark.parametrize("d,causal,seq,narrow", [(96, True, 384, False), (96, False, 300, False),
+                                                 (192, True, 384, False), (192, True, 384, True)],
+                         ids=["d96-causal", "d96-ragged", "d192-two-kernels",
+                              "d192-two-kernels-narrow-dkdv"])
+def test_sm90_padded_backward_repeats_through_plans_with_its_crops(d, causal, seq, narrow,
+                                                                   monkeypatch):
     """A padded head dim's backward through views (``padded_backward``) called again with the
     same shapes: at d = 96 the fused kernel's direct launch leaves a plan of width 128 whose
     replay on new tensors crops dK and dV bitwise as the full path does (dQ within the
     accumulator's summation order); at d = 192 (the dQ and dK/dV kernels) no plan of either
     kind, since a launch plan would skip the crops (``fastlaunch.unplannable``): repeated calls
-    bitwise the full path's.  With ``PAD_BWD_VIEWS`` off the plan serves no call."""
+    bitwise the full path's; with ``PAD_NARROW_DKDV`` the dK/dV kernel stores into dk and dv
+    itself (no crops), the call is launches only and replays as a launch plan, bitwise.  With
+    ``PAD_BWD_VIEWS`` off the plan serves no call."""
     from flashtile.backends import triton as backend
     from flashtile.backends.triton.fastlaunch import PlanCache
 
     _views_backward(monkeypatch)
+    monkeypatch.setattr(launch_sm90, "PAD_NARROW_DKDV", narrow)
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
     monkeypatch.setattr(launch_sm90, "_bwd_plans", PlanCache())
     monkeypatch.setattr(launch_bwd, "_plans", PlanCache())
@@ -1007,11 +1013,17 @@ def test_sm90_padded_backward_repeats_through_plans_with_its_crops(d, causal, se
     do, q, k, v, out, lse = inputs()
     backend.backward(do, q, k, v, out, lse, spec)  # compiled (or found), then launched directly
     backend.backward(do, q, k, v, out, lse, spec)
-    assert not launch_bwd._plans._plans
+    assert bool(launch_bwd._plans._plans) == narrow
     do, q, k, v, out, lse = inputs()
     with poison_outputs():  # (plans are off while outputs are poisoned)
         full = launch_bwd._backward(do, q, k, v, out, lse, spec)
     assert all(torch.isfinite(g).all() for g in full)
+    if narrow:  # the narrow stores hold what the wide buffers' crops hold, bitwise
+        monkeypatch.setattr(launch_sm90, "PAD_NARROW_DKDV", False)
+        with poison_outputs():
+            wide = launch_bwd._backward(do, q, k, v, out, lse, spec)
+        assert all(torch.equal(g, w) for g, w in zip(full, wide))
+        monkeypatch.setattr(launch_sm90, "PAD_NARROW_DKDV", True)
     again = [backend.backward(do, q, k, v, out, lse, spec) for _ in range(2)]
     if d == 192:
         assert not launch_sm90._bwd_plans._plans

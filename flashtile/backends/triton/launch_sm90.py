@@ -82,8 +82,10 @@ def enabled() -> bool:
 
 def setting() -> tuple:
     """The switches (read per call) that decide which Hopper kernels a call launches: what a
-    launch plan's key must hold besides the call's own arguments."""
-    return _sm90_env(), _dq_env()
+    launch plan's key must hold besides the call's own arguments (with the padded backward's
+    module switches: a process that turns them, as a benchmark's A/B does, gets the path it
+    asked for)."""
+    return _sm90_env(), _dq_env(), PAD_BWD_VIEWS, PAD_NARROW_DKDV
 
 
 @functools.lru_cache(maxsize=None)
@@ -393,10 +395,11 @@ def pad_backward(q, k, v, spec: AttnSpec) -> int:
 PAD_BWD_VIEWS = True
 
 
-# whether packed sequences' padded backward stores dK and dV into the narrow gradients (the
-# kernel masking columns from the head's last one: ``dk_cols``) instead of buffers of the
-# kernel's width cropped by two copies, a fifth of a causal packed d = 96 call's time (H200,
-# tuning log step 105); off until it has run on a GPU (step 106)
+# whether a padded backward whose kernels store dK and dV themselves (packed sequences, width
+# 256) stores them into the narrow gradients (the columns from the head's last one masked:
+# the kernels' DK_COLS) instead of buffers of the kernels' width cropped by two copies: a
+# fifth of a causal packed d = 96 call's time, 7% of a d = 192 1K one (H200, tuning log
+# steps 105, 104); off until it has run on a GPU (step 106)
 PAD_NARROW_DKDV = False
 
 
@@ -431,33 +434,37 @@ def padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec: AttnSpec, width: in
     (:func:`varlen_pad_width`: the fused kernel at 128); ``key_mask`` as :func:`forward`'s (the
     fused kernel at either width: the two kernels take no mask).  With ``plan_key``
     (:func:`bwd_plan_key`) the fused kernel's direct launch leaves a plan that
-    :func:`planned_backward` repeats, crops included; the crops are no launches, so a launch
-    plan (``fastlaunch.recording``) of the call is refused."""
-    unplannable()
+    :func:`planned_backward` repeats, crops included; the crops (and the fused kernel's dQ
+    conversion) are no launches, so a launch plan (``fastlaunch.recording``) of such a call is
+    refused; the two kernels at 256 storing dK and dV narrow (``PAD_NARROW_DKDV``) are
+    launches only, and may be recorded."""
     head_dim = q.shape[-1]
-    if varlen is not None and PAD_NARROW_DKDV:
-        # packed sequences: the kernel stores dK and dV itself (not by TMA), its columns
-        # masked at the head's last one (dk_cols): into dk and dv, no crops
-        fused_backward(q, k, v, out, do, lse, None, dq, dk, dv, spec, plan_key, varlen=varlen,
-                       width=width)
-        return
-    dk_w = empty((*k.shape[:-1], width), q.dtype, q.device)
-    dv_w = empty((*v.shape[:-1], width), q.dtype, q.device)
+    # where the kernels store dK and dV themselves, not by TMA (packed sequences, width 256),
+    # they can store them narrow, the columns from the head's last one masked (DK_COLS): into
+    # dk and dv, no buffers, no crops
+    narrow = PAD_NARROW_DKDV and (varlen is not None or width == 256)
+    dk_w = dk if narrow else empty((*k.shape[:-1], width), q.dtype, q.device)
+    dv_w = dv if narrow else empty((*v.shape[:-1], width), q.dtype, q.device)
+    fused = (varlen is not None or key_mask is not None
+             or fused_pays(q.shape[1], k.shape[1], spec.causal, width))
+    if fused or not narrow:
+        unplannable()
     if varlen is not None:  # (the packed prologue lays out its own delta)
         fused_backward(q, k, v, out, do, lse, None, dq, dk_w, dv_w, spec, plan_key,
                        varlen=varlen, width=width)
     else:
         batch, sq, nheads, _ = q.shape
         delta = empty((batch, nheads, sq), torch.float32, q.device)
-        if key_mask is not None or fused_pays(sq, k.shape[1], spec.causal, width):
+        if fused:
             fused_backward(q, k, v, out, do, lse, delta, dq, dk_w, dv_w, spec, plan_key,
                            key_mask=key_mask, width=width)
         else:
             _prologue(q, out, do, delta, zero=False, cols=width)
             _dq(q, k, v, do, lse, delta, dq, spec, width)
             _bwd(q, k, v, do, lse, delta, None, dk_w, dv_w, spec, width=width)
-    dk.copy_(dk_w[..., :head_dim])
-    dv.copy_(dv_w[..., :head_dim])
+    if not narrow:
+        dk.copy_(dk_w[..., :head_dim])
+        dv.copy_(dv_w[..., :head_dim])
 
 
 def varlen_pad_width(q, k, v, out, do, dq, spec: AttnSpec) -> int:
@@ -1004,12 +1011,11 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
         # the kernel reads whole tiles of lse and delta: padded (_pad_rows; the fused
         # kernel's prologue already pads them)
         lse, delta = _pad_rows(lse, delta)
-    # (dK and dV narrower than the kernel only where it stores them itself, masked: packed)
-    assert dk.shape[-1] == head_dim or varlen is not None, "narrow dK, dV: packed only"
     args = dict(DK=dk, DV=dv, Counter=counter,
                 stride_kb=dk.stride(0), stride_kn=dk.stride(1), stride_kh=dk.stride(2),
-                # (packed sequences' dK and dV may be narrower than the kernel: padded_backward)
-                dk_cols=dk.shape[-1],
+                # dK and dV narrower than the kernel (padded_backward): stored by the kernel
+                # itself, the columns from DK_COLS on masked
+                DK_COLS=dk.shape[-1],
                 sq=sq, sk=sk, sq_pad=lse.shape[-1], nheads_k=nheads_k, n_bh=n_bh,
                 bh_group=bh_group, group=nheads // nheads_k, scale=spec.softmax_scale,
                 qk_scale=spec.softmax_scale * LOG2E, **window,
@@ -1031,7 +1037,7 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
     # descriptors are of one tile, never read
     # (packed: a key block's TMA store would reach into the next sequence's rows)
     args["DKDV_TMA"] = (not ragged and head_dim != 256 and _dense(q, dk, dv)
-                        and varlen is None)
+                        and varlen is None and dk.shape[-1] == head_dim)
     if args["DKDV_TMA"]:
         desc_dk = _rows(dk, keys // 2, False, "dk", args)
         desc_dv = _rows(dv, keys // 2, False)
@@ -1048,6 +1054,7 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
     # (the compiled variant depends on the descriptors' ranks: a padded head dim's views)
     launched = _launch("bwd", device, (q.dtype, head_dim, window["MASKED"], args["WINDOW"],
                                        fused, persistent, ragged, args["DKDV_TMA"],
+                                       args["DK_COLS"],
                                        tuple(len(x[3]) for x in descs.values()),
                                        sparse is not None, varlen is not None,
                                        key_mask is not None), grid, args, descs)
@@ -1288,7 +1295,7 @@ _BWD_ROLES = ("desc_q", "desc_do", "desc_k", "desc_v", "desc_lse", "desc_delta",
 
 class _BwdPlan:
     __slots__ = ("compiled", "grid", "values", "descs", "at", "mask_at", "cu_at", "persistent",
-                 "ragged", "device", "fast", "prologue", "width", "wide_dkdv")
+                 "ragged", "device", "fast", "prologue", "width", "wide_dkdv", "narrow_switch")
 
     def __init__(self, launched, grid, descs, persistent, ragged, device, prologue=None,
                  width: int = 0):
@@ -1300,7 +1307,8 @@ class _BwdPlan:
         self.width = width
         self.persistent, self.ragged = persistent, ragged
         self.values = list(launched[1])
-        self.wide_dkdv = bool(width) and self.values[names.index("dk_cols")] == width
+        self.wide_dkdv = bool(width) and self.values[names.index("DK_COLS")] == width
+        self.narrow_switch = PAD_NARROW_DKDV  # (a plan serves calls under the same setting)
         # positions of DK, DV and Counter; (position, role, shape, strides, block, layout)
         # of each descriptor
         self.at = tuple(names.index(n) for n in ("DK", "DV", "Counter"))
@@ -1337,7 +1345,8 @@ def planned_backward(q, k, v, out, do, lse, spec: AttnSpec, setting, key_mask=No
     takes its full path)."""
     plan = _plan_of(_bwd_plans, lambda: bwd_plan_key(q, k, v, out, do, lse, spec, setting,
                                                       key_mask, varlen))
-    if plan is None or (plan.width and not PAD_BWD_VIEWS):
+    if plan is None or (plan.width and (not PAD_BWD_VIEWS
+                                         or plan.narrow_switch != PAD_NARROW_DKDV)):
         return None
     dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
     width = plan.width

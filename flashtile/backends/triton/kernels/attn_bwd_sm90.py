@@ -195,21 +195,24 @@ def _probs(b_st, b_lse, qk_scale, RAGGED: gl.constexpr):
 
 @gluon.jit
 def _store_dkdv(b_dk, b_dv, DK, DV, i_b, i_hk, k0, col, stride_kb, stride_kn, stride_kh, sk,
-                scale, RAGGED: gl.constexpr, cols=None):
+                scale, RAGGED: gl.constexpr, COLS: gl.constexpr = 0):
     """``dK = scale * b_dk`` and ``dV = b_dv`` (``[n keys, c]`` float32 in a wgmma layout) at
     keys ``k0:`` and columns ``col:`` of head ``i_hk`` of batch entry ``i_b``; with ``RAGGED``
-    none from key ``sk`` on, and with ``cols`` none from column ``cols`` on (dK and dV of a
-    padded head dim, narrower than the kernel's tiles)."""
+    none from key ``sk`` on, and with ``COLS`` (> 0) none from column ``COLS`` on (dK and dV of
+    a padded head dim, narrower than the kernel's tiles)."""
     layout: gl.constexpr = b_dk.type.layout
     o_kg = k0 + gl.arange(0, b_dk.shape[0], layout=gl.SliceLayout(1, layout))
     o_d = col + gl.arange(0, b_dk.shape[1], layout=gl.SliceLayout(0, layout))
     p_g = (i_b.to(gl.int64) * stride_kb + i_hk.to(gl.int64) * stride_kh
            + o_kg.to(gl.int64)[:, None] * stride_kn + o_d[None, :])     # [n, c]
     dtype: gl.constexpr = DK.dtype.element_ty
-    if RAGGED:  # keys from sk on are no keys
-        m_k = (o_kg < sk)[:, None]
-        if cols is not None:
-            m_k = m_k & (o_d < cols)[None, :]                           # [n, c]
+    if RAGGED or COLS > 0:
+        if RAGGED:  # keys from sk on are no keys
+            m_k = (o_kg < sk)[:, None]
+            if COLS > 0:
+                m_k = m_k & (o_d < COLS)[None, :]                       # [n, c]
+        else:
+            m_k = (o_d < COLS)[None, :]
         gl.store(DK + p_g, (b_dk * scale).to(dtype), mask=m_k)
         gl.store(DV + p_g, b_dv.to(dtype), mask=m_k)
     else:
@@ -433,11 +436,12 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
 @gluon.jit
 def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                   dq_smem, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK,
-                  DV, stride_kb, stride_kn, stride_kh, dk_cols, sq, sk, nheads_k, n_bh, bh_group,
+                  DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group,
                   group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb,
                   desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh, stride_xr,
                   tpr, ipc, CuQ, CuK, DQ: gl.constexpr,
-                  PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr):
+                  PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr,
+                  DK_COLS: gl.constexpr):
     """Work item ``w`` of one consumer warpgroup, its tiles from ring position ``t`` on (K and V
     already loaded): dK and dV of its 64 keys, and with ``DQ`` its adds into dQ; the ring
     position after them."""
@@ -615,12 +619,13 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
             # next's while the stores below run
             mbarrier.arrive(bar_kvfree)
         if VARLEN:  # rows of the packed keys; those past the sequence's end are the next's
-            # (and columns from dk_cols on: a padded head dim's narrower dK, dV)
+            # (and columns from DK_COLS on: a padded head dim's narrower dK, dV)
             _store_dkdv(b_dk, b_dv, DK, DV, i_b * 0, i_hk, k0s + k0, 0, stride_kb, stride_kn,
-                        stride_kh, k0s + sk_i, scale, True, dk_cols)
+                        stride_kh, k0s + sk_i, scale, True,
+                        DK_COLS if DK_COLS < HEAD_DIM else 0)
         else:
             _store_dkdv(b_dk, b_dv, DK, DV, i_b, i_hk, k0, 0, stride_kb, stride_kn, stride_kh,
-                        sk, scale, RAGGED)
+                        sk, scale, RAGGED, DK_COLS if DK_COLS < HEAD_DIM else 0)
     return t
 
 
@@ -720,7 +725,7 @@ def _consume_item_wide(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, de
                        pds_smem, dq_smem, bar_qd, bar_free, bar_pds, bar_pdsfree, desc_dq, DK, DV,
                        stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group,
                        scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb,
-                       DQ: gl.constexpr, RAGGED: gl.constexpr):
+                       DQ: gl.constexpr, RAGGED: gl.constexpr, DK_COLS: gl.constexpr):
     """Work item ``w`` at d = 256, where one consumer cannot hold dK and dV of 64 keys (256
     float32 registers a thread): both consumers take the item's 64 keys, each computes
     ``sᵀ``, ``dpᵀ``, ``pᵀ`` and ``dsᵀ`` for its half of a tile's ``BLOCK_M`` query rows and
@@ -819,19 +824,21 @@ def _consume_item_wide(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, de
         if DQ:
             tma.store_wait(0)
         t += 1
+    # (a padded head dim's narrower dK, dV: the columns from DK_COLS on masked)
     _store_dkdv(b_dk, b_dv, DK, DV, i_b, i_hk, k0, c0, stride_kb, stride_kn, stride_kh, sk,
-                scale, RAGGED)
+                scale, RAGGED, DK_COLS if DK_COLS < HEAD_DIM else 0)
     return t
 
 
 @gluon.jit
 def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                   item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
-                  desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, dk_cols, sq, sk, nheads_k, n_bh,
+                  desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
                   bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
                   stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
                   stride_xr, tpr, ipc, CuQ, CuK, DQ: gl.constexpr,
-                  PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr):
+                  PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr,
+                  DK_COLS: gl.constexpr):
     if PERSISTENT:
         n_items = _blocks(sk, k_smem.shape[1], RAGGED or CuQ.dtype.element_ty == gl.int32) * n_bh
         w_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -843,11 +850,11 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
             t = _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem,
                               delta_smem, ds_smem, dq_smem, bar_kvfree, bar_qd, bar_free,
                               bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb,
-                              stride_kn, stride_kh, dk_cols, sq, sk, nheads_k, n_bh, bh_group,
+                              stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group,
                               group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
                               stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb,
                               stride_xh, stride_xr, tpr, ipc, CuQ, CuK, DQ, PERSISTENT, RAGGED,
-                              DKDV_TMA)
+                              DKDV_TMA, DK_COLS)
             c += 1
             mbarrier.wait(bar_kv, c & 1)
             w = gl.max(item_smem.load(w_layout), axis=0)
@@ -858,60 +865,63 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
                            dq_smem, bar_qd, bar_free, bar_ds.index(0), bar_dsfree.index(0),
                            desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k,
                            n_bh, bh_group, group, scale, qk_scale, wl, wr, masked, window,
-                           Ranges, KeyMask, stride_mb, DQ, RAGGED)
+                           Ranges, KeyMask, stride_mb, DQ, RAGGED, DK_COLS)
     else:
         mbarrier.wait(bar_kv, 0)
         _consume_item(i_wg, gl.program_id(0), gl.to_tensor(0), q_smem, do_smem, k_smem,
                       v_smem, lse_smem, delta_smem, ds_smem, dq_smem, bar_kvfree, bar_qd,
                       bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb,
-                      stride_kn, stride_kh, dk_cols, sq, sk, nheads_k, n_bh, bh_group, group, scale,
+                      stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group, scale,
                       qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb, desc_dk,
                       desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh, stride_xr, tpr,
-                      ipc, CuQ, CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA)
+                      ipc, CuQ, CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA, DK_COLS)
 
 
 # A partition is a function of its own: one wrapper per consumer warpgroup.
 @gluon.jit
 def _bwd_consumer0(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                    item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
-                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, dk_cols, sq, sk, nheads_k,
+                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k,
                    n_bh, bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
                    stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
                    stride_xr, tpr, ipc, CuQ, CuK, DQ: gl.constexpr,
-                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr):
+                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr,
+                   DK_COLS: gl.constexpr):
     _bwd_consumer(0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                   item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
-                  desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, dk_cols, sq, sk, nheads_k, n_bh,
+                  desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
                   bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
                   stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
-                  stride_xr, tpr, ipc, CuQ, CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA)
+                  stride_xr, tpr, ipc, CuQ, CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA, DK_COLS)
 
 
 @gluon.jit
 def _bwd_consumer1(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                    item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
-                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, dk_cols, sq, sk, nheads_k,
+                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k,
                    n_bh, bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
                    stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
                    stride_xr, tpr, ipc, CuQ, CuK, DQ: gl.constexpr,
-                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr):
+                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr,
+                   DK_COLS: gl.constexpr):
     _bwd_consumer(1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                   item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
-                  desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, dk_cols, sq, sk, nheads_k, n_bh,
+                  desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
                   bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
                   stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
-                  stride_xr, tpr, ipc, CuQ, CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA)
+                  stride_xr, tpr, ipc, CuQ, CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA, DK_COLS)
 
 
 @gluon.jit
 def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, desc_dk,
-                         desc_dv, DK, DV, Counter, stride_kb, stride_kn, stride_kh, dk_cols, sq, sk,
+                         desc_dv, DK, DV, Counter, stride_kb, stride_kn, stride_kh, sq, sk,
                          sq_pad, nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh,
                          do_ch, kv_rb, kv_rh, kv_ch, dk_rb, dk_rh, dk_ch, scale, qk_scale, wl, wr,
                          Ranges, KeyMask, stride_mb, Lists, stride_xb, stride_xh, stride_xr, tpr,
                          ipc, CuQ, CuK, MASKED: gl.constexpr, WINDOW: gl.constexpr,
                          DQ: gl.constexpr, PERSISTENT: gl.constexpr, RAGGED: gl.constexpr,
-                         DKDV_TMA: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                         DKDV_TMA: gl.constexpr, DK_COLS: gl.constexpr, STAGES: gl.constexpr,
+                         num_warps: gl.constexpr):
     """Persistent grid (at most one CTA per SM): a work item is 128 keys of one key/value head
     (``Sk / 128 * n_bh`` items, ``n_bh = B * Hk``, in the order of ``_item_keys``), and a CTA's
     producer claims the next from ``Counter`` (an int32 zero before the launch) as the last one
@@ -935,8 +945,9 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
     comes from the cumulative lengths (``_sequence``), its key blocks past the sequence's end
     walk no tile, a tile's rows and keys past the ends (the next sequence's, read by the TMA)
     are masked, and dK, dV are stored from registers with the keys past the end masked (and
-    the columns from ``dk_cols`` on: a padded head dim's dK and dV, narrower than the kernel's
-    ``D``; elsewhere ``dk_cols`` is ``D``); without them the lse pointer."""
+    the columns from ``DK_COLS`` on: a padded head dim's dK and dV, narrower than the kernel's
+    ``D``, stored by the kernel itself, not by TMA; elsewhere ``DK_COLS`` is ``D``); without
+    them the lse pointer."""
     # (a padded head dim's views have a tile [rows, 1, D] or [1, rows, 1, D]: _tma_load)
     BLOCK_M: gl.constexpr = _tile_rows(desc_q.block_type.shape)
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[-1]
@@ -1013,17 +1024,17 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
         (_bwd_consumer0, (q_smem, do_smem, k_all, v_all, lse_smem, delta_smem, ds_smem,
                           dq_smem, item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn,
                           bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb, stride_kn, stride_kh,
-                          dk_cols, sq, sk, nheads_k, n_bh, bh_group, group, scale, qk_scale, wl, wr,
+                          sq, sk, nheads_k, n_bh, bh_group, group, scale, qk_scale, wl, wr,
                           MASKED, WINDOW, Ranges, KeyMask, stride_mb, desc_dk, desc_dv, dk_rb,
                           dk_rh, dk_ch, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ,
-                          CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA)),
+                          CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA, DK_COLS)),
         (_bwd_consumer1, (q_smem, do_smem, k_all, v_all, lse_smem, delta_smem, ds_smem,
                           dq_smem, item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn,
                           bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb, stride_kn, stride_kh,
-                          dk_cols, sq, sk, nheads_k, n_bh, bh_group, group, scale, qk_scale, wl, wr,
+                          sq, sk, nheads_k, n_bh, bh_group, group, scale, qk_scale, wl, wr,
                           MASKED, WINDOW, Ranges, KeyMask, stride_mb, desc_dk, desc_dv, dk_rb,
                           dk_rh, dk_ch, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ,
-                          CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA)),
+                          CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA, DK_COLS)),
         (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
                          k_smem, v_smem, lse_smem, delta_smem, item_smem, bar_kv, bar_kvfree,
                          bar_qd, bar_free, Counter, sq, sk, sq_pad, nheads_k, n_bh, bh_group, group,
