@@ -430,7 +430,8 @@ def padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec: AttnSpec, width: in
     and ``do`` for delta), cropped into ``dq`` by its conversion; else (256) the prologue's
     delta, the dQ kernel storing through a view of ``dq`` (nothing past a head's last column),
     and the dK/dV kernel.  dK and dV go into buffers ``width`` wide, cropped into ``dk``,
-    ``dv``.  ``varlen``: packed ``(total, H, D)`` sequences as :func:`fused_backward`'s
+    ``dv`` (with ``PAD_NARROW_DKDV``, where the kernels store them themselves, straight into
+    ``dk``, ``dv``).  ``varlen``: packed ``(total, H, D)`` sequences as :func:`fused_backward`'s
     (:func:`varlen_pad_width`: the fused kernel at 128); ``key_mask`` as :func:`forward`'s (the
     fused kernel at either width: the two kernels take no mask).  With ``plan_key``
     (:func:`bwd_plan_key`) the fused kernel's direct launch leaves a plan that
@@ -1263,9 +1264,9 @@ def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec,
     mask); ``varlen``: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` of packed
     ``(total, H, D)`` tensors (:func:`varlen_bwd_eligible`; lse ``(H, total_q)``; ``delta``
     unused: :func:`packed_prologue` lays out its own); ``width`` wider than ``D``
-    (:func:`padded_backward`): the kernel of that width, ``dk`` and ``dv`` that wide, the
-    accumulator cropped into ``dq`` (a plan keeps the width: :func:`planned_backward` crops
-    as well)."""
+    (:func:`padded_backward`): the kernel of that width, ``dk`` and ``dv`` that wide (or, packed,
+    as wide as the head: ``PAD_NARROW_DKDV``), the accumulator cropped into ``dq`` (a plan keeps
+    the width: :func:`planned_backward` crops as well)."""
     counter = None
     if varlen is not None:  # one batch entry of the packed rows (forward's views)
         q, k, v, out, do, dq, dk, dv = (x.unsqueeze(0) for x in (q, k, v, out, do, dq, dk, dv))
