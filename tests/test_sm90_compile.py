@@ -1528,9 +1528,10 @@ def test_padded_backward_reads_each_head_through_views_of_the_kernels_width(d, s
     own columns and zeroes a dQ accumulator of the kernels' width; 128 takes the fused kernel,
     256 the dQ kernel (storing through a view of ``dq``) and the dK/dV kernel; the gradients
     the kernels leave in buffers of that width come back cropped into the inputs' layouts; with
-    ``PAD_NARROW_DKDV`` the dK/dV kernel at 256 stores into dk and dv themselves (``DK_COLS``
-    the head dim: its stores masked), no crops, and the call may be recorded as a launch plan
-    (launches only)."""
+    ``PAD_NARROW_DKDV`` the kernels store into dk and dv themselves where they can (``DK_COLS``
+    the head dim): at 256 and with ragged lengths their own masked stores, in the SDPA layout
+    at 128 TMA stores through the 2-D view whose edge is the head's last column; no crops, and
+    the two kernels' call (launches only) may be recorded as a launch plan."""
     from flashtile.backends.spec import AttnSpec
     from flashtile.backends.triton import fastlaunch, launch_sm90
 
@@ -1559,12 +1560,13 @@ def test_padded_backward_reads_each_head_through_views_of_the_kernels_width(d, s
         return None
     monkeypatch.setattr(launch_sm90, "_launch", kernel_writes)
     monkeypatch.setattr(launch_sm90, "PAD_NARROW_DKDV", narrow)
-    narrow = narrow and width == 256  # (at 128 the fused kernel stores dK, dV by TMA)
+    # (heads side by side at 128, aligned: a TMA store would need a heads view of the buffer)
+    narrow = narrow and (width == 256 or layout == "sdpa" or seq == 200)
     with fastlaunch.recording() as rec:
         launch_sm90.padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec, width)
-    # the crops (and the fused kernel's dQ conversion) are no launches: the call is marked as
-    # one no launch plan repeats, unless it is launches only
-    assert ((None, None, None) in rec.launches) == (not narrow)
+    # the crops and the fused kernel's dQ conversion are no launches: the call is marked as
+    # one no launch plan repeats, unless it is launches only (the two kernels, narrow)
+    assert ((None, None, None) in rec.launches) == (not (narrow and width == 256))
     names = [c[0] for c in calls]
     assert names == (["bwd"] if width == 128 else ["dq", "bwd"]), names
     for name, key, a in calls:
@@ -1591,9 +1593,14 @@ def test_padded_backward_reads_each_head_through_views_of_the_kernels_width(d, s
     delta = bwd["desc_delta"][0].view(batch, heads, -1)[..., :seq]
     torch.testing.assert_close(delta, (out.float() * do.float()).sum(-1).transpose(1, 2),
                                rtol=1e-3, atol=1e-3)
-    if narrow:  # the kernel's own masked stores into dk and dv
+    if narrow:  # the kernel's stores into dk and dv
         assert bwd["DK"] is dk and bwd["DV"] is dv and bwd["DK_COLS"] == d
-        assert not bwd["DKDV_TMA"]
+        tma = width == 128 and layout == "sdpa" and seq == 256
+        assert bwd["DKDV_TMA"] == tma
+        if tma:  # tiles of the kernel's width on the 2-D view of each head's rows, D wide
+            for role, x in (("desc_dk", dk), ("desc_dv", dv)):
+                desc = bwd[role]
+                assert desc[0] is x and desc[1][-1] == d and desc[3] == [64, width], desc[1:4]
         assert torch.equal(dk, patterns["DK"]) and torch.equal(dv, patterns["DV"])
     else:
         assert bwd["DK"].shape == bwd["DV"].shape == (batch, seq, heads_k, width)

@@ -956,16 +956,20 @@ def _views_backward(monkeypatch):
     monkeypatch.setattr(launch_sm90, "PAD_VIEW_KEYS", 1)
 
 
+@pytest.mark.parametrize("narrow", [False, True], ids=["wide-dkdv", "narrow-dkdv"])
 @pytest.mark.parametrize("case", PADDED_CASES, ids=[c[0] for c in PADDED_CASES])
-def test_sm90_padded_backward_views_match_float64_reference(case, monkeypatch):
+def test_sm90_padded_backward_views_match_float64_reference(case, narrow, monkeypatch):
     """``launch_sm90.padded_backward`` (``PAD_BWD_VIEWS``; ``PAD_VIEW_KEYS`` lowered so that
     short sequences take it): the Hopper backward kernels of the next width read q, dO, k and v
     through the forward's views (zeros past each head's last column, no copies) and write dK,
     dV and the dQ accumulator at that width (the dQ kernel at 256 through a view of dq),
     cropped: gradients within flash-attn's rule of float64 in every layout a model hands in,
-    lengths multiples of the tiles or not, GQA, one head."""
+    lengths multiples of the tiles or not, GQA, one head; with ``PAD_NARROW_DKDV`` dK and dV
+    stored into the gradients themselves where the kernels can (``_narrow_dkdv``; their
+    buffers poisoned: every column written)."""
     _, batch, sq, sk, heads, heads_k, d, causal, layout = case
     _views_backward(monkeypatch)
+    monkeypatch.setattr(launch_sm90, "PAD_NARROW_DKDV", narrow)
     q, k, v, do = _padded_case_inputs(batch, sq, sk, heads, heads_k, d, torch.bfloat16)
     names = _launch_names(monkeypatch)
     widths = []  # the head dims the backward runs at (the copies' path: d, then the width)

@@ -395,11 +395,10 @@ def pad_backward(q, k, v, spec: AttnSpec) -> int:
 PAD_BWD_VIEWS = True
 
 
-# whether a padded backward whose kernels store dK and dV themselves (packed sequences, width
-# 256) stores them into the narrow gradients (the columns from the head's last one masked:
-# the kernels' DK_COLS) instead of buffers of the kernels' width cropped by two copies: a
-# fifth of a causal packed d = 96 call's time, 7% of a d = 192 1K one (H200, tuning log
-# steps 105, 104); off until it has run on a GPU (step 106)
+# whether a padded backward stores dK and dV into the narrow gradients where its kernels can
+# (_narrow_dkdv) instead of buffers of the kernels' width cropped by two copies: a fifth of a
+# causal packed d = 96 call's time, 7% of a d = 192 1K one (H200, tuning log steps 105,
+# 104); off until it has run on a GPU (step 106)
 PAD_NARROW_DKDV = False
 
 
@@ -440,10 +439,7 @@ def padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec: AttnSpec, width: in
     refused; the two kernels at 256 storing dK and dV narrow (``PAD_NARROW_DKDV``) are
     launches only, and may be recorded."""
     head_dim = q.shape[-1]
-    # where the kernels store dK and dV themselves, not by TMA (packed sequences, width 256),
-    # they can store them narrow, the columns from the head's last one masked (DK_COLS): into
-    # dk and dv, no buffers, no crops
-    narrow = PAD_NARROW_DKDV and (varlen is not None or width == 256)
+    narrow = _narrow_dkdv(q, k, dk, width, varlen)
     dk_w = dk if narrow else empty((*k.shape[:-1], width), q.dtype, q.device)
     dv_w = dv if narrow else empty((*v.shape[:-1], width), q.dtype, q.device)
     fused = (varlen is not None or key_mask is not None
@@ -466,6 +462,25 @@ def padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec: AttnSpec, width: in
     if not narrow:
         dk.copy_(dk_w[..., :head_dim])
         dv.copy_(dv_w[..., :head_dim])
+
+
+def _narrow_dkdv(q, k, dk, width: int, varlen) -> bool:
+    """Whether :func:`padded_backward`'s kernels store dK and dV straight into ``dk``, ``dv``
+    (``PAD_NARROW_DKDV``), where that costs them nothing: their own stores, the columns from
+    the head's last one masked (``DK_COLS``: packed sequences, width 256, lengths that are
+    not multiples of the tiles), or TMA stores through the 2-D view of each head's rows (the
+    SDPA layout), whose edge is the head's last column (the TMA writes nothing past it).
+    Heads side by side at 128 keep the buffers: a tile's store would need a view with a
+    dimension for the heads, which a slice of the shared-memory buffer cannot be stored from
+    (``_bwd``)."""
+    if not PAD_NARROW_DKDV:
+        return False
+    if varlen is not None or width == 256:
+        return True
+    if q.shape[1] % BWD_BLOCK_M or k.shape[1] % bwd_keys(width):   # (_bwd's ragged)
+        return True
+    plan = _plan(dk)
+    return plan is not None and plan[2][2] == 0
 
 
 def varlen_pad_width(q, k, v, out, do, dq, spec: AttnSpec) -> int:
@@ -1037,11 +1052,15 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
     # lengths; d = 256 consumers share their keys); else by the kernel's own stores, and the
     # descriptors are of one tile, never read
     # (packed: a key block's TMA store would reach into the next sequence's rows)
+    # (dK and dV narrower than the kernel, padded_backward: by TMA only through the 2-D view of
+    # each head's rows, whose edge is the head's last column; else the kernel's own stores,
+    # masked at DK_COLS)
+    narrow = dk.shape[-1] < head_dim
     args["DKDV_TMA"] = (not ragged and head_dim != 256 and _dense(q, dk, dv)
-                        and varlen is None and dk.shape[-1] == head_dim)
+                        and varlen is None and (not narrow or _plan(dk)[2][2] == 0))
     if args["DKDV_TMA"]:
-        desc_dk = _rows(dk, keys // 2, False, "dk", args)
-        desc_dv = _rows(dv, keys // 2, False)
+        desc_dk = _rows(dk, keys // 2, False, "dk", args, head_dim)
+        desc_dv = _rows(dv, keys // 2, False, cols=head_dim)
     else:
         args.update(dk_rb=0, dk_rh=0, dk_ch=0)
         desc_dk = desc_dv = _one_tile([keys // 2, head_dim], q.dtype, q.device)
