@@ -236,6 +236,14 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
     return grads
 
 
+def _plan_key(q, k, v, out, do, lse, spec: AttnSpec, key_mask=None, varlen=None):
+    """The key under which a fused Hopper backward's direct launch leaves its plan
+    (``launch_sm90.bwd_plan_key`` with this module's chunk setting), or None with plans off."""
+    if not plans_enabled():
+        return None
+    return launch_sm90.bwd_plan_key(q, k, v, out, do, lse, spec, _chunk_env(), key_mask, varlen)
+
+
 def _padded_backward(do, q, k, v, out, lse, spec: AttnSpec, width: int, dq, dk, dv):
     """The backward of a head dim the Hopper forward pads (``launch_sm90.pad_backward``) on
     copies of its tensors padded with zeros to ``width`` (zero columns add nothing to the
@@ -244,10 +252,8 @@ def _padded_backward(do, q, k, v, out, lse, spec: AttnSpec, width: int, dq, dk, 
     admits the call, with no copy of the inputs (``launch_sm90.padded_backward``).  None
     (nothing launched) where neither serves: copies below ``launch_sm90.PAD_BWD_KEYS`` keys."""
     if launch_sm90.padded_view_width(q, k, v, out, do, dq, spec, width):
-        key = (launch_sm90.bwd_plan_key(q, k, v, out, do, lse, spec, _chunk_env())
-               if plans_enabled() else None)
         launch_sm90.padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec, width,
-                                    plan_key=key)
+                                    plan_key=_plan_key(q, k, v, out, do, lse, spec))
         return dq, dk, dv
     if k.shape[1] < launch_sm90.PAD_BWD_KEYS:
         return None
@@ -306,19 +312,16 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
         # a padded batch's key mask: the fused Hopper backward reads it (launch_sm90.key_mask),
         # at every length (where plain calls take the Triton dQ and Gluon dK/dV kernels,
         # fused_pays, a masked call would otherwise take the Triton kernels alone)
-        key = (launch_sm90.bwd_plan_key(q, k, v, out, do, lse, spec, _chunk_env(), mask)
-               if plans_enabled() else None)
-        launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec, key,
-                                   key_mask=mask)
+        launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec,
+                                   _plan_key(q, k, v, out, do, lse, spec, mask), key_mask=mask)
         return dq, dk, dv
     width = mask is not None and launch_sm90.padded_view_width(q, k, v, out, do, dq, spec)
     if width:
         # ... at a head dim the forward pads: the fused Hopper backward of the next width
         # through views of the head's columns (launch_sm90.padded_backward)
-        key = (launch_sm90.bwd_plan_key(q, k, v, out, do, lse, spec, _chunk_env(), mask)
-               if plans_enabled() else None)
         launch_sm90.padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec, width,
-                                    key_mask=mask, plan_key=key)
+                                    key_mask=mask,
+                                    plan_key=_plan_key(q, k, v, out, do, lse, spec, mask))
         return dq, dk, dv
     if (block_mask is not None and not varlen and alibi_slopes is None and attn_bias is None
             and rng_seed is None and dbias is None and grad_dtype is None
@@ -335,24 +338,22 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
                     and block_mask is None and dbias is None and grad_dtype is None
                     and not _deterministic(spec) and out.is_contiguous()
                     and lse.is_contiguous())
-    if packed_plain and launch_sm90.varlen_bwd_eligible(q, k, v, do, dk, dv, spec):
+    native = packed_plain and launch_sm90.varlen_bwd_eligible(q, k, v, do, dk, dv, spec)
+    width = packed_plain and not native and launch_sm90.varlen_pad_width(q, k, v, out, do, dq,
+                                                                          spec)
+    if native or width:
         # packed sequences: the fused Hopper backward takes each one's rows from the
-        # cumulative lengths (the int32 the kernel reads); a direct launch leaves a plan
+        # cumulative lengths (the int32 the kernel reads); a direct launch leaves a plan.  At a
+        # head dim the forward pads to 128, the kernel of that width through views of the
+        # head's columns (launch_sm90.padded_backward)
         packed = launch_sm90.packed_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        key = (launch_sm90.bwd_plan_key(q, k, v, out, do, lse, spec, _chunk_env(),
-                                        varlen=packed) if plans_enabled() else None)
-        launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec, key,
-                                   varlen=packed)
-        return dq, dk, dv
-    width = packed_plain and launch_sm90.varlen_pad_width(q, k, v, out, do, dq, spec)
-    if width:
-        # packed sequences at a head dim the forward pads to 128: the fused Hopper backward
-        # of that width through views of the head's columns (launch_sm90.padded_backward)
-        packed = launch_sm90.packed_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        key = (launch_sm90.bwd_plan_key(q, k, v, out, do, lse, spec, _chunk_env(),
-                                        varlen=packed) if plans_enabled() else None)
-        launch_sm90.padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec, width, packed,
-                                    plan_key=key)
+        key = _plan_key(q, k, v, out, do, lse, spec, varlen=packed)
+        if native:
+            launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec, key,
+                                       varlen=packed)
+        else:
+            launch_sm90.padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec, width, packed,
+                                        plan_key=key)
         return dq, dk, dv
     features = (varlen or alibi_slopes is not None or attn_bias is not None
                 or rng_seed is not None or block_mask is not None or dbias is not None)
@@ -363,9 +364,8 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
             and launch_sm90.bwd_eligible(q, k, v, do, dk, dv, spec)):
         # Hopper: one Gluon kernel for dQ, dK and dV (none of the Triton kernels' arguments);
         # a direct launch leaves a plan for the next call like this one (backward above)
-        key = (launch_sm90.bwd_plan_key(q, k, v, out, do, lse, spec, _chunk_env())
-               if plans_enabled() else None)
-        launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec, key)
+        launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec,
+                                   _plan_key(q, k, v, out, do, lse, spec))
         return dq, dk, dv
     group = nheads // nheads_k
     bd = block_d(head_dim)

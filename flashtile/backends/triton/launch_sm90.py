@@ -477,7 +477,7 @@ def _narrow_dkdv(q, k, dk, width: int, varlen) -> bool:
         return False
     if varlen is not None or width == 256:
         return True
-    if q.shape[1] % BWD_BLOCK_M or k.shape[1] % bwd_keys(width):   # (_bwd's ragged)
+    if _bwd_ragged(q.shape[1], k.shape[1], width):
         return True
     plan = _plan(dk)
     return plan is not None and plan[2][2] == 0
@@ -1004,7 +1004,7 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
     fused = dq_acc is not None
     # lengths that are not multiples of the tiles: 3-D descriptors (_rows)
     keys = bwd_keys(head_dim)
-    ragged = bool(sq % BWD_BLOCK_M or sk % keys) and varlen is None
+    ragged = _bwd_ragged(sq, sk, head_dim) and varlen is None
     # a tile is half a head's columns of BWD_BLOCK_M rows, at d = 256 an eighth
     acc_tile = [BWD_BLOCK_M, head_dim // (8 if head_dim == 256 else 2)]
     if fused:
@@ -1079,6 +1079,12 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
                                        sparse is not None, varlen is not None,
                                        key_mask is not None), grid, args, descs)
     return (launched, grid, descs, persistent, ragged) if launched is not None else None
+
+
+def _bwd_ragged(sq: int, sk: int, head_dim: int) -> bool:
+    """Whether a dense backward's lengths are not multiples of its tiles (query rows, the
+    kernel's keys at ``head_dim``): its 3-D descriptors and the kernels' own dK/dV stores."""
+    return bool(sq % BWD_BLOCK_M or sk % bwd_keys(head_dim))
 
 
 def _one_tile(tile: list, dtype: torch.dtype, device) -> tuple:
