@@ -181,12 +181,15 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                              dict(types, **views, CuQ="*i32", CuK="*i32"), head_dim, causal,
                              WINDOW=False, DQ=True, PERSISTENT=True, RAGGED=False,
                              DKDV_TMA=False, DK_COLS=cols)
-                if head_dim == 256 and not ragged:
-                    # "n": the dK/dV kernel (or with a key mask the fused one) at 256 storing
-                    # into dK and dV of the head's own width (192)
+                if head_dim == 128 or not ragged:
+                    # "n": storing into dK and dV of the head's own width (96, 192) by the
+                    # kernel's own stores, the columns past it masked: the fused kernel at 128
+                    # (any lengths, with or without a key mask), the dK/dV kernel (or with a key
+                    # mask the fused one) at 256
                     emit(f"{'bwd' if fused else 'dkdv'}h{r}n-{ty}", attn_bwd_sm90_kernel,
                          dict(types, **views), head_dim, causal, WINDOW=False, DQ=fused,
-                         PERSISTENT=False, RAGGED=False, DKDV_TMA=False, DK_COLS=192)
+                         PERSISTENT=launch_sm90.bwd_persistent(head_dim), RAGGED=ragged,
+                         DKDV_TMA=False, DK_COLS=head_dim * 3 // 4)
                 if not fused:
                     dq_rows, dq_n = launch_sm90.DQ_ROWS, launch_sm90.DQ_BLOCK_N
                     emit(f"dqh{r}-{ty}", attn_bwd_dq_sm90_kernel, dict(
@@ -252,7 +255,8 @@ BWD_VARIANTS = [f"{kind}{r}-{ty}-d{d}-{mode}" for kind in ("bwd", "dkdv")
     f"{kind}h{r}-bf16-d{d}-{mode}" for kind, d in (("bwd", 128), ("dkdv", 256))
     for r in ("", "r") for mode in ("full", "causal")] + [
     f"bwdh{x}-bf16-d{d}-{mode}" for x, ds in (("v", (128,)), ("k", (128, 256)), ("vn", (128,)),
-                                              ("kn", (256,))) for d in ds
+                                              ("n", (128,)), ("rn", (128,)),
+                                              ("kn", (128, 256))) for d in ds
     for mode in ("full", "causal")] + [  # (a padded head dim's views; n: narrow dK, dV)
     f"dkdvhn-bf16-d256-{mode}" for mode in ("full", "causal")]
 
@@ -358,9 +362,10 @@ def test_sm90_backward_compiles_for_hopper_with_its_structure(compiled, variant)
     else:
         assert row["tma_reductions"] == 0 and row["atomics"] == claims
     # dK and dV: one TMA store each in each consumer, but with ragged lengths, packed
-    # sequences and at d = 256
+    # sequences, narrower than the kernel ("n": the kernel's own stores) and at d = 256
     kind = variant.split("-")[0]
-    own = kind.rstrip("w").endswith("r") or kind in ("bwdv", "bwdhv", "bwdhvn")
+    own = (kind.rstrip("w").endswith("r") or kind.endswith("n")
+           or kind in ("bwdv", "bwdhv"))
     assert row["tma_stores"] == (0 if own or d == 256 else 4), row["tma_stores"]
 
 
@@ -1529,8 +1534,9 @@ def test_padded_backward_reads_each_head_through_views_of_the_kernels_width(d, s
     256 the dQ kernel (storing through a view of ``dq``) and the dK/dV kernel; the gradients
     the kernels leave in buffers of that width come back cropped into the inputs' layouts; with
     ``PAD_NARROW_DKDV`` the kernels store into dk and dv themselves where they can (``DK_COLS``
-    the head dim): at 256 and with ragged lengths their own masked stores, in the SDPA layout
-    at 128 TMA stores through the 2-D view whose edge is the head's last column; no crops, and
+    the head dim): in the SDPA layout at 128 with aligned lengths TMA stores through the 2-D
+    view whose edge is the head's last column, else (at 256, ragged lengths, heads side by
+    side) their own masked stores; no crops, and
     the two kernels' call (launches only) may be recorded as a launch plan."""
     from flashtile.backends.spec import AttnSpec
     from flashtile.backends.triton import fastlaunch, launch_sm90
@@ -1560,8 +1566,6 @@ def test_padded_backward_reads_each_head_through_views_of_the_kernels_width(d, s
         return None
     monkeypatch.setattr(launch_sm90, "_launch", kernel_writes)
     monkeypatch.setattr(launch_sm90, "PAD_NARROW_DKDV", narrow)
-    # (heads side by side at 128, aligned: a TMA store would need a heads view of the buffer)
-    narrow = narrow and (width == 256 or layout == "sdpa" or seq == 200)
     with fastlaunch.recording() as rec:
         launch_sm90.padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec, width)
     # the crops and the fused kernel's dQ conversion are no launches: the call is marked as

@@ -865,6 +865,8 @@ def test_sm90_forward_pads_head_dims_to_the_next_width(case, monkeypatch):
     _, batch, sq, sk, heads, heads_k, d, causal, layout = case
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
     monkeypatch.setattr(launch_sm90, "_fwd_plans", type(launch_sm90._fwd_plans)())
+    # (the portable backward: the views' backward has its own test, views_match)
+    monkeypatch.setattr(launch_sm90, "PAD_VIEW_KEYS", 1 << 30)
     dtype = torch.bfloat16
     q, k, v, do = _padded_case_inputs(batch, sq, sk, heads, heads_k, d, dtype)
     names = _launch_names(monkeypatch)
@@ -986,8 +988,9 @@ def test_sm90_padded_backward_views_match_float64_reference(case, narrow, monkey
 
 
 @pytest.mark.parametrize("d,causal,seq,narrow", [(96, True, 384, False), (96, False, 300, False),
+                                                 (96, False, 384, True),
                                                  (192, True, 384, False), (192, True, 384, True)],
-                         ids=["d96-causal", "d96-ragged", "d192-two-kernels",
+                         ids=["d96-causal", "d96-ragged", "d96-narrow-dkdv", "d192-two-kernels",
                               "d192-two-kernels-narrow-dkdv"])
 def test_sm90_padded_backward_repeats_through_plans_with_its_crops(d, causal, seq, narrow,
                                                                    monkeypatch):
@@ -997,8 +1000,9 @@ def test_sm90_padded_backward_repeats_through_plans_with_its_crops(d, causal, se
     accumulator's summation order); at d = 192 (the dQ and dK/dV kernels) no plan of either
     kind, since a launch plan would skip the crops (``fastlaunch.unplannable``): repeated calls
     bitwise the full path's; with ``PAD_NARROW_DKDV`` the dK/dV kernel stores into dk and dv
-    itself (no crops), the call is launches only and replays as a launch plan, bitwise.  With
-    ``PAD_BWD_VIEWS`` off the plan serves no call."""
+    itself (no crops), the call is launches only and replays as a launch plan, bitwise; at
+    d = 96 the fused kernel's own stores (heads side by side) hold the crops' dK and dV
+    bitwise.  With ``PAD_BWD_VIEWS`` off the plan serves no call."""
     from flashtile.backends import triton as backend
     from flashtile.backends.triton.fastlaunch import PlanCache
 
@@ -1017,7 +1021,7 @@ def test_sm90_padded_backward_repeats_through_plans_with_its_crops(d, causal, se
     do, q, k, v, out, lse = inputs()
     backend.backward(do, q, k, v, out, lse, spec)  # compiled (or found), then launched directly
     backend.backward(do, q, k, v, out, lse, spec)
-    assert bool(launch_bwd._plans._plans) == narrow
+    assert bool(launch_bwd._plans._plans) == (narrow and d == 192)
     do, q, k, v, out, lse = inputs()
     with poison_outputs():  # (plans are off while outputs are poisoned)
         full = launch_bwd._backward(do, q, k, v, out, lse, spec)
@@ -1026,7 +1030,10 @@ def test_sm90_padded_backward_repeats_through_plans_with_its_crops(d, causal, se
         monkeypatch.setattr(launch_sm90, "PAD_NARROW_DKDV", False)
         with poison_outputs():
             wide = launch_bwd._backward(do, q, k, v, out, lse, spec)
-        assert all(torch.equal(g, w) for g, w in zip(full, wide))
+        # (dQ: the fused kernel's float32 sum in no fixed order, below)
+        assert all(torch.equal(g, w) for g, w in list(zip(full, wide))[d == 96:])
+        if d == 96:
+            torch.testing.assert_close(full[0], wide[0], rtol=2 ** -7, atol=1e-3)
         monkeypatch.setattr(launch_sm90, "PAD_NARROW_DKDV", True)
     again = [backend.backward(do, q, k, v, out, lse, spec) for _ in range(2)]
     if d == 192:

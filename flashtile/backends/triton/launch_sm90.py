@@ -364,10 +364,10 @@ def _block(rows: int, cols: int, ragged: bool, heads: bool) -> list:
 
 # keys from which a padded head dim's backward runs on the Hopper kernels over copies padded to
 # the next width (pad_backward), and through views of that width (PAD_BWD_VIEWS: no copies to
-# amortise; H200, bf16, d = 96 / 192 at 1K keys 1.10-1.50x the portable kernels, tuning log
-# step 104)
+# amortise; H200, bf16, d = 96 / 192: 1.10-1.50x the portable kernels at 1K keys, 1.16-1.79x
+# at 512, 1.00-1.74x at 256; tuning log steps 104, 108)
 PAD_BWD_KEYS = 4096
-PAD_VIEW_KEYS = 1024
+PAD_VIEW_KEYS = 256
 
 
 def pad_backward(q, k, v, spec: AttnSpec) -> int:
@@ -396,10 +396,10 @@ PAD_BWD_VIEWS = True
 
 
 # whether a padded backward stores dK and dV into the narrow gradients where its kernels can
-# (_narrow_dkdv) instead of buffers of the kernels' width cropped by two copies: a fifth of a
-# causal packed d = 96 call's time, 7% of a d = 192 1K one (H200, tuning log steps 105,
-# 104); off until it has run on a GPU (step 106)
-PAD_NARROW_DKDV = False
+# (_narrow_dkdv) instead of buffers of the kernels' width cropped by two copies: H200, bf16,
+# packed d = 96 backward 0.76 -> 0.61 ms causal, 1.03 -> 0.91 ms not; dense 1.08-1.22x the
+# crops' speed at d = 80 / 96 / 192 and 1K keys, 1.02-1.06x at 4K (tuning log steps 106-107)
+PAD_NARROW_DKDV = True
 
 
 def _views_on(q, out, do) -> bool:
@@ -428,9 +428,9 @@ def padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec: AttnSpec, width: in
     accumulator ``width`` wide (zeroed by the prologue, which reads ``D`` columns of ``out``
     and ``do`` for delta), cropped into ``dq`` by its conversion; else (256) the prologue's
     delta, the dQ kernel storing through a view of ``dq`` (nothing past a head's last column),
-    and the dK/dV kernel.  dK and dV go into buffers ``width`` wide, cropped into ``dk``,
-    ``dv`` (with ``PAD_NARROW_DKDV``, where the kernels store them themselves, straight into
-    ``dk``, ``dv``).  ``varlen``: packed ``(total, H, D)`` sequences as :func:`fused_backward`'s
+    and the dK/dV kernel.  dK and dV go straight into ``dk``, ``dv`` (``PAD_NARROW_DKDV``,
+    :func:`_narrow_dkdv`; off, or ``dk`` not as the TMA reads it: buffers ``width`` wide,
+    cropped).  ``varlen``: packed ``(total, H, D)`` sequences as :func:`fused_backward`'s
     (:func:`varlen_pad_width`: the fused kernel at 128); ``key_mask`` as :func:`forward`'s (the
     fused kernel at either width: the two kernels take no mask).  With ``plan_key``
     (:func:`bwd_plan_key`) the fused kernel's direct launch leaves a plan that
@@ -466,21 +466,19 @@ def padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec: AttnSpec, width: in
 
 def _narrow_dkdv(q, k, dk, width: int, varlen) -> bool:
     """Whether :func:`padded_backward`'s kernels store dK and dV straight into ``dk``, ``dv``
-    (``PAD_NARROW_DKDV``), where that costs them nothing: their own stores, the columns from
-    the head's last one masked (``DK_COLS``: packed sequences, width 256, lengths that are
-    not multiples of the tiles), or TMA stores through the 2-D view of each head's rows (the
-    SDPA layout), whose edge is the head's last column (the TMA writes nothing past it).
-    Heads side by side at 128 keep the buffers: a tile's store would need a view with a
-    dimension for the heads, which a slice of the shared-memory buffer cannot be stored from
-    (``_bwd``)."""
+    (``PAD_NARROW_DKDV``): TMA stores through the 2-D view of each head's rows (the SDPA
+    layout), whose edge is the head's last column (the TMA writes nothing past it); else the
+    kernels' own stores, the columns from the head's last one masked (``DK_COLS``: packed
+    sequences, width 256, lengths that are not multiples of the tiles, heads side by side,
+    where a TMA store would need a view with a dimension for the heads, which a slice of the
+    shared-memory buffer cannot be stored from). Heads side by side at 128 the own stores
+    beat TMA stores into buffers 128 wide and the crops: H200, bf16, d = 80 / 96, 1.08-1.18x
+    at 1K, 1.02-1.09x at 2K, 1.02-1.06x at 4K (tuning log step 107)."""
     if not PAD_NARROW_DKDV:
         return False
-    if varlen is not None or width == 256:
+    if varlen is not None or width == 256 or _bwd_ragged(q.shape[1], k.shape[1], width):
         return True
-    if _bwd_ragged(q.shape[1], k.shape[1], width):
-        return True
-    plan = _plan(dk)
-    return plan is not None and plan[2][2] == 0
+    return _plan(dk) is not None
 
 
 def varlen_pad_width(q, k, v, out, do, dq, spec: AttnSpec) -> int:
