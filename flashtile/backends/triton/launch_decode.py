@@ -46,8 +46,9 @@ from . import fastlaunch
 from .fastlaunch import empty as _alloc
 from .fastlaunch import launch as _launch
 
-__all__ = ["decode", "decode_forward", "record_decode", "merge_states", "combine", "choose_num_splits", "default_num_splits", "num_sms",
-           "attn_config", "check_mode", "check_errors", "MAX_SPLITS"]
+__all__ = ["decode", "decode_forward", "record_decode", "merge_states", "combine",
+           "choose_num_splits", "default_num_splits", "num_sms", "attn_config", "check_mode",
+           "check_errors", "MAX_SPLITS"]
 
 # a split should stream at least this many key tiles, or its fixed cost (q load, partial
 # store, combine read) outweighs the parallelism it buys
@@ -90,8 +91,10 @@ def attn_config(on_gpu: bool, head_dim: int, rows: int, dtype: torch.dtype) -> d
     tile is independent of the page size: a tile inside one page (page size a multiple of
     ``BLOCK_N``) looks its page up once, any other tile per key.
     """
-    block_m, block_n, block_d, warps, stages = _attn_config(bool(on_gpu), int(head_dim), int(rows), dtype)
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages)
+    block_m, block_n, block_d, warps, stages = _attn_config(bool(on_gpu), int(head_dim),
+                                                            int(rows), dtype)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps,
+                num_stages=stages)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -125,7 +128,8 @@ def choose_num_splits(n_programs: int, n_sms: int, n_tiles: int, max_splits: int
     ``n_programs``: programs without splitting (batch * kv heads * query blocks);
     ``n_tiles``: key tiles of a full cache row; ``paged``: the keys are read through a block
     table; ``per_key_pages``: pages are smaller than a key tile, so the kernel looks the page up
-    for every key (``PAGE_SIZE % BLOCK_N != 0``).  Rules (measured on the H100, d=128 bf16; docs/dev/tuning-log.md),
+    for every key (``PAGE_SIZE % BLOCK_N != 0``).  Rules (measured on the H100, d=128 bf16;
+    docs/dev/tuning-log.md),
     always keeping ``MIN_TILES_PER_SPLIT`` tiles per split:
 
     * fewer programs than ``per_sm`` waves of SMs (``per_sm = 1``, or 2 for a paged cache;
@@ -159,8 +163,8 @@ def default_num_splits(q: torch.Tensor, nheads_k: int, capacity: int, page_size:
     cache of ``nheads_k`` heads and ``capacity`` key slots per row (read through a block table
     of ``page_size``-slot pages; 0: a contiguous cache)."""
     b, sq, h, d = q.shape
-    return _plan(_on_gpu(q), d, sq, h // nheads_k, q.dtype, b, nheads_k, capacity, num_sms(q.device), 0,
-                 page_size)[-1]
+    return _plan(_on_gpu(q), d, sq, h // nheads_k, q.dtype, b, nheads_k, capacity,
+                 num_sms(q.device), 0, page_size)[-1]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -170,7 +174,8 @@ def _plan(on_gpu: bool, head_dim: int, seqlen_q: int, group: int, dtype: torch.d
     ``(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages, m_blocks, num_splits)``, with
     ``num_splits <= 0`` resolved by :func:`choose_num_splits` (``page_size`` 0: a contiguous
     cache)."""
-    block_m, block_n, block_d, warps, stages = _attn_config(on_gpu, head_dim, seqlen_q * group, dtype)
+    block_m, block_n, block_d, warps, stages = _attn_config(on_gpu, head_dim, seqlen_q * group,
+                                                            dtype)
     m_blocks = _cdiv(seqlen_q * group, block_m)
     if num_splits <= 0:
         num_splits = choose_num_splits(batch * nheads_k * m_blocks, n_sms, _cdiv(capacity, block_n),
@@ -507,7 +512,8 @@ class Plan:
                  "ring", "scratch_bytes")
 
     def __init__(self, allocs, launches, out, lse, device, mode, info, scratch_bytes):
-        self.allocs, self.launches, self.out, self.lse, self.device = allocs, launches, out, lse, device
+        self.allocs, self.launches, self.out, self.lse = allocs, launches, out, lse
+        self.device = device
         self.mode, self.info = mode, info  # the check mode and the record's message facts
         self.scratch_bytes = scratch_bytes
         # launches go to the current device's stream, as the direct launches they replay did
@@ -600,8 +606,9 @@ def record_plan(inputs: tuple, call):
 def _check_runnable(x: torch.Tensor) -> None:
     if not _on_gpu(x) and not interpreting():
         raise RuntimeError(
-            f"the triton decode kernels cannot run on {x.device.type} tensors; set TRITON_INTERPRET=1 "
-            "(before triton kernels are imported) to emulate them, or use FLASHTILE_BACKEND=torch")
+            f"the triton decode kernels cannot run on {x.device.type} tensors; set "
+            "TRITON_INTERPRET=1 (before triton kernels are imported) to emulate them, or use "
+            "FLASHTILE_BACKEND=torch")
 
 
 # The append decides the call's verdict in every one of its programs (no launch of its own)
@@ -704,7 +711,8 @@ def record_decode(inputs: tuple, a, k_cache, v_cache, rotary_cos, rotary_sin, al
                                                     alibi_slopes, rotary_interleaved))
 
 
-def combine(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+def combine(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
+            lse: torch.Tensor) -> None:
     """LSE-combine ``n`` partial results into ``out``/``lse`` (written in place).
 
     ``o_part``: ``(n, B, Sq, H, D)`` (any float dtype, last dim contiguous); ``lse_part``:
@@ -713,7 +721,7 @@ def combine(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse
     NaN.
     """
     _check_runnable(out)
-    if lse_part.stride(-1) != 1 or lse.stride(-1) != 1 or o_part.stride(-1) != 1 or out.stride(-1) != 1:
+    if any(x.stride(-1) != 1 for x in (lse_part, lse, o_part, out)):
         raise ValueError("combine: the last dimension of every tensor must be contiguous")
     _merge(o_part, lse_part, out, lse)
 
@@ -874,7 +882,8 @@ def _launch_all(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
     tree_u8 = None
     stb = stq = 0
     if tree_mask is not None:
-        tree_u8 = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask.to(torch.uint8)
+        tree_u8 = (tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool
+                   else tree_mask.to(torch.uint8))
         if tree_u8.stride(2) != 1:
             tree_u8 = tree_u8.contiguous()
         stb = tree_u8.stride(0) if tree_u8.shape[0] > 1 else 0
