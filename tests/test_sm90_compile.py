@@ -31,7 +31,8 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from flashtile.backends.triton import launch_sm90
-from flashtile.backends.triton.kernels.attn_fwd_sm90 import attn_fwd_sm90_kernel
+from flashtile.backends.triton.kernels.attn_fwd_sm90 import (attn_fwd_sm90_kernel,
+                                                              attn_fwd_split_sm90_kernel)
 from flashtile.backends.triton.kernels.attn_bwd_sm90 import attn_bwd_sm90_kernel
 from flashtile.backends.triton.kernels.attn_bwd_dq_sm90 import attn_bwd_dq_sm90_kernel
 from triton.experimental.gluon import language as gl
@@ -127,6 +128,24 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                          dict(fwd_types, Lists="*fp32", CuQ="*i32", CuK="*i32", Items="*i32"),
                          head_dim,
                          causal, CONSUMERS=n_c)
+        for head_dim in (192, 96) if ty == "bf16" else ():
+            # "p": a head dim of two tile widths (launch_sm90.split_width: 128 + 64, 64 + 32),
+            # two descriptors a tensor, the key tiles of the next width's kernel (with or
+            # without a key mask; "pv": packed sequences)
+            first = launch_sm90.split_width(head_dim)
+            bq = launch_sm90.BLOCK_M // 2
+            bn = launch_sm90.block_n(launch_sm90.padded_width(head_dim))
+            pieces = {f"desc_{n}{s}": desc(ty, rows, cols, dtype, ragged)
+                      for s, cols in (("", first), ("2", head_dim - first))
+                      for n, rows in (("q", bq), ("k", bn), ("v", bn), ("o", bq))}
+            p_types = dict(pieces, Lse="*fp32", qk_scale="fp32", **masks, CuQ="*fp32",
+                           CuK="*fp32", Items="*fp32", Out=f"*{ty}", Lists="*fp32")
+            emit(f"fwdp{r}-{ty}", attn_fwd_split_sm90_kernel, p_types, head_dim, causal,
+                 CONSUMERS=2)
+            if not r:
+                emit(f"fwdpv-{ty}", attn_fwd_split_sm90_kernel,
+                     dict(p_types, CuQ="*i32", CuK="*i32", Items="*i32"), head_dim, causal,
+                     CONSUMERS=2)
         for head_dim in (64, 128, 256):
             # K/V tiles: each consumer's 64 keys, or with RAGGED both consumers' 128; at d = 256
             # the item's 64 keys (both consumers')
@@ -280,6 +299,31 @@ def test_sm90_forward_compiles_for_hopper_with_its_structure(compiled, variant):
     assert all(row["ops"].values()), row["ops"]
     # each consumer (both partitions' code) stores its output tile by TMA
     assert row["tma_stores"] == 2
+    assert row["spill_bytes"] <= SPILL_LIMIT
+
+
+SPLIT_VARIANTS = [f"fwdp{r}-bf16-d{d}-{mode}" for r in ("", "r", "k", "v") for d in (192, 96)
+                  for mode in ("full", "causal")]
+
+
+@pytest.mark.parametrize("variant", SPLIT_VARIANTS)
+def test_sm90_split_forward_compiles_for_hopper_with_its_structure(compiled, variant):
+    """A head dim of two tile widths (``launch_sm90.split_width``: 192 = 128 + 64, 96 = 64 +
+    32) in the split kernel: Q, the K/V rings (the key tiles of the next width's kernel) and
+    each consumer's output tile in two buffers each, within the shared memory; the output
+    stored by two TMA stores a consumer; asynchronous matrix products of both widths, spills
+    within the limit."""
+    from flashtile.backends.triton import launch_sm90
+
+    row = compiled[variant]
+    d = row["head_dim"]
+    assert row["cubin_bytes"] > 0, "ptxas produced no binary"
+    tile_n = launch_sm90.block_n(launch_sm90.padded_width(d))
+    rows = 2 * launch_sm90.BLOCK_M + 2 * launch_sm90.STAGES * tile_n
+    assert rows * d * 2 <= row["shared"] <= SMEM_LIMIT
+    assert row["num_warps"] == 12
+    assert all(row["ops"].values()), row["ops"]
+    assert row["tma_stores"] == 4
     assert row["spill_bytes"] <= SPILL_LIMIT
 
 
@@ -1518,6 +1562,73 @@ def _tma_tile(desc, base: int, row: int, col: int):
     if block[1] == 1:                                       # heads: [rows, 1, width]
         return big[base + row:base + row + rows, col, :width]
     return big[base, row:row + rows, col:col + width]      # ragged: [1, rows, width]
+
+
+def test_split_width_is_two_tiles_widths():
+    """``launch_sm90.split_width``: the first of two power-of-two tile widths (64 or 128, the
+    other smaller and at least 16) that make up the head dim, else 0."""
+    from flashtile.backends.triton import launch_sm90
+
+    got = {d: launch_sm90.split_width(d) for d in range(8, 264, 8)}
+    assert {d: w for d, w in got.items() if w} == {80: 64, 96: 64, 144: 128, 160: 128,
+                                                   192: 128}
+
+
+@pytest.mark.parametrize("seq", [256, 200], ids=["aligned", "ragged"])
+@pytest.mark.parametrize("layout", ["contiguous", "sdpa"])
+@pytest.mark.parametrize("d", [192, 96])
+def test_sm90_split_forward_reads_and_stores_a_heads_columns_in_two_tiles(d, layout, seq,
+                                                                         monkeypatch):
+    """With ``FWD_SPLIT`` a head dim of two tile widths launches the split kernel: each of q, k,
+    v and the output has two descriptors, the first tiling a head's first ``split_width``
+    columns and the second the rest; at the kernel's coordinates (a head's first column, plus
+    the first width for the second tiles) their tiles (emulated as the TMA reads them) are the
+    head's columns, in both layouts, lengths multiples of the tiles or not; the key tiles are
+    the next width's kernel's; without the switch the same call launches the kernel of the
+    next width."""
+    from flashtile.backends.spec import AttnSpec
+    from flashtile.backends.triton import launch_sm90
+
+    calls = _direct_launches(monkeypatch, "fwd_split")
+    monkeypatch.setattr(launch_sm90, "FWD_SPLIT", True)
+    batch, heads, heads_k = 2, 4, 2
+
+    def tensor(h):
+        x = torch.randn(batch, seq, h, d, dtype=torch.float16)
+        return x.transpose(1, 2).contiguous().transpose(1, 2) if layout == "sdpa" else x
+    q, k, v = tensor(heads), tensor(heads_k), tensor(heads_k)
+    spec = AttnSpec(softmax_scale=d ** -0.5, window_right=0)
+    out, _ = launch_sm90.forward(q, k, v, spec)
+    (name, key, a), = calls
+    assert name == "fwd_split"
+    first = launch_sm90.split_width(d)
+    out.copy_(torch.randn(out.shape))  # (what the kernel's stores would leave)
+    pieces = (("", 0, first), ("2", first, d))
+    tile_n = launch_sm90.block_n(launch_sm90.padded_width(d))
+    for role, x, prefix, n_heads in (("q", q, "q", heads), ("k", k, "kv", heads_k),
+                                     ("v", v, "kv", heads_k), ("o", out, None, heads)):
+        for suffix, c0, c1 in pieces:
+            desc = a[f"desc_{role}{suffix}"]
+            assert desc[0] is x and desc[3][-1] == c1 - c0, (role, suffix, desc[3])
+            rows = _tile_rows(desc[3])
+            assert rows == (tile_n if role in "kv" else launch_sm90.BLOCK_M // 2)
+            for b in range(batch):
+                for h in range(n_heads):
+                    if prefix is None:  # the output: contiguous, the kernel's own coordinates
+                        base, col = (b if seq % 128 else b * seq), h * d
+                    else:
+                        base = b * a[f"{prefix}_rb"] + h * a[f"{prefix}_rh"]
+                        col = h * a[f"{prefix}_ch"]
+                    for row in (0, (seq - 1) // rows * rows):  # (the last tile)
+                        got = _tma_tile(desc, base, row, col + c0)
+                        want = torch.zeros(rows, c1 - c0, dtype=x.dtype)
+                        live = x[b, row:row + rows, h, c0:c1]
+                        want[:live.shape[0]] = live
+                        assert torch.equal(got, want), (role, suffix, b, h, row)
+    monkeypatch.setattr(launch_sm90, "FWD_SPLIT", False)
+    launch_sm90.forward(q, k, v, spec)
+    assert calls[-1][0] == "fwd" and calls[-1][2]["desc_q"][3][-1] == launch_sm90.padded_width(d)
+    assert "desc_q2" not in calls[-1][2]
 
 
 @pytest.mark.parametrize("narrow", [False, True], ids=["wide-dkdv", "narrow-dkdv"])

@@ -853,18 +853,22 @@ def _padded_case_inputs(batch, sq, sk, heads, heads_k, d, dtype):
     return q, k, v, do
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["padded", "split"])
 @pytest.mark.parametrize("case", PADDED_CASES, ids=[c[0] for c in PADDED_CASES])
-def test_sm90_forward_pads_head_dims_to_the_next_width(case, monkeypatch):
+def test_sm90_forward_pads_head_dims_to_the_next_width(case, split, monkeypatch):
     """Head dims between 64 and 256 other than those (multiples of 8) run the Hopper forward
     at the next width (``launch_sm90.padded_width``): the descriptors' tiles reach past each
     head's last column, where the TMA reads zeros and stores nothing, heads side by side
     through a view with a dimension for the heads.  The forward's output and lse within
     flash-attn's rule of float64 (out 2x, gradients 3x through the portable backward), every
     layout a model hands in (contiguous, SDPA, slices of a fused QKV projection), lengths
-    multiples of the tiles or not."""
+    multiples of the tiles or not.  With ``FWD_SPLIT`` a head dim of two tile widths
+    (``split_width``: 80, 96, 160, 192 here) takes the split kernel instead, no tile past the
+    head's last column."""
     _, batch, sq, sk, heads, heads_k, d, causal, layout = case
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
     monkeypatch.setattr(launch_sm90, "_fwd_plans", type(launch_sm90._fwd_plans)())
+    monkeypatch.setattr(launch_sm90, "FWD_SPLIT", split)
     # (the portable backward: the views' backward has its own test, views_match)
     monkeypatch.setattr(launch_sm90, "PAD_VIEW_KEYS", 1 << 30)
     dtype = torch.bfloat16
@@ -874,7 +878,9 @@ def test_sm90_forward_pads_head_dims_to_the_next_width(case, monkeypatch):
     with poison_outputs():
         out = flashtile.flash_attn_func(*leaves, causal=causal)
         out.backward(do)
-    assert names and names[0] == "fwd", names   # the Hopper forward, then the portable backward
+    # the Hopper forward, then the portable backward
+    fwd = "fwd_split" if split and launch_sm90.split_width(d) else "fwd"
+    assert names and names[0] == fwd, names
     assert "bwd" not in names and "dq" not in names, names
     ref = _grads(q, k, v, do, causal, torch.float64)
     low = _grads(q, k, v, do, causal, dtype)
@@ -890,13 +896,16 @@ def test_sm90_forward_pads_head_dims_to_the_next_width(case, monkeypatch):
     assert (lse.double() - ref_lse).abs().max().item() <= 1e-3
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["padded", "split"])
 @pytest.mark.parametrize("d", [96, 192])
-def test_sm90_padded_head_dims_keep_heads_apart(d, monkeypatch):
+def test_sm90_padded_head_dims_keep_heads_apart(d, split, monkeypatch):
     """With heads side by side in a row, a tile of the padded width starting at a head's first
     column would read the next head's: with head 1 all NaN, head 0's output is finite and
     within flash-attn's rule of float64, and its stores leave head 1's output alone (NaN from
-    its own inputs, not head 0's values)."""
+    its own inputs, not head 0's values); the split kernel's second tiles likewise
+    (``FWD_SPLIT``)."""
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    monkeypatch.setattr(launch_sm90, "FWD_SPLIT", split)
     batch, sq, heads = 2, 300, 2
     q, k, v = (torch.randn(batch, sq, heads, d, device="cuda", dtype=torch.bfloat16)
                for _ in range(3))
@@ -905,7 +914,7 @@ def test_sm90_padded_head_dims_keep_heads_apart(d, monkeypatch):
     names = _launch_names(monkeypatch)
     with poison_outputs():
         out = flashtile.flash_attn_func(q, k, v, causal=True)
-    assert names == ["fwd"], names
+    assert names == ["fwd_split" if split else "fwd"], names
     ref, _ = _reference(q[:, :, :1], k[:, :, :1], v[:, :, :1], True, torch.float64)
     low, _ = _reference(q[:, :, :1], k[:, :, :1], v[:, :, :1], True, torch.bfloat16)
     base = (low.double() - ref).abs().max().item()

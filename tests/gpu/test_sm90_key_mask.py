@@ -120,13 +120,19 @@ PADDED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES + PADDED_CASES, ids=[c[0] for c in CASES + PADDED_CASES])
+# (case, FWD_SPLIT): the padded head dims through the split kernel as well
+FWD_CASES = [(c, False) for c in CASES + PADDED_CASES] + [(c, True) for c in PADDED_CASES]
+
+
+@pytest.mark.parametrize("case,split", FWD_CASES,
+                         ids=[c[0] + ("-split" if split else "") for c, split in FWD_CASES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_sm90_key_mask_forward_matches_float64_reference(case, dtype, monkeypatch):
+def test_sm90_key_mask_forward_matches_float64_reference(case, split, dtype, monkeypatch):
     """The Hopper forward with a key mask: output within 2x PyTorch's same-dtype error of
     float64, lse within 1e-3, a row that sees no key 0 with lse -inf; the same as the
     portable Triton kernel's within that error (at head dims 96 and 192 too, run at the next
-    width)."""
+    width, or with ``FWD_SPLIT`` by the split kernel)."""
+    monkeypatch.setattr(launch_sm90, "FWD_SPLIT", split)
     q, k, v, do, mask, causal = _inputs(case, dtype)
     d = q.shape[-1]
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)

@@ -497,6 +497,22 @@ def varlen_pad_width(q, k, v, out, do, dq, spec: AttnSpec) -> int:
     return 128
 
 
+# whether the forward of a head dim that is the sum of two tile widths (80, 96, 144, 160, 192:
+# split_width) runs the split kernel (attn_fwd_split_sm90_kernel: no column computed past the
+# head) instead of the kernel of the next width (padded_width); off until it has run on a GPU
+FWD_SPLIT = False
+
+
+def split_width(head_dim: int) -> int:
+    """The first tile's width where ``head_dim`` is two tiles' (a power of two of 64 or 128 and
+    a smaller one of at least 16: 80 = 64 + 16, 96, 144, 160, 192 = 128 + 64), else 0."""
+    for first in (128, 64):
+        rest = head_dim - first
+        if 16 <= rest < first and rest & (rest - 1) == 0:
+            return first
+    return 0
+
+
 def padded_width(head_dim: int) -> int:
     """The Hopper forward's tile width for ``head_dim``: itself at 64, 128 and 256; for another
     multiple of 8 between 64 and 256 (80, 96, 112, 160, 192, ...) the next of those, its
@@ -635,6 +651,9 @@ def _kernel(name: str):
     if name == "fwd":
         from .kernels.attn_fwd_sm90 import attn_fwd_sm90_kernel
         return attn_fwd_sm90_kernel
+    if name == "fwd_split":
+        from .kernels.attn_fwd_sm90 import attn_fwd_split_sm90_kernel
+        return attn_fwd_split_sm90_kernel
     if name == "dq":
         from .kernels.attn_bwd_dq_sm90 import attn_bwd_dq_sm90_kernel
         return attn_bwd_dq_sm90_kernel
@@ -735,15 +754,16 @@ def _window(spec: AttnSpec, sq: int, sk: int) -> dict:
 # tensors (``eligible`` holds for it as it did for the earlier one), skipping the checks and the
 # argument building (docs/dev/tuning-log.md, step 50).
 _fwd_plans = PlanCache()
-_FWD_ROLES = ("desc_q", "desc_k", "desc_v", "desc_o")  # descriptors of q, k, v, out
+# descriptors of q, k, v, out (and a split head dim's second ones: the same tensors)
+_FWD_ROLES = ("desc_q", "desc_k", "desc_v", "desc_o")
 
 
 class _FwdPlan:
     __slots__ = ("compiled", "grid", "values", "lse_at", "mask_at", "packed_at", "descs",
                  "device", "order", "fast")
 
-    def __init__(self, compiled, grid, values, descs, device, order=None):
-        names = _kernel("fwd").arg_names
+    def __init__(self, compiled, grid, values, descs, device, order=None, kernel="fwd"):
+        names = _kernel(kernel).arg_names
         self.compiled, self.grid, self.device = compiled, grid, device
         self.values, self.lse_at = list(values), names.index("Lse")
         # KeyMask, Ranges; Lists (plans are of calls without a block mask: lse stands in)
@@ -752,7 +772,8 @@ class _FwdPlan:
         # kernel stores through desc_o, without)
         self.packed_at = tuple(names.index(n) for n in ("CuQ", "CuK", "Items", "Out"))
         # (position, role, shape, strides, block, layout) of each descriptor
-        self.descs = tuple((names.index(n), r, *descs[n][1:]) for r, n in enumerate(_FWD_ROLES))
+        self.descs = tuple((names.index(n), _FWD_ROLES.index(n.rstrip("2")), *d[1:])
+                           for n, d in descs.items())
         self.fast = _tma_launch(compiled, grid, self.descs)
         # packed sequences: packed_order's arguments past the lengths, else None
         self.order = order
@@ -763,9 +784,9 @@ class _FwdPlan:
 
 def _fwd_key(q, k, v, spec: AttnSpec, key_mask, varlen) -> tuple:
     """The key of a forward's plan: the tensors' signatures, dtype, device, spec, the key mask's
-    view's signature and packed sequences' count and longest lengths."""
+    view's signature, packed sequences' count and longest lengths, and ``FWD_SPLIT``."""
     return (signature(q, k, v), q.dtype, q.device, spec, _mask_key(key_mask),
-            None if varlen is None else (varlen[0].shape[0], varlen[2], varlen[3]))
+            None if varlen is None else (varlen[0].shape[0], varlen[2], varlen[3]), FWD_SPLIT)
 
 
 def _mask_key(key_mask):
@@ -918,9 +939,12 @@ def forward(q, k, v, spec: AttnSpec, key_mask=None, sparse=None, varlen=None):
         out4 = out
         lse_strides = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1))
     nheads_k = k.shape[2]
-    # the tiles' width: a narrower head dim reads as zeros past its last column (padded_width)
+    # the tiles' width: a narrower head dim reads as zeros past its last column (padded_width),
+    # or with FWD_SPLIT two tiles' widths make it up (split_width: the key tiles and consumers
+    # of the next width, which the shared memory of its two tiles allows)
     width = padded_width(head_dim)
     tile_n = block_n(width)
+    split = split_width(head_dim) if FWD_SPLIT else 0
     device = q.device.index or 0
     window = _window(spec, sq, sk)
     masked = window["MASKED"]  # causal masking is the window (-1, 0)
@@ -954,21 +978,30 @@ def forward(q, k, v, spec: AttnSpec, key_mask=None, sparse=None, varlen=None):
                 Out=out, stride_om=0 if varlen is None else out.stride(0))
     if n_c == 1:
         args["maxnreg"] = 128
-    descs = dict(desc_q=_rows(q, BLOCK_M // 2, ragged, "q", args, width),
-                 desc_k=_rows(k, tile_n, ragged, "kv", args, width),
-                 desc_v=_rows(v, tile_n, ragged, "kv", args, width),
-                 desc_o=_rows(out4, BLOCK_M // 2, ragged, cols=width))
+    cols = split or width
+    descs = dict(desc_q=_rows(q, BLOCK_M // 2, ragged, "q", args, cols),
+                 desc_k=_rows(k, tile_n, ragged, "kv", args, cols),
+                 desc_v=_rows(v, tile_n, ragged, "kv", args, cols),
+                 desc_o=_rows(out4, BLOCK_M // 2, ragged, cols=cols))
+    if split:  # the columns from the first tile's width on (the kernel's coordinates + split)
+        rest = head_dim - split
+        descs.update(desc_q2=_rows(q, BLOCK_M // 2, ragged, cols=rest),
+                     desc_k2=_rows(k, tile_n, ragged, cols=rest),
+                     desc_v2=_rows(v, tile_n, ragged, cols=rest),
+                     desc_o2=_rows(out4, BLOCK_M // 2, ragged, cols=rest))
+    name = "fwd_split" if split else "fwd"
     # (the compiled variant depends on the descriptors' ranks: a padded head dim's views)
-    launched = _launch("fwd", device, (q.dtype, head_dim, masked, n_c, ragged,
-                                       sparse is not None, varlen is not None,
-                                       tuple(len(d[3]) for d in descs.values()), keymask),
+    launched = _launch(name, device, (q.dtype, head_dim, masked, n_c, ragged,
+                                      sparse is not None, varlen is not None,
+                                      tuple(len(d[3]) for d in descs.values()), keymask),
                        grid, args, descs)
     if launched is not None and sparse is None:
         # (packed: the 3-D tensors' key, as planned_forward sees them)
         key = (_fwd_key(q, k, v, spec, key_mask, None) if varlen is None else
                _fwd_key(q[0], k[0], v[0], spec, None, varlen))
         _fwd_plans.put(key, _FwdPlan(launched[0], grid, launched[1], descs, device,
-                                     None if varlen is None else (n_m, block_m, tile_n, window)))
+                                     None if varlen is None else (n_m, block_m, tile_n, window),
+                                     name))
     return out, lse
 
 

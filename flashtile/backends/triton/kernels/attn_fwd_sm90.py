@@ -57,8 +57,10 @@ takes each tensor's tile coordinates from its ``*_rb``, ``*_rh``, ``*_ch``), ``D
 {64, 128, 256} (``BLOCK_N`` = 64 keys at 256) - or, without a block mask, a multiple of 8
 between them run at the next of those widths: the descriptors end at the head's last column,
 so the TMA reads zeros past it (zero columns add nothing to q.k and give zero output columns,
-which the output's TMA store does not write; ``_tma_load``) - fp16/bf16, any lengths, no
-optional feature but
+which the output's TMA store does not write; ``_tma_load``), or, where the head dim is two
+tile widths (``launch_sm90.split_width``: 80, 96, 144, 160, 192) and ``launch_sm90.FWD_SPLIT``
+asks for it, by ``attn_fwd_split_sm90_kernel``: every tile in two parts, no column computed
+past the head - fp16/bf16, any lengths, no optional feature but
 a window with ``sk >= sq`` (``MASKED``): query ``i`` sees key ``j`` iff
 ``-wl <= j - (i + sk - sq) <= wr`` (causal masking is ``wl`` = no edge, ``wr = 0``; the launcher
 passes an edge no key reaches for a side without one).  A block walks only the key tiles its
@@ -101,6 +103,19 @@ def _heads_view(shape):
     """Whether a descriptor's tile ``shape`` is one head's of heads side by side
     (``[rows, 1, D]`` or ``[1, rows, 1, D]``: a padded head dim, ``_tma_load``)."""
     return len(shape) == 4 or (len(shape) == 3 and shape[1] == 1)
+
+
+@gluon.constexpr_function
+def _width(d1, d2):
+    """The head dim of tiles ``d1`` wide and, split into two (``attn_fwd_split_sm90_kernel``),
+    ``d2``; ``d2 == d1``: not split (the second descriptors and buffers are the first ones)."""
+    return d1 + d2 if d2 != d1 else d1
+
+
+@gluon.constexpr_function
+def _split_sum(a, b, split):
+    """``a + b`` for a split head dim (its two tiles' bytes; its two P·V groups), else ``a``."""
+    return a + b if split else a
 
 
 @gluon.jit
@@ -369,10 +384,18 @@ def _store_rows(Out, b_out, row0, n_rows, stride_om, col0, n_cols, VARLEN: gl.co
 def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k, bar_v,
                  bar_kfree, bar_vfree, sq, sk, nheads, group, q_rb, q_rh, q_ch, kv_rb, kv_rh,
                  kv_ch, n_m, n_work, lpt, wl, wr, masked, Ranges, KeyMask, stride_mb, Lists,
-                 stride_xb, stride_xh, stride_xr, tpb, ipr, CuQ, CuK, Items, batch):
+                 stride_xb, stride_xh, stride_xr, tpb, ipr, CuQ, CuK, Items, batch, desc_q2,
+                 desc_k2, desc_v2, q2_smem, k2_smem, v2_smem):
     NC: gl.constexpr = q_smem.shape[0]   # consumer warpgroups
     BLOCK_MQ: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
+    # a split head dim: each tile's columns from HEAD_DIM on come through the second
+    # descriptors into the second buffers, under the same barrier
+    SPLIT: gl.constexpr = q2_smem.shape[2] != HEAD_DIM
+    Q_BYTES: gl.constexpr = _split_sum(desc_q.block_type.nbytes, desc_q2.block_type.nbytes,
+                                       SPLIT)
+    KV_BYTES: gl.constexpr = _split_sum(desc_k.block_type.nbytes, desc_k2.block_type.nbytes,
+                                        SPLIT)
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     RAGGED: gl.constexpr = _ragged_view(desc_k.block_type.shape)
@@ -423,15 +446,21 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
             # K_0 first, then Q: both are needed by the item's first Q·Kᵀ
             i_k = it % STAGES
             mbarrier.wait(bar_kfree.index(i_k), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
-            mbarrier.expect(bar_k.index(i_k), desc_k.block_type.nbytes)
-            _tma_load(desc_k, base_k, _tile_at(0, lo, hi, rot, p_cols, tpb, TAIL, SPARSE)
-                      * BLOCK_N, col_k, bar_k.index(i_k), k_smem.index(i_k))
+            mbarrier.expect(bar_k.index(i_k), KV_BYTES)
+            row = _tile_at(0, lo, hi, rot, p_cols, tpb, TAIL, SPARSE) * BLOCK_N
+            _tma_load(desc_k, base_k, row, col_k, bar_k.index(i_k), k_smem.index(i_k))
+            if SPLIT:
+                _tma_load(desc_k2, base_k, row, col_k + HEAD_DIM, bar_k.index(i_k),
+                          k2_smem.index(i_k))
             for i in gl.static_range(NC):
                 # consumer i's Q buffer is free once its last Q·Kᵀ of the previous item completed
                 mbarrier.wait(bar_qfree.index(i), (c & 1) ^ 1, pred=c > 0)
-                mbarrier.expect(bar_q.index(i), desc_q.block_type.nbytes)
+                mbarrier.expect(bar_q.index(i), Q_BYTES)
                 _tma_load(desc_q, base_q, i_m * NC * BLOCK_MQ + i * BLOCK_MQ, i_h * q_ch,
                           bar_q.index(i), q_smem.index(i))
+                if SPLIT:
+                    _tma_load(desc_q2, base_q, i_m * NC * BLOCK_MQ + i * BLOCK_MQ,
+                              i_h * q_ch + HEAD_DIM, bar_q.index(i), q2_smem.index(i))
             # K runs one tile ahead of V: a consumer's step issues Q·K_{t+1}ᵀ with P_t·V_t
             for t in range(n_tiles):
                 if t + 1 < n_tiles:
@@ -440,17 +469,22 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
                     # K stage i_k is free once both consumers' Q·K_{u-STAGES}ᵀ completed
                     mbarrier.wait(bar_kfree.index(i_k), ((u // STAGES) & 1) ^ 1,
                                   pred=u >= STAGES)
-                    mbarrier.expect(bar_k.index(i_k), desc_k.block_type.nbytes)
-                    _tma_load(desc_k, base_k,
-                              _tile_at(t + 1, lo, hi, rot, p_cols, tpb, TAIL, SPARSE) * BLOCK_N,
-                              col_k, bar_k.index(i_k), k_smem.index(i_k))
+                    mbarrier.expect(bar_k.index(i_k), KV_BYTES)
+                    row = _tile_at(t + 1, lo, hi, rot, p_cols, tpb, TAIL, SPARSE) * BLOCK_N
+                    _tma_load(desc_k, base_k, row, col_k, bar_k.index(i_k), k_smem.index(i_k))
+                    if SPLIT:
+                        _tma_load(desc_k2, base_k, row, col_k + HEAD_DIM, bar_k.index(i_k),
+                                  k2_smem.index(i_k))
                 u = it + t
                 i_v = u % STAGES
                 # V stage i_v is free once both consumers' P_{u-STAGES}·V_{u-STAGES} completed
                 mbarrier.wait(bar_vfree.index(i_v), ((u // STAGES) & 1) ^ 1, pred=u >= STAGES)
-                mbarrier.expect(bar_v.index(i_v), desc_v.block_type.nbytes)
-                _tma_load(desc_v, base_k, _tile_at(t, lo, hi, rot, p_cols, tpb, TAIL, SPARSE)
-                          * BLOCK_N, col_k, bar_v.index(i_v), v_smem.index(i_v))
+                mbarrier.expect(bar_v.index(i_v), KV_BYTES)
+                row = _tile_at(t, lo, hi, rot, p_cols, tpb, TAIL, SPARSE) * BLOCK_N
+                _tma_load(desc_v, base_k, row, col_k, bar_v.index(i_v), v_smem.index(i_v))
+                if SPLIT:
+                    _tma_load(desc_v2, base_k, row, col_k + HEAD_DIM, bar_v.index(i_v),
+                              v2_smem.index(i_v))
             it += n_tiles
             c += 1
 
@@ -460,7 +494,8 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
                  bar_kfree, bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk,
                  nheads, n_m, n_work, lpt, qk_scale, wl, wr, masked, Ranges, KeyMask, stride_mb,
                  Lists, stride_xb, stride_xh, stride_xr, tpb, ipr, CuQ, CuK, Items, batch, Out,
-                 stride_om, TURNS: gl.constexpr, U32: gl.constexpr):
+                 stride_om, q2_smem, k2_smem, v2_smem, o2_smem, desc_o2, TURNS: gl.constexpr,
+                 U32: gl.constexpr):
     # the values of a tuple bound to a name reach a partition as run-time values: the tile
     # shapes come from the buffers, RAGGED (_tma_load) from the output's descriptor, and the
     # constexprs TURNS and U32 beside the tuple (_ws_consumer0)
@@ -476,13 +511,23 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    # a split head dim (attn_fwd_split_sm90_kernel): columns from HEAD_DIM on in the second
+    # buffers, Q·Kᵀ two products into one S, P·V two into two accumulators
+    D2: gl.constexpr = q2_smem.shape[2]
+    SPLIT: gl.constexpr = D2 != HEAD_DIM
+    WIDTH: gl.constexpr = _width(HEAD_DIM, D2)  # the head dim
+    PV_GROUPS: gl.constexpr = _split_sum(1, 1, SPLIT)  # commit groups of a tile's P·V
+    o2_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D2, 16])
+    p2_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o2_layout, k_width=2)
+    row_o2: gl.constexpr = gl.SliceLayout(1, o2_layout)
     O_TILES: gl.constexpr = o_smem.shape[0]  # one per consumer, or one shared (d = 256)
     NC: gl.constexpr = q_smem.shape[0]       # consumer warpgroups, taking turns in order
     RAGGED: gl.constexpr = _ragged_view(desc_o.block_type.shape)
     # the output's column coordinate of head i_h: its first column, or with heads side by side
     # in a view of one head's columns (a padded head dim, _tma_load) its index
     PADDED: gl.constexpr = _heads_view(desc_o.block_type.shape)
-    O_CH: gl.constexpr = 1 if PADDED else HEAD_DIM
+    O_CH: gl.constexpr = 1 if PADDED else WIDTH
     KEYMASK: gl.constexpr = Ranges.dtype.element_ty == gl.int32  # (the producer's)
     SPARSE: gl.constexpr = Lists.dtype.element_ty == gl.int32
     VARLEN: gl.constexpr = CuQ.dtype.element_ty == gl.int32  # (the producer's)
@@ -492,6 +537,7 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
     n_ctas = gl.num_programs(0)
     shift = sk - sq
     q_tile = q_smem.index(i_wg)
+    q2_tile = q2_smem.index(i_wg)
     bar_mine = bar_turn.index(i_wg)
     bar_other = bar_turn.index((i_wg + 1) % NC)
     o_r = gl.arange(0, BLOCK_MQ, layout=row_s)
@@ -547,6 +593,8 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
             m_i = gl.full([BLOCK_MQ], float("-inf"), gl.float32, layout=row_s)
             l_i = gl.zeros([BLOCK_MQ], gl.float32, layout=row_s)
             b_acc = gl.zeros([BLOCK_MQ, HEAD_DIM], gl.float32, layout=o_layout)  # [64, D]
+            if SPLIT:
+                b_acc2 = gl.zeros([BLOCK_MQ, D2], gl.float32, layout=o2_layout)  # [64, D2]
             b_s = gl.zeros([BLOCK_MQ, BLOCK_N], gl.float32, layout=s_layout)     # [64, BLOCK_N]
 
             mbarrier.wait(bar_q.index(i_wg), c & 1)
@@ -557,6 +605,9 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
                 mbarrier.wait(bar_mine, ts & 1)
             b_s = warpgroup_mma(q_tile, k_smem.index(i_s).permute((1, 0)), b_s, use_acc=False,
                                 is_async=True)
+            if SPLIT:
+                b_s = warpgroup_mma(q2_tile, k2_smem.index(i_s).permute((1, 0)), b_s,
+                                    is_async=True)
             if TURNS:
                 mbarrier.arrive(bar_other)
             b_s = warpgroup_mma_wait(num_outstanding=0, deps=(b_s,))
@@ -581,15 +632,22 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
                 mbarrier.wait(bar_k.index(i_nx), ((it + j + 1) // STAGES) & 1)
                 mbarrier.wait(bar_v.index(i_st), ((it + j) // STAGES) & 1)
                 b_pv = gl.convert_layout(b_p.to(dtype), p_layout)            # [64, BLOCK_N]
+                if SPLIT:
+                    b_pv2 = gl.convert_layout(b_p.to(dtype), p2_layout)      # [64, BLOCK_N]
                 # a turn for Q·K_{j+1}ᵀ and P_j·V_j
                 if TURNS:
                     mbarrier.wait(bar_mine, (ts + j + 1) & 1)
                 b_s = warpgroup_mma(q_tile, k_smem.index(i_nx).permute((1, 0)), b_s,
                                     use_acc=False, is_async=True)
+                if SPLIT:
+                    b_s = warpgroup_mma(q2_tile, k2_smem.index(i_nx).permute((1, 0)), b_s,
+                                        is_async=True)
                 b_acc = warpgroup_mma(b_pv, v_smem.index(i_st), b_acc, is_async=True)
+                if SPLIT:
+                    b_acc2 = warpgroup_mma(b_pv2, v2_smem.index(i_st), b_acc2, is_async=True)
                 if TURNS:
                     mbarrier.arrive(bar_other)
-                b_s = warpgroup_mma_wait(num_outstanding=1, deps=(b_s,))
+                b_s = warpgroup_mma_wait(num_outstanding=PV_GROUPS, deps=(b_s,))
                 # Q·K_{j+1}ᵀ done (groups complete in order): its K stage goes back
                 mbarrier.arrive(bar_kfree.index(i_nx))
                 # the item's last Q·Kᵀ: Q's buffer goes back (a predicate, not a branch, keeps
@@ -603,18 +661,31 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
                                                          qk_scale, shift_i, wl_i, wr_i, sk_i, True,
                                                          (t >= n_full) | (t * BLOCK_N < lo_key),
                                                          False, km, k_range, KEYMASK, U32)
-                b_acc, b_pv = warpgroup_mma_wait(num_outstanding=0, deps=(b_acc, b_pv))
+                if SPLIT:
+                    b_acc, b_pv, b_acc2, b_pv2 = warpgroup_mma_wait(
+                        num_outstanding=0, deps=(b_acc, b_pv, b_acc2, b_pv2))
+                    b_acc2 = b_acc2 * gl.convert_layout(b_alpha, row_o2)[:, None]
+                else:
+                    b_acc, b_pv = warpgroup_mma_wait(num_outstanding=0, deps=(b_acc, b_pv))
                 mbarrier.arrive(bar_vfree.index(i_st))
                 b_acc = b_acc * gl.convert_layout(b_alpha, row_o)[:, None]
             i_st = (it + n_tiles - 1) % STAGES
             mbarrier.wait(bar_v.index(i_st), ((it + n_tiles - 1) // STAGES) & 1)
             b_pv = gl.convert_layout(b_p.to(dtype), p_layout)
+            if SPLIT:
+                b_pv2 = gl.convert_layout(b_p.to(dtype), p2_layout)
             if TURNS:
                 mbarrier.wait(bar_mine, (ts + n_tiles) & 1)
             b_acc = warpgroup_mma(b_pv, v_smem.index(i_st), b_acc, is_async=True)
+            if SPLIT:
+                b_acc2 = warpgroup_mma(b_pv2, v2_smem.index(i_st), b_acc2, is_async=True)
             if TURNS:
                 mbarrier.arrive(bar_other)
-            b_acc, b_pv = warpgroup_mma_wait(num_outstanding=0, deps=(b_acc, b_pv))
+            if SPLIT:
+                b_acc, b_pv, b_acc2, b_pv2 = warpgroup_mma_wait(
+                    num_outstanding=0, deps=(b_acc, b_pv, b_acc2, b_pv2))
+            else:
+                b_acc, b_pv = warpgroup_mma_wait(num_outstanding=0, deps=(b_acc, b_pv))
             mbarrier.arrive(bar_vfree.index(i_st))
             it += n_tiles
             ts += n_tiles + 1
@@ -624,6 +695,8 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
             if KEYMASK or SPARSE or VARLEN:  # a row that sees no key outputs 0 (lse -inf)
                 b_l = gl.where(l_i == 0.0, 1.0, l_i)
             b_out = b_acc / gl.convert_layout(b_l, row_o)[:, None]            # [64, HEAD_DIM]
+            if SPLIT:
+                b_out2 = b_acc2 / gl.convert_layout(b_l, row_o2)[:, None]     # [64, D2]
             # through shared memory and one TMA store that the consumer does not wait for (the
             # other consumer's next turn waits on this one's next Q·Kᵀ)
             # three consumers: the last block of a sequence may end before this one's rows,
@@ -641,7 +714,7 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
                 o_base = q0
             # the output's columns a head: the tile's, or with a padded head dim the head's own
             # (packed outputs are contiguous (total, H, head dim): stride_om = H * head dim)
-            o_cols = HEAD_DIM
+            o_cols = WIDTH
             if VARLEN and PADDED:
                 o_cols = stride_om // nheads
             if O_TILES == NC:  # a tile of its own
@@ -650,14 +723,25 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
                         o_tile = o_smem.index(i_wg)
                         tma.store_wait(pendings=0)  # the previous item's store has read it
                         o_tile.store(b_out.to(dtype))
+                        if SPLIT:
+                            o2_tile = o2_smem.index(i_wg)
+                            o2_tile.store(b_out2.to(dtype))
                         fence_async_shared()
                         _tma_store(desc_o, o_base, mq0, i_h * O_CH, o_tile)
+                        if SPLIT:
+                            _tma_store(desc_o2, o_base, mq0, i_h * O_CH + HEAD_DIM, o2_tile)
                     else:
                         _store_rows(Out, b_out.to(dtype), q0 + mq0, sq_i - mq0, stride_om,
                                     i_h * o_cols, o_cols, VARLEN, PADDED)
+                        if SPLIT:
+                            _store_rows(Out, b_out2.to(dtype), q0 + mq0, sq_i - mq0,
+                                        stride_om, i_h * o_cols + HEAD_DIM, o_cols, VARLEN,
+                                        PADDED)
             else:
                 # one tile for both consumers, consumer 0 first in every item: wait for the
                 # other's store to have read it, and hand it over once this one's has
+                # (a split head dim's tiles are 128 wide at most: never here)
+                gl.static_assert(not SPLIT)
                 o_tile = o_smem.index(0)
                 mbarrier.wait(bar_o.index(i_wg), ((c - 1) & 1) ^ (1 - i_wg), pred=c > 1 - i_wg)
                 if _whole(mq0, BLOCK_MQ, sq_i, VARLEN):
@@ -720,9 +804,48 @@ def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, desc_o, Lse, stride_lb, stride_
     sequences, lse ``(H, total)``; a sequence's last row tile is stored from registers into
     ``Out`` (rows ``stride_om`` apart) with its rows masked; ``Items`` the order of the work
     items (``_packed_item``); without them the lse pointer."""
+    _attn_fwd(desc_q, desc_k, desc_v, desc_o, desc_q, desc_k, desc_v, desc_o, Lse, stride_lb,
+              stride_lh, batch, sq, sk, nheads, group, q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch,
+              qk_scale, lpt, wl, wr, Ranges, KeyMask, stride_mb, Lists, stride_xb, stride_xh,
+              stride_xr, tpb, ipr, CuQ, CuK, Items, Out, stride_om, MASKED, CONSUMERS, STAGES)
+
+
+@gluon.jit
+def attn_fwd_split_sm90_kernel(desc_q, desc_k, desc_v, desc_o, desc_q2, desc_k2, desc_v2,
+                               desc_o2, Lse, stride_lb, stride_lh, batch, sq, sk, nheads, group,
+                               q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, qk_scale, lpt, wl, wr,
+                               Ranges, KeyMask, stride_mb, Lists, stride_xb, stride_xh,
+                               stride_xr, tpb, ipr, CuQ, CuK, Items, Out, stride_om,
+                               MASKED: gl.constexpr, CONSUMERS: gl.constexpr,
+                               STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """``attn_fwd_sm90_kernel`` at a head dim that is the sum of two tile widths (192 = 128 +
+    64, 160 = 128 + 32, 96 = 64 + 32, 80 = 64 + 16): ``desc_q``, ``desc_k``, ``desc_v`` and
+    ``desc_o`` tile the head's first ``D1`` columns, ``desc_q2`` ... ``desc_o2`` the rest,
+    ``D2`` (tiles are powers of two wide: a 192-wide one is refused), in buffers of their
+    own: every tile's two loads arrive on one barrier, Q·Kᵀ is two products into one S and
+    P·V two into two accumulators; no column computed past the head (a tile width padded to
+    the next power of two computes a third more at d = 192 and 96)."""
+    _attn_fwd(desc_q, desc_k, desc_v, desc_o, desc_q2, desc_k2, desc_v2, desc_o2, Lse,
+              stride_lb, stride_lh, batch, sq, sk, nheads, group, q_rb, q_rh, q_ch, kv_rb, kv_rh,
+              kv_ch, qk_scale, lpt, wl, wr, Ranges, KeyMask, stride_mb, Lists, stride_xb,
+              stride_xh, stride_xr, tpb, ipr, CuQ, CuK, Items, Out, stride_om, MASKED,
+              CONSUMERS, STAGES)
+
+
+@gluon.jit
+def _attn_fwd(desc_q, desc_k, desc_v, desc_o, desc_q2, desc_k2, desc_v2, desc_o2, Lse,
+              stride_lb, stride_lh, batch, sq, sk, nheads, group, q_rb, q_rh, q_ch, kv_rb, kv_rh,
+              kv_ch, qk_scale, lpt, wl, wr, Ranges, KeyMask, stride_mb, Lists, stride_xb,
+              stride_xh, stride_xr, tpb, ipr, CuQ, CuK, Items, Out, stride_om,
+              MASKED: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr):
+    """The kernels' body: the second descriptors are the first ones again but for a split
+    head dim (``attn_fwd_split_sm90_kernel``)."""
     BLOCK_MQ: gl.constexpr = _tile_rows(desc_q.block_type.shape)   # rows of one consumer (64)
     # the tiles' width: the head dim, or the next of 64 / 128 / 256 above a narrower one
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[-1]
+    D2: gl.constexpr = desc_q2.block_type.shape[-1]  # (HEAD_DIM: not split)
+    SPLIT: gl.constexpr = D2 != HEAD_DIM
+    WIDTH: gl.constexpr = _width(HEAD_DIM, D2)
     BLOCK_N: gl.constexpr = _tile_rows(desc_k.block_type.shape)
     dtype: gl.constexpr = desc_q.dtype
     # the tiles' shared-memory layouts (a 3-D descriptor's is the 3-D one of the same tile)
@@ -740,6 +863,18 @@ def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, desc_o, Lse, stride_lb, stride_
     # the consumers' output tiles, stored by TMA; at d = 256 two would not fit beside the rings
     O_TILES: gl.constexpr = CONSUMERS if HEAD_DIM <= 128 else 1  # (one consumer: its own)
     o_smem = gl.allocate_shared_memory(dtype, [O_TILES, BLOCK_MQ, HEAD_DIM], q_layout)
+    if SPLIT:  # the columns from HEAD_DIM on
+        q2_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_MQ, D2], dtype)
+        kv2_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D2], dtype)
+        q2_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_MQ, D2], q2_layout)
+        k2_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D2], kv2_layout)
+        v2_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D2], kv2_layout)
+        o2_smem = gl.allocate_shared_memory(dtype, [O_TILES, BLOCK_MQ, D2], q2_layout)
+    else:
+        q2_smem = q_smem
+        k2_smem = k_smem
+        v2_smem = v_smem
+        o2_smem = o_smem
     bar_q = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     bar_qfree = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     bar_k = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -764,22 +899,24 @@ def attn_fwd_sm90_kernel(desc_q, desc_k, desc_v, desc_o, Lse, stride_lb, stride_
     # each consumer issuing freely (docs/dev/tuning-log.md, step 68); calls with a key mask
     # keep them (at d = 128 ptxas spills 144 bytes without)
     KEYMASK: gl.constexpr = Ranges.dtype.element_ty == gl.int32
-    TURNS: gl.constexpr = KEYMASK or not ((HEAD_DIM == 64 and MASKED)
-                                          or (HEAD_DIM == 128 and not MASKED))
+    TURNS: gl.constexpr = KEYMASK or not ((WIDTH == 64 and MASKED)
+                                          or (WIDTH == 128 and not MASKED))
     # the window test in 3 instructions a score, not 5, where masking is on (step 70: causal
     # N = 1K 8% faster at d = 128, 5% at d = 64); with a key mask or at d = 256, ptxas spills
     # more with it
-    U32: gl.constexpr = MASKED and not KEYMASK and HEAD_DIM <= 128
+    U32: gl.constexpr = MASKED and not KEYMASK and WIDTH <= 128
     mbarrier.arrive(bar_turn.index(0))
 
     consumer_args = (q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
                      bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
                      n_m, n_work, lpt, qk_scale, wl, wr, MASKED, Ranges, KeyMask, stride_mb, Lists,
-                     stride_xb, stride_xh, stride_xr, tpb, ipr, CuQ, CuK, Items, batch, Out, stride_om)
+                     stride_xb, stride_xh, stride_xr, tpb, ipr, CuQ, CuK, Items, batch, Out,
+                     stride_om, q2_smem, k2_smem, v2_smem, o2_smem, desc_o2)
     producer_args = (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k,
                      bar_v, bar_kfree, bar_vfree, sq, sk, nheads, group, q_rb, q_rh, q_ch, kv_rb,
                      kv_rh, kv_ch, n_m, n_work, lpt, wl, wr, MASKED, Ranges, KeyMask, stride_mb,
-                     Lists, stride_xb, stride_xh, stride_xr, tpb, ipr, CuQ, CuK, Items, batch)
+                     Lists, stride_xb, stride_xh, stride_xr, tpb, ipr, CuQ, CuK, Items, batch,
+                     desc_q2, desc_k2, desc_v2, q2_smem, k2_smem, v2_smem)
     if CONSUMERS == 3:
         # FlashAttention-3's split at d = 64: three consumers at 160 registers a thread
         gl.warp_specialize([(_ws_consumer0, (consumer_args, TURNS, U32)),
