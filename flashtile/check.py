@@ -167,14 +167,18 @@ def run_case(c: Case, device) -> dict:
     if learn:
         leaves.append(mask.detach().clone().requires_grad_())
     rng_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
-    out = ours(*leaves)
-    keep = seen.get("keep")
-    if c.dropout and keep is None:
-        # the call drew its seed from the default generator: draw it again from the same state
+
+    def rewind_rng():  # (the default generator back where the call drew its dropout seed)
         if device.type == "cuda":
             torch.cuda.set_rng_state(rng_state, device)
         else:
             torch.set_rng_state(rng_state)
+
+    out = ours(*leaves)
+    keep = seen.get("keep")
+    if c.dropout and keep is None:
+        # the call drew its seed from the default generator: draw it again from the same state
+        rewind_rng()
         keep = keep_mask(int(draw_seed(device)[0]), c.dropout, c.batch, c.nheads, c.sq, c.sk,
                          device=device)
     grads = torch.autograd.grad(out, leaves, do)
@@ -187,10 +191,7 @@ def run_case(c: Case, device) -> dict:
         pair = []
         with mock.patch.dict(os.environ, {"FLASHTILE_SM90": "0"}):
             for contiguous in (False, True):
-                if device.type == "cuda":
-                    torch.cuda.set_rng_state(rng_state, device)
-                else:
-                    torch.set_rng_state(rng_state)
+                rewind_rng()
                 leaves_p = [x.detach().clone().requires_grad_() for x in (q, k, v)]
                 out_p = ours(*leaves_p, contiguous=contiguous)
                 pair.append([out_p, *torch.autograd.grad(out_p, leaves_p, do)])
