@@ -582,6 +582,12 @@ def _launch_names(monkeypatch) -> list:
     return names
 
 
+def _fwd_name(d: int) -> str:
+    """The name of the Hopper forward kernel a head dim ``d`` launches: the split kernel for
+    two tile widths (``FWD_SPLIT``), else the kernel of ``d``'s width."""
+    return "fwd_split" if launch_sm90.FWD_SPLIT and launch_sm90.split_width(d) else "fwd"
+
+
 def _in_layout(x, layout):
     """``x`` (B, S, H, D) as the same values in another memory layout a caller may hand in."""
     if layout == "contiguous":
@@ -879,8 +885,7 @@ def test_sm90_forward_pads_head_dims_to_the_next_width(case, split, monkeypatch)
         out = flashtile.flash_attn_func(*leaves, causal=causal)
         out.backward(do)
     # the Hopper forward, then the portable backward
-    fwd = "fwd_split" if split and launch_sm90.split_width(d) else "fwd"
-    assert names and names[0] == fwd, names
+    assert names and names[0] == _fwd_name(d), names
     assert "bwd" not in names and "dq" not in names, names
     ref = _grads(q, k, v, do, causal, torch.float64)
     low = _grads(q, k, v, do, causal, dtype)
@@ -940,7 +945,8 @@ def test_sm90_padded_head_dims_backward_over_long_keys_on_hopper(d, causal, monk
     with poison_outputs():
         out = flashtile.flash_attn_func(*leaves, causal=causal)
         out.backward(do)
-    assert names[0] == "fwd" and len(names) > 1 and set(names[1:]) <= {"bwd", "dq"}, names
+    assert names[0] == _fwd_name(d), names
+    assert len(names) > 1 and set(names[1:]) <= {"bwd", "dq"}, names
     _assert_grads_within_rule(leaves, q, k, v, do, causal)
 
 
@@ -991,7 +997,7 @@ def test_sm90_padded_backward_views_match_float64_reference(case, narrow, monkey
     with poison_outputs():
         out = flashtile.flash_attn_func(*leaves, causal=causal)
         out.backward(do)
-    want = ["fwd", "bwd"] if d <= 128 else ["fwd", "dq", "bwd"]
+    want = [_fwd_name(d)] + (["bwd"] if d <= 128 else ["dq", "bwd"])
     assert names == want and widths == [d], (names, widths)
     _assert_grads_within_rule(leaves, q, k, v, do, causal)
 
