@@ -34,7 +34,8 @@ from flashtile.backends.triton import launch_sm90
 from flashtile.backends.triton.kernels.attn_fwd_sm90 import (attn_fwd_sm90_kernel,
                                                               attn_fwd_split_sm90_kernel)
 from flashtile.backends.triton.kernels.attn_bwd_sm90 import attn_bwd_sm90_kernel
-from flashtile.backends.triton.kernels.attn_bwd_dq_sm90 import attn_bwd_dq_sm90_kernel
+from flashtile.backends.triton.kernels.attn_bwd_dq_sm90 import (attn_bwd_dq_sm90_kernel,
+                                                                attn_bwd_dq_split_sm90_kernel)
 from triton.experimental.gluon import language as gl
 
 
@@ -146,6 +147,18 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                 emit(f"fwdpv-{ty}", attn_fwd_split_sm90_kernel,
                      dict(p_types, CuQ="*i32", CuK="*i32", Items="*i32"), head_dim, causal,
                      CONSUMERS=2)
+            if head_dim == 192 and not keymask:
+                # "dqp": the split dQ kernel (launch_sm90.DQ_SPLIT: 128 + 64, two descriptors
+                # of q, dO, k, v and dq each)
+                rows, dq_n = launch_sm90.DQ_ROWS, launch_sm90.DQ_SPLIT_BLOCK_N
+                flat = f"tensordesc<fp32[{rows}],{launch_sm90._flat_layout()!r}>"
+                pieces = {f"desc_{n}{s}": desc(ty, nr, cols, dtype, ragged)
+                          for s, cols in (("", 128), ("2", head_dim - 128))
+                          for n, nr in (("q", rows), ("do", rows), ("k", dq_n), ("v", dq_n),
+                                        ("dq", rows))}
+                emit(f"dqp{r}-{ty}", attn_bwd_dq_split_sm90_kernel,
+                     dict(pieces, desc_lse=flat, desc_delta=flat, scale="fp32",
+                          qk_scale="fp32"), head_dim, causal, WINDOW=False, RAGGED=ragged)
         for head_dim in (64, 128, 256):
             # K/V tiles: each consumer's 64 keys, or with RAGGED both consumers' 128; at d = 256
             # the item's 64 keys (both consumers')
@@ -438,6 +451,28 @@ def test_sm90_dq_kernel_compiles_for_hopper_with_its_structure(compiled, variant
     assert row["tma_stores"] == 2
     assert row["tma_reductions"] == 0 and row["atomics"] == 0
     assert row["spill_bytes"] <= (64 if variant.startswith("dqh") else 32), row["spill_bytes"]
+
+
+SPLIT_DQ_VARIANTS = [f"dqp{r}-bf16-d192-{mode}" for r in ("", "r") for mode in ("full", "causal")]
+
+
+@pytest.mark.parametrize("variant", SPLIT_DQ_VARIANTS)
+def test_sm90_split_dq_kernel_compiles_for_hopper_with_its_structure(compiled, variant):
+    """The split dQ kernel at d = 192 (128 + 64): Q and dO of 128 rows and a 2-stage ring of
+    ``DQ_SPLIT_BLOCK_N``-key K/V tiles, each in two buffers, within the shared memory; dQ
+    stored by two TMA stores a consumer; no reduction and no atomic; spills within 32 bytes
+    (0-20)."""
+    from flashtile.backends.triton import launch_sm90
+
+    row = compiled[variant]
+    assert row["cubin_bytes"] > 0, "ptxas produced no binary"
+    rows = 2 * 2 * launch_sm90.DQ_ROWS + 2 * launch_sm90.STAGES * launch_sm90.DQ_SPLIT_BLOCK_N
+    assert rows * row["head_dim"] * 2 <= row["shared"] <= SMEM_LIMIT
+    assert row["num_warps"] == 12
+    assert all(row["ops"].values()), row["ops"]
+    assert row["tma_stores"] == 4
+    assert row["tma_reductions"] == 0 and row["atomics"] == 0
+    assert row["spill_bytes"] <= 32, row["spill_bytes"]
 
 
 @pytest.mark.parametrize("sq, sk, window, head_dim, expected", [
@@ -1441,11 +1476,13 @@ def test_sm90_forward_takes_padded_head_dims_only_where_asked(monkeypatch):
     mask, and packed sequences') takes d = 96 at width 128; without it (block masks, and every
     backward) d = 96 stays on the portable kernels; the launch's key tells the descriptors'
     ranks apart (the SDPA layout's 2-D views, heads side by side through 3-D ones), so one
-    compiled variant never serves the other's descriptors."""
+    compiled variant never serves the other's descriptors (the kernel of the next width:
+    ``FWD_SPLIT`` off; the split kernel reads both layouts through 2-D views)."""
     from flashtile.backends.spec import AttnSpec
     from flashtile.backends.triton import launch_sm90
 
     monkeypatch.setattr(launch_sm90, "_dense", lambda *tensors: True)
+    monkeypatch.setattr(launch_sm90, "FWD_SPLIT", False)
     keys = []
     monkeypatch.setattr(launch_sm90, "_launch", lambda name, device, key, grid, args, descs:
                         keys.append((key, {n: d[3] for n, d in descs.items()})))
@@ -1631,6 +1668,58 @@ def test_sm90_split_forward_reads_and_stores_a_heads_columns_in_two_tiles(d, lay
     assert "desc_q2" not in calls[-1][2]
 
 
+@pytest.mark.parametrize("seq", [256, 200], ids=["aligned", "ragged"])
+@pytest.mark.parametrize("layout", ["contiguous", "sdpa"])
+@pytest.mark.parametrize("d", [192, 160])
+def test_sm90_split_dq_reads_and_stores_a_heads_columns_in_two_tiles(d, layout, seq,
+                                                                    monkeypatch):
+    """With ``DQ_SPLIT`` the dQ pass of a padded head dim of 128 and a smaller tile's width
+    launches the split dQ kernel: q, dO, k, v and dq have two descriptors each, the first
+    tiling a head's first 128 columns and the second the rest; at the kernel's coordinates (a
+    head's first column, plus 128 for the second tiles) their tiles (emulated as the TMA
+    reads them) are the head's columns, in both layouts, lengths multiples of the tiles or
+    not; K/V tiles of ``DQ_SPLIT_BLOCK_N`` keys; without the switch the kernel of width 256."""
+    from flashtile.backends.spec import AttnSpec
+    from flashtile.backends.triton import launch_sm90
+
+    calls = _direct_launches(monkeypatch, "dq_split")
+    monkeypatch.setattr(launch_sm90, "DQ_SPLIT", True)
+    batch, heads, heads_k = 2, 4, 2
+
+    def tensor(h):
+        x = torch.randn(batch, seq, h, d, dtype=torch.float16)
+        return x.transpose(1, 2).contiguous().transpose(1, 2) if layout == "sdpa" else x
+    q, do, k, v, dq = tensor(heads), tensor(heads), tensor(heads_k), tensor(heads_k), tensor(heads)
+    lse, delta = torch.randn(batch, heads, seq), torch.randn(batch, heads, seq)
+    spec = AttnSpec(softmax_scale=d ** -0.5, window_right=0)
+    launch_sm90._dq(q, k, v, do, lse, delta, dq, spec, 256)
+    (name, key, a), = calls
+    # (the compiled variant's key holds the head dim: 192 and 160 tile their columns apart)
+    assert name == "dq_split" and key[1] == 256 and key[-1] == d
+    for role, x, prefix, n_heads in (("q", q, "q", heads), ("do", do, "do", heads),
+                                     ("k", k, "kv", heads_k), ("v", v, "kv", heads_k),
+                                     ("dq", dq, "dq", heads)):
+        for suffix, c0, c1 in (("", 0, 128), ("2", 128, d)):
+            desc = a[f"desc_{role}{suffix}"]
+            assert desc[0] is x and desc[3][-1] == c1 - c0, (role, suffix, desc[3])
+            rows = _tile_rows(desc[3])
+            assert rows == (launch_sm90.DQ_SPLIT_BLOCK_N if role in "kv"
+                            else launch_sm90.DQ_ROWS)
+            for b in range(batch):
+                for h in range(n_heads):
+                    base = b * a[f"{prefix}_rb"] + h * a[f"{prefix}_rh"]
+                    for row in (0, (seq - 1) // rows * rows):  # (the last tile)
+                        got = _tma_tile(desc, base, row, h * a[f"{prefix}_ch"] + c0)
+                        want = torch.zeros(rows, c1 - c0, dtype=x.dtype)
+                        live = x[b, row:row + rows, h, c0:c1]
+                        want[:live.shape[0]] = live
+                        assert torch.equal(got, want), (role, suffix, b, h, row)
+    monkeypatch.setattr(launch_sm90, "DQ_SPLIT", False)
+    launch_sm90._dq(q, k, v, do, lse, delta, dq, spec, 256)
+    assert calls[-1][0] == "dq" and calls[-1][2]["desc_q"][3][-1] == 256
+    assert "desc_q2" not in calls[-1][2]
+
+
 @pytest.mark.parametrize("narrow", [False, True], ids=["wide-dkdv", "narrow-dkdv"])
 @pytest.mark.parametrize("layout", ["contiguous", "sdpa"])
 @pytest.mark.parametrize("seq", [256, 200], ids=["aligned", "ragged"])
@@ -1677,6 +1766,8 @@ def test_padded_backward_reads_each_head_through_views_of_the_kernels_width(d, s
         return None
     monkeypatch.setattr(launch_sm90, "_launch", kernel_writes)
     monkeypatch.setattr(launch_sm90, "PAD_NARROW_DKDV", narrow)
+    # (the split dQ kernel's descriptors: test_sm90_split_dq_reads_and_stores_...)
+    monkeypatch.setattr(launch_sm90, "DQ_SPLIT", False)
     with fastlaunch.recording() as rec:
         launch_sm90.padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec, width)
     # the crops and the fused kernel's dQ conversion are no launches: the call is marked as

@@ -588,6 +588,12 @@ def _fwd_name(d: int) -> str:
     return "fwd_split" if launch_sm90.FWD_SPLIT and launch_sm90.split_width(d) else "fwd"
 
 
+def _dq_name(d: int) -> str:
+    """The name of the dQ kernel of a head dim ``d``'s two-kernel backward at width 256: the
+    split kernel for 128 and a smaller tile's width (``DQ_SPLIT``), else the kernel of 256."""
+    return "dq_split" if launch_sm90.DQ_SPLIT and launch_sm90.split_width(d) == 128 else "dq"
+
+
 def _in_layout(x, layout):
     """``x`` (B, S, H, D) as the same values in another memory layout a caller may hand in."""
     if layout == "contiguous":
@@ -946,7 +952,7 @@ def test_sm90_padded_head_dims_backward_over_long_keys_on_hopper(d, causal, monk
         out = flashtile.flash_attn_func(*leaves, causal=causal)
         out.backward(do)
     assert names[0] == _fwd_name(d), names
-    assert len(names) > 1 and set(names[1:]) <= {"bwd", "dq"}, names
+    assert len(names) > 1 and set(names[1:]) <= {"bwd", "dq", "dq_split"}, names
     _assert_grads_within_rule(leaves, q, k, v, do, causal)
 
 
@@ -997,9 +1003,43 @@ def test_sm90_padded_backward_views_match_float64_reference(case, narrow, monkey
     with poison_outputs():
         out = flashtile.flash_attn_func(*leaves, causal=causal)
         out.backward(do)
-    want = [_fwd_name(d)] + (["bwd"] if d <= 128 else ["dq", "bwd"])
+    want = [_fwd_name(d)] + (["bwd"] if d <= 128 else [_dq_name(d), "bwd"])
     assert names == want and widths == [d], (names, widths)
     _assert_grads_within_rule(leaves, q, k, v, do, causal)
+
+
+# the padded head dims of 128 and a smaller tile (launch_sm90.split_width: 144, 160, 192), and
+# two more layouts and lengths
+SPLIT_DQ_CASES = [c for c in PADDED_CASES if launch_sm90.split_width(c[6]) == 128] + [
+    ("d144-fused-qkv-causal", 2, 256, 256, 4, 4, 144, True, "fused-qkv"),
+    ("d192-sdpa-causal-gqa-1k", 1, 1024, 1024, 4, 1, 192, True, "sdpa"),
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_DQ_CASES, ids=[c[0] for c in SPLIT_DQ_CASES])
+def test_sm90_split_dq_kernel_matches_float64_reference(case, monkeypatch):
+    """With ``launch_sm90.DQ_SPLIT`` the dQ pass of a padded head dim that is 128 and a smaller
+    tile's width runs the split dQ kernel (``attn_bwd_dq_split_sm90_kernel``: q, dO, k, v and
+    dq through two descriptors each, no column past the head), then the dK/dV kernel through
+    the views: gradients within flash-attn's rule of float64 in the inputs' layouts (GQA,
+    lengths multiples of the tiles or not, sk != sq, causal or not), dq the same bits in a
+    second call (no atomics)."""
+    _, batch, sq, sk, heads, heads_k, d, causal, layout = case
+    _views_backward(monkeypatch)
+    monkeypatch.setattr(launch_sm90, "DQ_SPLIT", True)
+    q, k, v, do = _padded_case_inputs(batch, sq, sk, heads, heads_k, d, torch.bfloat16)
+    names = _launch_names(monkeypatch)
+
+    def run():
+        leaves = [_in_layout(x, layout).detach().requires_grad_() for x in (q, k, v)]
+        with poison_outputs():
+            out = flashtile.flash_attn_func(*leaves, causal=causal)
+            out.backward(do)
+        return leaves
+    leaves = run()
+    assert names == [_fwd_name(d), "dq_split", "bwd"], names
+    _assert_grads_within_rule(leaves, q, k, v, do, causal)
+    assert torch.equal(run()[0].grad, leaves[0].grad)
 
 
 @pytest.mark.parametrize("d,causal,seq,narrow", [(96, True, 384, False), (96, False, 300, False),

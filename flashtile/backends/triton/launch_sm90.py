@@ -658,6 +658,9 @@ def _kernel(name: str):
     if name == "dq":
         from .kernels.attn_bwd_dq_sm90 import attn_bwd_dq_sm90_kernel
         return attn_bwd_dq_sm90_kernel
+    if name == "dq_split":
+        from .kernels.attn_bwd_dq_sm90 import attn_bwd_dq_split_sm90_kernel
+        return attn_bwd_dq_split_sm90_kernel
     from .kernels.attn_bwd_sm90 import attn_bwd_sm90_kernel
     return attn_bwd_sm90_kernel
 
@@ -1197,6 +1200,14 @@ DQ_ROWS = 64     # query rows of a dQ kernel consumer (two a CTA)
 # keys a K/V tile of the dQ kernel at d = 256 (Q and dO of 128 rows take 128 KB of shared
 # memory, a 2-stage ring of 32-key K and V tiles 64 KB more)
 DQ_BLOCK_N = 32
+# whether the dQ pass of a head dim that is 128 and a smaller tile's width (144, 160, 192:
+# split_width) runs the split dQ kernel (attn_bwd_dq_split_sm90_kernel: no column computed past
+# the head) instead of the kernel of width 256, and its K/V tiles' keys (Q, dO and a 2-stage
+# ring of 64-key K and V tiles in 192 KB at d = 192; ptxas spills 0-20 bytes at 32 or 64 keys):
+# the d = 192 backward 1.10-1.15x faster on the H200 with 64-key tiles, 1.02-1.08x with 32
+# (tuning log, step 110)
+DQ_SPLIT = True
+DQ_SPLIT_BLOCK_N = 64
 
 _dq_env = env_reader("FLASHTILE_SM90_DQ")
 
@@ -1225,12 +1236,16 @@ def _dq(q, k, v, do, lse, delta, dq_out, spec: AttnSpec, width: int = 0) -> None
     ``delta`` (contiguous float32 ``(B, H, Sq)``, delta computed); ``width`` wider than ``D``
     (:func:`padded_backward`): the kernel of that width, q, dO, k, v and ``dq_out`` through
     views whose tiles reach past each head's last column (:func:`_rows`: zeros read there,
-    nothing stored)."""
+    nothing stored), or with ``DQ_SPLIT`` at 128 and a smaller tile's width (192 = 128 + 64)
+    the split kernel, two descriptors a tensor, no column past the head."""
     batch, sq, nheads, d = q.shape
     head_dim = width or d  # the kernel's width
     sk, nheads_k = k.shape[1], k.shape[2]
     device = q.device.index or 0
-    block_n = DQ_BLOCK_N
+    # a padded head dim of 128 and a smaller tile (DQ_SPLIT): each tensor through two
+    # descriptors, the first 128 columns and the rest (the kernel's coordinates + split)
+    split = split_width(d) if DQ_SPLIT and head_dim > d and split_width(d) == 128 else 0
+    block_n = DQ_SPLIT_BLOCK_N if split else DQ_BLOCK_N
     # lengths that are not multiples of the tiles (a CTA's 128 rows, a K/V tile): 3-D
     # descriptors, and lse, delta padded to whole 64-row tiles
     ragged = bool(sq % (2 * DQ_ROWS) or sk % block_n)
@@ -1244,15 +1259,25 @@ def _dq(q, k, v, do, lse, delta, dq_out, spec: AttnSpec, width: int = 0) -> None
                 WINDOW=window["MASKED"] and (window["wl"] < sq + sk or window["wr"] != 0),
                 RAGGED=ragged, STAGES=STAGES, num_warps=NUM_WARPS)
     flat = _flat_layout()
-    descs = dict(desc_q=_rows(q, DQ_ROWS, ragged, "q", args, head_dim),
-                 desc_do=_rows(do, DQ_ROWS, ragged, "do", args, head_dim),
-                 desc_k=_rows(k, block_n, ragged, "kv", args, head_dim),
-                 desc_v=_rows(v, block_n, ragged, "kv", args, head_dim),
+    cols = split or head_dim
+    descs = dict(desc_q=_rows(q, DQ_ROWS, ragged, "q", args, cols),
+                 desc_do=_rows(do, DQ_ROWS, ragged, "do", args, cols),
+                 desc_k=_rows(k, block_n, ragged, "kv", args, cols),
+                 desc_v=_rows(v, block_n, ragged, "kv", args, cols),
                  desc_lse=(lse, [lse.numel()], [1], [DQ_ROWS], flat),
                  desc_delta=(delta, [delta.numel()], [1], [DQ_ROWS], flat),
-                 desc_dq=_rows(dq_out, DQ_ROWS, ragged, "dq", args, head_dim))
-    _launch("dq", device, (q.dtype, head_dim, window["MASKED"], args["WINDOW"], ragged,
-                           tuple(len(x[3]) for x in descs.values())),
+                 desc_dq=_rows(dq_out, DQ_ROWS, ragged, "dq", args, cols))
+    if split:
+        rest = d - split
+        descs.update(desc_q2=_rows(q, DQ_ROWS, ragged, cols=rest),
+                     desc_do2=_rows(do, DQ_ROWS, ragged, cols=rest),
+                     desc_k2=_rows(k, block_n, ragged, cols=rest),
+                     desc_v2=_rows(v, block_n, ragged, cols=rest),
+                     desc_dq2=_rows(dq_out, DQ_ROWS, ragged, cols=rest))
+    # (a split variant's tiles depend on the head dim, which the kernel's width does not tell)
+    _launch("dq_split" if split else "dq", device,
+            (q.dtype, head_dim, window["MASKED"], args["WINDOW"], ragged,
+             tuple(len(x[3]) for x in descs.values()), split and d),
             (n_m * batch * nheads,), args, descs)
 
 

@@ -24,6 +24,13 @@ kernel, which therefore stays the dQ pass there (step 62).  Lengths that
 are not multiples of the tiles (``RAGGED``): 3-D descriptors, so tiles past a sequence read
 zeros and the dq store writes nothing there; lse and delta come padded to whole 64-row tiles
 (+inf, 0).  Keys past ``sk`` are zeros: their ``p`` is capped at 1 and their ``ds k`` adds 0.
+
+A head dim that is the sum of two tile widths (``launch_sm90.split_width``: 144, 160, 192 =
+128 + 16, 32, 64; ``attn_bwd_dq_split_sm90_kernel``) reads q, dO, k and v and stores dQ through
+two descriptors each, the head's first 128 columns and the rest, in buffers of their own under
+the same barriers: ``s`` and ``dp`` are two products each into one accumulator, ``dq`` is two
+accumulators (``[64, 128]`` and ``[64, D2]``), stored by two TMA copies; no column is computed
+past the head (the kernel of width 256 computes a third more at d = 192).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -31,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 
 from .attn_bwd_sm90 import LOG2E
-from .attn_fwd_sm90 import _tile_range, _tile_rows, _tma_load, _tma_store
+from .attn_fwd_sm90 import _split_sum, _tile_range, _tile_rows, _tma_load, _tma_store
 
 
 @gluon.jit
@@ -49,20 +56,35 @@ def _dq_item(w, n_m, n_bh, nheads, group):
 def _dq_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem, k_smem,
                  v_smem, lse_smem, delta_smem, bar_q, bar_kv, bar_kvfree, sq, sk, sq_pad, nheads,
                  group, n_m, n_bh, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl,
-                 wr, masked):
+                 wr, masked, desc_q2, desc_do2, desc_k2, desc_v2, q2_smem, do2_smem, k2_smem,
+                 v2_smem):
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     HALF: gl.constexpr = q_smem.shape[1]          # rows of one consumer
+    HEAD_DIM: gl.constexpr = q_smem.shape[2]      # (of the first tile, split or not)
+    SPLIT: gl.constexpr = q2_smem.shape[2] != HEAD_DIM
+    # a split head dim's two tiles of each tensor arrive on one barrier
+    Q_BYTES: gl.constexpr = _split_sum(desc_q.block_type.nbytes + desc_do.block_type.nbytes,
+                                       desc_q2.block_type.nbytes + desc_do2.block_type.nbytes,
+                                       SPLIT)
+    KV_BYTES: gl.constexpr = _split_sum(desc_k.block_type.nbytes + desc_v.block_type.nbytes,
+                                        desc_k2.block_type.nbytes + desc_v2.block_type.nbytes,
+                                        SPLIT)
     i_m, i_b, i_h, i_hk = _dq_item(gl.program_id(0), n_m, n_bh, nheads, group)
     m0 = i_m * 2 * HALF
     # the item's Q, dO, lse and delta, both consumers' rows
-    mbarrier.expect(bar_q, 2 * (desc_q.block_type.nbytes + desc_do.block_type.nbytes
-                                + desc_lse.block_type.nbytes + desc_delta.block_type.nbytes))
+    mbarrier.expect(bar_q, 2 * (Q_BYTES + desc_lse.block_type.nbytes
+                                + desc_delta.block_type.nbytes))
     for c in gl.static_range(2):
         _tma_load(desc_q, i_b * q_rb + i_h * q_rh, m0 + c * HALF, i_h * q_ch, bar_q,
                   q_smem.index(c))
         _tma_load(desc_do, i_b * do_rb + i_h * do_rh, m0 + c * HALF, i_h * do_ch, bar_q,
                   do_smem.index(c))
+        if SPLIT:  # the columns from HEAD_DIM on
+            _tma_load(desc_q2, i_b * q_rb + i_h * q_rh, m0 + c * HALF, i_h * q_ch + HEAD_DIM,
+                      bar_q, q2_smem.index(c))
+            _tma_load(desc_do2, i_b * do_rb + i_h * do_rh, m0 + c * HALF,
+                      i_h * do_ch + HEAD_DIM, bar_q, do2_smem.index(c))
         # lse and delta are (B, H, sq_pad) float32, seen flat
         p_l = (i_b * nheads + i_h) * sq_pad + m0 + c * HALF
         tma.async_copy_global_to_shared(desc_lse, [p_l], bar_q, lse_smem.index(c))
@@ -74,9 +96,14 @@ def _dq_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, 
         # stage i_s is free once both consumers' products of tile j - STAGES completed
         mbarrier.wait(bar_kvfree.index(i_s), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
         bar = bar_kv.index(i_s)
-        mbarrier.expect(bar, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
+        mbarrier.expect(bar, KV_BYTES)
         _tma_load(desc_k, base_k, (lo + j) * BLOCK_N, i_hk * kv_ch, bar, k_smem.index(i_s))
         _tma_load(desc_v, base_k, (lo + j) * BLOCK_N, i_hk * kv_ch, bar, v_smem.index(i_s))
+        if SPLIT:
+            _tma_load(desc_k2, base_k, (lo + j) * BLOCK_N, i_hk * kv_ch + HEAD_DIM, bar,
+                      k2_smem.index(i_s))
+            _tma_load(desc_v2, base_k, (lo + j) * BLOCK_N, i_hk * kv_ch + HEAD_DIM, bar,
+                      v2_smem.index(i_s))
 
 
 @gluon.jit
@@ -106,17 +133,24 @@ def _dq_probs(b_s, o_m, o_n, m0, n0, shift, wl, wr, masked, window, b_lse2, qk_s
 @gluon.jit
 def _dq_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv,
                  bar_kvfree, desc_dq, sq, sk, nheads, group, n_m, n_bh, dq_rb, dq_rh, dq_ch, scale,
-                 qk_scale, wl, wr, masked, window, RAGGED: gl.constexpr):
+                 qk_scale, wl, wr, masked, window, RAGGED: gl.constexpr, q2_smem, do2_smem,
+                 k2_smem, v2_smem, desc_dq2):
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     HALF: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
+    D2: gl.constexpr = q2_smem.shape[2]           # (HEAD_DIM: not split)
+    SPLIT: gl.constexpr = D2 != HEAD_DIM
+    S_GROUPS: gl.constexpr = _split_sum(1, 1, SPLIT)  # commit groups of a tile's dp
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     g_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
+    g2_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D2, 16])
+    a2_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g2_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
 
@@ -135,15 +169,25 @@ def _dq_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ba
     b_delta = delta_smem.index(i_wg).load(row_s)                # [64]
     b_dq = gl.zeros([HALF, HEAD_DIM], gl.float32, layout=g_layout)      # [64, D]
     b_z = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)        # [64, BLOCK_N]
+    if SPLIT:
+        q2_tile = q2_smem.index(i_wg)                           # [64, D2]
+        do2_tile = do2_smem.index(i_wg)                         # [64, D2]
+        b_dq2 = gl.zeros([HALF, D2], gl.float32, layout=g2_layout)      # [64, D2]
     for j in range(hi - lo):
         i_s = j % STAGES
         k_tile = k_smem.index(i_s)                              # [BLOCK_N, D]
         mbarrier.wait(bar_kv.index(i_s), (j // STAGES) & 1)
         b_s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), b_z, use_acc=False, is_async=True)
+        if SPLIT:  # s and dp sum over both tiles' columns
+            b_s = warpgroup_mma(q2_tile, k2_smem.index(i_s).permute((1, 0)), b_s,
+                                is_async=True)
         b_dp = warpgroup_mma(do_tile, v_smem.index(i_s).permute((1, 0)), b_z, use_acc=False,
                              is_async=True)
+        if SPLIT:
+            b_dp = warpgroup_mma(do2_tile, v2_smem.index(i_s).permute((1, 0)), b_dp,
+                                 is_async=True)
         # the softmax of s runs while dp's product is in flight
-        b_s = warpgroup_mma_wait(num_outstanding=1, deps=(b_s,))
+        b_s = warpgroup_mma_wait(num_outstanding=S_GROUPS, deps=(b_s,))
         b_p = _dq_probs(b_s, o_m, o_n, m0, (lo + j) * BLOCK_N, shift, wl, wr, masked, window,
                         b_lse2, qk_scale, RAGGED)                # [64, BLOCK_N]
         b_dp = warpgroup_mma_wait(num_outstanding=0, deps=(b_dp,))
@@ -152,12 +196,22 @@ def _dq_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ba
         b_dq = warpgroup_mma(b_dsa, k_tile, b_dq, is_async=True)
         # the stage is released once the product that reads K has completed; the other
         # consumer's products fill the tensor cores meanwhile
-        b_dq, b_dsa = warpgroup_mma_wait(num_outstanding=0, deps=(b_dq, b_dsa))
+        if SPLIT:
+            b_dsa2 = gl.convert_layout(b_ds.to(dtype), a2_layout)
+            b_dq2 = warpgroup_mma(b_dsa2, k2_smem.index(i_s), b_dq2, is_async=True)
+            b_dq, b_dsa, b_dq2, b_dsa2 = warpgroup_mma_wait(
+                num_outstanding=0, deps=(b_dq, b_dsa, b_dq2, b_dsa2))
+        else:
+            b_dq, b_dsa = warpgroup_mma_wait(num_outstanding=0, deps=(b_dq, b_dsa))
         mbarrier.arrive(bar_kvfree.index(i_s))
     # dq through this consumer's Q tile (its last read, s of the last tile, has completed)
     q_tile.store((b_dq * scale).to(dtype))
+    if SPLIT:
+        q2_tile.store((b_dq2 * scale).to(dtype))
     fence_async_shared()
     _tma_store(desc_dq, i_b * dq_rb + i_h * dq_rh, m0, i_h * dq_ch, q_tile)
+    if SPLIT:
+        _tma_store(desc_dq2, i_b * dq_rb + i_h * dq_rh, m0, i_h * dq_ch + HEAD_DIM, q2_tile)
     tma.store_wait(0)
 
 
@@ -165,19 +219,23 @@ def _dq_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ba
 @gluon.jit
 def _dq_consumer0(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv,
                   bar_kvfree, desc_dq, sq, sk, nheads, group, n_m, n_bh, dq_rb, dq_rh, dq_ch, scale,
-                  qk_scale, wl, wr, masked, window, RAGGED: gl.constexpr):
+                  qk_scale, wl, wr, masked, window, RAGGED: gl.constexpr, q2_smem, do2_smem,
+                  k2_smem, v2_smem, desc_dq2):
     _dq_consumer(0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv,
                  bar_kvfree, desc_dq, sq, sk, nheads, group, n_m, n_bh, dq_rb, dq_rh, dq_ch, scale,
-                 qk_scale, wl, wr, masked, window, RAGGED)
+                 qk_scale, wl, wr, masked, window, RAGGED, q2_smem, do2_smem, k2_smem, v2_smem,
+                 desc_dq2)
 
 
 @gluon.jit
 def _dq_consumer1(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv,
                   bar_kvfree, desc_dq, sq, sk, nheads, group, n_m, n_bh, dq_rb, dq_rh, dq_ch, scale,
-                  qk_scale, wl, wr, masked, window, RAGGED: gl.constexpr):
+                  qk_scale, wl, wr, masked, window, RAGGED: gl.constexpr, q2_smem, do2_smem,
+                  k2_smem, v2_smem, desc_dq2):
     _dq_consumer(1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv,
                  bar_kvfree, desc_dq, sq, sk, nheads, group, n_m, n_bh, dq_rb, dq_rh, dq_ch, scale,
-                 qk_scale, wl, wr, masked, window, RAGGED)
+                 qk_scale, wl, wr, masked, window, RAGGED, q2_smem, do2_smem, k2_smem, v2_smem,
+                 desc_dq2)
 
 
 @gluon.jit
@@ -189,9 +247,42 @@ def attn_bwd_dq_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delt
                             num_warps: gl.constexpr):
     """One CTA a work item: ``2 * 64`` query rows of one (batch, head) pair (``n_m`` row blocks
     a pair, ``_dq_item``); ``desc_dq`` is dQ in q's dtype and layout, tiles of ``[64, D]``."""
+    _attn_bwd_dq(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, desc_q,
+                 desc_do, desc_k, desc_v, desc_dq, sq, sk, sq_pad, nheads, group, n_m, n_bh, q_rb,
+                 q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, dq_rb, dq_rh, dq_ch, scale,
+                 qk_scale, wl, wr, MASKED, WINDOW, RAGGED, STAGES)
+
+
+@gluon.jit
+def attn_bwd_dq_split_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq,
+                                  desc_q2, desc_do2, desc_k2, desc_v2, desc_dq2, sq, sk, sq_pad,
+                                  nheads, group, n_m, n_bh, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch,
+                                  kv_rb, kv_rh, kv_ch, dq_rb, dq_rh, dq_ch, scale, qk_scale, wl,
+                                  wr, MASKED: gl.constexpr, WINDOW: gl.constexpr,
+                                  RAGGED: gl.constexpr, STAGES: gl.constexpr,
+                                  num_warps: gl.constexpr):
+    """``attn_bwd_dq_sm90_kernel`` at a head dim that is two tile widths (192 = 128 + 64, 160,
+    144): ``desc_q`` ... ``desc_dq`` tile each head's first 128 columns, ``desc_q2`` ...
+    ``desc_dq2`` the rest (``D2`` wide), read into and stored from buffers of their own (TMA
+    tiles are powers of two wide)."""
+    _attn_bwd_dq(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, desc_q2,
+                 desc_do2, desc_k2, desc_v2, desc_dq2, sq, sk, sq_pad, nheads, group, n_m, n_bh,
+                 q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, dq_rb, dq_rh, dq_ch,
+                 scale, qk_scale, wl, wr, MASKED, WINDOW, RAGGED, STAGES)
+
+
+@gluon.jit
+def _attn_bwd_dq(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, desc_q2,
+                 desc_do2, desc_k2, desc_v2, desc_dq2, sq, sk, sq_pad, nheads, group, n_m, n_bh,
+                 q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, dq_rb, dq_rh, dq_ch,
+                 scale, qk_scale, wl, wr, MASKED: gl.constexpr, WINDOW: gl.constexpr,
+                 RAGGED: gl.constexpr, STAGES: gl.constexpr):
+    """The kernels' body: the second descriptors are the first ones again but for a split
+    head dim (``attn_bwd_dq_split_sm90_kernel``)."""
     # (a padded head dim's views have a tile [rows, 1, D] or [1, rows, 1, D]: _tma_load)
     HALF: gl.constexpr = _tile_rows(desc_q.block_type.shape)
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[-1]
+    D2: gl.constexpr = desc_q2.block_type.shape[-1]  # (HEAD_DIM: not split)
     BLOCK_N: gl.constexpr = _tile_rows(desc_k.block_type.shape)
     dtype: gl.constexpr = desc_q.dtype
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, HEAD_DIM], dtype)
@@ -200,6 +291,18 @@ def attn_bwd_dq_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delt
     do_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    if D2 != HEAD_DIM:  # the columns from HEAD_DIM on
+        q2_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, D2], dtype)
+        kv2_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D2], dtype)
+        q2_smem = gl.allocate_shared_memory(dtype, [2, HALF, D2], q2_layout)
+        do2_smem = gl.allocate_shared_memory(dtype, [2, HALF, D2], q2_layout)
+        k2_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D2], kv2_layout)
+        v2_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D2], kv2_layout)
+    else:
+        q2_smem = q_smem
+        do2_smem = do_smem
+        k2_smem = k_smem
+        v2_smem = v_smem
     lse_smem = gl.allocate_shared_memory(gl.float32, [2, HALF], desc_lse.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [2, HALF], desc_delta.layout)
     bar_q = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -211,10 +314,12 @@ def attn_bwd_dq_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delt
         mbarrier.init(bar_kvfree.index(i), count=2)
     consumer_args = (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv,
                      bar_kvfree, desc_dq, sq, sk, nheads, group, n_m, n_bh, dq_rb, dq_rh, dq_ch,
-                     scale, qk_scale, wl, wr, MASKED, WINDOW, RAGGED)
+                     scale, qk_scale, wl, wr, MASKED, WINDOW, RAGGED, q2_smem, do2_smem, k2_smem,
+                     v2_smem, desc_dq2)
     producer_args = (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
                      k_smem, v_smem, lse_smem, delta_smem, bar_q, bar_kv, bar_kvfree, sq, sk,
                      sq_pad, nheads, group, n_m, n_bh, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch,
-                     kv_rb, kv_rh, kv_ch, wl, wr, MASKED)
+                     kv_rb, kv_rh, kv_ch, wl, wr, MASKED, desc_q2, desc_do2, desc_k2, desc_v2,
+                     q2_smem, do2_smem, k2_smem, v2_smem)
     gl.warp_specialize([(_dq_consumer0, consumer_args), (_dq_consumer1, consumer_args),
                         (_dq_producer, producer_args)], [4, 1], [240, 24])
