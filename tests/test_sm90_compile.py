@@ -33,7 +33,8 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from flashtile.backends.triton import launch_sm90
 from flashtile.backends.triton.kernels.attn_fwd_sm90 import (attn_fwd_sm90_kernel,
                                                               attn_fwd_split_sm90_kernel)
-from flashtile.backends.triton.kernels.attn_bwd_sm90 import attn_bwd_sm90_kernel
+from flashtile.backends.triton.kernels.attn_bwd_sm90 import (attn_bwd_sm90_kernel,
+                                                              attn_bwd_split_sm90_kernel)
 from flashtile.backends.triton.kernels.attn_bwd_dq_sm90 import (attn_bwd_dq_sm90_kernel,
                                                                 attn_bwd_dq_split_sm90_kernel)
 from triton.experimental.gluon import language as gl
@@ -179,6 +180,16 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                          desc_dk=desc(ty, keys // 2, head_dim, dtype, False),
                          desc_dv=desc(ty, keys // 2, head_dim, dtype, False))
             tma_dkdv = not ragged and head_dim != 256
+            if head_dim == 256 and ty == "bf16" and not keymask:
+                # "dkdvp": the split dK/dV kernel at d = 192 (launch_sm90.BWD_SPLIT: q, dO, k
+                # and v through two descriptors each, 128 + 64 columns; the 64-key items of
+                # d = 256, dK and dV stored by the kernel)
+                split_types = dict(types, **{f"desc_{n}{s}": desc(ty, rows, cols, dtype, ragged)
+                                             for s, cols in (("", 128), ("2", 64))
+                                             for n, rows in (("q", bm), ("do", bm), ("k", keys),
+                                                             ("v", keys))})
+                emit(f"dkdvp{r}-{ty}", attn_bwd_split_sm90_kernel, split_types, 192, causal,
+                     WINDOW=False, DQ=False, PERSISTENT=False, RAGGED=ragged, DKDV_TMA=False)
             if not keymask and head_dim == 256:  # the dQ kernel (no key mask)
                 dq_n = launch_sm90.DQ_BLOCK_N
                 emit(f"dq{r}-{ty}", attn_bwd_dq_sm90_kernel, dict(
@@ -454,6 +465,28 @@ def test_sm90_dq_kernel_compiles_for_hopper_with_its_structure(compiled, variant
 
 
 SPLIT_DQ_VARIANTS = [f"dqp{r}-bf16-d192-{mode}" for r in ("", "r") for mode in ("full", "causal")]
+SPLIT_DKDV_VARIANTS = [f"dkdvp{r}-bf16-d192-{mode}" for r in ("", "r")
+                       for mode in ("full", "causal")]
+
+
+@pytest.mark.parametrize("variant", SPLIT_DKDV_VARIANTS)
+def test_sm90_split_dkdv_kernel_compiles_for_hopper_with_its_structure(compiled, variant):
+    """The split dK/dV kernel at d = 192 (128 + 64): Q and dO rings and the item's 64 keys of K
+    and V, each in two buffers, within the shared memory; dK and dV stored by the kernel (no
+    TMA store), no reduction and no atomic; no spill (0 bytes)."""
+    from flashtile.backends.triton import launch_sm90
+
+    row = compiled[variant]
+    assert row["cubin_bytes"] > 0, "ptxas produced no binary"
+    rows = 2 * launch_sm90.STAGES * launch_sm90.BWD_BLOCK_M + 2 * launch_sm90.bwd_keys(256)
+    assert rows * row["head_dim"] * 2 <= row["shared"] <= SMEM_LIMIT
+    assert row["num_warps"] == 12
+    assert all(row["ops"].values()), row["ops"]
+    assert row["tma_stores"] == 0
+    assert row["tma_reductions"] == 0 and row["atomics"] == 0
+    assert row["spill_bytes"] <= 32, row["spill_bytes"]
+
+
 
 
 @pytest.mark.parametrize("variant", SPLIT_DQ_VARIANTS)
@@ -1601,6 +1634,13 @@ def _tma_tile(desc, base: int, row: int, col: int):
     return big[base, row:row + rows, col:col + width]      # ragged: [1, rows, width]
 
 
+def _heads_tensor(batch: int, seq: int, heads: int, d: int, layout: str):
+    """Fresh fp16 ``(B, S, H, D)`` values, contiguous or in the SDPA layout's memory order
+    (``(B, H, S, D)`` contiguous, transposed back)."""
+    x = torch.randn(batch, seq, heads, d, dtype=torch.float16)
+    return x.transpose(1, 2).contiguous().transpose(1, 2) if layout == "sdpa" else x
+
+
 def test_split_width_is_two_tiles_widths():
     """``launch_sm90.split_width``: the first of two power-of-two tile widths (64 or 128, the
     other smaller and at least 16) that make up the head dim, else 0."""
@@ -1631,8 +1671,7 @@ def test_sm90_split_forward_reads_and_stores_a_heads_columns_in_two_tiles(d, lay
     batch, heads, heads_k = 2, 4, 2
 
     def tensor(h):
-        x = torch.randn(batch, seq, h, d, dtype=torch.float16)
-        return x.transpose(1, 2).contiguous().transpose(1, 2) if layout == "sdpa" else x
+        return _heads_tensor(batch, seq, h, d, layout)
     q, k, v = tensor(heads), tensor(heads_k), tensor(heads_k)
     spec = AttnSpec(softmax_scale=d ** -0.5, window_right=0)
     out, _ = launch_sm90.forward(q, k, v, spec)
@@ -1687,9 +1726,9 @@ def test_sm90_split_dq_reads_and_stores_a_heads_columns_in_two_tiles(d, layout, 
     batch, heads, heads_k = 2, 4, 2
 
     def tensor(h):
-        x = torch.randn(batch, seq, h, d, dtype=torch.float16)
-        return x.transpose(1, 2).contiguous().transpose(1, 2) if layout == "sdpa" else x
-    q, do, k, v, dq = tensor(heads), tensor(heads), tensor(heads_k), tensor(heads_k), tensor(heads)
+        return _heads_tensor(batch, seq, h, d, layout)
+    q, do, dq = tensor(heads), tensor(heads), tensor(heads)
+    k, v = tensor(heads_k), tensor(heads_k)
     lse, delta = torch.randn(batch, heads, seq), torch.randn(batch, heads, seq)
     spec = AttnSpec(softmax_scale=d ** -0.5, window_right=0)
     launch_sm90._dq(q, k, v, do, lse, delta, dq, spec, 256)
@@ -1720,6 +1759,59 @@ def test_sm90_split_dq_reads_and_stores_a_heads_columns_in_two_tiles(d, layout, 
     assert "desc_q2" not in calls[-1][2]
 
 
+@pytest.mark.parametrize("seq", [256, 200], ids=["aligned", "ragged"])
+@pytest.mark.parametrize("layout", ["contiguous", "sdpa"])
+@pytest.mark.parametrize("d", [192, 144])
+def test_sm90_split_dkdv_reads_a_heads_columns_in_two_tiles(d, layout, seq, monkeypatch):
+    """With ``BWD_SPLIT`` the dK/dV kernel of a padded head dim of 128 and a smaller tile's
+    width launches the split kernel: q, dO, k and v have two descriptors each, the first
+    tiling a head's first 128 columns and the second the rest; at the kernel's coordinates
+    their tiles (emulated as the TMA reads them) are the head's columns, in both layouts,
+    lengths multiples of the tiles or not; the items are d = 256's (64 keys), dK and dV stored
+    by the kernel into the head-wide gradients; the launch key holds the head dim; without the
+    switch the kernel of width 256."""
+    from flashtile.backends.spec import AttnSpec
+    from flashtile.backends.triton import launch_sm90
+
+    calls = _direct_launches(monkeypatch, "bwd_split")
+    monkeypatch.setattr(launch_sm90, "BWD_SPLIT", True)
+    batch, heads, heads_k = 2, 4, 2
+
+    def tensor(h):
+        return _heads_tensor(batch, seq, h, d, layout)
+    q, do, k, v = tensor(heads), tensor(heads), tensor(heads_k), tensor(heads_k)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    lse, delta = torch.randn(batch, heads, seq), torch.randn(batch, heads, seq)
+    spec = AttnSpec(softmax_scale=d ** -0.5, window_right=0)
+    launch_sm90._bwd(q, k, v, do, lse, delta, None, dk, dv, spec, width=256)
+    (name, key, a), = calls
+    # (the key: dtype, width, window and kernel flags, DK_COLS, then the split head dim)
+    assert name == "bwd_split" and key[1] == 256 and key[8:10] == (d, d)
+    assert a["DK"] is dk and a["DV"] is dv and a["DK_COLS"] == d and not a["DQ"]
+    assert not a["DKDV_TMA"] and not a["PERSISTENT"]
+    for role, x, prefix, n_heads in (("q", q, "q", heads), ("do", do, "do", heads),
+                                     ("k", k, "kv", heads_k), ("v", v, "kv", heads_k)):
+        for suffix, c0, c1 in (("", 0, 128), ("2", 128, d)):
+            desc = a[f"desc_{role}{suffix}"]
+            assert desc[0] is x and desc[3][-1] == c1 - c0, (role, suffix, desc[3])
+            rows = _tile_rows(desc[3])
+            assert rows == (launch_sm90.bwd_keys(256) if role in "kv"
+                            else launch_sm90.BWD_BLOCK_M)
+            for b in range(batch):
+                for h in range(n_heads):
+                    base = b * a[f"{prefix}_rb"] + h * a[f"{prefix}_rh"]
+                    for row in (0, (seq - 1) // rows * rows):  # (the last tile)
+                        got = _tma_tile(desc, base, row, h * a[f"{prefix}_ch"] + c0)
+                        want = torch.zeros(rows, c1 - c0, dtype=x.dtype)
+                        live = x[b, row:row + rows, h, c0:c1]
+                        want[:live.shape[0]] = live
+                        assert torch.equal(got, want), (role, suffix, b, h, row)
+    monkeypatch.setattr(launch_sm90, "BWD_SPLIT", False)
+    launch_sm90._bwd(q, k, v, do, lse, delta, None, dk, dv, spec, width=256)
+    assert calls[-1][0] == "bwd" and calls[-1][2]["desc_q"][3][-1] == 256
+    assert "desc_q2" not in calls[-1][2]
+
+
 @pytest.mark.parametrize("narrow", [False, True], ids=["wide-dkdv", "narrow-dkdv"])
 @pytest.mark.parametrize("layout", ["contiguous", "sdpa"])
 @pytest.mark.parametrize("seq", [256, 200], ids=["aligned", "ragged"])
@@ -1746,8 +1838,7 @@ def test_padded_backward_reads_each_head_through_views_of_the_kernels_width(d, s
     batch, heads, heads_k = 2, 4, 2
 
     def tensor(h):
-        x = torch.randn(batch, seq, h, d, dtype=torch.float16)
-        return x.transpose(1, 2).contiguous().transpose(1, 2) if layout == "sdpa" else x
+        return _heads_tensor(batch, seq, h, d, layout)
     q, do, k, v = tensor(heads), tensor(heads), tensor(heads_k), tensor(heads_k)
     out = torch.randn(batch, seq, heads, d, dtype=torch.float16)
     lse = torch.randn(batch, heads, seq)

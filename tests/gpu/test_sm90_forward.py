@@ -1016,17 +1016,20 @@ SPLIT_DQ_CASES = [c for c in PADDED_CASES if launch_sm90.split_width(c[6]) == 12
 ]
 
 
+@pytest.mark.parametrize("dkdv", ["dkdv-256", "dkdv-split"])
 @pytest.mark.parametrize("case", SPLIT_DQ_CASES, ids=[c[0] for c in SPLIT_DQ_CASES])
-def test_sm90_split_dq_kernel_matches_float64_reference(case, monkeypatch):
+def test_sm90_split_dq_kernel_matches_float64_reference(case, dkdv, monkeypatch):
     """With ``launch_sm90.DQ_SPLIT`` the dQ pass of a padded head dim that is 128 and a smaller
     tile's width runs the split dQ kernel (``attn_bwd_dq_split_sm90_kernel``: q, dO, k, v and
-    dq through two descriptors each, no column past the head), then the dK/dV kernel through
-    the views: gradients within flash-attn's rule of float64 in the inputs' layouts (GQA,
-    lengths multiples of the tiles or not, sk != sq, causal or not), dq the same bits in a
-    second call (no atomics)."""
+    dq through two descriptors each, no column past the head), then the dK/dV kernel of width
+    256 through the views, or with ``BWD_SPLIT`` the split dK/dV kernel
+    (``attn_bwd_split_sm90_kernel``): gradients within flash-attn's rule of float64 in the
+    inputs' layouts (GQA, lengths multiples of the tiles or not, sk != sq, causal or not), the
+    same bits in a second call (no atomics)."""
     _, batch, sq, sk, heads, heads_k, d, causal, layout = case
     _views_backward(monkeypatch)
     monkeypatch.setattr(launch_sm90, "DQ_SPLIT", True)
+    monkeypatch.setattr(launch_sm90, "BWD_SPLIT", dkdv == "dkdv-split")
     q, k, v, do = _padded_case_inputs(batch, sq, sk, heads, heads_k, d, torch.bfloat16)
     names = _launch_names(monkeypatch)
 
@@ -1037,9 +1040,30 @@ def test_sm90_split_dq_kernel_matches_float64_reference(case, monkeypatch):
             out.backward(do)
         return leaves
     leaves = run()
-    assert names == [_fwd_name(d), "dq_split", "bwd"], names
+    bwd = "bwd_split" if launch_sm90.BWD_SPLIT else "bwd"
+    assert names == [_fwd_name(d), "dq_split", bwd], names
     _assert_grads_within_rule(leaves, q, k, v, do, causal)
-    assert torch.equal(run()[0].grad, leaves[0].grad)
+    again = run()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(again, leaves))
+
+
+def test_sm90_split_dq_kernels_of_two_head_dims_in_one_process(monkeypatch):
+    """Split dQ and dK/dV kernels of two head dims whose launches differ in nothing but the
+    head dim (144 and 192: the same width, flags and descriptor ranks), one after the other in
+    one process: each gets compiled variants of its own (the launch keys hold the head dim),
+    gradients within flash-attn's rule of float64 for both."""
+    _views_backward(monkeypatch)
+    monkeypatch.setattr(launch_sm90, "DQ_SPLIT", True)
+    monkeypatch.setattr(launch_sm90, "BWD_SPLIT", True)
+    for d in (144, 192, 144):
+        q, k, v, do = _padded_case_inputs(2, 256, 256, 4, 4, d, torch.bfloat16)
+        names = _launch_names(monkeypatch)
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        with poison_outputs():
+            out = flashtile.flash_attn_func(*leaves, causal=True)
+            out.backward(do)
+        assert names == [_fwd_name(d), "dq_split", "bwd_split"], names
+        _assert_grads_within_rule(leaves, q, k, v, do, True)
 
 
 @pytest.mark.parametrize("d,causal,seq,narrow", [(96, True, 384, False), (96, False, 300, False),

@@ -661,6 +661,9 @@ def _kernel(name: str):
     if name == "dq_split":
         from .kernels.attn_bwd_dq_sm90 import attn_bwd_dq_split_sm90_kernel
         return attn_bwd_dq_split_sm90_kernel
+    if name == "bwd_split":
+        from .kernels.attn_bwd_sm90 import attn_bwd_split_sm90_kernel
+        return attn_bwd_split_sm90_kernel
     from .kernels.attn_bwd_sm90 import attn_bwd_sm90_kernel
     return attn_bwd_sm90_kernel
 
@@ -1033,6 +1036,11 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
     batch, sq, nheads, d = q.shape
     head_dim = width or d  # the kernel's width
     sk, nheads_k = k.shape[1], k.shape[2]
+    # the dK/dV kernel of a padded head dim of 128 and a smaller tile (BWD_SPLIT): each of q,
+    # dO, k and v through two descriptors, the first 128 columns and the rest
+    split = (split_width(d) if BWD_SPLIT and head_dim == 256 and split_width(d) == 128
+             and dq_acc is None and key_mask is None and sparse is None and varlen is None
+             else 0)
     if varlen is not None:  # the sequences, the longest lengths (the packed rows: one entry)
         batch, sq, sk = varlen[0].shape[0] - 1, varlen[2], varlen[3]
     device = q.device.index or 0
@@ -1099,20 +1107,28 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
     else:
         args.update(dk_rb=0, dk_rh=0, dk_ch=0)
         desc_dk = desc_dv = _one_tile([keys // 2, head_dim], q.dtype, q.device)
-    descs = dict(desc_q=_rows(q, BWD_BLOCK_M, ragged, "q", args, head_dim),
-                 desc_do=_rows(do, BWD_BLOCK_M, ragged, "do", args, head_dim),
-                 desc_k=_rows(k, kv_rows, ragged, "kv", args, head_dim),
-                 desc_v=_rows(v, kv_rows, ragged, "kv", args, head_dim),
+    cols = split or head_dim
+    descs = dict(desc_q=_rows(q, BWD_BLOCK_M, ragged, "q", args, cols),
+                 desc_do=_rows(do, BWD_BLOCK_M, ragged, "do", args, cols),
+                 desc_k=_rows(k, kv_rows, ragged, "kv", args, cols),
+                 desc_v=_rows(v, kv_rows, ragged, "kv", args, cols),
                  desc_lse=(lse, [lse.numel()], [1], [BWD_BLOCK_M], flat),
                  desc_delta=(delta, [delta.numel()], [1], [BWD_BLOCK_M], flat), desc_dq=desc_dq,
                  desc_dk=desc_dk, desc_dv=desc_dv)
-    # (the compiled variant depends on the descriptors' ranks: a padded head dim's views)
-    launched = _launch("bwd", device, (q.dtype, head_dim, window["MASKED"], args["WINDOW"],
-                                       fused, persistent, ragged, args["DKDV_TMA"],
-                                       args["DK_COLS"],
-                                       tuple(len(x[3]) for x in descs.values()),
-                                       sparse is not None, varlen is not None,
-                                       key_mask is not None), grid, args, descs)
+    if split:
+        rest = d - split
+        descs.update(desc_q2=_rows(q, BWD_BLOCK_M, ragged, cols=rest),
+                     desc_do2=_rows(do, BWD_BLOCK_M, ragged, cols=rest),
+                     desc_k2=_rows(k, kv_rows, ragged, cols=rest),
+                     desc_v2=_rows(v, kv_rows, ragged, cols=rest))
+    # (the compiled variant depends on the descriptors' ranks: a padded head dim's views; a
+    # split one's tiles on the head dim)
+    launched = _launch("bwd_split" if split else "bwd", device,
+                       (q.dtype, head_dim, window["MASKED"], args["WINDOW"], fused, persistent,
+                        ragged, args["DKDV_TMA"], args["DK_COLS"], split and d,
+                        tuple(len(x[3]) for x in descs.values()), sparse is not None,
+                        varlen is not None, key_mask is not None),
+                       grid, args, descs)
     return (launched, grid, descs, persistent, ragged) if launched is not None else None
 
 
@@ -1208,6 +1224,12 @@ DQ_BLOCK_N = 32
 # (tuning log, step 110)
 DQ_SPLIT = True
 DQ_SPLIT_BLOCK_N = 64
+# whether the dK/dV kernel of such a head dim's two-kernel backward runs split
+# (attn_bwd_split_sm90_kernel: the 64-key items of d = 256, consumer 0 computing dK and dV of
+# the first 128 columns, consumer 1 of the rest) instead of the kernel of width 256: a quarter
+# less work at d = 192; built and compiled for sm_90a (0 bytes of spills, 166 KB shared), off
+# until it has run on a GPU (tuning log, step 111)
+BWD_SPLIT = False
 
 _dq_env = env_reader("FLASHTILE_SM90_DQ")
 

@@ -74,6 +74,12 @@ at 128 or 256) reads Q, dO, K and V through the forward's views with a dimension
 the TMA reads zeros past each head's last column: zero columns add nothing to ``q·k`` or
 ``dO·v``, and their dQ, dK, dV columns are zero, in buffers ``D`` wide (the accumulator, dK,
 dV) that the launcher crops.
+
+A head dim of 128 and a smaller tile's width (144, 160, 192: ``attn_bwd_split_sm90_kernel``,
+``launch_sm90.BWD_SPLIT``, the dK/dV kernel only) reads each tensor through two descriptors
+(the first 128 columns, then the rest) into buffers of their own and runs the d = 256 items
+(``_consume_item_wide``) with ``sᵀ`` and ``dpᵀ`` two products each and consumer 0 computing
+dK and dV of the first tile's columns, consumer 1 of the second's: no column past the head.
 """
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -83,6 +89,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 
 from .attn_fwd_sm90 import (_heads_view, _key_masked, _key_range, _key_visible, _sequence,
+                            _split_sum, _width,
                             _tile_rows, _tma_load)
 
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -315,9 +322,12 @@ def _produce_item(w, c, t, b_w, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_
                   q_ch,
                   do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl, wr, masked, window, Ranges,
                   Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ, CuK,
-                  PERSISTENT: gl.constexpr, RAGGED: gl.constexpr):
+                  PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, desc_q2, desc_do2, desc_k2,
+                  desc_v2, q2_smem, do2_smem, k2_smem, v2_smem):
     """Load work item ``w`` (the CTA's ``c``-th): its K and V, then its (Q, dO, lse, delta)
-    tiles into the ring from position ``t`` on; the ring position after them."""
+    tiles into the ring from position ``t`` on; the ring position after them.  A split head
+    dim (``attn_bwd_split_sm90_kernel``) loads each tile's columns from ``HEAD_DIM`` on through
+    the second descriptors into the second buffers, on the same barriers."""
     SPARSE: gl.constexpr = Lists.dtype.element_ty == gl.int32
     # packed sequences' cumulative lengths are int32 (without them the lse pointer stands in)
     VARLEN: gl.constexpr = CuQ.dtype.element_ty == gl.int32
@@ -329,7 +339,12 @@ def _produce_item(w, c, t, b_w, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_
     # RAGGED or a padded head dim's heads view: a 3-D TMA cannot write into a slice of the
     # buffer)
     KV_LOADS: gl.constexpr = KEYS // KV_ROWS
-    nbytes: gl.constexpr = (desc_q.block_type.nbytes + desc_do.block_type.nbytes
+    HEAD_DIM: gl.constexpr = q_smem.shape[2]
+    SPLIT: gl.constexpr = q2_smem.shape[2] != HEAD_DIM
+    gl.static_assert(not SPLIT or KV_LOADS == 1, "a split head dim: one K/V tile an item")
+    nbytes: gl.constexpr = (_split_sum(desc_q.block_type.nbytes + desc_do.block_type.nbytes,
+                                       desc_q2.block_type.nbytes + desc_do2.block_type.nbytes,
+                                       SPLIT)
                             + desc_lse.block_type.nbytes + desc_delta.block_type.nbytes)
     i_n, i_bh = _item_keys(w, _blocks(sk, KEYS, RAGGED or VARLEN), n_bh, bh_group)
     i_b = i_bh // nheads_k
@@ -343,7 +358,10 @@ def _produce_item(w, c, t, b_w, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_
         # free; the item goes to the consumers with the arrival on bar_kv below
         mbarrier.wait(bar_kvfree, (c & 1) ^ 1, pred=c > 0)
         item_smem.store(b_w)
-    mbarrier.expect(bar_kv, KV_LOADS * (desc_k.block_type.nbytes + desc_v.block_type.nbytes))
+    mbarrier.expect(bar_kv, _split_sum(KV_LOADS * (desc_k.block_type.nbytes
+                                                   + desc_v.block_type.nbytes),
+                                       desc_k2.block_type.nbytes + desc_v2.block_type.nbytes,
+                                       SPLIT))
     # the item's K and V (d <= 128: rows [0, 64) are consumer 0's keys, [64, 128) consumer
     # 1's; the sequences' coordinates in the descriptors: launch_sm90._plan, _tma_load)
     base_k = i_b * kv_rb + i_hk * kv_rh
@@ -352,6 +370,9 @@ def _produce_item(w, c, t, b_w, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_
     if KV_LOADS == 1:
         _tma_load(desc_k, base_k, n0, i_hk * kv_ch, bar_kv, k_smem)
         _tma_load(desc_v, base_k, n0, i_hk * kv_ch, bar_kv, v_smem)
+        if SPLIT:
+            _tma_load(desc_k2, base_k, n0, i_hk * kv_ch + HEAD_DIM, bar_kv, k2_smem)
+            _tma_load(desc_v2, base_k, n0, i_hk * kv_ch + HEAD_DIM, bar_kv, v2_smem)
     else:
         for i in gl.static_range(KV_LOADS):
             _tma_load(desc_k, base_k, n0 + i * KV_ROWS, i_hk * kv_ch, bar_kv,
@@ -387,6 +408,9 @@ def _produce_item(w, c, t, b_w, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_
             p_l = i_h * sq_pad + ((q0 + i_b * BLOCK_M) // BLOCK_M) * BLOCK_M + m0
         _tma_load(desc_q, base_q, m0, i_h * q_ch, bar, q_smem.index(i_s))
         _tma_load(desc_do, base_do, m0, i_h * do_ch, bar, do_smem.index(i_s))
+        if SPLIT:
+            _tma_load(desc_q2, base_q, m0, i_h * q_ch + HEAD_DIM, bar, q2_smem.index(i_s))
+            _tma_load(desc_do2, base_do, m0, i_h * do_ch + HEAD_DIM, bar, do2_smem.index(i_s))
         tma.async_copy_global_to_shared(desc_lse, [p_l], bar, lse_smem.index(i_s))
         tma.async_copy_global_to_shared(desc_delta, [p_l], bar, delta_smem.index(i_s))
         t += 1
@@ -400,7 +424,8 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
                   q_ch,
                   do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl, wr, masked, window, Ranges,
                   Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ, CuK,
-                  PERSISTENT: gl.constexpr, RAGGED: gl.constexpr):
+                  PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, desc_q2, desc_do2, desc_k2,
+                  desc_v2, q2_smem, do2_smem, k2_smem, v2_smem):
     n_items = _blocks(sk, k_smem.shape[0], RAGGED or CuQ.dtype.element_ty == gl.int32) * n_bh
     if PERSISTENT:
         c = 0  # items of this CTA so far (K/V phase)
@@ -414,7 +439,8 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
                               nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh,
                               do_ch, kv_rb, kv_rh, kv_ch, wl, wr, masked, window, Ranges,
                               Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ, CuK,
-                              PERSISTENT, RAGGED)
+                              PERSISTENT, RAGGED, desc_q2, desc_do2, desc_k2, desc_v2, q2_smem,
+                              do2_smem, k2_smem, v2_smem)
             c += 1
             # claimed while the consumers still work on this item's last tiles
             b_w = _claim(Counter)
@@ -430,7 +456,8 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
                       delta_smem, item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, sq, sk, sq_pad,
                       nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch,
                       kv_rb, kv_rh, kv_ch, wl, wr, masked, window, Ranges, Lists, stride_xb,
-                      stride_xh, stride_xr, tpr, ipc, CuQ, CuK, PERSISTENT, RAGGED)
+                      stride_xh, stride_xr, tpr, ipc, CuQ, CuK, PERSISTENT, RAGGED, desc_q2,
+                      desc_do2, desc_k2, desc_v2, q2_smem, do2_smem, k2_smem, v2_smem)
 
 
 @gluon.jit
@@ -637,6 +664,21 @@ def _split_cols(x):
     return gl.split(x.reshape([m, 2, n // 2]).permute((0, 2, 1)))
 
 
+@gluon.constexpr_function
+def _consumer_cols(d1, d2, i_wg):
+    """The columns of dK and dV consumer ``i_wg`` computes in ``_consume_item_wide``: half of
+    ``d1``, or of a head dim split into tiles ``d1`` and ``d2`` wide the ``i_wg``-th tile's."""
+    if d2 == d1:
+        return d1 // 2
+    return d1 if i_wg == 0 else d2
+
+
+@gluon.constexpr_function
+def _split_pick(a, b, split):
+    """``b`` for a split head dim, else ``a``."""
+    return b if split else a
+
+
 @gluon.jit
 def _dq_add_wide(b_dq, desc_dq, dq_tile, base, row, col, RAGGED: gl.constexpr):
     """``dq_accumulator[row:, col:] += b_dq`` (``[BLOCK_M, D / 2]`` float32) at d = 256 through
@@ -725,7 +767,8 @@ def _consume_item_wide(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, de
                        pds_smem, dq_smem, bar_qd, bar_free, bar_pds, bar_pdsfree, desc_dq, DK, DV,
                        stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group,
                        scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb,
-                       DQ: gl.constexpr, RAGGED: gl.constexpr, DK_COLS: gl.constexpr):
+                       DQ: gl.constexpr, RAGGED: gl.constexpr, DK_COLS: gl.constexpr, q2_smem,
+                       do2_smem, k2_smem, v2_smem):
     """Work item ``w`` at d = 256, where one consumer cannot hold dK and dV of 64 keys (256
     float32 registers a thread): both consumers take the item's 64 keys, each computes
     ``sᵀ``, ``dpᵀ``, ``pᵀ`` and ``dsᵀ`` for its half of a tile's ``BLOCK_M`` query rows and
@@ -742,13 +785,23 @@ def _consume_item_wide(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, de
     ``ds`` share one buffer pair: a tile's halves are written once both consumers' products of
     the previous tile have completed (``bar_pdsfree``), read once both are written
     (``bar_pds``).  Without ``DQ`` (the dK/dV kernel of the default backward at d = 256) the
-    same steps without dq."""
+    same steps without dq.
+
+    A split head dim (``attn_bwd_split_sm90_kernel``: 192 = 128 + 64, 160, 144; without
+    ``DQ``): ``sᵀ`` and ``dpᵀ`` are two products each (the first ``HEAD_DIM`` columns, then
+    the second buffers' ``D2``), and consumer 0 computes dK, dV of the first tile's columns,
+    consumer 1 of the second's (``_consumer_cols``)."""
     STAGES: gl.constexpr = q_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
+    D2: gl.constexpr = q2_smem.shape[2]           # (HEAD_DIM: not split)
+    SPLIT: gl.constexpr = D2 != HEAD_DIM
+    gl.static_assert(not (SPLIT and DQ), "a split head dim: the dK/dV kernel only")
+    S_GROUPS: gl.constexpr = _split_sum(1, 1, SPLIT)  # commit groups of a tile's sᵀ
     KEYS: gl.constexpr = k_smem.shape[0]
     HALF_M: gl.constexpr = BLOCK_M // 2
-    HALF_D: gl.constexpr = HEAD_DIM // 2
+    # this consumer's columns of dK and dV: half of D, or of a split head dim one tile's
+    HALF_D: gl.constexpr = _consumer_cols(HEAD_DIM, D2, i_wg)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_M, 16])
     g_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -763,6 +816,15 @@ def _consume_item_wide(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, de
     k0 = i_n * KEYS
     r0: gl.constexpr = i_wg * HALF_M                          # this consumer's rows of a tile
     c0: gl.constexpr = i_wg * HALF_D                          # and columns of D
+    col0: gl.constexpr = _split_pick(c0, i_wg * HEAD_DIM, SPLIT)  # (in the head)
+    s0: gl.constexpr = _split_pick(c0, 0, SPLIT)              # (in its buffers)
+    # the buffers of this consumer's columns of Q and dO
+    if SPLIT and i_wg == 1:
+        qc_smem = q2_smem
+        doc_smem = do2_smem
+    else:
+        qc_smem = q_smem
+        doc_smem = do_smem
     dq_tile = dq_smem.index(i_wg)                             # [BLOCK_M, D / 8]
     # the rows of batch entry i_b in the dQ accumulator (_dq_add)
     sq_rows = sq
@@ -789,26 +851,39 @@ def _consume_item_wide(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, de
         mbarrier.wait(bar_qd.index(i_s), (t // STAGES) & 1)
         b_st = warpgroup_mma(k_smem, q_smem.index(i_s).slice(r0, HALF_M).permute((1, 0)), b_st,
                              use_acc=False, is_async=True)
+        if SPLIT:  # sᵀ and dpᵀ sum over both tiles' columns
+            b_st = warpgroup_mma(k2_smem, q2_smem.index(i_s).slice(r0, HALF_M).permute((1, 0)),
+                                 b_st, is_async=True)
         b_dpt = warpgroup_mma(v_smem, do_smem.index(i_s).slice(r0, HALF_M).permute((1, 0)),
                               b_dpt, use_acc=False, is_async=True)
-        b_st = warpgroup_mma_wait(num_outstanding=1, deps=(b_st,))
+        if SPLIT:
+            b_dpt = warpgroup_mma(v2_smem, do2_smem.index(i_s).slice(r0, HALF_M).permute((1, 0)),
+                                  b_dpt, is_async=True)
+        b_st = warpgroup_mma_wait(num_outstanding=S_GROUPS, deps=(b_st,))
         b_pt = _wide_probs(b_st, lse_smem.index(i_s), o_k, o_r, lo * BLOCK_M, r0, k0, shift, wl,
                            wr, masked, window, kpart, b_kvis, qk_scale, KEYMASK, RAGGED)
         b_dpt = warpgroup_mma_wait(num_outstanding=0, deps=(b_dpt,))
     for j in range(n_t - 1):
         i_h = i_hk * group + j // n_m
         m0 = (lo + j % n_m) * BLOCK_M
-        b_dv, b_dk = _wide_step(t, b_pt, b_dpt, b_dv, b_dk, q_smem, do_smem, k_smem,
+        b_dv, b_dk = _wide_step(t, b_pt, b_dpt, b_dv, b_dk, qc_smem, doc_smem, k_smem,
                                 delta_smem, p_smem, ds_smem, dq_tile, bar_free, bar_pds,
                                 bar_pdsfree, desc_dq, i_b * sq_rows, m0, i_h * HEAD_DIM + c0,
-                                scale, r0, c0, DQ, RAGGED)
+                                scale, r0, s0, DQ, RAGGED)
         i_s1 = (t + 1) % STAGES
         mbarrier.wait(bar_qd.index(i_s1), ((t + 1) // STAGES) & 1)
         b_st = warpgroup_mma(k_smem, q_smem.index(i_s1).slice(r0, HALF_M).permute((1, 0)), b_st,
                              use_acc=False, is_async=True)
+        if SPLIT:
+            b_st = warpgroup_mma(k2_smem, q2_smem.index(i_s1).slice(r0, HALF_M).permute((1, 0)),
+                                 b_st, is_async=True)
         b_dpt = warpgroup_mma(v_smem, do_smem.index(i_s1).slice(r0, HALF_M).permute((1, 0)),
                               b_dpt, use_acc=False, is_async=True)
-        b_st = warpgroup_mma_wait(num_outstanding=1, deps=(b_st,))
+        if SPLIT:
+            b_dpt = warpgroup_mma(v2_smem,
+                                  do2_smem.index(i_s1).slice(r0, HALF_M).permute((1, 0)),
+                                  b_dpt, is_async=True)
+        b_st = warpgroup_mma_wait(num_outstanding=S_GROUPS, deps=(b_st,))
         b_pt = _wide_probs(b_st, lse_smem.index(i_s1), o_k, o_r, (lo + (j + 1) % n_m) * BLOCK_M,
                            r0, k0, shift, wl, wr, masked, window, kpart, b_kvis, qk_scale,
                            KEYMASK, RAGGED)
@@ -817,16 +892,17 @@ def _consume_item_wide(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, de
     if n_t > 0:  # the last tile
         i_h = i_hk * group + (n_t - 1) // n_m
         m0 = (lo + (n_t - 1) % n_m) * BLOCK_M
-        b_dv, b_dk = _wide_step(t, b_pt, b_dpt, b_dv, b_dk, q_smem, do_smem, k_smem,
+        b_dv, b_dk = _wide_step(t, b_pt, b_dpt, b_dv, b_dk, qc_smem, doc_smem, k_smem,
                                 delta_smem, p_smem, ds_smem, dq_tile, bar_free, bar_pds,
                                 bar_pdsfree, desc_dq, i_b * sq_rows, m0, i_h * HEAD_DIM + c0,
-                                scale, r0, c0, DQ, RAGGED)
+                                scale, r0, s0, DQ, RAGGED)
         if DQ:
             tma.store_wait(0)
         t += 1
-    # (a padded head dim's narrower dK, dV: the columns from DK_COLS on masked)
-    _store_dkdv(b_dk, b_dv, DK, DV, i_b, i_hk, k0, c0, stride_kb, stride_kn, stride_kh, sk,
-                scale, RAGGED, DK_COLS if DK_COLS < HEAD_DIM else 0)
+    # (a padded head dim's narrower dK, dV: the columns from DK_COLS on masked; a split one's
+    # tiles end at the head's last column)
+    _store_dkdv(b_dk, b_dv, DK, DV, i_b, i_hk, k0, col0, stride_kb, stride_kn, stride_kh, sk,
+                scale, RAGGED, DK_COLS if DK_COLS < _width(HEAD_DIM, D2) else 0)
     return t
 
 
@@ -838,7 +914,7 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
                   stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
                   stride_xr, tpr, ipc, CuQ, CuK, DQ: gl.constexpr,
                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr,
-                  DK_COLS: gl.constexpr):
+                  DK_COLS: gl.constexpr, q2_smem, do2_smem, k2_smem, v2_smem):
     if PERSISTENT:
         n_items = _blocks(sk, k_smem.shape[1], RAGGED or CuQ.dtype.element_ty == gl.int32) * n_bh
         w_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -858,14 +934,15 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
             c += 1
             mbarrier.wait(bar_kv, c & 1)
             w = gl.max(item_smem.load(w_layout), axis=0)
-    elif q_smem.shape[2] == 256:
+    elif q_smem.shape[2] == 256 or q2_smem.shape[2] != q_smem.shape[2]:  # (or split)
         mbarrier.wait(bar_kv, 0)
         _consume_item_wide(i_wg, gl.program_id(0), gl.to_tensor(0), q_smem, do_smem,
                            k_smem.index(0), v_smem.index(0), lse_smem, delta_smem, ds_smem,
                            dq_smem, bar_qd, bar_free, bar_ds.index(0), bar_dsfree.index(0),
                            desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k,
                            n_bh, bh_group, group, scale, qk_scale, wl, wr, masked, window,
-                           Ranges, KeyMask, stride_mb, DQ, RAGGED, DK_COLS)
+                           Ranges, KeyMask, stride_mb, DQ, RAGGED, DK_COLS, q2_smem, do2_smem,
+                           k2_smem.index(0), v2_smem.index(0))
     else:
         mbarrier.wait(bar_kv, 0)
         _consume_item(i_wg, gl.program_id(0), gl.to_tensor(0), q_smem, do_smem, k_smem,
@@ -886,13 +963,14 @@ def _bwd_consumer0(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sme
                    stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
                    stride_xr, tpr, ipc, CuQ, CuK, DQ: gl.constexpr,
                    PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr,
-                   DK_COLS: gl.constexpr):
+                   DK_COLS: gl.constexpr, q2_smem, do2_smem, k2_smem, v2_smem):
     _bwd_consumer(0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                   item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
                   bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
                   stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
-                  stride_xr, tpr, ipc, CuQ, CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA, DK_COLS)
+                  stride_xr, tpr, ipc, CuQ, CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA, DK_COLS,
+                  q2_smem, do2_smem, k2_smem, v2_smem)
 
 
 @gluon.jit
@@ -903,13 +981,14 @@ def _bwd_consumer1(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sme
                    stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
                    stride_xr, tpr, ipc, CuQ, CuK, DQ: gl.constexpr,
                    PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr,
-                   DK_COLS: gl.constexpr):
+                   DK_COLS: gl.constexpr, q2_smem, do2_smem, k2_smem, v2_smem):
     _bwd_consumer(1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                   item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
                   bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
                   stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
-                  stride_xr, tpr, ipc, CuQ, CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA, DK_COLS)
+                  stride_xr, tpr, ipc, CuQ, CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA, DK_COLS,
+                  q2_smem, do2_smem, k2_smem, v2_smem)
 
 
 @gluon.jit
@@ -948,12 +1027,61 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
     the columns from ``DK_COLS`` on: a padded head dim's dK and dV, narrower than the kernel's
     ``D``, stored by the kernel itself, not by TMA; elsewhere ``DK_COLS`` is ``D``); without
     them the lse pointer."""
+    _attn_bwd(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, desc_dk, desc_dv,
+              desc_q, desc_do, desc_k, desc_v, DK, DV, Counter, stride_kb, stride_kn, stride_kh,
+              sq, sk, sq_pad, nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh,
+              do_ch, kv_rb, kv_rh, kv_ch, dk_rb, dk_rh, dk_ch, scale, qk_scale, wl, wr, Ranges,
+              KeyMask, stride_mb, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ, CuK,
+              MASKED, WINDOW, DQ, PERSISTENT, RAGGED, DKDV_TMA, DK_COLS, STAGES)
+
+
+@gluon.jit
+def attn_bwd_split_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq,
+                               desc_dk, desc_dv, desc_q2, desc_do2, desc_k2, desc_v2, DK, DV,
+                               Counter, stride_kb, stride_kn, stride_kh, sq, sk, sq_pad, nheads_k,
+                               n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch,
+                               kv_rb, kv_rh, kv_ch, dk_rb, dk_rh, dk_ch, scale, qk_scale, wl, wr,
+                               Ranges, KeyMask, stride_mb, Lists, stride_xb, stride_xh, stride_xr,
+                               tpr, ipc, CuQ, CuK, MASKED: gl.constexpr, WINDOW: gl.constexpr,
+                               DQ: gl.constexpr, PERSISTENT: gl.constexpr, RAGGED: gl.constexpr,
+                               DKDV_TMA: gl.constexpr, DK_COLS: gl.constexpr,
+                               STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """The dK/dV kernel (no ``DQ``, one CTA an item, dense inputs, no mask but a window) at a
+    head dim that is 128 and a smaller tile's width (192 = 128 + 64, 160, 144): ``desc_q``,
+    ``desc_do``, ``desc_k`` and ``desc_v`` tile each head's first 128 columns, ``desc_q2`` ...
+    ``desc_v2`` the rest (``D2``), in buffers of their own; the work items and consumers are
+    those of d = 256 (``_consume_item_wide``: 64 keys that both consumers share), consumer 0
+    computing dK and dV of the first 128 columns, consumer 1 of the rest; no column computed
+    past the head."""
+    _attn_bwd(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, desc_dk, desc_dv,
+              desc_q2, desc_do2, desc_k2, desc_v2, DK, DV, Counter, stride_kb, stride_kn, stride_kh,
+              sq, sk, sq_pad, nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh,
+              do_ch, kv_rb, kv_rh, kv_ch, dk_rb, dk_rh, dk_ch, scale, qk_scale, wl, wr, Ranges,
+              KeyMask, stride_mb, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ, CuK,
+              MASKED, WINDOW, DQ, PERSISTENT, RAGGED, DKDV_TMA, DK_COLS, STAGES)
+
+
+@gluon.jit
+def _attn_bwd(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, desc_dk, desc_dv,
+              desc_q2, desc_do2, desc_k2, desc_v2, DK, DV, Counter, stride_kb, stride_kn,
+              stride_kh, sq, sk, sq_pad, nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb,
+              do_rh, do_ch, kv_rb, kv_rh, kv_ch, dk_rb, dk_rh, dk_ch, scale, qk_scale, wl, wr,
+              Ranges, KeyMask, stride_mb, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ,
+              CuK, MASKED: gl.constexpr, WINDOW: gl.constexpr, DQ: gl.constexpr,
+              PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr,
+              DK_COLS: gl.constexpr, STAGES: gl.constexpr):
+    """The kernels' body: the second descriptors are the first ones again but for a split
+    head dim (``attn_bwd_split_sm90_kernel``)."""
     # (a padded head dim's views have a tile [rows, 1, D] or [1, rows, 1, D]: _tma_load)
     BLOCK_M: gl.constexpr = _tile_rows(desc_q.block_type.shape)
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[-1]
-    # d = 256: both consumers share an item's 64 keys (_consume_item_wide); else each owns 64
-    # of its 128
-    WIDE: gl.constexpr = HEAD_DIM == 256
+    D2: gl.constexpr = desc_q2.block_type.shape[-1]  # (HEAD_DIM: not split)
+    SPLIT: gl.constexpr = D2 != HEAD_DIM
+    gl.static_assert(not (SPLIT and (DQ or PERSISTENT or DKDV_TMA)),
+                     "a split head dim: the dK/dV kernel, one CTA an item, its own stores")
+    # d = 256 (and a split head dim): both consumers share an item's 64 keys
+    # (_consume_item_wide); else each owns 64 of its 128
+    WIDE: gl.constexpr = HEAD_DIM == 256 or SPLIT
     gl.static_assert(not (WIDE and PERSISTENT), "the d = 256 consumers walk one item a CTA")
     gl.static_assert(not (WIDE and Lists.dtype.element_ty == gl.int32),
                      "block masks: d <= 128 only")
@@ -981,6 +1109,18 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
     v_all = gl.allocate_shared_memory(dtype, [1, KEYS, HEAD_DIM], kv_layout)
     k_smem = k_all.index(0)
     v_smem = v_all.index(0)
+    if SPLIT:  # the columns from HEAD_DIM on
+        q2_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D2], dtype)
+        kv2_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KV_TILE, D2], dtype)
+        q2_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D2], q2_layout)
+        do2_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D2], q2_layout)
+        k2_all = gl.allocate_shared_memory(dtype, [1, KEYS, D2], kv2_layout)
+        v2_all = gl.allocate_shared_memory(dtype, [1, KEYS, D2], kv2_layout)
+    else:
+        q2_smem = q_smem
+        do2_smem = do_smem
+        k2_all = k_all
+        v2_all = v_all
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], desc_lse.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], desc_delta.layout)
     # d <= 128 with DQ: two ds buffers [keys, rows] (tile t is written while tile t - 1's is
@@ -1027,18 +1167,21 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
                           sq, sk, nheads_k, n_bh, bh_group, group, scale, qk_scale, wl, wr,
                           MASKED, WINDOW, Ranges, KeyMask, stride_mb, desc_dk, desc_dv, dk_rb,
                           dk_rh, dk_ch, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ,
-                          CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA, DK_COLS)),
+                          CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA, DK_COLS, q2_smem, do2_smem,
+                          k2_all, v2_all)),
         (_bwd_consumer1, (q_smem, do_smem, k_all, v_all, lse_smem, delta_smem, ds_smem,
                           dq_smem, item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn,
                           bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb, stride_kn, stride_kh,
                           sq, sk, nheads_k, n_bh, bh_group, group, scale, qk_scale, wl, wr,
                           MASKED, WINDOW, Ranges, KeyMask, stride_mb, desc_dk, desc_dv, dk_rb,
                           dk_rh, dk_ch, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ,
-                          CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA, DK_COLS)),
+                          CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA, DK_COLS, q2_smem, do2_smem,
+                          k2_all, v2_all)),
         (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
                          k_smem, v_smem, lse_smem, delta_smem, item_smem, bar_kv, bar_kvfree,
                          bar_qd, bar_free, Counter, sq, sk, sq_pad, nheads_k, n_bh, bh_group, group,
                          q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl, wr,
                          MASKED, WINDOW, Ranges, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc,
-                         CuQ, CuK, PERSISTENT, RAGGED)),
+                         CuQ, CuK, PERSISTENT, RAGGED, desc_q2, desc_do2, desc_k2, desc_v2,
+                         q2_smem, do2_smem, k2_all.index(0), v2_all.index(0))),
     ], [4, 1], [CONSUMER_REGS, 24])
