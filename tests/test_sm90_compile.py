@@ -1759,6 +1759,30 @@ def test_sm90_split_dq_reads_and_stores_a_heads_columns_in_two_tiles(d, layout, 
     assert "desc_q2" not in calls[-1][2]
 
 
+def test_launch_keeps_a_compiled_variant_per_descriptor_tiles(monkeypatch):
+    """``launch_sm90._launch`` files each compiled variant under the descriptors' tiles as well
+    as the caller's key: two launches alike in everything the caller names but a tile's width
+    (as split kernels of head dims 144 and 192 are) compile two variants, and a third launch
+    like the first finds the first's."""
+    from flashtile.backends.triton import launch_sm90
+
+    class Kernel:  # compiles a new (fake) variant per launch; its launches go nowhere
+        arg_names = ["desc_q", "n"]
+
+        def __getitem__(self, grid):
+            return lambda **args: object()
+    monkeypatch.setattr(launch_sm90, "INTERNALS_OK", True)
+    monkeypatch.setattr(launch_sm90, "_kernel", lambda name: Kernel())
+    monkeypatch.setattr(launch_sm90, "_descriptor", lambda *a: a)
+    monkeypatch.setattr(launch_sm90, "run_direct", lambda *a: True)
+    monkeypatch.setattr(launch_sm90, "_compiled", {})
+    x = torch.zeros(4, 8)
+    for cols in (16, 64, 16):
+        launch_sm90._launch("dq_split", 0, ("same",), (1,), {"n": 32},
+                            {"desc_q": (x, [4, 8], [8, 1], [64, cols], None)})
+    assert sorted(k[-1] for k in launch_sm90._compiled) == [((64, 16),), ((64, 64),)]
+
+
 @pytest.mark.parametrize("seq", [256, 200], ids=["aligned", "ragged"])
 @pytest.mark.parametrize("layout", ["contiguous", "sdpa"])
 @pytest.mark.parametrize("d", [192, 144])

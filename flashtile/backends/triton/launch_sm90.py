@@ -616,7 +616,9 @@ def _launch(kernel_name: str, device: int, key: tuple, grid: tuple, args: dict,
     block, layout)``); ``(compiled kernel, arguments in signature order)`` when it launched a
     compiled variant directly, else None.  A call's :func:`fastlaunch.recording` notes the
     launch (a direct one with its descriptors, for a plan to rebuild)."""
-    key = (kernel_name, device, *key, _int_key(args))
+    # (and the descriptors' tiles: a variant compiled for one tile shape never serves another,
+    # whatever the caller's key names)
+    key = (kernel_name, device, *key, _int_key(args), tuple(tuple(d[3]) for d in descs.values()))
     rec = recorder()
     compiled = _compiled.get(key) if INTERNALS_OK else None
     # a profiler's launch hooks want Triton's own launch path (and full descriptors)
