@@ -212,27 +212,33 @@ def plot_ratio(records: list[dict], peer: str, path: Path | str, impl: str = "fl
     import matplotlib.pyplot as plt
 
     devices = sorted({k[0] for k in ratios})
-    modes = [m for m in MODES if any(k[1] == m for k in ratios)]
-    causals = sorted({k[2] for k in ratios})
-    # a row per causal setting, a column per mode
-    fig, axes = plt.subplots(len(causals), len(modes), figsize=(5.0 * len(modes), 3.6 * len(causals)),
+    panels = [(mode, causal) for mode in MODES for causal in (False, True)
+              if any(k[1:3] == (mode, causal) for k in ratios)]
+    shapes_of = {p: sorted({(k[3], k[4]) for k in ratios if k[1:3] == p}) for p in panels}
+    # a full-width panel per (mode, causal), a column of bars per shape, the labels upright
+    # (many head dims and lengths: side by side panels would print them over each other)
+    most = max(len(v) for v in shapes_of.values())
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8.0, 0.28 * most + 1.5),
+                                                      2.6 * len(panels)),
                              squeeze=False, sharey=True)
     width = 0.8 / len(devices)
-    panels = [(mode, causal) for causal in causals for mode in modes]
-    for ax, (mode, causal) in zip(axes.flat, panels):
-        shapes = sorted({(k[3], k[4]) for k in ratios if (k[1], k[2]) == (mode, causal)})
+    for ax, (mode, causal) in zip(axes[:, 0], panels):
+        shapes = shapes_of[(mode, causal)]
         for i, dev in enumerate(devices):
             xs = [j + (i - (len(devices) - 1) / 2) * width for j in range(len(shapes))]
             ys = [ratios.get((dev, mode, causal, d, n), 0.0) for d, n in shapes]
             ax.bar(xs, ys, width, label=dev)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(shapes)))
-        ax.set_xticklabels([f"d{d}\n{format_n(n)}" for d, n in shapes], fontsize="small")
+        ax.set_xticklabels([f"d{d} {format_n(n)}" for d, n in shapes], fontsize="small",
+                           rotation=90)
+        ax.set_xlim(-0.6, max(len(shapes), most) - 0.4)
         ax.set_title(f"{mode}, {'causal' if causal else 'non-causal'}", fontsize="medium")
+        ax.set_ylabel(f"{impl} / {peer}")
         ax.grid(axis="y", alpha=0.3)
-    for row in axes:
-        row[0].set_ylabel(f"{impl} / {peer}")
-    axes[0][-1].legend(fontsize="small")
+    # (above the first panel: inside it would cover bars)
+    axes[0][0].legend(fontsize="small", ncol=len(devices), loc="lower right",
+                      bbox_to_anchor=(1.0, 1.0), frameon=False)
     fig.suptitle(f"{impl} over {peer}, {dtype}, same run per device (1.0 = parity)",
                  fontsize="medium")
     fig.tight_layout()
