@@ -1641,6 +1641,30 @@ def _heads_tensor(batch: int, seq: int, heads: int, d: int, layout: str):
     return x.transpose(1, 2).contiguous().transpose(1, 2) if layout == "sdpa" else x
 
 
+def _assert_split_tiles(a: dict, tensors, d: int, rows: int, keys: int) -> None:
+    """A split launch's arguments ``a``: each ``(role, tensor, prefix)`` of ``tensors`` has two
+    descriptors, ``desc_<role>`` over a head's first 128 columns and ``desc_<role>2`` over the
+    rest, tiles of ``rows`` rows (``keys`` for k and v); at the kernel's coordinates
+    (``<prefix>_rb``, ``_rh``, ``_ch``, plus 128 for the second) the first and last tile of
+    each head (emulated as the TMA reads them) are its rows of those columns, zeros past the
+    sequence."""
+    for role, x, prefix in tensors:
+        for suffix, c0, c1 in (("", 0, 128), ("2", 128, d)):
+            desc = a[f"desc_{role}{suffix}"]
+            assert desc[0] is x and desc[3][-1] == c1 - c0, (role, suffix, desc[3])
+            n = _tile_rows(desc[3])
+            assert n == (keys if role in "kv" else rows), (role, n)
+            for b in range(x.shape[0]):
+                for h in range(x.shape[2]):
+                    base = b * a[f"{prefix}_rb"] + h * a[f"{prefix}_rh"]
+                    for row in (0, (x.shape[1] - 1) // n * n):  # (the last tile)
+                        got = _tma_tile(desc, base, row, h * a[f"{prefix}_ch"] + c0)
+                        want = torch.zeros(n, c1 - c0, dtype=x.dtype)
+                        live = x[b, row:row + n, h, c0:c1]
+                        want[:live.shape[0]] = live
+                        assert torch.equal(got, want), (role, suffix, b, h, row)
+
+
 def test_split_width_is_two_tiles_widths():
     """``launch_sm90.split_width``: the first of two power-of-two tile widths (64 or 128, the
     other smaller and at least 16) that make up the head dim, else 0."""
@@ -1735,24 +1759,9 @@ def test_sm90_split_dq_reads_and_stores_a_heads_columns_in_two_tiles(d, layout, 
     (name, key, a), = calls
     # (the compiled variant's key holds the head dim: 192 and 160 tile their columns apart)
     assert name == "dq_split" and key[1] == 256 and key[-1] == d
-    for role, x, prefix, n_heads in (("q", q, "q", heads), ("do", do, "do", heads),
-                                     ("k", k, "kv", heads_k), ("v", v, "kv", heads_k),
-                                     ("dq", dq, "dq", heads)):
-        for suffix, c0, c1 in (("", 0, 128), ("2", 128, d)):
-            desc = a[f"desc_{role}{suffix}"]
-            assert desc[0] is x and desc[3][-1] == c1 - c0, (role, suffix, desc[3])
-            rows = _tile_rows(desc[3])
-            assert rows == (launch_sm90.DQ_SPLIT_BLOCK_N if role in "kv"
-                            else launch_sm90.DQ_ROWS)
-            for b in range(batch):
-                for h in range(n_heads):
-                    base = b * a[f"{prefix}_rb"] + h * a[f"{prefix}_rh"]
-                    for row in (0, (seq - 1) // rows * rows):  # (the last tile)
-                        got = _tma_tile(desc, base, row, h * a[f"{prefix}_ch"] + c0)
-                        want = torch.zeros(rows, c1 - c0, dtype=x.dtype)
-                        live = x[b, row:row + rows, h, c0:c1]
-                        want[:live.shape[0]] = live
-                        assert torch.equal(got, want), (role, suffix, b, h, row)
+    _assert_split_tiles(a, (("q", q, "q"), ("do", do, "do"), ("k", k, "kv"), ("v", v, "kv"),
+                            ("dq", dq, "dq")), d, launch_sm90.DQ_ROWS,
+                        launch_sm90.DQ_SPLIT_BLOCK_N)
     monkeypatch.setattr(launch_sm90, "DQ_SPLIT", False)
     launch_sm90._dq(q, k, v, do, lse, delta, dq, spec, 256)
     assert calls[-1][0] == "dq" and calls[-1][2]["desc_q"][3][-1] == 256
@@ -1813,23 +1822,8 @@ def test_sm90_split_dkdv_reads_a_heads_columns_in_two_tiles(d, layout, seq, monk
     assert name == "bwd_split" and key[1] == 256 and key[8:10] == (d, d)
     assert a["DK"] is dk and a["DV"] is dv and a["DK_COLS"] == d and not a["DQ"]
     assert not a["DKDV_TMA"] and not a["PERSISTENT"]
-    for role, x, prefix, n_heads in (("q", q, "q", heads), ("do", do, "do", heads),
-                                     ("k", k, "kv", heads_k), ("v", v, "kv", heads_k)):
-        for suffix, c0, c1 in (("", 0, 128), ("2", 128, d)):
-            desc = a[f"desc_{role}{suffix}"]
-            assert desc[0] is x and desc[3][-1] == c1 - c0, (role, suffix, desc[3])
-            rows = _tile_rows(desc[3])
-            assert rows == (launch_sm90.bwd_keys(256) if role in "kv"
-                            else launch_sm90.BWD_BLOCK_M)
-            for b in range(batch):
-                for h in range(n_heads):
-                    base = b * a[f"{prefix}_rb"] + h * a[f"{prefix}_rh"]
-                    for row in (0, (seq - 1) // rows * rows):  # (the last tile)
-                        got = _tma_tile(desc, base, row, h * a[f"{prefix}_ch"] + c0)
-                        want = torch.zeros(rows, c1 - c0, dtype=x.dtype)
-                        live = x[b, row:row + rows, h, c0:c1]
-                        want[:live.shape[0]] = live
-                        assert torch.equal(got, want), (role, suffix, b, h, row)
+    _assert_split_tiles(a, (("q", q, "q"), ("do", do, "do"), ("k", k, "kv"), ("v", v, "kv")),
+                        d, launch_sm90.BWD_BLOCK_M, launch_sm90.bwd_keys(256))
     monkeypatch.setattr(launch_sm90, "BWD_SPLIT", False)
     launch_sm90._bwd(q, k, v, do, lse, delta, None, dk, dv, spec, width=256)
     assert calls[-1][0] == "bwd" and calls[-1][2]["desc_q"][3][-1] == 256
