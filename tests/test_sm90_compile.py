@@ -1875,8 +1875,10 @@ def test_padded_backward_reads_each_head_through_views_of_the_kernels_width(d, s
         return None
     monkeypatch.setattr(launch_sm90, "_launch", kernel_writes)
     monkeypatch.setattr(launch_sm90, "PAD_NARROW_DKDV", narrow)
-    # (the split dQ kernel's descriptors: test_sm90_split_dq_reads_and_stores_...)
+    # (the split kernels' descriptors: test_sm90_split_dq_reads_and_stores_... and
+    # test_sm90_split_dkdv_reads_...)
     monkeypatch.setattr(launch_sm90, "DQ_SPLIT", False)
+    monkeypatch.setattr(launch_sm90, "BWD_SPLIT", False)
     with fastlaunch.recording() as rec:
         launch_sm90.padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec, width)
     # the crops and the fused kernel's dQ conversion are no launches: the call is marked as

@@ -594,6 +594,13 @@ def _dq_name(d: int) -> str:
     return "dq_split" if launch_sm90.DQ_SPLIT and launch_sm90.split_width(d) == 128 else "dq"
 
 
+def _bwd_name(d: int) -> str:
+    """The name of the dK/dV kernel of a head dim ``d``'s two-kernel backward at width 256 on
+    dense inputs: the split kernel for 128 and a smaller tile's width (``BWD_SPLIT``), else the
+    kernel of 256."""
+    return "bwd_split" if launch_sm90.BWD_SPLIT and launch_sm90.split_width(d) == 128 else "bwd"
+
+
 def _in_layout(x, layout):
     """``x`` (B, S, H, D) as the same values in another memory layout a caller may hand in."""
     if layout == "contiguous":
@@ -952,7 +959,7 @@ def test_sm90_padded_head_dims_backward_over_long_keys_on_hopper(d, causal, monk
         out = flashtile.flash_attn_func(*leaves, causal=causal)
         out.backward(do)
     assert names[0] == _fwd_name(d), names
-    assert len(names) > 1 and set(names[1:]) <= {"bwd", "dq", "dq_split"}, names
+    assert len(names) > 1 and set(names[1:]) <= {"bwd", "bwd_split", "dq", "dq_split"}, names
     _assert_grads_within_rule(leaves, q, k, v, do, causal)
 
 
@@ -1003,7 +1010,7 @@ def test_sm90_padded_backward_views_match_float64_reference(case, narrow, monkey
     with poison_outputs():
         out = flashtile.flash_attn_func(*leaves, causal=causal)
         out.backward(do)
-    want = [_fwd_name(d)] + (["bwd"] if d <= 128 else [_dq_name(d), "bwd"])
+    want = [_fwd_name(d)] + (["bwd"] if d <= 128 else [_dq_name(d), _bwd_name(d)])
     assert names == want and widths == [d], (names, widths)
     _assert_grads_within_rule(leaves, q, k, v, do, causal)
 
