@@ -187,9 +187,25 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                 split_types = dict(types, **{f"desc_{n}{s}": desc(ty, rows, cols, dtype, ragged)
                                              for s, cols in (("", 128), ("2", 64))
                                              for n, rows in (("q", bm), ("do", bm), ("k", keys),
-                                                             ("v", keys))})
+                                                             ("v", keys))},
+                                   desc_dq2=types["desc_dq"])
                 emit(f"dkdvp{r}-{ty}", attn_bwd_split_sm90_kernel, split_types, 192, causal,
                      WINDOW=False, DQ=False, PERSISTENT=False, RAGGED=ragged, DKDV_TMA=False)
+            if head_dim == 128 and ty == "bf16":
+                # "bwdp": the kernel at d = 96 (launch_sm90.BWD128_SPLIT: q, dO, k and v
+                # through two descriptors each, 64 + 32 columns, K and V one tile of the
+                # item's keys; the dQ accumulator's second tile through desc_dq2; the consumers
+                # of d = 128, persistent as there), fused, any lengths, with or without a key
+                # mask
+                split_types = dict(types, **{f"desc_{n}{s}": desc(ty, rows, cols, dtype, ragged)
+                                             for s, cols in (("", 64), ("2", 32))
+                                             for n, rows in (("q", bm), ("do", bm), ("k", keys),
+                                                             ("v", keys))},
+                                   desc_dq=desc("fp32", bm, 64, torch.float32, ragged),
+                                   desc_dq2=desc("fp32", bm, 32, torch.float32, ragged))
+                emit(f"bwdp{r}-{ty}", attn_bwd_split_sm90_kernel, split_types, 96, causal,
+                     WINDOW=False, DQ=True, PERSISTENT=launch_sm90.bwd_persistent(head_dim),
+                     RAGGED=ragged, DKDV_TMA=False)
             if not keymask and head_dim == 256:  # the dQ kernel (no key mask)
                 dq_n = launch_sm90.DQ_BLOCK_N
                 emit(f"dq{r}-{ty}", attn_bwd_dq_sm90_kernel, dict(
@@ -274,7 +290,7 @@ def compiled() -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     run = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
-                         text=True, timeout=600)
+                         text=True, timeout=900)  # (~340 s on two cores, cold)
     assert run.returncode == 0, run.stderr[-4000:]
     rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     return {row["variant"]: row for row in rows}
@@ -467,6 +483,31 @@ def test_sm90_dq_kernel_compiles_for_hopper_with_its_structure(compiled, variant
 SPLIT_DQ_VARIANTS = [f"dqp{r}-bf16-d192-{mode}" for r in ("", "r") for mode in ("full", "causal")]
 SPLIT_DKDV_VARIANTS = [f"dkdvp{r}-bf16-d192-{mode}" for r in ("", "r")
                        for mode in ("full", "causal")]
+
+
+SPLIT_BWD128_VARIANTS = [f"bwdp{r}-bf16-d96-{mode}" for r in ("", "r", "k")
+                         for mode in ("full", "causal")]
+
+
+@pytest.mark.parametrize("variant", SPLIT_BWD128_VARIANTS)
+def test_sm90_split_backward_of_width_128_compiles_for_hopper_with_its_structure(compiled,
+                                                                                variant):
+    """The fused split kernel at d = 96 (64 + 32) with the consumers of d = 128: Q and dO rings
+    and the item's 128 keys of K and V, each in two buffers, within the shared memory; dK and
+    dV stored by the kernel (no TMA store); each consumer's dq added by TMA reductions (two
+    call sites a consumer); the work counter's atomics only; no spill (0 bytes)."""
+    from flashtile.backends.triton import launch_sm90
+
+    row = compiled[variant]
+    assert row["cubin_bytes"] > 0, "ptxas produced no binary"
+    rows = 2 * launch_sm90.STAGES * launch_sm90.BWD_BLOCK_M + 2 * launch_sm90.bwd_keys(128)
+    assert rows * row["head_dim"] * 2 <= row["shared"] <= SMEM_LIMIT
+    assert row["num_warps"] == 12
+    assert all(row["ops"].values()), row["ops"]
+    assert row["tma_stores"] == 0
+    assert row["tma_reductions"] == 4
+    assert row["atomics"] == (2 if launch_sm90.bwd_persistent(128) else 0)
+    assert row["spill_bytes"] <= 32, row["spill_bytes"]
 
 
 @pytest.mark.parametrize("variant", SPLIT_DKDV_VARIANTS)
@@ -1641,15 +1682,16 @@ def _heads_tensor(batch: int, seq: int, heads: int, d: int, layout: str):
     return x.transpose(1, 2).contiguous().transpose(1, 2) if layout == "sdpa" else x
 
 
-def _assert_split_tiles(a: dict, tensors, d: int, rows: int, keys: int) -> None:
+def _assert_split_tiles(a: dict, tensors, d: int, rows: int, keys: int,
+                        first: int = 128) -> None:
     """A split launch's arguments ``a``: each ``(role, tensor, prefix)`` of ``tensors`` has two
-    descriptors, ``desc_<role>`` over a head's first 128 columns and ``desc_<role>2`` over the
+    descriptors, ``desc_<role>`` over a head's ``first`` columns and ``desc_<role>2`` over the
     rest, tiles of ``rows`` rows (``keys`` for k and v); at the kernel's coordinates
-    (``<prefix>_rb``, ``_rh``, ``_ch``, plus 128 for the second) the first and last tile of
-    each head (emulated as the TMA reads them) are its rows of those columns, zeros past the
-    sequence."""
+    (``<prefix>_rb``, ``_rh``, ``_ch``, plus ``first`` for the second) the first and last tile
+    of each head (emulated as the TMA reads them) are its rows of those columns, zeros past
+    the sequence."""
     for role, x, prefix in tensors:
-        for suffix, c0, c1 in (("", 0, 128), ("2", 128, d)):
+        for suffix, c0, c1 in (("", 0, first), ("2", first, d)):
             desc = a[f"desc_{role}{suffix}"]
             assert desc[0] is x and desc[3][-1] == c1 - c0, (role, suffix, desc[3])
             n = _tile_rows(desc[3])
@@ -1768,6 +1810,64 @@ def test_sm90_split_dq_reads_and_stores_a_heads_columns_in_two_tiles(d, layout, 
     assert "desc_q2" not in calls[-1][2]
 
 
+@pytest.mark.parametrize("seq", [256, 200], ids=["aligned", "ragged"])
+@pytest.mark.parametrize("layout", ["contiguous", "sdpa"])
+@pytest.mark.parametrize("d", [96, 80])
+def test_sm90_split_backward_of_width_128_reads_and_adds_a_heads_columns(d, layout, seq,
+                                                                         monkeypatch):
+    """With ``BWD128_SPLIT`` the fused backward of a padded head dim of 64 and a smaller tile's
+    width (80, 96) at 128 launches the split kernel with the consumers of d = 128 (persistent,
+    dK and dV stored by the kernel): q, dO, k and v have two descriptors each, the first
+    tiling a head's first 64 columns and the second the rest, K and V one tile of the item's
+    keys; at the kernel's coordinates their tiles (emulated as the TMA reads them) are the
+    head's columns, in both layouts, lengths multiples of the tiles or not; the dQ
+    accumulator (128 columns a head) has a descriptor of 64 columns and one of the rest, whose
+    tiles at a head's columns 0 and 64 are the accumulator's columns of the head's dq; the
+    launch key holds the head dim; the dK/dV kernel (no accumulator) and, without the switch,
+    the fused call launch the kernel of width 128."""
+    from flashtile.backends.spec import AttnSpec
+    from flashtile.backends.triton import launch_sm90
+
+    calls = _direct_launches(monkeypatch, "bwd_split")
+    monkeypatch.setattr(launch_sm90, "BWD128_SPLIT", True)
+    batch, heads, heads_k = 2, 4, 2
+
+    def tensor(h):
+        return _heads_tensor(batch, seq, h, d, layout)
+    q, do, k, v = tensor(heads), tensor(heads), tensor(heads_k), tensor(heads_k)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dq_acc = torch.randn(batch, seq, heads, 128)
+    lse, delta = torch.randn(batch, heads, seq), torch.randn(batch, heads, seq)
+    spec = AttnSpec(softmax_scale=d ** -0.5, window_right=0)
+    launch_sm90._bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec, width=128)
+    (name, key, a), = calls
+    assert name == "bwd_split" and key[1] == 128 and key[9] == d
+    assert a["DK"] is dk and a["DV"] is dv and a["DQ"]
+    assert not a["DKDV_TMA"] and a["PERSISTENT"] == launch_sm90.bwd_persistent(128)
+    _assert_split_tiles(a, (("q", q, "q"), ("do", do, "do"), ("k", k, "kv"), ("v", v, "kv")),
+                        d, launch_sm90.BWD_BLOCK_M, launch_sm90.bwd_keys(128), first=64)
+    rows = launch_sm90.BWD_BLOCK_M
+    for suffix, c0, c1 in (("", 0, 64), ("2", 64, d)):
+        desc = a[f"desc_dq{suffix}"]
+        assert desc[0] is dq_acc and desc[3][-1] == c1 - c0 and _tile_rows(desc[3]) == rows
+        for b in range(batch):
+            for h in range(heads):
+                for row in (0, (seq - 1) // rows * rows):
+                    # (the kernel's coordinates: a sequence's first row, or its index with
+                    # ragged lengths; the head's columns of the accumulator)
+                    base = b if seq % rows else b * seq
+                    got = _tma_tile(desc, base, row, h * 128 + c0)
+                    want = torch.zeros(rows, c1 - c0)
+                    live = dq_acc[b, row:row + rows, h, c0:c1]
+                    want[:live.shape[0]] = live
+                    assert torch.equal(got, want), (suffix, b, h, row)
+    for acc, split in ((None, True), (dq_acc, False)):
+        monkeypatch.setattr(launch_sm90, "BWD128_SPLIT", split)
+        launch_sm90._bwd(q, k, v, do, lse, delta, acc, dk, dv, spec, width=128)
+        assert calls[-1][0] == "bwd" and calls[-1][2]["desc_q"][3][-1] == 128
+        assert "desc_q2" not in calls[-1][2]
+
+
 def test_launch_keeps_a_compiled_variant_per_descriptor_tiles(monkeypatch):
     """``launch_sm90._launch`` files each compiled variant under the descriptors' tiles as well
     as the caller's key: two launches alike in everything the caller names but a tile's width
@@ -1875,10 +1975,11 @@ def test_padded_backward_reads_each_head_through_views_of_the_kernels_width(d, s
         return None
     monkeypatch.setattr(launch_sm90, "_launch", kernel_writes)
     monkeypatch.setattr(launch_sm90, "PAD_NARROW_DKDV", narrow)
-    # (the split kernels' descriptors: test_sm90_split_dq_reads_and_stores_... and
-    # test_sm90_split_dkdv_reads_...)
+    # (the split kernels' descriptors: test_sm90_split_dq_reads_and_stores_...,
+    # test_sm90_split_dkdv_reads_... and test_sm90_split_backward_of_width_128_...)
     monkeypatch.setattr(launch_sm90, "DQ_SPLIT", False)
     monkeypatch.setattr(launch_sm90, "BWD_SPLIT", False)
+    monkeypatch.setattr(launch_sm90, "BWD128_SPLIT", False)
     with fastlaunch.recording() as rec:
         launch_sm90.padded_backward(q, k, v, out, do, lse, dq, dk, dv, spec, width)
     # the crops and the fused kernel's dQ conversion are no launches: the call is marked as

@@ -595,10 +595,13 @@ def _dq_name(d: int) -> str:
 
 
 def _bwd_name(d: int) -> str:
-    """The name of the dK/dV kernel of a head dim ``d``'s two-kernel backward at width 256 on
-    dense inputs: the split kernel for 128 and a smaller tile's width (``BWD_SPLIT``), else the
-    kernel of 256."""
-    return "bwd_split" if launch_sm90.BWD_SPLIT and launch_sm90.split_width(d) == 128 else "bwd"
+    """The name of the Hopper backward kernel of a head dim ``d`` on dense inputs (the fused
+    kernel up to width 128, the dK/dV kernel of the two-kernel backward at 256): the split
+    kernel for 64 and a smaller tile's width (``BWD128_SPLIT``: 80, 96) or 128 and a smaller
+    one's (``BWD_SPLIT``: 144, 160, 192), else the kernel of the padded width."""
+    first = launch_sm90.split_width(d)
+    split = {64: launch_sm90.BWD128_SPLIT, 128: launch_sm90.BWD_SPLIT}.get(first, False)
+    return "bwd_split" if split else "bwd"
 
 
 def _in_layout(x, layout):
@@ -1010,7 +1013,7 @@ def test_sm90_padded_backward_views_match_float64_reference(case, narrow, monkey
     with poison_outputs():
         out = flashtile.flash_attn_func(*leaves, causal=causal)
         out.backward(do)
-    want = [_fwd_name(d)] + (["bwd"] if d <= 128 else [_dq_name(d), _bwd_name(d)])
+    want = [_fwd_name(d)] + ([_bwd_name(d)] if d <= 128 else [_dq_name(d), _bwd_name(d)])
     assert names == want and widths == [d], (names, widths)
     _assert_grads_within_rule(leaves, q, k, v, do, causal)
 
@@ -1071,6 +1074,40 @@ def test_sm90_split_dq_kernels_of_two_head_dims_in_one_process(monkeypatch):
             out.backward(do)
         assert names == [_fwd_name(d), "dq_split", "bwd_split"], names
         _assert_grads_within_rule(leaves, q, k, v, do, True)
+
+
+# the padded head dims of 64 and a smaller tile (launch_sm90.split_width: 80, 96), and more
+# layouts and lengths
+SPLIT_128_CASES = [c for c in PADDED_CASES if launch_sm90.split_width(c[6]) == 64] + [
+    ("d80-causal-gqa-ragged", 2, 333, 333, 4, 2, 80, True, "contiguous"),
+    ("d96-sdpa-causal-gqa-1k", 1, 1024, 1024, 4, 1, 96, True, "sdpa"),
+    ("d96-sk-longer-fused-qkv", 2, 256, 640, 4, 4, 96, False, "fused-qkv"),
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_128_CASES, ids=[c[0] for c in SPLIT_128_CASES])
+def test_sm90_split_backward_of_width_128_matches_float64_reference(case, monkeypatch):
+    """With ``launch_sm90.BWD128_SPLIT`` the fused backward of a padded head dim that is 64
+    and a smaller tile's width (80, 96) runs the split kernel with the consumers of d = 128
+    (``attn_bwd_split_sm90_kernel``: q, dO, k and v through two descriptors each, dK, dV and
+    dq of each tile's columns, none past the head): the only Hopper backward launch, gradients
+    within flash-attn's rule of float64 in the inputs' layouts (GQA, lengths multiples of the
+    tiles or not, sk != sq, causal or not)."""
+    _, batch, sq, sk, heads, heads_k, d, causal, layout = case
+    _views_backward(monkeypatch)
+    monkeypatch.setattr(launch_sm90, "BWD128_SPLIT", True)
+    q, k, v, do = _padded_case_inputs(batch, sq, sk, heads, heads_k, d, torch.bfloat16)
+    names = _launch_names(monkeypatch)
+
+    def run():
+        leaves = [_in_layout(x, layout).detach().requires_grad_() for x in (q, k, v)]
+        with poison_outputs():
+            out = flashtile.flash_attn_func(*leaves, causal=causal)
+            out.backward(do)
+        return leaves
+    leaves = run()
+    assert names == [_fwd_name(d), "bwd_split"], names
+    _assert_grads_within_rule(leaves, q, k, v, do, causal)
 
 
 @pytest.mark.parametrize("d,causal,seq,narrow", [(96, True, 384, False), (96, False, 300, False),

@@ -154,13 +154,21 @@ def test_sm90_key_mask_forward_matches_float64_reference(case, split, dtype, mon
     assert (portable.double() - ref).abs().max().item() <= 2 * base + 1e-4
 
 
-@pytest.mark.parametrize("case", CASES + PADDED_CASES, ids=[c[0] for c in CASES + PADDED_CASES])
+# (case, BWD128_SPLIT): head dims of 64 and a smaller tile through the split kernel as well
+BWD_CASES = [(c, False) for c in CASES + PADDED_CASES] + [
+    (c, True) for c in PADDED_CASES if launch_sm90.split_width(c[6]) == 64]
+
+
+@pytest.mark.parametrize("case,split", BWD_CASES,
+                         ids=[c[0] + ("-split" if split else "") for c, split in BWD_CASES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_sm90_key_mask_backward_matches_float64_reference(case, dtype, monkeypatch):
+def test_sm90_key_mask_backward_matches_float64_reference(case, split, dtype, monkeypatch):
     """dQ, dK and dV with a key mask within 3x PyTorch's same-dtype error of float64: the
     fused Hopper backward at every length and head dim (at 96 and 192 the kernel of the next
     width through views of the head's columns: ``launch_sm90.PAD_BWD_VIEWS``, at any number
-    of keys), hidden keys and rows that see no key with zero gradients."""
+    of keys; at 96 with ``BWD128_SPLIT`` the split kernel), hidden keys and rows that see no
+    key with zero gradients."""
+    monkeypatch.setattr(launch_sm90, "BWD128_SPLIT", split)
     q, k, v, do, mask, causal = _inputs(case, dtype)
     sk, d = case[3], case[6]
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)

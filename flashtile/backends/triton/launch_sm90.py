@@ -1043,6 +1043,12 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
     split = (split_width(d) if BWD_SPLIT and head_dim == 256 and split_width(d) == 128
              and dq_acc is None and key_mask is None and sparse is None and varlen is None
              else 0)
+    # the fused kernel of a padded head dim of 64 and a smaller tile (80, 96) at 128
+    # (BWD128_SPLIT): the same two descriptors a tensor, and the dQ accumulator's second tile
+    # through a second descriptor (dense inputs, a key mask or none)
+    if (BWD128_SPLIT and head_dim == 128 and split_width(d) == 64 and dq_acc is not None
+            and sparse is None and varlen is None):
+        split = 64
     if varlen is not None:  # the sequences, the longest lengths (the packed rows: one entry)
         batch, sq, sk = varlen[0].shape[0] - 1, varlen[2], varlen[3]
     device = q.device.index or 0
@@ -1092,7 +1098,7 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
     # (and where a padded head dim's view of K has a dimension for the heads, _rows: a 3-D
     # TMA cannot write into a slice either)
     heads_k = head_dim > d and _plan(k)[2][2] != 0
-    kv_rows = keys if ragged or head_dim == 256 or heads_k else keys // 2
+    kv_rows = keys if ragged or head_dim == 256 or heads_k or split else keys // 2
     # dK and dV stored by TMA from a consumer's rows of the V buffer (2-D: not with ragged
     # lengths; d = 256 consumers share their keys); else by the kernel's own stores, and the
     # descriptors are of one tile, never read
@@ -1101,7 +1107,7 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
     # each head's rows, whose edge is the head's last column; else the kernel's own stores,
     # masked at DK_COLS)
     narrow = dk.shape[-1] < head_dim
-    args["DKDV_TMA"] = (not ragged and head_dim != 256 and _dense(q, dk, dv)
+    args["DKDV_TMA"] = (not ragged and head_dim != 256 and _dense(q, dk, dv) and not split
                         and varlen is None and (not narrow or _plan(dk)[2][2] == 0))
     if args["DKDV_TMA"]:
         desc_dk = _rows(dk, keys // 2, False, "dk", args, head_dim)
@@ -1122,7 +1128,10 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
         descs.update(desc_q2=_rows(q, BWD_BLOCK_M, ragged, cols=rest),
                      desc_do2=_rows(do, BWD_BLOCK_M, ragged, cols=rest),
                      desc_k2=_rows(k, kv_rows, ragged, cols=rest),
-                     desc_v2=_rows(v, kv_rows, ragged, cols=rest))
+                     desc_v2=_rows(v, kv_rows, ragged, cols=rest),
+                     # (the accumulator's columns from 64 on: a split head dim of 64's)
+                     desc_dq2=(_rows(dq_acc, BWD_BLOCK_M, ragged, cols=rest) if split == 64
+                               else desc_dq))
     # (the compiled variant depends on the descriptors' ranks: a padded head dim's views; a
     # split one's tiles on the head dim)
     launched = _launch("bwd_split" if split else "bwd", device,
@@ -1226,6 +1235,13 @@ DQ_BLOCK_N = 32
 # (tuning log, step 110)
 DQ_SPLIT = True
 DQ_SPLIT_BLOCK_N = 64
+# whether the fused backward of a head dim of 64 and a smaller tile's width (80 = 64 + 16,
+# 96 = 64 + 32) runs split (attn_bwd_split_sm90_kernel with the consumers of d = 128: sᵀ and
+# dpᵀ two products each, dK and dV in two accumulators, dq of the first tile's columns from
+# consumer 0, of the second's from consumer 1) instead of the kernel of width 128 through
+# views: a quarter less work at d = 96, the backward 1.05-1.15x faster on the H200 (tuning
+# log, step 112)
+BWD128_SPLIT = True
 # whether the dK/dV kernel of such a head dim's two-kernel backward runs split
 # (attn_bwd_split_sm90_kernel: the 64-key items of d = 256, consumer 0 computing dK and dV of
 # the first 128 columns, consumer 1 of the rest) instead of the kernel of width 256: a quarter
@@ -1406,7 +1422,8 @@ class _BwdPlan:
 
     def __init__(self, launched, grid, descs, persistent, ragged, device, prologue=None,
                  width: int = 0):
-        names = _kernel("bwd").arg_names
+        # (a split head dim's kernel: the second descriptors take their tensors' roles)
+        names = _kernel("bwd_split" if "desc_q2" in descs else "bwd").arg_names
         self.compiled, self.grid, self.device = launched[0], grid, device
         # a padded head dim's kernel width (padded_backward: the accumulator that wide,
         # cropped), else 0; whether dK and dV went into buffers that wide too (else the kernel
@@ -1422,7 +1439,8 @@ class _BwdPlan:
         # KeyMask, Ranges; Lists (plans are of calls without a block mask: lse stands in)
         self.mask_at = (names.index("KeyMask"), names.index("Ranges"), names.index("Lists"))
         self.cu_at = (names.index("CuQ"), names.index("CuK"))  # (packed sequences)
-        self.descs = tuple((names.index(n), r, *descs[n][1:]) for r, n in enumerate(_BWD_ROLES))
+        self.descs = tuple((names.index(n), _BWD_ROLES.index(n.rstrip("2")), *d[1:])
+                           for n, d in descs.items())
         self.fast = _tma_launch(self.compiled, grid, self.descs)
         # the prologue's direct launch, bound (its scalars are the key's: shapes, strides,
         # count); None where it was not direct
@@ -1437,11 +1455,12 @@ def bwd_plan_key(q, k, v, out, do, lse, spec: AttnSpec, setting, key_mask=None,
                  varlen=None) -> tuple:
     """The key of a fused backward's plan: the tensors' signatures, dtype, device, spec,
     ``setting`` (what else the caller's choice of path reads), the key mask's view's
-    signature and packed sequences' count and longest lengths (``varlen`` as
-    :func:`fused_backward`'s)."""
+    signature, packed sequences' count and longest lengths (``varlen`` as
+    :func:`fused_backward`'s) and ``BWD128_SPLIT``."""
     return (signature(q, k, v, out, do, lse), q.dtype, q.device, spec, setting,
             _mask_key(key_mask),
-            None if varlen is None else (varlen[0].shape[0], varlen[2], varlen[3]))
+            None if varlen is None else (varlen[0].shape[0], varlen[2], varlen[3]),
+            BWD128_SPLIT)
 
 
 def planned_backward(q, k, v, out, do, lse, spec: AttnSpec, setting, key_mask=None,

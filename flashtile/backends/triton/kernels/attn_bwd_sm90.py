@@ -80,6 +80,10 @@ A head dim of 128 and a smaller tile's width (144, 160, 192: ``attn_bwd_split_sm
 (the first 128 columns, then the rest) into buffers of their own and runs the d = 256 items
 (``_consume_item_wide``) with ``sᵀ`` and ``dpᵀ`` two products each and consumer 0 computing
 dK and dV of the first tile's columns, consumer 1 of the second's: no column past the head.
+A head dim of 64 and a smaller tile's width (80, 96: ``launch_sm90.BWD128_SPLIT``, the fused
+kernel) reads them the same way and runs the d = 128 items (``_consume_item``) with ``sᵀ``
+and ``dpᵀ`` two products each, dK and dV two accumulators each, and dq of the first tile's
+columns added by consumer 0, of the second's by consumer 1.
 """
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -468,23 +472,40 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
                   desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh, stride_xr,
                   tpr, ipc, CuQ, CuK, DQ: gl.constexpr,
                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr,
-                  DK_COLS: gl.constexpr):
+                  DK_COLS: gl.constexpr, q2_smem, do2_smem, k2_smem, v2_smem, dq2_smem,
+                  desc_dq2):
     """Work item ``w`` of one consumer warpgroup, its tiles from ring position ``t`` on (K and V
     already loaded): dK and dV of its 64 keys, and with ``DQ`` its adds into dQ; the ring
-    position after them."""
+    position after them.
+
+    A split head dim (``attn_bwd_split_sm90_kernel`` at 80 = 64 + 16 and 96 = 64 + 32: Q, dO,
+    K and V from ``HEAD_DIM`` on in the second buffers, ``D2`` wide): ``sᵀ`` and ``dpᵀ`` two
+    products each, dK and dV two accumulators (``HEAD_DIM`` and ``D2`` columns) and two
+    products each, and dq of the first tile's columns from consumer 0, of the second's from
+    consumer 1 (through ``dq2_smem`` and ``desc_dq2``): no column past the head."""
     STAGES: gl.constexpr = q_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
+    D2: gl.constexpr = q2_smem.shape[2]               # (HEAD_DIM: not split)
+    SPLIT: gl.constexpr = D2 != HEAD_DIM
+    S_GROUPS: gl.constexpr = _split_sum(1, 1, SPLIT)  # commit groups of a tile's sᵀ
     BLOCK_NW: gl.constexpr = k_smem.shape[1] // 2
     HALF_D: gl.constexpr = HEAD_DIM // 2
+    # this consumer's columns of dq: half of D, or of a split head dim one tile's
+    DQ_W: gl.constexpr = _consumer_cols(HEAD_DIM, D2, i_wg)
+    # the dQ accumulator's columns a head: D, or a split head dim's padded width (128 = 2 x 64)
+    ACC_D: gl.constexpr = _split_sum(HEAD_DIM, HEAD_DIM, SPLIT)
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     g_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    g2_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D2, 16])
     q_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_D, 16])
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_W, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
+    a2_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g2_layout, k_width=2)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
@@ -494,7 +515,16 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
     n_kb = _blocks(sk, 2 * BLOCK_NW, RAGGED or VARLEN)
     k_tile = k_smem.index(0).slice(i_wg * BLOCK_NW, BLOCK_NW)   # [64, D] this consumer's keys
     v_tile = v_smem.index(0).slice(i_wg * BLOCK_NW, BLOCK_NW)   # [64, D]
-    k_half = k_smem.index(0).slice(i_wg * HALF_D, HALF_D, dim=1)  # [128 keys, D / 2]
+    k2_tile = k2_smem.index(0).slice(i_wg * BLOCK_NW, BLOCK_NW)  # [64, D2] (split)
+    v2_tile = v2_smem.index(0).slice(i_wg * BLOCK_NW, BLOCK_NW)  # [64, D2]
+    # the K columns of this consumer's dq: half of D, or a split head dim's tile
+    if SPLIT:
+        if i_wg == 0:
+            k_half = k_smem.index(0)                             # [128 keys, D]
+        else:
+            k_half = k2_smem.index(0)                            # [128 keys, D2]
+    else:
+        k_half = k_smem.index(0).slice(i_wg * HALF_D, HALF_D, dim=1)  # [128 keys, D / 2]
     # the consumers take turns on the tensor cores (each turn: wait for mine, issue, hand the
     # other its turn), except for the fused causal d = 64 kernel, which is 1-3% faster with the
     # two consumers issuing freely (docs/dev/tuning-log.md, step 67; slower by 2-4% without
@@ -503,8 +533,17 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
     bar_mine = bar_turn.index(i_wg)
     bar_other = bar_turn.index(1 - i_wg)
     o_r = gl.arange(0, BLOCK_M, layout=col_s)                  # [BLOCK_M] rows of a tile
-    dq_tile = dq_smem.index(i_wg)                                        # [BLOCK_M, D / 2]
-    dq_col = i_wg * HALF_D
+    desc_dqc = desc_dq
+    if SPLIT:  # consumer 0: the first tile's columns; 1: the second's, in buffers of its own
+        dq_col = i_wg * HEAD_DIM
+        if i_wg == 1:
+            dq_tile = dq2_smem.index(0)                                  # [BLOCK_M, D2]
+            desc_dqc = desc_dq2
+        else:
+            dq_tile = dq_smem.index(0)                                   # [BLOCK_M, D]
+    else:
+        dq_tile = dq_smem.index(i_wg)                                    # [BLOCK_M, D / 2]
+        dq_col = i_wg * HALF_D
 
     i_n, i_bh = _item_keys(w, n_kb, n_bh, bh_group)
     i_b = i_bh // nheads_k
@@ -526,10 +565,12 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
     o_k = k0 + gl.arange(0, BLOCK_NW, layout=row_s)            # [64] keys
     b_dk = gl.zeros([BLOCK_NW, HEAD_DIM], gl.float32, layout=g_layout)   # [64, D]
     b_dv = gl.zeros([BLOCK_NW, HEAD_DIM], gl.float32, layout=g_layout)   # [64, D]
+    b_dk2 = gl.zeros([BLOCK_NW, D2], gl.float32, layout=g2_layout)       # [64, D2] (split)
+    b_dv2 = gl.zeros([BLOCK_NW, D2], gl.float32, layout=g2_layout)       # [64, D2]
     # per item, so that they are dead in the item's stores below
     b_st = gl.zeros([BLOCK_NW, BLOCK_M], gl.float32, layout=s_layout)    # [64, BLOCK_M]
     b_dpt = gl.zeros([BLOCK_NW, BLOCK_M], gl.float32, layout=s_layout)   # [64, BLOCK_M]
-    b_dq0 = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=q_layout)     # [BLOCK_M, D / 2]
+    b_dq0 = gl.zeros([BLOCK_M, DQ_W], gl.float32, layout=q_layout)       # [BLOCK_M, D / 2]
     m_prev = 0  # the previous tile's first row and head (its dq is added one step late)
     h_prev = 0
     lo, n_m = _query_tiles(n0, 2 * BLOCK_NW, sq_i, shift, wl, wr, masked, window, Ranges, i_b,
@@ -551,24 +592,38 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
         mbarrier.wait(bar_qd.index(i_s), (t // STAGES) & 1)
         q_tile = q_smem.index(i_s)
         do_tile = do_smem.index(i_s)
-        if PERSISTENT and HEAD_DIM == 128:
+        q2_tile = q2_smem.index(i_s)                                    # [BLOCK_M, D2] (split)
+        do2_tile = do2_smem.index(i_s)
+        if PERSISTENT and (HEAD_DIM == 128 or SPLIT):
             # the K/V tiles' matrix descriptors from an index the compiler cannot fold (t >= 0:
             # 0): recomputed per tile, not hoisted over the item loop, where ptxas spilled them
             # (284-376 bytes) and reloaded them in this loop; d = 64 has the registers
             z = t >> 31
             k_tile = k_smem.index(z).slice(i_wg * BLOCK_NW, BLOCK_NW)
             v_tile = v_smem.index(z).slice(i_wg * BLOCK_NW, BLOCK_NW)
-            k_half = k_smem.index(z).slice(i_wg * HALF_D, HALF_D, dim=1)
-        # turn 1: sᵀ = k qᵀ and dpᵀ = v dOᵀ
+            if SPLIT:
+                k2_tile = k2_smem.index(z).slice(i_wg * BLOCK_NW, BLOCK_NW)
+                v2_tile = v2_smem.index(z).slice(i_wg * BLOCK_NW, BLOCK_NW)
+                if i_wg == 0:
+                    k_half = k_smem.index(z)
+                else:
+                    k_half = k2_smem.index(z)
+            else:
+                k_half = k_smem.index(z).slice(i_wg * HALF_D, HALF_D, dim=1)
+        # turn 1: sᵀ = k qᵀ and dpᵀ = v dOᵀ (a split head dim: each over both tiles' columns)
         if TURNS:
             mbarrier.wait(bar_mine, 0)
         b_st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), b_st, use_acc=False,
                              is_async=True)
+        if SPLIT:
+            b_st = warpgroup_mma(k2_tile, q2_tile.permute((1, 0)), b_st, is_async=True)
         b_dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), b_dpt, use_acc=False,
                               is_async=True)
+        if SPLIT:
+            b_dpt = warpgroup_mma(v2_tile, do2_tile.permute((1, 0)), b_dpt, is_async=True)
         if TURNS:
             mbarrier.arrive(bar_other)
-        b_st = warpgroup_mma_wait(num_outstanding=1, deps=(b_st,))
+        b_st = warpgroup_mma_wait(num_outstanding=S_GROUPS, deps=(b_st,))
         b_st = _masked_scores(b_st, o_k, o_r, m0, k0, shift, wl, wr, masked, window, kpart,
                               b_kvis, KEYMASK)
         if VARLEN:
@@ -585,6 +640,9 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
         b_dst = b_pt * (b_dpt - b_delta[None, :])                       # [64, BLOCK_M]
         b_pa = gl.convert_layout(b_pt.to(dtype), a_layout)
         b_dsa = gl.convert_layout(b_dst.to(dtype), a_layout)
+        if SPLIT:  # (the operands of the second tile's products: the same registers)
+            b_pa2 = gl.convert_layout(b_pt.to(dtype), a2_layout)
+            b_dsa2 = gl.convert_layout(b_dst.to(dtype), a2_layout)
         i_d = t % 2
         if DQ:
             # this consumer's dsᵀ into the tile's ds buffer [128 keys, BLOCK_M], once both
@@ -598,6 +656,9 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
             mbarrier.wait(bar_mine, 1)
         b_dv = warpgroup_mma(b_pa, do_tile, b_dv, is_async=True)
         b_dk = warpgroup_mma(b_dsa, q_tile, b_dk, is_async=True)
+        if SPLIT:
+            b_dv2 = warpgroup_mma(b_pa2, do2_tile, b_dv2, is_async=True)
+            b_dk2 = warpgroup_mma(b_dsa2, q2_tile, b_dk2, is_async=True)
         if DQ:
             # dq[:, my half] = ds k[:, my half] of tile t - 1.  On an item's first tile the
             # product reads a buffer of the previous item (or none) and is discarded.
@@ -606,20 +667,30 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
                                  use_acc=False, is_async=True)
             if TURNS:
                 mbarrier.arrive(bar_other)
-            b_dv, b_dk, b_dq, b_pa, b_dsa = warpgroup_mma_wait(
-                num_outstanding=0, deps=(b_dv, b_dk, b_dq, b_pa, b_dsa))
+            if SPLIT:
+                b_dv, b_dk, b_dv2, b_dk2, b_dq, b_pa, b_dsa, b_pa2, b_dsa2 = warpgroup_mma_wait(
+                    num_outstanding=0,
+                    deps=(b_dv, b_dk, b_dv2, b_dk2, b_dq, b_pa, b_dsa, b_pa2, b_dsa2))
+            else:
+                b_dv, b_dk, b_dq, b_pa, b_dsa = warpgroup_mma_wait(
+                    num_outstanding=0, deps=(b_dv, b_dk, b_dq, b_pa, b_dsa))
             mbarrier.arrive(bar_free.index(i_s))
             mbarrier.arrive(bar_dsfree.index(1 - i_d), pred=j > 0)
             if j > 0:
-                _dq_add(b_dq, desc_dq, dq_tile, dq_base, m_prev,
-                        h_prev * HEAD_DIM + dq_col, scale, RAGGED)
+                _dq_add(b_dq, desc_dqc, dq_tile, dq_base, m_prev,
+                        h_prev * ACC_D + dq_col, scale, RAGGED)
             m_prev = m0
             h_prev = i_h
         else:
             if TURNS:
                 mbarrier.arrive(bar_other)
-            b_dv, b_dk, b_pa, b_dsa = warpgroup_mma_wait(num_outstanding=0,
-                                                         deps=(b_dv, b_dk, b_pa, b_dsa))
+            if SPLIT:
+                b_dv, b_dk, b_dv2, b_dk2, b_pa, b_dsa, b_pa2, b_dsa2 = warpgroup_mma_wait(
+                    num_outstanding=0, deps=(b_dv, b_dk, b_dv2, b_dk2, b_pa, b_dsa, b_pa2,
+                                             b_dsa2))
+            else:
+                b_dv, b_dk, b_pa, b_dsa = warpgroup_mma_wait(num_outstanding=0,
+                                                             deps=(b_dv, b_dk, b_pa, b_dsa))
             mbarrier.arrive(bar_free.index(i_s))
         t += 1
     if DQ:
@@ -630,8 +701,8 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
         if window or KEYMASK or SPARSE or VARLEN:  # (a key mask, a block mask's empty
             has_tile = n_t > 0  # column or a key block past a packed sequence's end: no tile)
         if has_tile:
-            _dq_last(t - 1, bar_ds, bar_dsfree, ds_smem, k_half, b_dq0, desc_dq, dq_tile,
-                     dq_base, m_prev, h_prev * HEAD_DIM + dq_col, scale, RAGGED)
+            _dq_last(t - 1, bar_ds, bar_dsfree, ds_smem, k_half, b_dq0, desc_dqc, dq_tile,
+                     dq_base, m_prev, h_prev * ACC_D + dq_col, scale, RAGGED)
     if DKDV_TMA:
         # through this consumer's rows of the V buffer (its products above have completed),
         # before the producer may load the next item's into it (taken afresh: at d = 128 the
@@ -645,7 +716,12 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
             # this consumer reads the item's K and V no more: the producer may load the
             # next's while the stores below run
             mbarrier.arrive(bar_kvfree)
-        if VARLEN:  # rows of the packed keys; those past the sequence's end are the next's
+        if SPLIT:  # each tile's columns (the second's end at the head's last column)
+            _store_dkdv(b_dk, b_dv, DK, DV, i_b, i_hk, k0, 0, stride_kb, stride_kn, stride_kh,
+                        sk, scale, RAGGED)
+            _store_dkdv(b_dk2, b_dv2, DK, DV, i_b, i_hk, k0, HEAD_DIM, stride_kb, stride_kn,
+                        stride_kh, sk, scale, RAGGED)
+        elif VARLEN:  # rows of the packed keys; those past the sequence's end are the next's
             # (and columns from DK_COLS on: a padded head dim's narrower dK, dV)
             _store_dkdv(b_dk, b_dv, DK, DV, i_b * 0, i_hk, k0s + k0, 0, stride_kb, stride_kn,
                         stride_kh, k0s + sk_i, scale, True,
@@ -914,7 +990,7 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
                   stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
                   stride_xr, tpr, ipc, CuQ, CuK, DQ: gl.constexpr,
                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr,
-                  DK_COLS: gl.constexpr, q2_smem, do2_smem, k2_smem, v2_smem):
+                  DK_COLS: gl.constexpr, q2_smem, do2_smem, k2_smem, v2_smem, dq2_smem, desc_dq2):
     if PERSISTENT:
         n_items = _blocks(sk, k_smem.shape[1], RAGGED or CuQ.dtype.element_ty == gl.int32) * n_bh
         w_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -930,11 +1006,13 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
                               group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
                               stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb,
                               stride_xh, stride_xr, tpr, ipc, CuQ, CuK, DQ, PERSISTENT, RAGGED,
-                              DKDV_TMA, DK_COLS)
+                              DKDV_TMA, DK_COLS, q2_smem, do2_smem, k2_smem, v2_smem, dq2_smem,
+                              desc_dq2)
             c += 1
             mbarrier.wait(bar_kv, c & 1)
             w = gl.max(item_smem.load(w_layout), axis=0)
-    elif q_smem.shape[2] == 256 or q2_smem.shape[2] != q_smem.shape[2]:  # (or split)
+    elif q_smem.shape[2] == 256 or (q_smem.shape[2] == 128
+                                    and q2_smem.shape[2] != q_smem.shape[2]):  # (or split)
         mbarrier.wait(bar_kv, 0)
         _consume_item_wide(i_wg, gl.program_id(0), gl.to_tensor(0), q_smem, do_smem,
                            k_smem.index(0), v_smem.index(0), lse_smem, delta_smem, ds_smem,
@@ -951,7 +1029,8 @@ def _bwd_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, d
                       stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group, group, scale,
                       qk_scale, wl, wr, masked, window, Ranges, KeyMask, stride_mb, desc_dk,
                       desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh, stride_xr, tpr,
-                      ipc, CuQ, CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA, DK_COLS)
+                      ipc, CuQ, CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA, DK_COLS, q2_smem, do2_smem,
+                      k2_smem, v2_smem, dq2_smem, desc_dq2)
 
 
 # A partition is a function of its own: one wrapper per consumer warpgroup.
@@ -963,14 +1042,15 @@ def _bwd_consumer0(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sme
                    stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
                    stride_xr, tpr, ipc, CuQ, CuK, DQ: gl.constexpr,
                    PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr,
-                   DK_COLS: gl.constexpr, q2_smem, do2_smem, k2_smem, v2_smem):
+                   DK_COLS: gl.constexpr, q2_smem, do2_smem, k2_smem, v2_smem, dq2_smem,
+                   desc_dq2):
     _bwd_consumer(0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                   item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
                   bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
                   stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
                   stride_xr, tpr, ipc, CuQ, CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA, DK_COLS,
-                  q2_smem, do2_smem, k2_smem, v2_smem)
+                  q2_smem, do2_smem, k2_smem, v2_smem, dq2_smem, desc_dq2)
 
 
 @gluon.jit
@@ -981,14 +1061,15 @@ def _bwd_consumer1(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sme
                    stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
                    stride_xr, tpr, ipc, CuQ, CuK, DQ: gl.constexpr,
                    PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr,
-                   DK_COLS: gl.constexpr, q2_smem, do2_smem, k2_smem, v2_smem):
+                   DK_COLS: gl.constexpr, q2_smem, do2_smem, k2_smem, v2_smem, dq2_smem,
+                   desc_dq2):
     _bwd_consumer(1, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                   item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree,
                   desc_dq, DK, DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh,
                   bh_group, group, scale, qk_scale, wl, wr, masked, window, Ranges, KeyMask,
                   stride_mb, desc_dk, desc_dv, dk_rb, dk_rh, dk_ch, Lists, stride_xb, stride_xh,
                   stride_xr, tpr, ipc, CuQ, CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA, DK_COLS,
-                  q2_smem, do2_smem, k2_smem, v2_smem)
+                  q2_smem, do2_smem, k2_smem, v2_smem, dq2_smem, desc_dq2)
 
 
 @gluon.jit
@@ -1028,7 +1109,7 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
     ``D``, stored by the kernel itself, not by TMA; elsewhere ``DK_COLS`` is ``D``); without
     them the lse pointer."""
     _attn_bwd(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, desc_dk, desc_dv,
-              desc_q, desc_do, desc_k, desc_v, DK, DV, Counter, stride_kb, stride_kn, stride_kh,
+              desc_q, desc_do, desc_k, desc_v, desc_dq, DK, DV, Counter, stride_kb, stride_kn, stride_kh,
               sq, sk, sq_pad, nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh,
               do_ch, kv_rb, kv_rh, kv_ch, dk_rb, dk_rh, dk_ch, scale, qk_scale, wl, wr, Ranges,
               KeyMask, stride_mb, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ, CuK,
@@ -1037,7 +1118,8 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
 
 @gluon.jit
 def attn_bwd_split_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq,
-                               desc_dk, desc_dv, desc_q2, desc_do2, desc_k2, desc_v2, DK, DV,
+                               desc_dk, desc_dv, desc_q2, desc_do2, desc_k2, desc_v2, desc_dq2,
+                               DK, DV,
                                Counter, stride_kb, stride_kn, stride_kh, sq, sk, sq_pad, nheads_k,
                                n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch,
                                kv_rb, kv_rh, kv_ch, dk_rb, dk_rh, dk_ch, scale, qk_scale, wl, wr,
@@ -1046,15 +1128,21 @@ def attn_bwd_split_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_d
                                DQ: gl.constexpr, PERSISTENT: gl.constexpr, RAGGED: gl.constexpr,
                                DKDV_TMA: gl.constexpr, DK_COLS: gl.constexpr,
                                STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """The dK/dV kernel (no ``DQ``, one CTA an item, dense inputs, no mask but a window) at a
-    head dim that is 128 and a smaller tile's width (192 = 128 + 64, 160, 144): ``desc_q``,
-    ``desc_do``, ``desc_k`` and ``desc_v`` tile each head's first 128 columns, ``desc_q2`` ...
-    ``desc_v2`` the rest (``D2``), in buffers of their own; the work items and consumers are
-    those of d = 256 (``_consume_item_wide``: 64 keys that both consumers share), consumer 0
-    computing dK and dV of the first 128 columns, consumer 1 of the rest; no column computed
-    past the head."""
+    """The kernel at a head dim that is two tiles' widths, ``desc_q``, ``desc_do``, ``desc_k``
+    and ``desc_v`` tiling each head's first ``D`` columns, ``desc_q2`` ... ``desc_v2`` the rest
+    (``D2``), in buffers of their own; no column computed past the head.
+
+    * 128 and a smaller tile (192 = 128 + 64, 160, 144): the dK/dV kernel (no ``DQ``, one CTA
+      an item, dense inputs, no mask but a window) with the work items and consumers of
+      d = 256 (``_consume_item_wide``: 64 keys that both consumers share), consumer 0
+      computing dK and dV of the first 128 columns, consumer 1 of the rest.
+    * 64 and a smaller tile (96 = 64 + 32, 80 = 64 + 16): the fused kernel of d = 128 (``DQ``,
+      persistent or not; a key mask; not packed sequences or block masks; dK and dV stored by
+      the kernel), each consumer owning 64 keys (``_consume_item``), consumer 0
+      adding dq of the first tile's columns, consumer 1 of the second's (``desc_dq2``, tiles
+      ``[BLOCK_M, D2]``) into the accumulator of width 128."""
     _attn_bwd(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, desc_dk, desc_dv,
-              desc_q2, desc_do2, desc_k2, desc_v2, DK, DV, Counter, stride_kb, stride_kn, stride_kh,
+              desc_q2, desc_do2, desc_k2, desc_v2, desc_dq2, DK, DV, Counter, stride_kb, stride_kn, stride_kh,
               sq, sk, sq_pad, nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh,
               do_ch, kv_rb, kv_rh, kv_ch, dk_rb, dk_rh, dk_ch, scale, qk_scale, wl, wr, Ranges,
               KeyMask, stride_mb, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ, CuK,
@@ -1063,7 +1151,7 @@ def attn_bwd_split_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_d
 
 @gluon.jit
 def _attn_bwd(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, desc_dk, desc_dv,
-              desc_q2, desc_do2, desc_k2, desc_v2, DK, DV, Counter, stride_kb, stride_kn,
+              desc_q2, desc_do2, desc_k2, desc_v2, desc_dq2, DK, DV, Counter, stride_kb, stride_kn,
               stride_kh, sq, sk, sq_pad, nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb,
               do_rh, do_ch, kv_rb, kv_rh, kv_ch, dk_rb, dk_rh, dk_ch, scale, qk_scale, wl, wr,
               Ranges, KeyMask, stride_mb, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ,
@@ -1077,11 +1165,17 @@ def _attn_bwd(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, de
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[-1]
     D2: gl.constexpr = desc_q2.block_type.shape[-1]  # (HEAD_DIM: not split)
     SPLIT: gl.constexpr = D2 != HEAD_DIM
-    gl.static_assert(not (SPLIT and (DQ or PERSISTENT or DKDV_TMA)),
-                     "a split head dim: the dK/dV kernel, one CTA an item, its own stores")
-    # d = 256 (and a split head dim): both consumers share an item's 64 keys
+    # a split head dim of 64 and a smaller tile (80, 96): the kernel of d = 128's consumers
+    NARROW: gl.constexpr = SPLIT and HEAD_DIM == 64
+    gl.static_assert(not (SPLIT and not NARROW and (DQ or PERSISTENT)),
+                     "a split head dim of 128 and more: the dK/dV kernel, one CTA an item")
+    gl.static_assert(not (NARROW and not DQ), "a split head dim of 64 and less: fused")
+    gl.static_assert(not (SPLIT and (DKDV_TMA or Lists.dtype.element_ty == gl.int32
+                                     or CuQ.dtype.element_ty == gl.int32)),
+                     "a split head dim: dense inputs, dK and dV stored by the kernel")
+    # d = 256 (and a split head dim of 128 and more): both consumers share an item's 64 keys
     # (_consume_item_wide); else each owns 64 of its 128
-    WIDE: gl.constexpr = HEAD_DIM == 256 or SPLIT
+    WIDE: gl.constexpr = HEAD_DIM == 256 or (SPLIT and not NARROW)
     gl.static_assert(not (WIDE and PERSISTENT), "the d = 256 consumers walk one item a CTA")
     gl.static_assert(not (WIDE and Lists.dtype.element_ty == gl.int32),
                      "block masks: d <= 128 only")
@@ -1091,14 +1185,15 @@ def _attn_bwd(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, de
     # keys of an item (a RAGGED K/V descriptor's tile holds them all, and a padded head dim's
     # view of heads side by side (the TMA cannot write a reshaped slice of the buffer); at
     # d <= 128 one consumer's otherwise)
-    ONE_TILE: gl.constexpr = RAGGED or WIDE or _heads_view(desc_k.block_type.shape)
+    ONE_TILE: gl.constexpr = RAGGED or WIDE or SPLIT or _heads_view(desc_k.block_type.shape)
     KEYS: gl.constexpr = _tile_rows(desc_k.block_type.shape) * (1 if ONE_TILE else 2)
     KV_TILE: gl.constexpr = KEYS if WIDE else KEYS // 2
     dtype: gl.constexpr = desc_q.dtype
     # the tiles' shared-memory layouts (a RAGGED descriptor's is the 3-D one of the same tile)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KV_TILE, HEAD_DIM], dtype)
-    DQ_COLS: gl.constexpr = HEAD_DIM // 8 if WIDE else HEAD_DIM // 2
+    # (a split head dim of 64 and more: consumer 0's tile, D wide; consumer 1's D2, dq2_smem)
+    DQ_COLS: gl.constexpr = HEAD_DIM // 8 if WIDE else (HEAD_DIM if NARROW else HEAD_DIM // 2)
     dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS],
                                                                    gl.float32)
 
@@ -1132,7 +1227,14 @@ def _attn_bwd(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, de
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                                    rank=2)
     ds_smem = gl.allocate_shared_memory(dtype, [2, DS_ROWS, DS_COLS], ds_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, DQ_ROWS, DQ_COLS], dq_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [1 if NARROW else 2, DQ_ROWS, DQ_COLS],
+                                        dq_layout)
+    if NARROW:
+        dq2_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D2],
+                                                                        gl.float32)
+        dq2_smem = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M, D2], dq2_layout)
+    else:
+        dq2_smem = dq_smem
     # the current item's index, from the producer to the consumers
     item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     bar_kv = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -1168,7 +1270,7 @@ def _attn_bwd(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, de
                           MASKED, WINDOW, Ranges, KeyMask, stride_mb, desc_dk, desc_dv, dk_rb,
                           dk_rh, dk_ch, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ,
                           CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA, DK_COLS, q2_smem, do2_smem,
-                          k2_all, v2_all)),
+                          k2_all, v2_all, dq2_smem, desc_dq2)),
         (_bwd_consumer1, (q_smem, do_smem, k_all, v_all, lse_smem, delta_smem, ds_smem,
                           dq_smem, item_smem, bar_kv, bar_kvfree, bar_qd, bar_free, bar_turn,
                           bar_ds, bar_dsfree, desc_dq, DK, DV, stride_kb, stride_kn, stride_kh,
@@ -1176,7 +1278,7 @@ def _attn_bwd(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, de
                           MASKED, WINDOW, Ranges, KeyMask, stride_mb, desc_dk, desc_dv, dk_rb,
                           dk_rh, dk_ch, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ,
                           CuK, DQ, PERSISTENT, RAGGED, DKDV_TMA, DK_COLS, q2_smem, do2_smem,
-                          k2_all, v2_all)),
+                          k2_all, v2_all, dq2_smem, desc_dq2)),
         (_bwd_producer, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
                          k_smem, v_smem, lse_smem, delta_smem, item_smem, bar_kv, bar_kvfree,
                          bar_qd, bar_free, Counter, sq, sk, sq_pad, nheads_k, n_bh, bh_group, group,
