@@ -1018,6 +1018,16 @@ def test_sm90_padded_backward_views_match_float64_reference(case, narrow, monkey
     _assert_grads_within_rule(leaves, q, k, v, do, causal)
 
 
+def _backward_in_layout(q, k, v, do, layout, causal):
+    """Leaves of ``q``, ``k``, ``v`` in ``layout`` (``_in_layout``) after
+    ``flash_attn_func(...).backward(do)`` with the outputs poisoned: their ``.grad``."""
+    leaves = [_in_layout(x, layout).detach().requires_grad_() for x in (q, k, v)]
+    with poison_outputs():
+        out = flashtile.flash_attn_func(*leaves, causal=causal)
+        out.backward(do)
+    return leaves
+
+
 # the padded head dims of 128 and a smaller tile (launch_sm90.split_width: 144, 160, 192), and
 # two more layouts and lengths
 SPLIT_DQ_CASES = [c for c in PADDED_CASES if launch_sm90.split_width(c[6]) == 128] + [
@@ -1042,18 +1052,11 @@ def test_sm90_split_dq_kernel_matches_float64_reference(case, dkdv, monkeypatch)
     monkeypatch.setattr(launch_sm90, "BWD_SPLIT", dkdv == "dkdv-split")
     q, k, v, do = _padded_case_inputs(batch, sq, sk, heads, heads_k, d, torch.bfloat16)
     names = _launch_names(monkeypatch)
-
-    def run():
-        leaves = [_in_layout(x, layout).detach().requires_grad_() for x in (q, k, v)]
-        with poison_outputs():
-            out = flashtile.flash_attn_func(*leaves, causal=causal)
-            out.backward(do)
-        return leaves
-    leaves = run()
+    leaves = _backward_in_layout(q, k, v, do, layout, causal)
     bwd = "bwd_split" if launch_sm90.BWD_SPLIT else "bwd"
     assert names == [_fwd_name(d), "dq_split", bwd], names
     _assert_grads_within_rule(leaves, q, k, v, do, causal)
-    again = run()
+    again = _backward_in_layout(q, k, v, do, layout, causal)
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(again, leaves))
 
 
@@ -1098,14 +1101,7 @@ def test_sm90_split_backward_of_width_128_matches_float64_reference(case, monkey
     monkeypatch.setattr(launch_sm90, "BWD128_SPLIT", True)
     q, k, v, do = _padded_case_inputs(batch, sq, sk, heads, heads_k, d, torch.bfloat16)
     names = _launch_names(monkeypatch)
-
-    def run():
-        leaves = [_in_layout(x, layout).detach().requires_grad_() for x in (q, k, v)]
-        with poison_outputs():
-            out = flashtile.flash_attn_func(*leaves, causal=causal)
-            out.backward(do)
-        return leaves
-    leaves = run()
+    leaves = _backward_in_layout(q, k, v, do, layout, causal)
     assert names == [_fwd_name(d), "bwd_split"], names
     _assert_grads_within_rule(leaves, q, k, v, do, causal)
 
