@@ -1682,6 +1682,13 @@ def _heads_tensor(batch: int, seq: int, heads: int, d: int, layout: str):
     return x.transpose(1, 2).contiguous().transpose(1, 2) if layout == "sdpa" else x
 
 
+def _assert_unsplit(call, name: str, width: int) -> None:
+    """A recorded launch ``(name, key, arguments)`` is of kernel ``name`` at its padded
+    ``width`` with one descriptor a tensor (not a split launch)."""
+    assert call[0] == name and call[2]["desc_q"][3][-1] == width, (call[0], call[2]["desc_q"][3])
+    assert "desc_q2" not in call[2]
+
+
 def _assert_split_tiles(a: dict, tensors, d: int, rows: int, keys: int,
                         first: int = 128) -> None:
     """A split launch's arguments ``a``: each ``(role, tensor, prefix)`` of ``tensors`` has two
@@ -1769,8 +1776,7 @@ def test_sm90_split_forward_reads_and_stores_a_heads_columns_in_two_tiles(d, lay
                         assert torch.equal(got, want), (role, suffix, b, h, row)
     monkeypatch.setattr(launch_sm90, "FWD_SPLIT", False)
     launch_sm90.forward(q, k, v, spec)
-    assert calls[-1][0] == "fwd" and calls[-1][2]["desc_q"][3][-1] == launch_sm90.padded_width(d)
-    assert "desc_q2" not in calls[-1][2]
+    _assert_unsplit(calls[-1], "fwd", launch_sm90.padded_width(d))
 
 
 @pytest.mark.parametrize("seq", [256, 200], ids=["aligned", "ragged"])
@@ -1806,8 +1812,7 @@ def test_sm90_split_dq_reads_and_stores_a_heads_columns_in_two_tiles(d, layout, 
                         launch_sm90.DQ_SPLIT_BLOCK_N)
     monkeypatch.setattr(launch_sm90, "DQ_SPLIT", False)
     launch_sm90._dq(q, k, v, do, lse, delta, dq, spec, 256)
-    assert calls[-1][0] == "dq" and calls[-1][2]["desc_q"][3][-1] == 256
-    assert "desc_q2" not in calls[-1][2]
+    _assert_unsplit(calls[-1], "dq", 256)
 
 
 @pytest.mark.parametrize("seq", [256, 200], ids=["aligned", "ragged"])
@@ -1864,8 +1869,7 @@ def test_sm90_split_backward_of_width_128_reads_and_adds_a_heads_columns(d, layo
     for acc, split in ((None, True), (dq_acc, False)):
         monkeypatch.setattr(launch_sm90, "BWD128_SPLIT", split)
         launch_sm90._bwd(q, k, v, do, lse, delta, acc, dk, dv, spec, width=128)
-        assert calls[-1][0] == "bwd" and calls[-1][2]["desc_q"][3][-1] == 128
-        assert "desc_q2" not in calls[-1][2]
+        _assert_unsplit(calls[-1], "bwd", 128)
 
 
 def test_launch_keeps_a_compiled_variant_per_descriptor_tiles(monkeypatch):
@@ -1926,8 +1930,7 @@ def test_sm90_split_dkdv_reads_a_heads_columns_in_two_tiles(d, layout, seq, monk
                         d, launch_sm90.BWD_BLOCK_M, launch_sm90.bwd_keys(256))
     monkeypatch.setattr(launch_sm90, "BWD_SPLIT", False)
     launch_sm90._bwd(q, k, v, do, lse, delta, None, dk, dv, spec, width=256)
-    assert calls[-1][0] == "bwd" and calls[-1][2]["desc_q"][3][-1] == 256
-    assert "desc_q2" not in calls[-1][2]
+    _assert_unsplit(calls[-1], "bwd", 256)
 
 
 @pytest.mark.parametrize("narrow", [False, True], ids=["wide-dkdv", "narrow-dkdv"])

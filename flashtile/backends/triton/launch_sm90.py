@@ -750,6 +750,15 @@ def _rows(x, block_rows: int, ragged: bool, prefix: str = "", args: dict | None 
             _layout(block_rows, cols, x.dtype, ragged, heads))
 
 
+def _second_tiles(rest: int, ragged: bool, **tensors) -> dict:
+    """A split head dim's second descriptors (``desc_<name>2``, :func:`_rows`' arguments) of
+    each ``name=(tensor, rows)``: tiles of ``rows`` rows and ``rest`` columns of one head, at
+    the coordinates of the first descriptors (the kernels add the first tile's width to the
+    column)."""
+    return {f"desc_{name}2": _rows(x, rows, ragged, cols=rest)
+            for name, (x, rows) in tensors.items()}
+
+
 def _window(spec: AttnSpec, sq: int, sk: int) -> dict:
     """The kernels' window arguments: ``MASKED`` for any window (causal masking is the window
     (-1, 0)) and the edges ``wl``, ``wr``, where -1 (no edge) becomes an edge no key reaches."""
@@ -994,10 +1003,8 @@ def forward(q, k, v, spec: AttnSpec, key_mask=None, sparse=None, varlen=None):
                  desc_o=_rows(out4, BLOCK_M // 2, ragged, cols=cols))
     if split:  # the columns from the first tile's width on (the kernel's coordinates + split)
         rest = head_dim - split
-        descs.update(desc_q2=_rows(q, BLOCK_M // 2, ragged, cols=rest),
-                     desc_k2=_rows(k, tile_n, ragged, cols=rest),
-                     desc_v2=_rows(v, tile_n, ragged, cols=rest),
-                     desc_o2=_rows(out4, BLOCK_M // 2, ragged, cols=rest))
+        descs.update(_second_tiles(rest, ragged, q=(q, BLOCK_M // 2), k=(k, tile_n),
+                                   v=(v, tile_n), o=(out4, BLOCK_M // 2)))
     name = "fwd_split" if split else "fwd"
     # (the compiled variant depends on the descriptors' ranks: a padded head dim's views)
     launched = _launch(name, device, (q.dtype, head_dim, masked, n_c, ragged,
@@ -1125,10 +1132,8 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
                  desc_dk=desc_dk, desc_dv=desc_dv)
     if split:
         rest = d - split
-        descs.update(desc_q2=_rows(q, BWD_BLOCK_M, ragged, cols=rest),
-                     desc_do2=_rows(do, BWD_BLOCK_M, ragged, cols=rest),
-                     desc_k2=_rows(k, kv_rows, ragged, cols=rest),
-                     desc_v2=_rows(v, kv_rows, ragged, cols=rest),
+        descs.update(_second_tiles(rest, ragged, q=(q, BWD_BLOCK_M), do=(do, BWD_BLOCK_M),
+                                   k=(k, kv_rows), v=(v, kv_rows)),
                      # (the accumulator's columns from 64 on: a split head dim of 64's)
                      desc_dq2=(_rows(dq_acc, BWD_BLOCK_M, ragged, cols=rest) if split == 64
                                else desc_dq))
@@ -1309,11 +1314,8 @@ def _dq(q, k, v, do, lse, delta, dq_out, spec: AttnSpec, width: int = 0) -> None
                  desc_dq=_rows(dq_out, DQ_ROWS, ragged, "dq", args, cols))
     if split:
         rest = d - split
-        descs.update(desc_q2=_rows(q, DQ_ROWS, ragged, cols=rest),
-                     desc_do2=_rows(do, DQ_ROWS, ragged, cols=rest),
-                     desc_k2=_rows(k, block_n, ragged, cols=rest),
-                     desc_v2=_rows(v, block_n, ragged, cols=rest),
-                     desc_dq2=_rows(dq_out, DQ_ROWS, ragged, cols=rest))
+        descs.update(_second_tiles(rest, ragged, q=(q, DQ_ROWS), do=(do, DQ_ROWS),
+                                   k=(k, block_n), v=(v, block_n), dq=(dq_out, DQ_ROWS)))
     # (a split variant's tiles depend on the head dim, which the kernel's width does not tell)
     _launch("dq_split" if split else "dq", device,
             (q.dtype, head_dim, window["MASKED"], args["WINDOW"], ragged,

@@ -465,6 +465,29 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
 
 
 @gluon.jit
+def _consumer_kv(k_smem, v_smem, k2_smem, v2_smem, z, i_wg: gl.constexpr):
+    """Consumer ``i_wg``'s views of the item's K and V buffers at index ``z`` (``[1, 128 keys,
+    D]``): its 64 keys of K and V (``[64, D]``; of a split head dim's second buffers ``[64,
+    D2]``, else the same again) and the K columns of its dq: half of D (``[128 keys, D / 2]``),
+    or of a split head dim its own tile's (consumer 0 ``[128 keys, D]``, 1 ``[128 keys,
+    D2]``)."""
+    HALF_N: gl.constexpr = k_smem.shape[1] // 2
+    D: gl.constexpr = k_smem.shape[2]
+    k_tile = k_smem.index(z).slice(i_wg * HALF_N, HALF_N)
+    v_tile = v_smem.index(z).slice(i_wg * HALF_N, HALF_N)
+    k2_tile = k2_smem.index(z).slice(i_wg * HALF_N, HALF_N)
+    v2_tile = v2_smem.index(z).slice(i_wg * HALF_N, HALF_N)
+    if k2_smem.shape[2] != D:
+        if i_wg == 0:
+            k_half = k_smem.index(z)
+        else:
+            k_half = k2_smem.index(z)
+    else:
+        k_half = k_smem.index(z).slice(i_wg * (D // 2), D // 2, dim=1)
+    return k_tile, v_tile, k2_tile, v2_tile, k_half
+
+
+@gluon.jit
 def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                   dq_smem, bar_kvfree, bar_qd, bar_free, bar_turn, bar_ds, bar_dsfree, desc_dq, DK,
                   DV, stride_kb, stride_kn, stride_kh, sq, sk, nheads_k, n_bh, bh_group,
@@ -494,7 +517,7 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
     # this consumer's columns of dq: half of D, or of a split head dim one tile's
     DQ_W: gl.constexpr = _consumer_cols(HEAD_DIM, D2, i_wg)
     # the dQ accumulator's columns a head: D, or a split head dim's padded width (128 = 2 x 64)
-    ACC_D: gl.constexpr = _split_sum(HEAD_DIM, HEAD_DIM, SPLIT)
+    ACC_D: gl.constexpr = 2 * HEAD_DIM if SPLIT else HEAD_DIM
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
@@ -513,18 +536,8 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
     VARLEN: gl.constexpr = CuQ.dtype.element_ty == gl.int32
     shift = sk - sq
     n_kb = _blocks(sk, 2 * BLOCK_NW, RAGGED or VARLEN)
-    k_tile = k_smem.index(0).slice(i_wg * BLOCK_NW, BLOCK_NW)   # [64, D] this consumer's keys
-    v_tile = v_smem.index(0).slice(i_wg * BLOCK_NW, BLOCK_NW)   # [64, D]
-    k2_tile = k2_smem.index(0).slice(i_wg * BLOCK_NW, BLOCK_NW)  # [64, D2] (split)
-    v2_tile = v2_smem.index(0).slice(i_wg * BLOCK_NW, BLOCK_NW)  # [64, D2]
-    # the K columns of this consumer's dq: half of D, or a split head dim's tile
-    if SPLIT:
-        if i_wg == 0:
-            k_half = k_smem.index(0)                             # [128 keys, D]
-        else:
-            k_half = k2_smem.index(0)                            # [128 keys, D2]
-    else:
-        k_half = k_smem.index(0).slice(i_wg * HALF_D, HALF_D, dim=1)  # [128 keys, D / 2]
+    k_tile, v_tile, k2_tile, v2_tile, k_half = _consumer_kv(k_smem, v_smem, k2_smem, v2_smem,
+                                                            0, i_wg)
     # the consumers take turns on the tensor cores (each turn: wait for mine, issue, hand the
     # other its turn), except for the fused causal d = 64 kernel, which is 1-3% faster with the
     # two consumers issuing freely (docs/dev/tuning-log.md, step 67; slower by 2-4% without
@@ -598,18 +611,8 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
             # the K/V tiles' matrix descriptors from an index the compiler cannot fold (t >= 0:
             # 0): recomputed per tile, not hoisted over the item loop, where ptxas spilled them
             # (284-376 bytes) and reloaded them in this loop; d = 64 has the registers
-            z = t >> 31
-            k_tile = k_smem.index(z).slice(i_wg * BLOCK_NW, BLOCK_NW)
-            v_tile = v_smem.index(z).slice(i_wg * BLOCK_NW, BLOCK_NW)
-            if SPLIT:
-                k2_tile = k2_smem.index(z).slice(i_wg * BLOCK_NW, BLOCK_NW)
-                v2_tile = v2_smem.index(z).slice(i_wg * BLOCK_NW, BLOCK_NW)
-                if i_wg == 0:
-                    k_half = k_smem.index(z)
-                else:
-                    k_half = k2_smem.index(z)
-            else:
-                k_half = k_smem.index(z).slice(i_wg * HALF_D, HALF_D, dim=1)
+            k_tile, v_tile, k2_tile, v2_tile, k_half = _consumer_kv(k_smem, v_smem, k2_smem,
+                                                                    v2_smem, t >> 31, i_wg)
         # turn 1: sᵀ = k qᵀ and dpᵀ = v dOᵀ (a split head dim: each over both tiles' columns)
         if TURNS:
             mbarrier.wait(bar_mine, 0)
@@ -1109,9 +1112,10 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
     ``D``, stored by the kernel itself, not by TMA; elsewhere ``DK_COLS`` is ``D``); without
     them the lse pointer."""
     _attn_bwd(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, desc_dk, desc_dv,
-              desc_q, desc_do, desc_k, desc_v, desc_dq, DK, DV, Counter, stride_kb, stride_kn, stride_kh,
-              sq, sk, sq_pad, nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh,
-              do_ch, kv_rb, kv_rh, kv_ch, dk_rb, dk_rh, dk_ch, scale, qk_scale, wl, wr, Ranges,
+              desc_q, desc_do, desc_k, desc_v, desc_dq, DK, DV, Counter, stride_kb, stride_kn,
+              stride_kh, sq, sk, sq_pad, nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch,
+              do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, dk_rb, dk_rh, dk_ch, scale, qk_scale, wl,
+              wr, Ranges,
               KeyMask, stride_mb, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ, CuK,
               MASKED, WINDOW, DQ, PERSISTENT, RAGGED, DKDV_TMA, DK_COLS, STAGES)
 
@@ -1142,9 +1146,10 @@ def attn_bwd_split_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_d
       adding dq of the first tile's columns, consumer 1 of the second's (``desc_dq2``, tiles
       ``[BLOCK_M, D2]``) into the accumulator of width 128."""
     _attn_bwd(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, desc_dk, desc_dv,
-              desc_q2, desc_do2, desc_k2, desc_v2, desc_dq2, DK, DV, Counter, stride_kb, stride_kn, stride_kh,
-              sq, sk, sq_pad, nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh,
-              do_ch, kv_rb, kv_rh, kv_ch, dk_rb, dk_rh, dk_ch, scale, qk_scale, wl, wr, Ranges,
+              desc_q2, desc_do2, desc_k2, desc_v2, desc_dq2, DK, DV, Counter, stride_kb, stride_kn,
+              stride_kh, sq, sk, sq_pad, nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch,
+              do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, dk_rb, dk_rh, dk_ch, scale, qk_scale, wl,
+              wr, Ranges,
               KeyMask, stride_mb, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ, CuK,
               MASKED, WINDOW, DQ, PERSISTENT, RAGGED, DKDV_TMA, DK_COLS, STAGES)
 
