@@ -33,7 +33,12 @@ of *pieces*, ``(local_start, global_start, length)``.
 
 Every mode computes, for the rank's query pieces, partial attentions against key pieces with
 the global offsets (:func:`partial_attention`), so masks, ALiBi and dropout are those of
-the whole sequence, and merges them in float32 (``flashtile.merge_attention_states``):
+the whole sequence, and merges them in float32 (``flashtile.merge_attention_states``).  A pair
+of pieces that needs no global position (no dropout or ALiBi, and every key visible to every
+query, or the pieces' diagonal the plain call's, as on a causal diagonal) runs as a plain call
+instead, so on Hopper it takes the sm_90 kernels: its output and gradient shares come in the
+inputs' dtype and are merged and summed in float32 (as ring-flash-attention and PyTorch's
+``context_parallel`` do); neighbouring pairs that see every key run as one call:
 
 ``ring``      K/V travel around the ring with ``batch_isend_irecv``, the next exchange posted
               before the current block is computed; the backward sends the float32 dK/dV
@@ -285,7 +290,8 @@ class _Cfg:
 
 def _calls(cfg: _Cfg, q_pieces, k_pieces):
     """Partial calls ``(q_local, nq, k_local, nk, q_offset, k_offset, batch_offset)`` that hold
-    a visible pair: every (query piece, key piece, document) intersection."""
+    a visible pair: every (query piece, key piece, document) intersection, cut to the keys its
+    queries can see."""
     wl, wr = cfg.window
     if cfg.causal:
         wr = 0
@@ -294,12 +300,14 @@ def _calls(cfg: _Cfg, q_pieces, k_pieces):
             for b_off, d0, d1 in cfg.docs:
                 a0, a1 = max(qg, d0), min(qg + qn, d1)
                 c0, c1 = max(kg, d0), min(kg + kn, d1)
+                # query a sees key c iff a - wl <= c <= a + wr (the diagonal of equal
+                # lengths): the keys no query of the pair sees are left out (a causal query
+                # piece over the whole sequence then ends on its diagonal: a plain call)
+                if wr >= 0:
+                    c1 = min(c1, a1 + wr)
+                if wl >= 0:
+                    c0 = max(c0, a0 - wl)
                 if a0 >= a1 or c0 >= c1:
-                    continue
-                # query a sees key c iff a - wl <= c <= a + wr (the diagonal of equal lengths)
-                if wr >= 0 and c0 > a1 - 1 + wr:
-                    continue
-                if wl >= 0 and c1 - 1 < a0 - wl:
                     continue
                 yield ql + a0 - qg, a1 - a0, kl + c0 - kg, c1 - c0, a0 - d0, c0 - d0, b_off
 
@@ -316,9 +324,65 @@ def _kw(cfg: _Cfg, q_off, k_off, b_off):
                 head_offset=cfg.head_offset, nheads_total=cfg.nheads_total)
 
 
+def _plain_spec(cfg: _Cfg, nq: int, nk: int, q_off: int, k_off: int) -> AttnSpec | None:
+    """The spec of a plain call (no offsets) that computes the pair of pieces exactly as its
+    partial call would, or None.  Without dropout (whose counters are the global positions) and
+    ALiBi, the mask is all a pair's positions change: a pair whose every query sees every key
+    is a call without a mask, and one whose diagonal is the plain call's (global shift
+    ``q_off - k_off`` equal to the bottom-right ``nk - nq``: the equal pieces on a causal
+    diagonal) keeps the window.  The plain calls take every kernel a single-device call
+    takes (on Hopper the sm_90 kernels, which have no offsets), with the inputs' dtype out."""
+    if cfg.dropout_p or cfg.alibi is not None:
+        return None
+    wl, wr = cfg.window
+    if cfg.causal:
+        wr = 0
+    if (wr < 0 or k_off + nk - 1 <= q_off + wr) and (wl < 0 or k_off >= q_off + nq - 1 - wl):
+        return AttnSpec(cfg.scale, softcap=cfg.softcap)
+    if q_off - k_off == nk - nq:
+        return AttnSpec(cfg.scale, wl, wr, True, cfg.softcap)
+    return None
+
+
+def _pairs(cfg: _Cfg, q_pieces, k_pieces):
+    """:func:`_calls` with each one's plain spec (or None), adjacent pairs that see every key
+    of one document joined into one call (their positions no longer matter): the zigzag
+    layout's two query pieces over one key piece, or one query piece over both key pieces."""
+    out = []
+    for call in _calls(cfg, q_pieces, k_pieces):
+        spec = _plain_spec(cfg, call[1], call[3], call[4], call[5])
+        if out and spec is not None and not spec.has_window and out[-1][1] is not None \
+                and not out[-1][1].has_window and out[-1][0][6] == call[6]:
+            (ql, nq, kl, nk, q_off, k_off, b_off), prev = out[-1]
+            if (kl, nk) == call[2:4] and ql + nq == call[0]:
+                out[-1] = ((ql, nq + call[1], kl, nk, q_off, k_off, b_off), prev)
+                continue
+            if (ql, nq) == call[0:2] and kl + nk == call[2]:
+                out[-1] = ((ql, nq, kl, nk + call[3], q_off, k_off, b_off), prev)
+                continue
+        out.append((call, spec))
+    return out
+
+
+def _block_forward(cfg: _Cfg, q, k, v, spec, q_off: int, k_off: int, b_off: int):
+    """``(out, lse)`` of one pair of pieces: the plain call of ``spec`` (``out`` in q's
+    dtype), or the partial call at the global offsets (float32)."""
+    if spec is not None:
+        return _impl(q).forward(q, k, v, spec)
+    return partial_attention(q, k, v, **_kw(cfg, q_off, k_off, b_off))
+
+
+def _block_backward(cfg: _Cfg, do, q, k, v, out, lse, spec, q_off: int, k_off: int,
+                    b_off: int):
+    """One pair of pieces' share of the gradients (as :func:`_block_forward` computes it)."""
+    if spec is not None:
+        return _impl(q).backward(do, q, k, v, out, lse.contiguous(), spec)
+    return partial_attention_backward(do, q, k, v, out, lse, **_kw(cfg, q_off, k_off, b_off))
+
+
 def _merge(acc_o, acc_l, o, lse):
     from . import merge_attention_states
-    m_o, m_l = merge_attention_states(acc_o, acc_l, o, lse)
+    m_o, m_l = merge_attention_states(acc_o, acc_l, o.float(), lse)
     acc_o.copy_(m_o)
     acc_l.copy_(m_l)
 
@@ -326,22 +390,28 @@ def _merge(acc_o, acc_l, o, lse):
 def _attend(cfg, q, k, v, q_pieces, k_pieces, acc_o, acc_l):
     """Merge the partials of ``q``'s pieces over ``k``/``v``'s pieces into the float32
     accumulators ``acc_o`` ``(B, Sq, H, D)`` / ``acc_l`` ``(B, H, Sq)``."""
-    for ql, nq, kl, nk, q_off, k_off, b_off in _calls(cfg, q_pieces, k_pieces):
-        o, lse = partial_attention(q[:, ql:ql + nq], k[:, kl:kl + nk], v[:, kl:kl + nk],
-                                   **_kw(cfg, q_off, k_off, b_off))
+    for (ql, nq, kl, nk, q_off, k_off, b_off), spec in _pairs(cfg, q_pieces, k_pieces):
+        o, lse = _block_forward(cfg, q[:, ql:ql + nq], k[:, kl:kl + nk], v[:, kl:kl + nk],
+                                spec, q_off, k_off, b_off)
         _merge(acc_o[:, ql:ql + nq], acc_l[:, :, ql:ql + nq], o, lse)
 
 
 def _attend_bwd(cfg, do, q, k, v, out, lse, q_pieces, k_pieces, dq, dk, dv):
     """Add the gradient shares of the pairs of pieces into the float32 ``dq``/``dk``/``dv``."""
-    for ql, nq, kl, nk, q_off, k_off, b_off in _calls(cfg, q_pieces, k_pieces):
+    for (ql, nq, kl, nk, q_off, k_off, b_off), spec in _pairs(cfg, q_pieces, k_pieces):
         rq, rk = slice(ql, ql + nq), slice(kl, kl + nk)
-        g_q, g_k, g_v = partial_attention_backward(
-            do[:, rq], q[:, rq], k[:, rk], v[:, rk], out[:, rq], lse[:, :, rq],
-            **_kw(cfg, q_off, k_off, b_off))
+        g_q, g_k, g_v = _block_backward(cfg, do[:, rq], q[:, rq], k[:, rk], v[:, rk],
+                                        out[:, rq], lse[:, :, rq], spec, q_off, k_off, b_off)
         dq[:, rq] += g_q
         dk[:, rk] += g_k
         dv[:, rk] += g_v
+
+
+def _whole(cfg: _Cfg, n: int):
+    """The plain spec of a call over the whole local sequence (a dense sequence, no feature
+    that needs the partial call), or None."""
+    return _plain_spec(cfg, n, n, 0, 0) if len(cfg.docs) == 1 and cfg.docs[0][1:] == (0, n) \
+        else None
 
 
 def _empty_acc(q):
@@ -502,10 +572,15 @@ def _ulysses_fwd(cfg, q, k, v):
     q, k, v, output and LSE)."""
     qh, kh, vh = _heads_to_seq(cfg, [q, k, v])
     lcfg = _ulysses_cfg(cfg, q.shape[2])
-    acc_o, acc_l = _empty_acc(qh)
-    whole = [(0, 0, qh.shape[1])]
-    _attend(lcfg, qh, kh, vh, whole, whole, acc_o, acc_l)
-    out_h = acc_o.to(q.dtype)
+    spec = _whole(lcfg, qh.shape[1])
+    if spec is not None:
+        # one plain call, its output as it is
+        out_h, acc_l = _block_forward(lcfg, qh, kh, vh, spec, 0, 0, 0)
+    else:
+        acc_o, acc_l = _empty_acc(qh)
+        whole = [(0, 0, qh.shape[1])]
+        _attend(lcfg, qh, kh, vh, whole, whole, acc_o, acc_l)
+        out_h = acc_o.to(q.dtype)
     (out,) = _seq_to_heads(cfg, [out_h])
     return out, (qh, kh, vh, out_h, acc_l)
 
@@ -513,6 +588,11 @@ def _ulysses_fwd(cfg, q, k, v):
 def _ulysses_bwd(cfg, do, qh, kh, vh, out_h, lse_h):
     (doh,) = _heads_to_seq(cfg, [do])
     lcfg = _ulysses_cfg(cfg, do.shape[2])
+    spec = _whole(lcfg, qh.shape[1])
+    if spec is not None:
+        # the plain call's gradients, in the inputs' dtypes
+        return _seq_to_heads(cfg, list(_block_backward(lcfg, doh, qh, kh, vh, out_h, lse_h,
+                                                       spec, 0, 0, 0)))
     whole = [(0, 0, qh.shape[1])]
     dq = torch.zeros(qh.shape, dtype=torch.float32, device=qh.device)
     dk = torch.zeros(kh.shape, dtype=torch.float32, device=qh.device)

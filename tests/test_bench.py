@@ -1919,3 +1919,36 @@ def test_variants_plan_runs_the_portable_kernels_where_flashtile_runs():
     with bench_variants._context("flashtile_portable")(torch.device("cpu")):
         assert os.environ["FLASHTILE_SM90"] == "0"
     assert "flashtile_portable" in common.IMPLS
+
+
+def test_cp_scale_writes_efficiencies_flash_rule_ratios_and_a_report(tmp_path):
+    """``python -m flashtile.bench.cp scale`` at world size 1 on gloo (the torch engine): every
+    mode and layout timed with an efficiency, the correctness rows hold flash-attn's rule
+    against float64 (out <= 2, gradients <= 3), and ``report`` turns the entry into a table
+    and a PNG."""
+    import subprocess
+    out, png = tmp_path / "cp.json", tmp_path / "cp.png"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    args = ["--device", "cpu", "--dtype", "fp32", "--tokens-per-gpu", "64",
+            "--strong-seqlen", "0", "--check-seqlen", "64", "--heads", "2", "--headdim", "16",
+            "--warmup", "0", "--iters", "1", "--no-peer", "--out", str(out)]
+    subprocess.run([sys.executable, "-m", "flashtile.bench.cp", "scale"] + args, check=True,
+                   env=env, capture_output=True, timeout=600)
+    entry = json.loads(out.read_text())["cp_world1"]
+    assert entry["world"] == 1 and entry["device"] == "cpu" and entry["date"]
+    timed = [r for r in entry["rows"] if "efficiency" in r]
+    assert {(r["mode"], r["layout"]) for r in timed} == {
+        (m, lay) for m in ("ring", "allgather", "ulysses") for lay in ("zigzag", "contiguous")}
+    assert all(r["efficiency"] > 0 for r in timed)
+    rules = [r["flash_rule_ratio"] for r in entry["correctness"]]
+    assert len(rules) == 7  # one device and the six paths
+    for rule in rules:
+        assert rule["out"] <= 2 and max(rule["dq"], rule["dk"], rule["dv"]) <= 3, rule
+    subprocess.run([sys.executable, "-m", "flashtile.bench.cp", "report", "--out", str(out),
+                    "--png", str(png)], check=True, env=env, capture_output=True, timeout=300)
+    assert png.stat().st_size > 0
+    from flashtile.bench import cp
+    table = cp.report(json.loads(out.read_text()))
+    assert table.splitlines()[2].startswith("| weak | 1 | 64 |")
+    assert len(table.splitlines()) == 3

@@ -214,10 +214,15 @@ def _run_case(name, c, world, rank):
             return originals[n](*a, **k)
         return call
 
-    orig_partial = cp_mod.partial_attention
+    orig_block, orig_partial = cp_mod._block_forward, cp_mod.partial_attention
+    partial_calls = []
+
+    def block(*a, **k):
+        events.append("compute")
+        return orig_block(*a, **k)
 
     def partial(*a, **k):
-        events.append("compute")
+        partial_calls.append(1)
         return orig_partial(*a, **k)
 
     with flashtile.use_backend("torch"):
@@ -231,7 +236,7 @@ def _run_case(name, c, world, rank):
         torch.manual_seed(1234)
         for n in COLLECTIVES:
             setattr(dist, n, counting(n))
-        cp_mod.partial_attention = partial
+        cp_mod._block_forward, cp_mod.partial_attention = block, partial
         try:
             if varlen:
                 out = context_parallel_varlen_attn(*local, cu, M, layout=layout, mode=mode, **kw)
@@ -244,7 +249,7 @@ def _run_case(name, c, world, rank):
         finally:
             for n, f in originals.items():
                 setattr(dist, n, f)
-            cp_mod.partial_attention = orig_partial
+            cp_mod._block_forward, cp_mod.partial_attention = orig_block, orig_partial
         got = [unshard(x, layout=layout, seq_dim=seq_dim)
                for x in (out.detach(), local[0].grad, local[1].grad, local[2].grad)]
     if rank:
@@ -254,6 +259,20 @@ def _run_case(name, c, world, rank):
         f"{name}: forward collectives {fwd_counts}, designed {want_fwd}"
     assert {n: bwd_counts.get(n, 0) for n in COLLECTIVES} == want_bwd, \
         f"{name}: backward collectives {bwd_counts}, designed {want_bwd}"
+    # without dropout, ALiBi or a window every pair of pieces is a plain call (each is on a
+    # causal diagonal or sees every key), which takes the sm_90 kernels on Hopper; dropout and
+    # ALiBi need the global positions
+    if c.get("window_size", (-1, -1)) == (-1, -1):
+        needs_partial = p > 0 or slopes is not None
+        assert bool(partial_calls) == needs_partial, \
+            f"{name}: {len(partial_calls)} partial calls in the forward, expected " \
+            f"{'some' if needs_partial else 'none'}"
+    if mode == "ring" and layout == "zigzag" and not varlen and c.get("causal") and p == 0 \
+            and slopes is None:
+        # the rank's own K/V: two diagonal pieces and the full pair between them; every other
+        # step one call (two query pieces over one key piece, or one over both, joined)
+        calls = fwd_events.count("compute")
+        assert calls == 3 + world - 1, f"{name}: {calls} forward block calls"
     if mode == "ring":
         first = fwd_events[(1 if p > 0 else 0):]
         assert first[0] == "post" and "compute" in first[1:], \

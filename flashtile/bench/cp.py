@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import re
 import socket
@@ -55,8 +56,11 @@ def _seqlen(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m flashtile.bench.cp", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("check", "scale"), help="check: one-GPU partial-entry check "
-                   "and world-1 overhead; scale: scaling over this launch's ranks")
+    p.add_argument("what", choices=("check", "scale", "report"),
+                   help="check: one-GPU partial-entry check and world-1 overhead; scale: "
+                   "scaling over this launch's ranks; report: the table and PNG of a results "
+                   "file's cp_world<N> entries (--out, --png)")
+    p.add_argument("--png", default=None, help="report: write the efficiency plot here")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     p.add_argument("--heads", type=int, default=16)
@@ -257,9 +261,35 @@ def _measure_world(S, a, device, rank, world, ref, label):
     return rows
 
 
+def _flash_rule(q, k, v, do):
+    """A function of ``[out, dq, dk, dv]`` (whole-sequence causal results) returning each one's
+    error against float64 attention divided by PyTorch's error in the inputs' dtype
+    (``flashtile.reference.torch_ref``): flash-attn's rule asks <= 2 for the output, <= 3 for
+    the gradients."""
+    from flashtile.backends.spec import AttnSpec
+    from flashtile.reference.torch_ref import reference
+    spec = AttnSpec(1.0 / math.sqrt(q.shape[-1]), -1, 0)
+    refs = []
+    for dt in (torch.float64, q.dtype):
+        leaves = [x.detach().to(dt).requires_grad_() for x in (q, k, v)]
+        out = reference(*leaves, spec, dtype=dt)
+        out.backward(do.to(dt))
+        refs.append([out.detach()] + [x.grad for x in leaves])
+        del out, leaves
+    exact, low = refs
+    base = [float((lo.double() - ex).abs().max()) for lo, ex in zip(low, exact)]
+    del low
+
+    def ratios(got):
+        return {n: float((g.double() - ex).abs().max()) / b
+                for n, g, ex, b in zip(("out", "dq", "dk", "dv"), got, exact, base)}
+    return ratios
+
+
 def _correctness(a, device, rank, world):
     """Outputs and gradients of every mode/layout against one device's whole-sequence call
-    (max abs difference, and the same for SDPA in the dtype against float32 math)."""
+    (max abs difference) and flash-attn's rule (error vs float64 over PyTorch's same-dtype
+    error, as :func:`_flash_rule`; rank 0 computes it)."""
     from flashtile import flash_attn_func
     from flashtile.distributed import context_parallel_attn, shard, unshard
     S = a.check_seqlen
@@ -268,7 +298,9 @@ def _correctness(a, device, rank, world):
     out = flash_attn_func(*leaves, causal=True)
     out.backward(do)
     whole = [out.detach()] + [x.grad for x in leaves]
-    rows = []
+    rule = _flash_rule(q, k, v, do) if rank == 0 else None
+    rows = [dict(world=world, seqlen=S, mode="one device", layout="",
+                 flash_rule_ratio=rule(whole))] if rule else []
     for mode in a.modes:
         for layout in a.layouts:
             if mode == "ulysses" and a.heads % world:
@@ -279,8 +311,11 @@ def _correctness(a, device, rank, world):
             got = [unshard(t, layout=layout) for t in [o.detach()] + [x.grad for x in local]]
             diffs = {n: float((g.float() - w.float()).abs().max())
                      for n, g, w in zip(("out", "dq", "dk", "dv"), got, whole)}
-            rows.append(dict(world=world, seqlen=S, mode=mode, layout=layout,
-                             max_abs_diff_vs_one_device=diffs))
+            row = dict(world=world, seqlen=S, mode=mode, layout=layout,
+                       max_abs_diff_vs_one_device=diffs)
+            if rule:
+                row["flash_rule_ratio"] = rule(got)
+            rows.append(row)
     if rank == 0:
         for r in rows:
             print(json.dumps(r), flush=True)
@@ -315,8 +350,11 @@ def _longest(a, device, rank, world):
 
 
 def _scale(a, rank, world, device):
-    results = dict(device=runtime_env(device)["device"], dtype=a.dtype, heads=a.heads, headdim=a.headdim,
-                   causal=True, batch=1, torch=torch.__version__, rows=[])
+    results = dict(runtime_env(device), world=world, gpus_visible=(
+                       torch.cuda.device_count() if device == "cuda" else 0),
+                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   dtype=a.dtype, heads=a.heads, headdim=a.headdim, causal=True, batch=1,
+                   tokens_per_gpu=a.tokens_per_gpu, strong_seqlen=a.strong_seqlen, rows=[])
     results["correctness"] = _correctness(a, device, rank, world)
     weak = a.tokens_per_gpu * world
     ref = _single_device_tflops(weak, a, device)
@@ -397,6 +435,58 @@ def _check(a, device):
     return out
 
 
+def scaling_rows(results: dict) -> list[dict]:
+    """The timed rows of every ``cp_world<N>`` entry of a results file, by world size."""
+    rows = []
+    for key in sorted(k for k in results if re.fullmatch(r"cp_world\d+", k)):
+        rows += [r for r in results[key]["rows"] if "efficiency" in r]
+    return sorted(rows, key=lambda r: (r["scaling"], r["world"]))
+
+
+def report(results: dict, png: str | None = None) -> str:
+    """A markdown table of the scaling rows (efficiency per mode and layout, and the peer's),
+    and with ``png`` a bar chart of the same."""
+    rows = scaling_rows(results)
+    cols = sorted({(r["mode"], r["layout"]) for r in rows},
+                  key=lambda c: (c[0] == "context_parallel", c))
+    def tokens(n):
+        return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+    groups = sorted({(r["scaling"], r["world"], r["seqlen"]) for r in rows},
+                    key=lambda g: (g[0] != "weak", g[1]))
+    eff = {(r["scaling"], r["world"], r["mode"], r["layout"]): r["efficiency"] for r in rows}
+    names = [f"{m} {lay}" if m != "context_parallel" else "torch context_parallel"
+             for m, lay in cols]
+    lines = ["| scaling | GPUs | sequence | " + " | ".join(names) + " |",
+             "|---" * (3 + len(cols)) + "|"]
+    for sc, w, n in groups:
+        cells = [f"{eff[(sc, w, m, lay)]:.2f}" if (sc, w, m, lay) in eff else ""
+                 for m, lay in cols]
+        lines.append(f"| {sc} | {w} | {tokens(n)} | " + " | ".join(cells) + " |")
+    if png and rows:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(11, 4.2))
+        width = 0.8 / len(cols)
+        for i, ((m, lay), name) in enumerate(zip(cols, names)):
+            ax.bar([g + i * width for g in range(len(groups))],
+                   [eff.get((sc, w, m, lay), 0.0) for sc, w, _ in groups], width, label=name,
+                   hatch="//" if m == "context_parallel" else None)
+        ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
+        ax.set_xticklabels([f"{sc}\n{w} GPUs, {tokens(n)}" for sc, w, n in groups])
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_ylabel("efficiency (TFLOP/s per GPU / one GPU's)")
+        ax.set_ylim(0, 1.3)
+        first = results[next(k for k in results if k.startswith("cp_world"))]
+        ax.set_title(f"Context-parallel causal fwd+bwd, {first['dtype']}, {first['heads']} heads,"
+                     f" d={first['headdim']} ({first['device']}, {first['date'][:10]})")
+        ax.legend(ncol=4, fontsize=8, loc="upper center")
+        fig.tight_layout()
+        fig.savefig(png, dpi=110)
+        plt.close(fig)
+    return "\n".join(lines)
+
+
 def _write(path, key, value):
     write_result(path, key, value)
     print(f"wrote {path} [{key}]", flush=True)
@@ -409,6 +499,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in a.modes if m not in MODES] + [x for x in a.layouts if x not in LAYOUTS]
     if bad:
         raise SystemExit(f"unknown mode/layout: {bad}")
+    if a.what == "report":
+        with open(results_path(a.device, a.out)) as f:
+            print(report(json.load(f), a.png))
+        return 0
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no GPU; use --device cpu for a dry run")
     import flashtile
