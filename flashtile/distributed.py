@@ -38,7 +38,7 @@ of pieces that needs no global position (no dropout or ALiBi, and every key visi
 query, or the pieces' diagonal the plain call's, as on a causal diagonal) runs as a plain call
 instead, so on Hopper it takes the sm_90 kernels: its output and gradient shares come in the
 inputs' dtype and are merged and summed in float32 (as ring-flash-attention and PyTorch's
-``context_parallel`` do); neighbouring pairs that see every key run as one call:
+``context_parallel`` do); neighbouring pairs run as one call where they can (:func:`_pairs`):
 
 ``ring``      K/V travel around the ring with ``batch_isend_irecv``, the next exchange posted
               before the current block is computed; the backward sends the float32 dK/dV
@@ -345,20 +345,30 @@ def _plain_spec(cfg: _Cfg, nq: int, nk: int, q_off: int, k_off: int) -> AttnSpec
 
 
 def _pairs(cfg: _Cfg, q_pieces, k_pieces):
-    """:func:`_calls` with each one's plain spec (or None), adjacent pairs that see every key
-    of one document joined into one call (their positions no longer matter): the zigzag
-    layout's two query pieces over one key piece, or one query piece over both key pieces."""
+    """:func:`_calls` with each one's plain spec (or None), neighbouring plain calls of one
+    document joined into one call: two that see every key (their positions no longer matter;
+    the zigzag layout's two query pieces over one key piece, or one query piece over both key
+    pieces), and one query piece's keys that it sees all of followed by its diagonal with no
+    left window edge (the zigzag ring's own step: the later query piece over both key pieces
+    is one bottom-right causal call)."""
     out = []
     for call in _calls(cfg, q_pieces, k_pieces):
         spec = _plain_spec(cfg, call[1], call[3], call[4], call[5])
-        if out and spec is not None and not spec.has_window and out[-1][1] is not None \
-                and not out[-1][1].has_window and out[-1][0][6] == call[6]:
+        if out and spec is not None and out[-1][1] is not None and out[-1][0][6] == call[6] \
+                and not out[-1][1].has_window:
             (ql, nq, kl, nk, q_off, k_off, b_off), prev = out[-1]
-            if (kl, nk) == call[2:4] and ql + nq == call[0]:
-                out[-1] = ((ql, nq + call[1], kl, nk, q_off, k_off, b_off), prev)
-                continue
-            if (ql, nq) == call[0:2] and kl + nk == call[2]:
-                out[-1] = ((ql, nq, kl, nk + call[3], q_off, k_off, b_off), prev)
+            keys_follow = (ql, nq) == call[0:2] and kl + nk == call[2]
+            if not spec.has_window:
+                if (kl, nk) == call[2:4] and ql + nq == call[0]:
+                    out[-1] = ((ql, nq + call[1], kl, nk, q_off, k_off, b_off), prev)
+                    continue
+                if keys_follow:
+                    out[-1] = ((ql, nq, kl, nk + call[3], q_off, k_off, b_off), prev)
+                    continue
+            elif keys_follow and spec.window_left < 0 and call[3] >= call[1]:
+                # row i sees key j <= i + nk + (nk' - nq) + wr: every earlier key and the
+                # diagonal's as before
+                out[-1] = ((ql, nq, kl, nk + call[3], q_off, k_off, b_off), spec)
                 continue
         out.append((call, spec))
     return out
@@ -380,20 +390,33 @@ def _block_backward(cfg: _Cfg, do, q, k, v, out, lse, spec, q_off: int, k_off: i
     return partial_attention_backward(do, q, k, v, out, lse, **_kw(cfg, q_off, k_off, b_off))
 
 
-def _merge(acc_o, acc_l, o, lse):
-    from . import merge_attention_states
-    m_o, m_l = merge_attention_states(acc_o, acc_l, o.float(), lse)
-    acc_o.copy_(m_o)
-    acc_l.copy_(m_l)
+def _merge(acc_o, acc_l, o, lse, first: bool):
+    """Fold a block's ``(o, lse)`` into the float32 accumulators in place (``first``: rows no
+    block has reached yet, a copy): ``l = log(e^acc_l + e^lse)``, ``acc_o = e^(acc_l - l)
+    acc_o + e^(lse - l) o``; a row that has seen no key on either side stays 0 / -inf."""
+    if first:
+        acc_o.copy_(o)
+        acc_l.copy_(lse)
+        return
+    new = torch.logaddexp(acc_l, lse)
+    safe = torch.where(new == float("-inf"), 0.0, new)  # exp(-inf - -inf) would be NaN
+
+    def weight(x):  # (B, H, S) -> (B, S, H, 1)
+        return torch.exp(x - safe).transpose(1, 2).unsqueeze(-1)
+    acc_o.mul_(weight(acc_l)).addcmul_(o, weight(lse))
+    acc_l.copy_(new)
 
 
-def _attend(cfg, q, k, v, q_pieces, k_pieces, acc_o, acc_l):
+def _attend(cfg, q, k, v, q_pieces, k_pieces, acc_o, acc_l, seen: list):
     """Merge the partials of ``q``'s pieces over ``k``/``v``'s pieces into the float32
-    accumulators ``acc_o`` ``(B, Sq, H, D)`` / ``acc_l`` ``(B, H, Sq)``."""
+    accumulators ``acc_o`` ``(B, Sq, H, D)`` / ``acc_l`` ``(B, H, Sq)``; ``seen`` holds the row
+    ranges merged so far (the caller's, across calls)."""
     for (ql, nq, kl, nk, q_off, k_off, b_off), spec in _pairs(cfg, q_pieces, k_pieces):
         o, lse = _block_forward(cfg, q[:, ql:ql + nq], k[:, kl:kl + nk], v[:, kl:kl + nk],
                                 spec, q_off, k_off, b_off)
-        _merge(acc_o[:, ql:ql + nq], acc_l[:, :, ql:ql + nq], o, lse)
+        first = all(ql + nq <= a or b <= ql for a, b in seen)
+        _merge(acc_o[:, ql:ql + nq], acc_l[:, :, ql:ql + nq], o, lse, first)
+        seen.append((ql, ql + nq))
 
 
 def _attend_bwd(cfg, do, q, k, v, out, lse, q_pieces, k_pieces, dq, dk, dv):
@@ -447,6 +470,7 @@ def _wait(reqs) -> None:
 
 def _ring_fwd(cfg, q, k, v):
     acc_o, acc_l = _empty_acc(q)
+    seen = []
     n = q.shape[1]
     q_pieces = pieces(cfg.layout, cfg.world, cfg.rank, n)
     kv = torch.stack([k, v])  # [2, B, S_loc, Hk, D]: one message per hop
@@ -455,7 +479,7 @@ def _ring_fwd(cfg, q, k, v):
         reqs = _exchange(cfg, kv, kv_next) if t < cfg.world - 1 else None
         src = (cfg.rank - t) % cfg.world
         _attend(cfg, q, kv[0], kv[1], q_pieces, pieces(cfg.layout, cfg.world, src, n),
-                acc_o, acc_l)
+                acc_o, acc_l, seen)
         if reqs is not None:
             _wait(reqs)
             kv, kv_next = kv_next, kv
@@ -508,7 +532,7 @@ def _allgather_fwd(cfg, q, k, v):
     kv = _gather_kv(cfg, k, v)
     whole = [(0, 0, kv.shape[2])]
     _attend(cfg, q, kv[0], kv[1], pieces(cfg.layout, cfg.world, cfg.rank, q.shape[1]), whole,
-            acc_o, acc_l)
+            acc_o, acc_l, [])
     return acc_o, acc_l
 
 
@@ -579,7 +603,7 @@ def _ulysses_fwd(cfg, q, k, v):
     else:
         acc_o, acc_l = _empty_acc(qh)
         whole = [(0, 0, qh.shape[1])]
-        _attend(lcfg, qh, kh, vh, whole, whole, acc_o, acc_l)
+        _attend(lcfg, qh, kh, vh, whole, whole, acc_o, acc_l, [])
         out_h = acc_o.to(q.dtype)
     (out,) = _seq_to_heads(cfg, [out_h])
     return out, (qh, kh, vh, out_h, acc_l)
