@@ -117,6 +117,64 @@ def test_partial_offsets_are_validated():
         partial_attention(q, q, q, dropout_p=0.1)
 
 
+PLAIN_CASES = {"causal": dict(causal=True), "full": {}, "window-right": dict(window=(-1, 3)),
+               "causal-softcap": dict(causal=True, softcap=4.0)}
+# every case on the torch engine; the Triton kernels (interpreted, slow) on two
+PLAIN_RUNS = [(c, b) for c in PLAIN_CASES for b in ("torch", "triton")
+              if b == "torch" or c in ("causal", "window-right")]
+
+
+@pytest.mark.parametrize("case,backend", PLAIN_RUNS, ids=["-".join(r) for r in PLAIN_RUNS])
+def test_plain_blocks_equal_attention_over_their_global_keys(case, backend):
+    """Every block the context-parallel modes run as a plain call (``_pairs``: the ring's key
+    pieces of each rank, zigzag and contiguous, and the all-gather's whole sequence, over
+    world sizes 2 and 4) returns the output and LSE of its queries' global rows over only its
+    keys' global positions, with the whole sequence's mask (float32 attention on the whole
+    sequence with the other keys hidden).  Without a window every block is a plain call."""
+    from flashtile.distributed import _Cfg, _block_forward, _pairs, pieces
+    c = PLAIN_CASES[case]
+    B, S, H, Hk, D = 1, 32, 2, 1, 16
+    q, k, v = (randn(B, S, h, D) for h in (H, Hk, Hk))
+    window = c.get("window", (-1, -1))
+    worlds = (2, 4) if backend == "torch" else (2,)
+    plain = 0
+    with flashtile.use_backend(backend), poison_outputs():
+        for world, layout in ((w, lay) for w in worlds for lay in ("zigzag", "contiguous")):
+            n = S // world
+            cfg = _Cfg(world, 0, None, layout, "ring", c.get("causal", False), D ** -0.5, window,
+                       c.get("softcap", 0.0), 0.0, None, None, [(0, 0, S)], S)
+
+            def local(x, rank):  # the rank's shard and its local -> global positions
+                ps = pieces(layout, world, rank, n)
+                return (torch.cat([x[:, g:g + ln] for _, g, ln in ps], dim=1),
+                        [g + i for _, g, ln in ps for i in range(ln)])
+            for rank in range(world):
+                q_loc, rows = local(q, rank)
+                key_sets = [(src, pieces(layout, world, src, n)) for src in range(world)]
+                key_sets.append(("all", [(0, 0, S)]))  # the all-gather's whole sequence
+                for src, k_pieces in key_sets:
+                    if src == "all":
+                        k_loc, v_loc, cols = k, v, list(range(S))
+                    else:
+                        (k_loc, cols), (v_loc, _) = local(k, src), local(v, src)
+                    q_pieces = pieces(layout, world, rank, n)
+                    for (ql, nq, kl, nk, q_off, k_off, b_off), spec in _pairs(cfg, q_pieces,
+                                                                               k_pieces):
+                        if spec is None:  # a window's edge: the partial call (tested above)
+                            assert window != (-1, -1), f"{case}: a partial call, no feature"
+                            continue
+                        out, lse = _block_forward(cfg, q_loc[:, ql:ql + nq], k_loc[:, kl:kl + nk],
+                                                  v_loc[:, kl:kl + nk], spec, q_off, k_off, b_off)
+                        want, want_lse = _restricted_ref(
+                            q, k, v, rows[ql:ql + nq], cols[kl:kl + nk], cfg.causal, window,
+                            cfg.softcap, None, None, 0.0, torch.float32)
+                        name = f"{case} w{world} {layout} rank {rank} keys {src} rows {ql}+{nq}"
+                        assert_close(f"{name} out", out, want, atol=1e-5, rtol=1e-5)
+                        assert_close(f"{name} lse", lse, want_lse, atol=1e-5, rtol=1e-5)
+                        plain += 1
+    assert plain
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_in_place_merge_equals_merge_attention_states(dtype):
     """The ring's in-place float32 merge of a block (output in the inputs' dtype) against
