@@ -287,14 +287,18 @@ class _Cfg:
     head_offset: int = 0
     nheads_total: int | None = None
 
+    @property
+    def bounds(self) -> tuple[int, int]:
+        """``(wl, wr)``: query ``a`` sees key ``c`` iff ``a - wl <= c <= a + wr`` (a negative
+        bound is none; causal is ``wr = 0``)."""
+        return self.window[0], 0 if self.causal else self.window[1]
+
 
 def _calls(cfg: _Cfg, q_pieces, k_pieces):
     """Partial calls ``(q_local, nq, k_local, nk, q_offset, k_offset, batch_offset)`` that hold
     a visible pair: every (query piece, key piece, document) intersection, cut to the keys its
     queries can see."""
-    wl, wr = cfg.window
-    if cfg.causal:
-        wr = 0
+    wl, wr = cfg.bounds
     for ql, qg, qn in q_pieces:
         for kl, kg, kn in k_pieces:
             for b_off, d0, d1 in cfg.docs:
@@ -334,9 +338,7 @@ def _plain_spec(cfg: _Cfg, nq: int, nk: int, q_off: int, k_off: int) -> AttnSpec
     takes (on Hopper the sm_90 kernels, which have no offsets), with the inputs' dtype out."""
     if cfg.dropout_p or cfg.alibi is not None:
         return None
-    wl, wr = cfg.window
-    if cfg.causal:
-        wr = 0
+    wl, wr = cfg.bounds
     if (wr < 0 or k_off + nk - 1 <= q_off + wr) and (wl < 0 or k_off >= q_off + nq - 1 - wl):
         return AttnSpec(cfg.scale, softcap=cfg.softcap)
     if q_off - k_off == nk - nq:
