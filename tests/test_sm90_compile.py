@@ -164,7 +164,8 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
             # K/V tiles: each consumer's 64 keys, or with RAGGED both consumers' 128; at d = 256
             # the item's 64 keys (both consumers')
             keys = launch_sm90.bwd_keys(head_dim)
-            bm, bn = launch_sm90.BWD_BLOCK_M, keys // (1 if ragged or head_dim == 256 else 2)
+            bm = launch_sm90.bwd_rows(head_dim)
+            bn = keys // (1 if ragged or head_dim == 256 else 2)
             flat = f"tensordesc<fp32[{bm}],{launch_sm90._flat_layout()!r}>"
             acc_cols = head_dim // (8 if head_dim == 256 else 2)
             types = dict(desc_q=desc(ty, bm, head_dim, dtype, ragged),
@@ -278,7 +279,14 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                      DKDV_TMA=True)
                 # "v": packed sequences (cumulative lengths int32; 2-D views; dK and dV
                 # stored by the kernel, masked)
-                emit("bwdv-bf16", attn_bwd_sm90_kernel, dict(types, CuQ="*i32", CuK="*i32"),
+                # (their query tiles: launch_sm90.bwd_rows(..., packed=True))
+                pm = launch_sm90.bwd_rows(head_dim, packed=True)
+                p_flat = f"tensordesc<fp32[{pm}],{launch_sm90._flat_layout()!r}>"
+                packed = dict(types, desc_q=desc(ty, pm, head_dim, dtype, False),
+                              desc_do=desc(ty, pm, head_dim, dtype, False), desc_lse=p_flat,
+                              desc_delta=p_flat,
+                              desc_dq=desc("fp32", pm, acc_cols, torch.float32, False))
+                emit("bwdv-bf16", attn_bwd_sm90_kernel, dict(packed, CuQ="*i32", CuK="*i32"),
                      head_dim, causal, WINDOW=False, DQ=True, PERSISTENT=True, RAGGED=False,
                      DKDV_TMA=False)
 '''
@@ -417,7 +425,7 @@ def test_sm90_backward_compiles_for_hopper_with_its_structure(compiled, variant)
     row = compiled[variant]
     d = row["head_dim"]
     assert row["cubin_bytes"] > 0, "ptxas produced no binary"
-    keys, rows = launch_sm90.bwd_keys(d), launch_sm90.BWD_BLOCK_M
+    keys, rows = launch_sm90.bwd_keys(d), launch_sm90.bwd_rows(d, variant.startswith("bwdv"))
     # K and V of an item's keys + STAGES (Q, dO) tiles (+ lse, delta, barriers)
     tiles = (2 * keys + 2 * launch_sm90.STAGES * rows) * d * 2
     if variant.startswith("bwd") and d <= 128:
@@ -500,7 +508,7 @@ def test_sm90_split_backward_of_width_128_compiles_for_hopper_with_its_structure
 
     row = compiled[variant]
     assert row["cubin_bytes"] > 0, "ptxas produced no binary"
-    rows = 2 * launch_sm90.STAGES * launch_sm90.BWD_BLOCK_M + 2 * launch_sm90.bwd_keys(128)
+    rows = 2 * launch_sm90.STAGES * launch_sm90.bwd_rows(128) + 2 * launch_sm90.bwd_keys(128)
     assert rows * row["head_dim"] * 2 <= row["shared"] <= SMEM_LIMIT
     assert row["num_warps"] == 12
     assert all(row["ops"].values()), row["ops"]
@@ -519,7 +527,7 @@ def test_sm90_split_dkdv_kernel_compiles_for_hopper_with_its_structure(compiled,
 
     row = compiled[variant]
     assert row["cubin_bytes"] > 0, "ptxas produced no binary"
-    rows = 2 * launch_sm90.STAGES * launch_sm90.BWD_BLOCK_M + 2 * launch_sm90.bwd_keys(256)
+    rows = 2 * launch_sm90.STAGES * launch_sm90.bwd_rows(256) + 2 * launch_sm90.bwd_keys(256)
     assert rows * row["head_dim"] * 2 <= row["shared"] <= SMEM_LIMIT
     assert row["num_warps"] == 12
     assert all(row["ops"].values()), row["ops"]
@@ -636,7 +644,7 @@ def test_sm90_backward_group_order_shortens_the_causal_tail(batch, heads, n, hea
     g = launch_sm90.bwd_group(n_bh, 1, n, n, head_dim, 2 * n, 0, True, 132)
     assert 1 <= g <= n_bh and (head_dim != 64 or g == 1)
     # key block j sees the query tiles from its own rows on, plus the CTA's setup
-    steps = [(n - j * keys) // launch_sm90.BWD_BLOCK_M
+    steps = [(n - j * keys) // launch_sm90.bwd_rows(head_dim)
              + launch_sm90.BWD_CTA_SETUP for j in range(n_kb)]
     share = sum(steps) * n_bh / 132
     plain, chosen = _bwd_makespan(steps, n_bh, 1), _bwd_makespan(steps, n_bh, g)
@@ -1022,8 +1030,10 @@ def test_sm90_backward_pads_lse_and_delta_to_whole_tiles():
     from flashtile.backends.triton import launch_sm90
 
     lse, delta = torch.randn(2, 3, 70), torch.randn(2, 3, 70)
-    lse_p, delta_p = launch_sm90._pad_rows(lse, delta)
+    lse_p, delta_p = launch_sm90._pad_rows(lse, delta, 64)
     assert lse_p.shape == delta_p.shape == (2, 3, 128) and lse_p.is_contiguous()
+    assert launch_sm90._pad_rows(lse, delta, 128)[0].shape == (2, 3, 128)
+    assert launch_sm90._pad_rows(lse[..., :64], delta[..., :64], 128)[1].shape == (2, 3, 128)
     assert torch.equal(lse_p[..., :70], lse) and torch.equal(delta_p[..., :70], delta)
     assert torch.all(lse_p[..., 70:] == float("inf")) and torch.all(delta_p[..., 70:] == 0)
 
@@ -1310,7 +1320,7 @@ def test_sm90_backward_prologue_computes_delta_and_zeroes_accumulator_and_counte
             assert lse_p is lse and delta_p is delta
             torch.testing.assert_close(delta, want)
         else:
-            want_lse, want_delta = launch_sm90._pad_rows(lse, want)
+            want_lse, want_delta = launch_sm90._pad_rows(lse, want, launch_sm90.bwd_rows(cols))
             assert lse_p.shape == delta_p.shape == (batch, heads, 128)
             assert torch.equal(lse_p, want_lse)
             torch.testing.assert_close(delta_p, want_delta)
@@ -1320,11 +1330,14 @@ def test_sm90_backward_prologue_computes_delta_and_zeroes_accumulator_and_counte
         cu = torch.tensor([0, 5, 70], dtype=torch.int32)
         lse = torch.randn(heads, total)
         dq_acc, lse_p, delta, counter, _ = launch_sm90.packed_prologue(out, out, do, lse, cu)
-        # sequence 0 from row 0, sequence 1 from ((5 + 64) // 64) * 64 = 64
+        # sequence 0 from row 0, sequence 1 from ((5 + t) // t) * t = t (t: the query tile)
+        t = launch_sm90.bwd_rows(d, packed=True)
+        assert delta.shape == lse_p.shape == (heads, -(-(total + 2 * t) // t) * t)
         torch.testing.assert_close(delta[:, :5], want[:, :5])
-        torch.testing.assert_close(delta[:, 64:129], want[:, 5:])
-        assert torch.equal(lse_p[:, 64:129], lse[:, 5:])
-        assert (delta[:, 5:64] == 0).all() and (lse_p[:, 5:64] == float("inf")).all()
+        torch.testing.assert_close(delta[:, t:t + 65], want[:, 5:])
+        assert torch.equal(lse_p[:, t:t + 65], lse[:, 5:])
+        assert (delta[:, 5:t] == 0).all() and (lse_p[:, 5:t] == float("inf")).all()
+        assert (delta[:, t + 65:] == 0).all() and (lse_p[:, t + 65:] == float("inf")).all()
     assert dq_acc.shape == (*out.shape[:-1], cols) and dq_acc.dtype == torch.float32
     assert (dq_acc == 0).all() and counter.tolist() == [0]
 
@@ -1447,7 +1460,7 @@ def test_sm90_ragged_backward_plan_replays_with_lse_and_delta_padded(monkeypatch
     got = dict(zip(launch_sm90._kernel("bwd").arg_names, values))
     lse_p = got["desc_lse"].base.view(2, 4, 128)
     delta_p = got["desc_delta"].base.view(2, 4, 128)
-    assert torch.equal(lse_p, launch_sm90._pad_rows(lse, lse)[0])
+    assert torch.equal(lse_p, launch_sm90._pad_rows(lse, lse, launch_sm90.bwd_rows(64))[0])
     torch.testing.assert_close(delta_p[..., :100], (do * o).sum(-1).transpose(1, 2))
     assert torch.all(delta_p[..., 100:] == 0) and got["sq_pad"] == 128
     assert got["DK"] is dk and got["DV"] is dv
@@ -1529,7 +1542,8 @@ def test_sm90_backward_plan_replays_its_prologue_bound(monkeypatch, case):
         if n not in launch_sm90._PROLOGUE_PTRS:
             assert got[n] == first[n], n
     if case == "packed":
-        assert got["SRC"] == launch_sm90._orders.get(("rows", sq), (varlen[0],),
+        tile = launch_sm90.bwd_rows(64, packed=True)
+        assert got["SRC"] == launch_sm90._orders.get(("rows", sq, tile), (varlen[0],),
                                                      lambda: None).data_ptr()
 
 
@@ -1850,8 +1864,8 @@ def test_sm90_split_backward_of_width_128_reads_and_adds_a_heads_columns(d, layo
     assert a["DK"] is dk and a["DV"] is dv and a["DQ"]
     assert not a["DKDV_TMA"] and a["PERSISTENT"] == launch_sm90.bwd_persistent(128)
     _assert_split_tiles(a, (("q", q, "q"), ("do", do, "do"), ("k", k, "kv"), ("v", v, "kv")),
-                        d, launch_sm90.BWD_BLOCK_M, launch_sm90.bwd_keys(128), first=64)
-    rows = launch_sm90.BWD_BLOCK_M
+                        d, launch_sm90.bwd_rows(128), launch_sm90.bwd_keys(128), first=64)
+    rows = launch_sm90.bwd_rows(128)
     for suffix, c0, c1 in (("", 0, 64), ("2", 64, d)):
         desc = a[f"desc_dq{suffix}"]
         assert desc[0] is dq_acc and desc[3][-1] == c1 - c0 and _tile_rows(desc[3]) == rows
@@ -1927,7 +1941,7 @@ def test_sm90_split_dkdv_reads_a_heads_columns_in_two_tiles(d, layout, seq, monk
     assert a["DK"] is dk and a["DV"] is dv and a["DK_COLS"] == d and not a["DQ"]
     assert not a["DKDV_TMA"] and not a["PERSISTENT"]
     _assert_split_tiles(a, (("q", q, "q"), ("do", do, "do"), ("k", k, "kv"), ("v", v, "kv")),
-                        d, launch_sm90.BWD_BLOCK_M, launch_sm90.bwd_keys(256))
+                        d, launch_sm90.bwd_rows(256), launch_sm90.bwd_keys(256))
     monkeypatch.setattr(launch_sm90, "BWD_SPLIT", False)
     launch_sm90._bwd(q, k, v, do, lse, delta, None, dk, dv, spec, width=256)
     _assert_unsplit(calls[-1], "bwd", 256)

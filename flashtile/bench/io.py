@@ -430,7 +430,7 @@ def used_configs(case: Case, device: str = "cuda", run: "Runner | None" = None) 
         deterministic = case.impl != "flashtile" or not sm90.fused_pays(case.n, case.n, False,
                                                                           case.d)
         if sm90.bwd_eligible(run.q, run.k, run.v, run.do, run.k, run.v, spec, deterministic):
-            out["dkdv"] = [sm90.BWD_BLOCK_M, sm90.BWD_BLOCK_N, warps, sm90.STAGES]
+            out["dkdv"] = [sm90.bwd_rows(case.d), sm90.BWD_BLOCK_N, warps, sm90.STAGES]
             out["fused"] = not deterministic
     return out
 

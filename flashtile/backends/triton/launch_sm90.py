@@ -29,7 +29,7 @@ BLOCK_M = 128
 BLOCK_N = 128  # keys per tile at d = 64 and 128
 NUM_WARPS = 4  # the first consumer; the kernel adds 4 + 1 worker warps
 STAGES = 2
-BWD_BLOCK_M = 64   # query rows per step of the backward kernel
+BWD_BLOCK_M = 64   # query rows per step of the backward kernel (d = 64: bwd_rows)
 BWD_BLOCK_N = 128  # keys per CTA (64 per consumer warpgroup; at d = 256 64 in all)
 DELTA_ROWS = 64    # rows (b, s, h) per program of the fused backward's prologue
 
@@ -38,6 +38,17 @@ def block_n(head_dim: int) -> int:
     """Keys per tile: 64 at d = 256, where Q, two stages of K and V tiles of 128 keys would need
     320 KB of shared memory (64 keys: 192 KB) and the consumers' registers would spill."""
     return 64 if head_dim == 256 else BLOCK_N
+
+
+def bwd_rows(head_dim: int, packed: bool = False) -> int:
+    """Query rows per step of the backward kernel of width ``head_dim`` (its Q, dO, lse and
+    delta tiles, the dQ accumulator's tiles): 128 at d = 64, where one step's products are
+    small enough that the barriers and hand-offs of a step weigh (``sᵀ`` and ``dpᵀ`` of 64
+    keys by 128 rows fit the consumers' 240 registers with 20-96 bytes of spills; H200, bf16,
+    1K-16K: the backward 1.05-1.11x faster than with 64 rows, docs/dev/tuning-log.md, step
+    115), but not for ``packed`` sequences (their variant spills 136 bytes; not measured);
+    else ``BWD_BLOCK_M`` (64: at d = 128 dK and dV take 128 registers a thread)."""
+    return 128 if head_dim == 64 and not packed else BWD_BLOCK_M
 
 
 def bwd_keys(head_dim: int) -> int:
@@ -213,14 +224,14 @@ def varlen_bwd_eligible(q, k, v, do, dk, dv, spec: AttnSpec) -> bool:
     return bwd_eligible(*(x.unsqueeze(0) for x in (q, k, v, do, dk, dv)), spec, packed=True)
 
 
-def _bwd_sparse_args(sparse, stand_in, keys: int) -> dict:
+def _bwd_sparse_args(sparse, stand_in, keys: int, rows: int) -> dict:
     """The backward's block-sparse arguments from ``sparse_index.sparse_args(...,
     transpose=True)``' ``(lists, strides, bs_m, bs_n)``, or without a block mask ``stand_in``
-    (a float32 tensor) for the lists."""
+    (a float32 tensor) for the lists; ``rows`` the kernel's query tile (:func:`bwd_rows`)."""
     if sparse is None:
         return dict(Lists=stand_in, stride_xb=0, stride_xh=0, stride_xr=0, tpr=1, ipc=1)
     lists, (sb, sh, sr), bs_m, bs_n = sparse
-    return dict(Lists=lists, stride_xb=sb, stride_xh=sh, stride_xr=sr, tpr=bs_m // BWD_BLOCK_M,
+    return dict(Lists=lists, stride_xb=sb, stride_xh=sh, stride_xr=sr, tpr=bs_m // rows,
                 ipc=bs_n // keys)
 
 
@@ -564,13 +575,14 @@ def bwd_group(n_bh: int, group: int, sq: int, sk: int, head_dim: int, wl: int, w
         return 1
     keys = bwd_keys(head_dim)
     n_kb = -(-sk // keys)
-    shift, n_q = sk - sq, -(-sq // BWD_BLOCK_M)
+    rows = bwd_rows(head_dim)
+    shift, n_q = sk - sq, -(-sq // rows)
     steps = []
     for j in range(n_kb):  # as _query_tiles counts them
         n0 = j * keys
-        lo = max(n0 - shift - wr, 0) // BWD_BLOCK_M
+        lo = max(n0 - shift - wr, 0) // rows
         hi = min(n0 + keys - 1 - shift + wl + 1, sq)
-        steps.append(group * min(max(-(-hi // BWD_BLOCK_M) - lo, 0), n_q) + BWD_CTA_SETUP)
+        steps.append(group * min(max(-(-hi // rows) - lo, 0), n_q) + BWD_CTA_SETUP)
     per_sm = sum(steps) * n_bh / n_sm
     if max(steps) < 0.03 * per_sm:  # the tail is short whatever the order
         return 1
@@ -1023,7 +1035,7 @@ def forward(q, k, v, spec: AttnSpec, key_mask=None, sparse=None, varlen=None):
 
 @functools.lru_cache(maxsize=None)
 def _flat_layout():
-    """Shared-memory layout of a row of ``BWD_BLOCK_M`` float32 values (lse, delta)."""
+    """Shared-memory layout of a row of float32 values (lse, delta: a query tile's)."""
     from triton.experimental.gluon import language as gl
 
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
@@ -1061,12 +1073,12 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
     device = q.device.index or 0
     fused = dq_acc is not None
     # lengths that are not multiples of the tiles: 3-D descriptors (_rows)
-    keys = bwd_keys(head_dim)
+    keys, rows = bwd_keys(head_dim), bwd_rows(head_dim, varlen is not None)
     ragged = _bwd_ragged(sq, sk, head_dim) and varlen is None
-    # a tile is half a head's columns of BWD_BLOCK_M rows, at d = 256 an eighth
-    acc_tile = [BWD_BLOCK_M, head_dim // (8 if head_dim == 256 else 2)]
+    # a tile is half a head's columns of a query tile's rows, at d = 256 an eighth
+    acc_tile = [rows, head_dim // (8 if head_dim == 256 else 2)]
     if fused:
-        desc_dq = _rows(dq_acc, BWD_BLOCK_M, ragged, cols=acc_tile[1])
+        desc_dq = _rows(dq_acc, rows, ragged, cols=acc_tile[1])
     else:
         desc_dq = _one_tile(acc_tile, torch.float32, q.device)
     n_bh = batch * nheads_k
@@ -1081,10 +1093,10 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
     window = _window(spec, sq, sk)
     bh_group = bwd_group(n_bh, nheads // nheads_k, sq, sk, head_dim, window["wl"],
                          window["wr"], window["MASKED"], n_sm)
-    if ragged and lse.shape[-1] % BWD_BLOCK_M:
+    if ragged and lse.shape[-1] % rows:
         # the kernel reads whole tiles of lse and delta: padded (_pad_rows; the fused
         # kernel's prologue already pads them)
-        lse, delta = _pad_rows(lse, delta)
+        lse, delta = _pad_rows(lse, delta, rows)
     args = dict(DK=dk, DV=dv, Counter=counter,
                 stride_kb=dk.stride(0), stride_kn=dk.stride(1), stride_kh=dk.stride(2),
                 # dK and dV narrower than the kernel (padded_backward): stored by the kernel
@@ -1097,7 +1109,7 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
                 WINDOW=window["MASKED"] and (window["wl"] < sq + sk or window["wr"] != 0),
                 DQ=fused, PERSISTENT=persistent, RAGGED=ragged, STAGES=STAGES,
                 num_warps=NUM_WARPS, **_key_mask_args(key_mask, lse),
-                **_bwd_sparse_args(sparse, lse, keys),
+                **_bwd_sparse_args(sparse, lse, keys, rows),
                 CuQ=lse if varlen is None else varlen[0], CuK=lse if varlen is None else varlen[1])
     flat = _flat_layout()
     # K/V tiles: each consumer's keys, or at d = 256 and with ragged one tile of the item's
@@ -1123,19 +1135,19 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
         args.update(dk_rb=0, dk_rh=0, dk_ch=0)
         desc_dk = desc_dv = _one_tile([keys // 2, head_dim], q.dtype, q.device)
     cols = split or head_dim
-    descs = dict(desc_q=_rows(q, BWD_BLOCK_M, ragged, "q", args, cols),
-                 desc_do=_rows(do, BWD_BLOCK_M, ragged, "do", args, cols),
+    descs = dict(desc_q=_rows(q, rows, ragged, "q", args, cols),
+                 desc_do=_rows(do, rows, ragged, "do", args, cols),
                  desc_k=_rows(k, kv_rows, ragged, "kv", args, cols),
                  desc_v=_rows(v, kv_rows, ragged, "kv", args, cols),
-                 desc_lse=(lse, [lse.numel()], [1], [BWD_BLOCK_M], flat),
-                 desc_delta=(delta, [delta.numel()], [1], [BWD_BLOCK_M], flat), desc_dq=desc_dq,
+                 desc_lse=(lse, [lse.numel()], [1], [rows], flat),
+                 desc_delta=(delta, [delta.numel()], [1], [rows], flat), desc_dq=desc_dq,
                  desc_dk=desc_dk, desc_dv=desc_dv)
     if split:
         rest = d - split
-        descs.update(_second_tiles(rest, ragged, q=(q, BWD_BLOCK_M), do=(do, BWD_BLOCK_M),
+        descs.update(_second_tiles(rest, ragged, q=(q, rows), do=(do, rows),
                                    k=(k, kv_rows), v=(v, kv_rows)),
                      # (the accumulator's columns from 64 on: a split head dim of 64's)
-                     desc_dq2=(_rows(dq_acc, BWD_BLOCK_M, ragged, cols=rest) if split == 64
+                     desc_dq2=(_rows(dq_acc, rows, ragged, cols=rest) if split == 64
                                else desc_dq))
     # (the compiled variant depends on the descriptors' ranks: a padded head dim's views; a
     # split one's tiles on the head dim)
@@ -1151,7 +1163,7 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
 def _bwd_ragged(sq: int, sk: int, head_dim: int) -> bool:
     """Whether a dense backward's lengths are not multiples of its tiles (query rows, the
     kernel's keys at ``head_dim``): its 3-D descriptors and the kernels' own dK/dV stores."""
-    return bool(sq % BWD_BLOCK_M or sk % bwd_keys(head_dim))
+    return bool(sq % bwd_rows(head_dim) or sk % bwd_keys(head_dim))
 
 
 def _one_tile(tile: list, dtype: torch.dtype, device) -> tuple:
@@ -1178,18 +1190,21 @@ def packed_prologue(q, out, do, lse, cu_q, bound=None, cols: int = 0):
     """:func:`_prologue` of packed sequences (``q``, ``out``, ``do``: ``(1, total_q, H, D)``
     views; ``lse`` float32 ``(H, total_q)``), in one launch: the zeroed dQ accumulator, lse and
     delta laid out for the backward kernel's TMA loads, ``(H, sq_pad)`` with sequence ``b``'s
-    rows from ``((cu_q[b] + b * BWD_BLOCK_M) // BWD_BLOCK_M) * BWD_BLOCK_M`` on (a whole tile,
+    rows from ``((cu_q[b] + b * R) // R) * R`` on (``R`` the kernel's query tile,
+    :func:`bwd_rows`: a whole tile,
     so every load starts 16-byte aligned; a misaligned start is an illegal instruction) and the
     gaps +inf and 0 as :func:`_pad_rows`' padding, and a zeroed int32 work counter.  Each
     sequence's offset grows by at least its length plus one over the previous one's, so
-    ``sq_pad = total_q + B * BWD_BLOCK_M`` (rounded to a tile) holds them all.  ``(dq_acc,
+    ``sq_pad = total_q + B * R`` (rounded to a tile) holds them all.  ``(dq_acc,
     lse_p, delta_p, counter, launched)``, ``launched`` as :func:`_prologue`'s.  On the device: no
     host read of the lengths.  ``cols``: as :func:`_prologue`'s."""
     nheads, total = lse.shape
-    width = -(-(total + (cu_q.numel() - 1) * BWD_BLOCK_M) // BWD_BLOCK_M) * BWD_BLOCK_M
-    src = _orders.get(("rows", total), (cu_q,), lambda: _packed_rows(cu_q, total, width))
     head_dim = q.shape[-1]
     cols = cols or head_dim
+    tile = bwd_rows(cols, packed=True)
+    width = -(-(total + (cu_q.numel() - 1) * tile) // tile) * tile
+    src = _orders.get(("rows", total, tile), (cu_q,),
+                      lambda: _packed_rows(cu_q, total, width, tile))
     dq_acc = torch.empty((*q.shape[:-1], cols), dtype=torch.float32, device=q.device)
     lse_p = empty((nheads, width), torch.float32, q.device)
     delta_p = empty((nheads, width), torch.float32, q.device)
@@ -1208,22 +1223,22 @@ def packed_prologue(q, out, do, lse, cu_q, bound=None, cols: int = 0):
     return dq_acc, lse_p, delta_p, counter, launched and (launched, grid)
 
 
-def _packed_rows(cu_q, total: int, width: int):
+def _packed_rows(cu_q, total: int, width: int, tile: int):
     """:func:`packed_prologue`'s packed row at each position of the padded layout (int32
     ``(width,)``, -1 in the gaps)."""
     rows = torch.arange(total, device=cu_q.device, dtype=torch.int32)
     seq = torch.searchsorted(cu_q[1:], rows, right=True)          # each row's sequence
     first = cu_q[seq]                                              # its first packed row
-    dst = rows - first + (first + seq * BWD_BLOCK_M) // BWD_BLOCK_M * BWD_BLOCK_M
+    dst = rows - first + (first + seq * tile) // tile * tile
     return torch.full((width,), -1, dtype=torch.int32, device=cu_q.device).index_copy_(
         0, dst, rows)
 
 
-def _pad_rows(lse, delta):
+def _pad_rows(lse, delta, rows: int):
     """``lse`` and ``delta`` (float32 ``(B, H, Sq)``) with each head's rows padded to whole
-    tiles of ``BWD_BLOCK_M``: +inf and 0, so that a last tile's rows past ``Sq`` (zeros of q and
-    dO) have p = 0 and delta = 0, not the next head's values."""
-    pad = -lse.shape[-1] % BWD_BLOCK_M
+    tiles of ``rows``: +inf and 0, so that a last tile's rows past ``Sq`` (zeros of q and dO)
+    have p = 0 and delta = 0, not the next head's values."""
+    pad = -lse.shape[-1] % rows
     return (torch.nn.functional.pad(lse, (0, pad), value=float("inf")),
             torch.nn.functional.pad(delta, (0, pad), value=0.0))
 
@@ -1295,7 +1310,7 @@ def _dq(q, k, v, do, lse, delta, dq_out, spec: AttnSpec, width: int = 0) -> None
     # descriptors, and lse, delta padded to whole 64-row tiles
     ragged = bool(sq % (2 * DQ_ROWS) or sk % block_n)
     if ragged:
-        lse, delta = _pad_rows(lse, delta)
+        lse, delta = _pad_rows(lse, delta, DQ_ROWS)
     n_m = -(-sq // (2 * DQ_ROWS))
     window = _window(spec, sq, sk)
     args = dict(sq=sq, sk=sk, sq_pad=lse.shape[-1], nheads=nheads, group=nheads // nheads_k,
@@ -1336,7 +1351,8 @@ def _prologue(q, out, do, delta, zero: bool = True, counter=None, lse=None, boun
     stands in for the accumulator the kernel then does not write), and ``counter`` (int32
     ``(1,)``, the persistent kernel's work counter) zeroed where given.  With ``lse``
     (float32 ``(B, H, Sq)``) ``(dq_acc, lse, delta)`` for the fused kernel: where ``Sq`` is not
-    a multiple of ``BWD_BLOCK_M``, lse and delta padded to whole tiles as :func:`_pad_rows`
+    a multiple of the kernel's query tile (:func:`bwd_rows`), lse and delta padded to whole
+    tiles as :func:`_pad_rows`
     pads them, in the same launch (``delta`` then unused; None: allocated here), and
     ``launched``: ``(launch's result, grid)`` where the launch was direct, for a plan's
     :class:`fastlaunch.BoundLaunch`, else None.  ``bound``: that BoundLaunch of an earlier call
@@ -1345,7 +1361,8 @@ def _prologue(q, out, do, delta, zero: bool = True, counter=None, lse=None, boun
     column zeroed, delta from ``D`` columns of ``out`` and ``do``."""
     batch, sq, nheads, head_dim = q.shape
     cols = cols or head_dim
-    width = sq if lse is None or sq % BWD_BLOCK_M == 0 else sq + (-sq % BWD_BLOCK_M)
+    tile = bwd_rows(cols)
+    width = sq if lse is None or sq % tile == 0 else sq + (-sq % tile)
     if delta is None or width != sq:
         delta = empty((batch, nheads, width), torch.float32, q.device)
     dq_acc = (torch.empty((batch, sq, nheads, cols), dtype=torch.float32, device=q.device)
@@ -1379,7 +1396,7 @@ def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec,
                    width: int = 0) -> None:
     """Fill ``dq``, ``dk``, ``dv`` (``bwd_eligible`` holds; ``out`` contiguous; ``lse`` and the
     buffer ``delta`` contiguous float32 ``(B, H, Sq)``): a prologue kernel computes ``delta``
-    (where ``Sq`` is not a multiple of ``BWD_BLOCK_M``, into a padded buffer of its own, with
+    (where ``Sq`` is not a multiple of the query tile, into a padded buffer of its own, with
     lse's padded copy) and zeroes a float32 dQ accumulator, the backward kernel adds every dQ
     tile into it, and one copy converts it into ``dq``.  With ``plan_key``
     (:func:`bwd_plan_key`) a direct launch leaves a plan that :func:`planned_backward`

@@ -607,10 +607,11 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
         do_tile = do_smem.index(i_s)
         q2_tile = q2_smem.index(i_s)                                    # [BLOCK_M, D2] (split)
         do2_tile = do2_smem.index(i_s)
-        if PERSISTENT and (HEAD_DIM == 128 or SPLIT):
+        if PERSISTENT and (HEAD_DIM == 128 or SPLIT or BLOCK_M == 128):
             # the K/V tiles' matrix descriptors from an index the compiler cannot fold (t >= 0:
             # 0): recomputed per tile, not hoisted over the item loop, where ptxas spilled them
-            # (284-376 bytes) and reloaded them in this loop; d = 64 has the registers
+            # (284-376 bytes at d = 128; 380-460 at d = 64 with 128-row tiles, 20-96 so) and
+            # reloaded them in this loop; d = 64 with 64-row tiles has the registers
             k_tile, v_tile, k2_tile, v2_tile, k_half = _consumer_kv(k_smem, v_smem, k2_smem,
                                                                     v2_smem, t >> 31, i_wg)
         # turn 1: sᵀ = k qᵀ and dpᵀ = v dOᵀ (a split head dim: each over both tiles' columns)
