@@ -58,14 +58,21 @@ counters, exactly as ``flash_attn_varlen_func`` on the whole packed sequence.
 
 With dropout, rank 0 of the group draws the seed (every rank draws one, so their generators stay
 in step) and broadcasts it: one more collective in the forward.
+
+Under ``torch.compile`` the forward and the backward are custom ops
+(``flashtile::context_parallel_fwd`` / ``_bwd``), so ``fullgraph=True`` takes a call whole (the
+group travels by name); an eager call runs the same functions through an autograd Function.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from . import backends
 from .backends.spec import AttnSpec
@@ -554,6 +561,13 @@ def _allgather_bwd(cfg, do, q, k, v, out, lse):
 def _heads_to_seq(cfg, xs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Sequence shards of all heads -> the whole sequence of this rank's ``1/R`` of the heads,
     for several tensors in one all-to-all."""
+    whole = _heads_to_seq_joined(cfg, xs)
+    return list(whole.split([x.shape[2] // cfg.world for x in xs], dim=2))
+
+
+def _heads_to_seq_joined(cfg, xs: list[torch.Tensor]) -> torch.Tensor:
+    """:func:`_heads_to_seq`'s tensors side by side along the heads, ``[B, S, sum(widths), D]``
+    (one tensor, as the custom op returns it)."""
     R = cfg.world
     B, n = xs[0].shape[:2]
     D = xs[0].shape[-1]
@@ -563,8 +577,7 @@ def _heads_to_seq(cfg, xs: list[torch.Tensor]) -> list[torch.Tensor]:
                       for x, w in zip(xs, widths)], dim=3).contiguous()
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=cfg.group)
-    whole = _to_global(list(recv.unbind(0)), cfg.layout, R, 1)  # [B, S, sum(widths), D]
-    return list(whole.split(widths, dim=2))
+    return _to_global(list(recv.unbind(0)), cfg.layout, R, 1)  # [B, S, sum(widths), D]
 
 
 def _seq_to_heads(cfg, xs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -594,9 +607,10 @@ def _ulysses_cfg(cfg, nheads):
 
 
 def _ulysses_fwd(cfg, q, k, v):
-    """``(out, saved)``: this rank's output shard and what the backward needs (the head-layout
-    q, k, v, output and LSE)."""
-    qh, kh, vh = _heads_to_seq(cfg, [q, k, v])
+    """``(out, (qkv_h, out_h, lse_h))``: this rank's output shard and what the backward needs
+    (the head-layout q, k, v side by side, output and LSE)."""
+    qkv_h = _heads_to_seq_joined(cfg, [q, k, v])
+    qh, kh, vh = qkv_h.split([x.shape[2] // cfg.world for x in (q, k, v)], dim=2)
     lcfg = _ulysses_cfg(cfg, q.shape[2])
     spec = _whole(lcfg, qh.shape[1])
     if spec is not None:
@@ -608,7 +622,7 @@ def _ulysses_fwd(cfg, q, k, v):
         _attend(lcfg, qh, kh, vh, whole, whole, acc_o, acc_l, [])
         out_h = acc_o.to(q.dtype)
     (out,) = _seq_to_heads(cfg, [out_h])
-    return out, (qh, kh, vh, out_h, acc_l)
+    return out, (qkv_h, out_h, acc_l)
 
 
 def _ulysses_bwd(cfg, do, qh, kh, vh, out_h, lse_h):
@@ -627,36 +641,196 @@ def _ulysses_bwd(cfg, do, qh, kh, vh, out_h, lse_h):
     return _seq_to_heads(cfg, [dq.to(qh.dtype), dk.to(kh.dtype), dv.to(vh.dtype)])
 
 
+# Under torch.compile the forward and the backward are custom ops, so that ``fullgraph=True``
+# sees one opaque call each: the collectives, the Python loops over pieces and the seed's
+# broadcast run inside them.  The process group travels by name ("" for the default group).
+
+
+def _group_name(group) -> str:
+    return "" if group is None else group.group_name
+
+
+def _group_of(name: str):
+    return None if not name else dist.distributed_c10d._resolve_process_group(name)
+
+
+def _docs(cu_seqlens, max_seqlen: int, total: int) -> list:
+    """The documents ``(index, start, end)`` of a packed sequence of ``total`` tokens, checked
+    (the cumulative lengths are read on the host)."""
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    if cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to the packed length {total} "
+                         f"(total_local x world size), got {cu[0]}..{cu[-1]}")
+    longest = max(b - a for a, b in zip(cu, cu[1:]))
+    if int(max_seqlen) < longest:
+        raise ValueError(f"max_seqlen ({max_seqlen}) is shorter than the longest document "
+                         f"({longest})")
+    return [(d, a, b) for d, (a, b) in enumerate(zip(cu, cu[1:]))]
+
+
+def _op_cfg(q, alibi_slopes, cu_seqlens, max_seqlen, group_name, layout, mode, causal,
+            softmax_scale, window_left, window_right, softcap, dropout_p, seed) -> _Cfg:
+    group = _group_of(group_name)
+    world, rank = _group_info(group)
+    total = q.shape[1] * world
+    docs = [(0, 0, total)] if cu_seqlens is None else _docs(cu_seqlens, max_seqlen, total)
+    cfg = _Cfg(world, rank, group, layout, mode, causal, softmax_scale,
+               (window_left, window_right), softcap, dropout_p, alibi_slopes, seed, docs,
+               total if cu_seqlens is None else int(max_seqlen))
+    cfg.varlen = cu_seqlens is not None
+    return cfg
+
+
+def _own(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x`` in ``dtype``, contiguous, in storage of its own (an op's outputs may not share
+    one)."""
+    if x.dtype != dtype:
+        return x.to(dtype, memory_format=torch.contiguous_format)
+    if x._base is None and x.is_contiguous():
+        return x  # a buffer of its own already
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def _cp_forward(q, k, v, alibi_slopes, cu_seqlens, max_seqlen, group_name, layout, mode, causal,
+                softmax_scale, window_left, window_right, softcap, dropout_p):
+    """``(out, lse, seed, qkv_h, out_h)``: this rank's output shard; the LSE (of the head
+    layout for Ulysses); the dropout seed (empty without dropout); Ulysses' head-layout q, k,
+    v side by side and output (empty for the other modes)."""
+    cfg = _op_cfg(q, alibi_slopes, cu_seqlens, max_seqlen, group_name, layout, mode, causal,
+                  softmax_scale, window_left, window_right, softcap, dropout_p, None)
+    if dropout_p > 0:
+        cfg.seed = draw_seed(q.device)  # every rank draws: generators stay in step
+        if cfg.world > 1:
+            dist.broadcast(cfg.seed, dist.get_global_rank(cfg.group, 0)
+                           if cfg.group is not None else 0, group=cfg.group)
+    with torch.no_grad():
+        if mode == "ulysses":
+            out, (qkv_h, out_h, lse) = _ulysses_fwd(cfg, q, k, v)
+        else:
+            fwd = _ring_fwd if mode == "ring" else _allgather_fwd
+            acc_o, lse = fwd(cfg, q, k, v)
+            # the backward's delta = rowsum(dO * O) uses the output as returned, as the
+            # single-device backward does
+            out = acc_o.to(q.dtype)
+            qkv_h, out_h = q.new_empty((0,)), q.new_empty((0,))
+    seed = cfg.seed if cfg.seed is not None else torch.empty(0, dtype=torch.int64,
+                                                              device=q.device)
+    return out, lse, seed, qkv_h, out_h
+
+
+@torch.library.custom_op("flashtile::context_parallel_fwd", mutates_args=())
+def _cp_fwd(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor],
+            cu_seqlens: Optional[Tensor], max_seqlen: int, group_name: str, layout: str,
+            mode: str, causal: bool, softmax_scale: float, window_left: int,
+            window_right: int, softcap: float,
+            dropout_p: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`_cp_forward` as an op (what ``torch.compile`` sees)."""
+    out, lse, seed, qkv_h, out_h = _cp_forward(q, k, v, alibi_slopes, cu_seqlens, max_seqlen,
+                                               group_name, layout, mode, causal, softmax_scale,
+                                               window_left, window_right, softcap, dropout_p)
+    # contiguous, as the fake op promises (Ulysses' all-to-all reshape and the CPU engine may
+    # give other strides)
+    return out.contiguous(), lse.contiguous(), seed, qkv_h, out_h.contiguous()
+
+
+@_cp_fwd.register_fake
+def _(q, k, v, alibi_slopes, cu_seqlens, max_seqlen, group_name, layout, mode, causal,
+      softmax_scale, window_left, window_right, softcap, dropout_p):
+    B, n, H, D = q.shape
+    seed = q.new_empty((1 if dropout_p > 0 else 0,), dtype=torch.int64)
+    if mode == "ulysses":
+        R = _group_info(_group_of(group_name))[0]
+        return (q.new_empty(q.shape), q.new_empty((B, H // R, n * R), dtype=torch.float32), seed,
+                q.new_empty((B, n * R, (H + 2 * k.shape[2]) // R, D)),
+                q.new_empty((B, n * R, H // R, D)))
+    return (q.new_empty(q.shape), q.new_empty((B, H, n), dtype=torch.float32), seed,
+            q.new_empty((0,)), q.new_empty((0,)))
+
+
+def _cp_backward(do, q, k, v, out, lse, seed, qkv_h, out_h, alibi_slopes, cu_seqlens,
+                 max_seqlen, group_name, layout, mode, causal, softmax_scale, window_left,
+                 window_right, softcap, dropout_p):
+    """``(dq, dk, dv)`` of this rank's shards (in q's, k's and v's dtypes), from
+    :func:`_cp_forward`'s outputs."""
+    cfg = _op_cfg(q, alibi_slopes, cu_seqlens, max_seqlen, group_name, layout, mode, causal,
+                  softmax_scale, window_left, window_right, softcap, dropout_p,
+                  seed if dropout_p > 0 else None)
+    do = do.contiguous()
+    with torch.no_grad():
+        if mode == "ulysses":
+            qh, kh, vh = qkv_h.split([x.shape[2] // cfg.world for x in (q, k, v)], dim=2)
+            dq, dk, dv = _ulysses_bwd(cfg, do, qh, kh, vh, out_h, lse)
+        else:
+            bwd = _ring_bwd if mode == "ring" else _allgather_bwd
+            dq, dk, dv = bwd(cfg, do, q, k, v, out, lse)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@torch.library.custom_op("flashtile::context_parallel_bwd", mutates_args=())
+def _cp_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seed: Tensor,
+            qkv_h: Tensor, out_h: Tensor, alibi_slopes: Optional[Tensor],
+            cu_seqlens: Optional[Tensor], max_seqlen: int, group_name: str, layout: str,
+            mode: str, causal: bool, softmax_scale: float, window_left: int,
+            window_right: int, softcap: float,
+            dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_cp_backward` as an op."""
+    dq, dk, dv = _cp_backward(do, q, k, v, out, lse, seed, qkv_h, out_h, alibi_slopes,
+                              cu_seqlens, max_seqlen, group_name, layout, mode, causal,
+                              softmax_scale, window_left, window_right, softcap, dropout_p)
+    return _own(dq, q.dtype), _own(dk, k.dtype), _own(dv, v.dtype)
+
+
+@_cp_bwd.register_fake
+def _(do, q, k, v, out, lse, seed, qkv_h, out_h, alibi_slopes, cu_seqlens, max_seqlen,
+      group_name, layout, mode, causal, softmax_scale, window_left, window_right, softcap,
+      dropout_p):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _cp_setup_context(ctx, inputs, output):
+    q, k, v, alibi_slopes, cu_seqlens = inputs[:5]
+    out, lse, seed, qkv_h, out_h = output
+    ctx.save_for_backward(q, k, v, out, lse, seed, qkv_h, out_h, alibi_slopes, cu_seqlens)
+    ctx.params = inputs[5:]
+    ctx.mark_non_differentiable(lse, seed, qkv_h, out_h)
+
+
+def _cp_grads(ctx, dout, *unused):
+    q, k, v, out, lse, seed, qkv_h, out_h, alibi_slopes, cu_seqlens = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = _cp_bwd(dout, q, k, v, out, lse, seed, qkv_h, out_h, alibi_slopes, cu_seqlens,
+                         *ctx.params)
+    return (dq, dk, dv) + (None,) * 12
+
+
+_cp_fwd.register_autograd(_cp_grads, setup_context=_cp_setup_context)
+
+
 class _ContextParallelAttn(torch.autograd.Function):
+    """The eager call: :func:`_cp_forward` and :func:`_cp_backward` without the dispatcher's
+    round trip and the ops' copies (under ``torch.compile`` the ops run instead: :func:`_run`)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, cfg: _Cfg):
-        with torch.no_grad():
-            if cfg.mode == "ulysses":
-                out, saved = _ulysses_fwd(cfg, q, k, v)
-                ctx.save_for_backward(*saved)
-            else:
-                fwd = _ring_fwd if cfg.mode == "ring" else _allgather_fwd
-                acc_o, lse = fwd(cfg, q, k, v)
-                # the backward's delta = rowsum(dO * O) uses the output as returned, as the
-                # single-device backward does
-                out = acc_o.to(q.dtype)
-                ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cfg = cfg
+    def forward(ctx, q, k, v, alibi_slopes, cu_seqlens, *params):
+        out, lse, seed, qkv_h, out_h = _cp_forward(q, k, v, alibi_slopes, cu_seqlens, *params)
+        ctx.save_for_backward(q, k, v, out, lse, seed, qkv_h, out_h)
+        ctx.extra = (alibi_slopes, cu_seqlens, params)
         return out
 
     @staticmethod
     def backward(ctx, do):
-        cfg = ctx.cfg
-        do = do.contiguous()
-        with torch.no_grad():
-            if cfg.mode == "ulysses":
-                dq, dk, dv = _ulysses_bwd(cfg, do, *ctx.saved_tensors)
-            else:
-                q, k, v, out, lse = ctx.saved_tensors
-                bwd = _ring_bwd if cfg.mode == "ring" else _allgather_bwd
-                dq, dk, dv = bwd(cfg, do, q, k, v, out, lse)
-                dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-        return dq, dk, dv, None
+        alibi_slopes, cu_seqlens, params = ctx.extra
+        dq, dk, dv = _cp_backward(do, *ctx.saved_tensors, alibi_slopes, cu_seqlens, *params)
+        return (dq, dk, dv, None, None) + (None,) * len(params)
+
+
+def _run(q, k, v, alibi_slopes, cu_seqlens, max_seqlen: int, *args):
+    """The output shard: through the custom op while ``torch.compile`` traces (one opaque call
+    in the graph, ``fullgraph=True`` holds), else through the autograd Function."""
+    if torch.compiler.is_compiling():
+        return _cp_fwd(q, k, v, alibi_slopes, cu_seqlens, max_seqlen, *args)[0]
+    return _ContextParallelAttn.apply(q, k, v, alibi_slopes, cu_seqlens, max_seqlen, *args)
 
 
 # ---------------------------------------------------------------------------------------
@@ -664,7 +838,8 @@ class _ContextParallelAttn(torch.autograd.Function):
 
 
 def _config(q, k, v, causal, softmax_scale, dropout_p, window_size, softcap, alibi_slopes,
-            group, layout, mode, docs, total, batch):
+            group, layout, mode, batch):
+    """The call's arguments checked; the custom op's scalar arguments."""
     _check_layout(layout)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -681,7 +856,7 @@ def _config(q, k, v, causal, softmax_scale, dropout_p, window_size, softcap, ali
     H, Hk = q.shape[2], k.shape[2]
     if Hk == 0 or H % Hk:
         raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({Hk})")
-    world, rank = _group_info(group)
+    world, _ = _group_info(group)
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"layout='zigzag' needs an even local sequence length, got {q.shape[1]}")
     if mode == "ulysses" and (H % world or Hk % world):
@@ -696,14 +871,9 @@ def _config(q, k, v, causal, softmax_scale, dropout_p, window_size, softcap, ali
                              f"{alibi_slopes.dtype} {shape}")
     wl, wr = (int(w) for w in window_size)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    seed = None
-    if dropout_p > 0:
-        seed = draw_seed(q.device)  # every rank draws: generators stay in step
-        if world > 1:
-            dist.broadcast(seed, dist.get_global_rank(group, 0) if group is not None else 0,
-                           group=group)
-    return _Cfg(world, rank, group, layout, mode, bool(causal), scale, (wl, wr), float(softcap),
-                float(dropout_p), alibi_slopes, seed, docs, total)
+    # the op's arguments after alibi_slopes, cu_seqlens and max_seqlen
+    return (_group_name(group), layout, mode, bool(causal), scale, wl, wr, float(softcap),
+            float(dropout_p))
 
 
 def context_parallel_attn(q, k, v, causal=False, softmax_scale=None, dropout_p=0.0,
@@ -717,10 +887,9 @@ def context_parallel_attn(q, k, v, causal=False, softmax_scale=None, dropout_p=0
     mask are those of ``flash_attn_func`` on the whole sequence (``seqlen_local * R``).
     ``mode``: ``"ring"``, ``"allgather"`` or ``"ulysses"`` (see the module docstring).
     """
-    total = q.shape[1] * _group_info(group)[0]
-    cfg = _config(q, k, v, causal, softmax_scale, dropout_p, window_size, softcap, alibi_slopes,
-                  group, layout, mode, [(0, 0, total)], total, q.shape[0])
-    return _ContextParallelAttn.apply(q, k, v, cfg)
+    args = _config(q, k, v, causal, softmax_scale, dropout_p, window_size, softcap, alibi_slopes,
+                   group, layout, mode, q.shape[0])
+    return _run(q, k, v, alibi_slopes, None, 0, *args)
 
 
 def context_parallel_varlen_attn(q, k, v, cu_seqlens, max_seqlen, causal=False,
@@ -736,24 +905,13 @@ def context_parallel_varlen_attn(q, k, v, cu_seqlens, max_seqlen, causal=False,
     this rank's shard of the output, equal (dropout included) to ``flash_attn_varlen_func`` on
     the whole packed sequence with ``cu_seqlens_q = cu_seqlens_k = cu_seqlens``.
     """
-    world, _ = _group_info(group)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             raise ValueError(f"{name} must be (total_local, heads, headdim), got "
                              f"{getattr(x, 'shape', type(x).__name__)}")
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError("cu_seqlens must be a 1-d int tensor (num_docs + 1,)")
-    cu = [int(x) for x in cu_seqlens.tolist()]
-    total = q.shape[0] * world
-    if cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must rise from 0 to the packed length {total} "
-                         f"(total_local x world size), got {cu[0]}..{cu[-1]}")
-    longest = max(b - a for a, b in zip(cu, cu[1:]))
-    if int(max_seqlen) < longest:
-        raise ValueError(f"max_seqlen ({max_seqlen}) is shorter than the longest document "
-                         f"({longest})")
-    docs = [(d, a, b) for d, (a, b) in enumerate(zip(cu, cu[1:]))]
-    cfg = _config(q[None], k[None], v[None], causal, softmax_scale, dropout_p, window_size,
-                  softcap, alibi_slopes, group, layout, mode, docs, int(max_seqlen), len(cu) - 1)
-    cfg.varlen = True
-    return _ContextParallelAttn.apply(q[None], k[None], v[None], cfg)[0]
+    # (the cumulative lengths themselves are checked inside the op, which reads them)
+    args = _config(q[None], k[None], v[None], causal, softmax_scale, dropout_p, window_size,
+                   softcap, alibi_slopes, group, layout, mode, cu_seqlens.shape[0] - 1)
+    return _run(q[None], k[None], v[None], alibi_slopes, cu_seqlens, int(max_seqlen), *args)[0]

@@ -520,6 +520,9 @@ def main(argv: list[str] | None = None) -> int:
                 result = _scale(a, rank, world, a.device)
                 if rank == 0:
                     _write(out, f"cp_world{world}", result)
+        # every rank's last exchange done before any rank tears its group down (gloo aborts
+        # a process whose peer closed the connection under it)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     return 0
