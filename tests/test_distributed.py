@@ -378,6 +378,18 @@ def _run_case(name, c, world, rank):
     check_flash_rule(name, got[0], got[1:], [q, k, v], do, ref_fn, torch.float32)
 
 
+def _finish(rank: int, results: dict, result_file: str) -> None:
+    """Rank 0 writes the results; then every rank waits for the others, so that no rank tears
+    its group down while a peer still exchanges with it (gloo then aborts the peer's process
+    at exit, now and then)."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        with open(result_file, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+
+
 def _worker(rank, world, init_file, cases, result_file):
     import datetime
 
@@ -394,12 +406,7 @@ def _worker(rank, world, init_file, cases, result_file):
                 results[name] = "ok"
             except AssertionError as e:
                 results[name] = str(e)
-        if rank == 0:
-            with open(result_file, "w") as f:
-                json.dump(results, f)
-        # every rank's last exchange done before any rank tears its group down (gloo aborts a
-        # process whose peer closed the connection under it, now and then)
-        dist.barrier()
+        _finish(rank, results, result_file)
     finally:
         dist.destroy_process_group()
 
@@ -497,12 +504,7 @@ def _compile_worker(rank, world, init_file, result_file):
                     diff = max(float((a - b).abs().max()) for a, b in zip(*got))
                     results[f"{mode}{'-varlen' if varlen else ''}"] = diff
                     torch._dynamo.reset()
-        if rank == 0:
-            with open(result_file, "w") as f:
-                json.dump(results, f)
-        # every rank's last exchange done before any rank tears its group down (gloo aborts a
-        # process whose peer closed the connection under it, now and then)
-        dist.barrier()
+        _finish(rank, results, result_file)
     finally:
         dist.destroy_process_group()
 
