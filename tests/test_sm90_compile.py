@@ -2165,3 +2165,54 @@ def test_padded_head_dims_backward_dispatch(views, monkeypatch):
         assert key_mask is not None and packed is not None and packed[0].dtype == torch.int32
     else:
         assert widths == [128] and seen == [] and portable
+
+
+@pytest.mark.parametrize("d, case", [(64, "dense"), (64, "ragged"), (64, "packed"),
+                                     (128, "dense")], ids=["d64-dense", "d64-ragged",
+                                                           "d64-packed", "d128-dense"])
+def test_sm90_fused_backward_steps_through_its_query_tile(monkeypatch, d, case):
+    """The fused backward's query tile (``bwd_rows``): 128 rows at d = 64, 64 for packed
+    sequences and at d = 128.  Q's, dO's and the dQ accumulator's descriptors tile that many
+    rows, lse's and delta's are tiles of as many values, and the lse and delta the kernel reads
+    hold whole tiles (``sq_pad``; ragged lengths padded by the prologue, +inf and 0 past Sq;
+    packed sequences each from a tile's first row)."""
+    import torch
+
+    from flashtile.backends.spec import AttnSpec
+    from flashtile.backends.triton import launch_sm90
+
+    from flashtile.backends.triton.fastlaunch import poison_outputs
+
+    calls = _direct_launches(monkeypatch, "bwd")
+    rows = launch_sm90.bwd_rows(d, packed=case == "packed")
+    assert rows == (128 if d == 64 and case != "packed" else 64)
+    sq = {"dense": 256, "ragged": 150, "packed": 200}[case]  # (150: 192 in 64-row tiles)
+    spec = AttnSpec(softmax_scale=0.125, window_right=0)
+    varlen, lead = None, (2,)
+    if case == "packed":
+        cu = torch.tensor([0, 70, 200], dtype=torch.int32)
+        varlen, lead = (cu, cu, 130, 130), ()
+    q, o, do = (torch.randn(*lead, sq, 4, d) for _ in range(3))
+    k, v = (torch.randn(*lead, sq, 2, d) for _ in range(2))
+    lse = torch.randn(*lead, 4, sq) if lead else torch.randn(4, sq)
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    with poison_outputs():  # (fresh buffers start as NaN: every element read is written)
+        launch_sm90.fused_backward(q, k, v, o, do, lse, torch.empty_like(lse), dq, dk, dv, spec,
+                                   varlen=varlen)
+    (name, key, a), = calls
+    for role in ("desc_q", "desc_do", "desc_dq"):
+        assert _tile_rows(a[role][3]) == rows, role
+    assert a["desc_lse"][3] == [rows] and a["desc_delta"][3] == [rows]
+    sq_pad = a["sq_pad"]
+    lse_k, delta_k = a["desc_lse"][0], a["desc_delta"][0]
+    assert sq_pad % rows == 0 and lse_k.numel() == delta_k.numel() == lse.numel() // sq * sq_pad
+    lse_k, delta_k = lse_k.view(*lse.shape[:-1], sq_pad), delta_k.view(*lse.shape[:-1], sq_pad)
+    if case == "packed":  # the second sequence from the first tile boundary past 70 + 1 rows
+        start = (70 + rows) // rows * rows
+        assert torch.equal(lse_k[:, :70], lse[:, :70])
+        assert torch.equal(lse_k[:, start:start + 130], lse[:, 70:])
+        assert (lse_k[:, 70:start] == float("inf")).all() and (delta_k[:, 70:start] == 0).all()
+    else:
+        assert sq_pad == -(-sq // rows) * rows
+        assert torch.equal(lse_k[..., :sq], lse)
+        assert (lse_k[..., sq:] == float("inf")).all() and (delta_k[..., sq:] == 0).all()
