@@ -561,8 +561,12 @@ def _allgather_bwd(cfg, do, q, k, v, out, lse):
 def _heads_to_seq(cfg, xs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Sequence shards of all heads -> the whole sequence of this rank's ``1/R`` of the heads,
     for several tensors in one all-to-all."""
-    whole = _heads_to_seq_joined(cfg, xs)
-    return list(whole.split([x.shape[2] // cfg.world for x in xs], dim=2))
+    return _split_heads(cfg, _heads_to_seq_joined(cfg, xs), xs)
+
+
+def _split_heads(cfg, joined: torch.Tensor, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`_heads_to_seq_joined`'s result as one tensor per one of ``xs`` (views)."""
+    return list(joined.split([x.shape[2] // cfg.world for x in xs], dim=2))
 
 
 def _heads_to_seq_joined(cfg, xs: list[torch.Tensor]) -> torch.Tensor:
@@ -610,7 +614,7 @@ def _ulysses_fwd(cfg, q, k, v):
     """``(out, (qkv_h, out_h, lse_h))``: this rank's output shard and what the backward needs
     (the head-layout q, k, v side by side, output and LSE)."""
     qkv_h = _heads_to_seq_joined(cfg, [q, k, v])
-    qh, kh, vh = qkv_h.split([x.shape[2] // cfg.world for x in (q, k, v)], dim=2)
+    qh, kh, vh = _split_heads(cfg, qkv_h, [q, k, v])
     lcfg = _ulysses_cfg(cfg, q.shape[2])
     spec = _whole(lcfg, qh.shape[1])
     if spec is not None:
@@ -693,9 +697,10 @@ def _own(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 def _cp_forward(q, k, v, alibi_slopes, cu_seqlens, max_seqlen, group_name, layout, mode, causal,
                 softmax_scale, window_left, window_right, softcap, dropout_p):
-    """``(out, lse, seed, qkv_h, out_h)``: this rank's output shard; the LSE (of the head
-    layout for Ulysses); the dropout seed (empty without dropout); Ulysses' head-layout q, k,
-    v side by side and output (empty for the other modes)."""
+    """``(cfg, (out, lse, seed, qkv_h, out_h))``: the call's configuration (its seed drawn) and
+    this rank's output shard; the LSE (of the head layout for Ulysses); the dropout seed (empty
+    without dropout); Ulysses' head-layout q, k, v side by side and output (empty for the other
+    modes)."""
     cfg = _op_cfg(q, alibi_slopes, cu_seqlens, max_seqlen, group_name, layout, mode, causal,
                   softmax_scale, window_left, window_right, softcap, dropout_p, None)
     if dropout_p > 0:
@@ -715,7 +720,7 @@ def _cp_forward(q, k, v, alibi_slopes, cu_seqlens, max_seqlen, group_name, layou
             qkv_h, out_h = q.new_empty((0,)), q.new_empty((0,))
     seed = cfg.seed if cfg.seed is not None else torch.empty(0, dtype=torch.int64,
                                                               device=q.device)
-    return out, lse, seed, qkv_h, out_h
+    return cfg, (out, lse, seed, qkv_h, out_h)
 
 
 @torch.library.custom_op("flashtile::context_parallel_fwd", mutates_args=())
@@ -725,9 +730,9 @@ def _cp_fwd(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor],
             window_right: int, softcap: float,
             dropout_p: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """:func:`_cp_forward` as an op (what ``torch.compile`` sees)."""
-    out, lse, seed, qkv_h, out_h = _cp_forward(q, k, v, alibi_slopes, cu_seqlens, max_seqlen,
-                                               group_name, layout, mode, causal, softmax_scale,
-                                               window_left, window_right, softcap, dropout_p)
+    _, (out, lse, seed, qkv_h, out_h) = _cp_forward(
+        q, k, v, alibi_slopes, cu_seqlens, max_seqlen, group_name, layout, mode, causal,
+        softmax_scale, window_left, window_right, softcap, dropout_p)
     # contiguous, as the fake op promises (Ulysses' all-to-all reshape and the CPU engine may
     # give other strides)
     return out.contiguous(), lse.contiguous(), seed, qkv_h, out_h.contiguous()
@@ -747,21 +752,16 @@ def _(q, k, v, alibi_slopes, cu_seqlens, max_seqlen, group_name, layout, mode, c
             q.new_empty((0,)), q.new_empty((0,)))
 
 
-def _cp_backward(do, q, k, v, out, lse, seed, qkv_h, out_h, alibi_slopes, cu_seqlens,
-                 max_seqlen, group_name, layout, mode, causal, softmax_scale, window_left,
-                 window_right, softcap, dropout_p):
+def _cp_backward(cfg: _Cfg, do, q, k, v, out, lse, qkv_h, out_h):
     """``(dq, dk, dv)`` of this rank's shards (in q's, k's and v's dtypes), from
-    :func:`_cp_forward`'s outputs."""
-    cfg = _op_cfg(q, alibi_slopes, cu_seqlens, max_seqlen, group_name, layout, mode, causal,
-                  softmax_scale, window_left, window_right, softcap, dropout_p,
-                  seed if dropout_p > 0 else None)
+    :func:`_cp_forward`'s configuration and outputs."""
     do = do.contiguous()
     with torch.no_grad():
-        if mode == "ulysses":
-            qh, kh, vh = qkv_h.split([x.shape[2] // cfg.world for x in (q, k, v)], dim=2)
+        if cfg.mode == "ulysses":
+            qh, kh, vh = _split_heads(cfg, qkv_h, [q, k, v])
             dq, dk, dv = _ulysses_bwd(cfg, do, qh, kh, vh, out_h, lse)
         else:
-            bwd = _ring_bwd if mode == "ring" else _allgather_bwd
+            bwd = _ring_bwd if cfg.mode == "ring" else _allgather_bwd
             dq, dk, dv = bwd(cfg, do, q, k, v, out, lse)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
@@ -773,10 +773,11 @@ def _cp_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tenso
             mode: str, causal: bool, softmax_scale: float, window_left: int,
             window_right: int, softcap: float,
             dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`_cp_backward` as an op."""
-    dq, dk, dv = _cp_backward(do, q, k, v, out, lse, seed, qkv_h, out_h, alibi_slopes,
-                              cu_seqlens, max_seqlen, group_name, layout, mode, causal,
-                              softmax_scale, window_left, window_right, softcap, dropout_p)
+    """:func:`_cp_backward` as an op (the configuration rebuilt from the arguments)."""
+    cfg = _op_cfg(q, alibi_slopes, cu_seqlens, max_seqlen, group_name, layout, mode, causal,
+                  softmax_scale, window_left, window_right, softcap, dropout_p,
+                  seed if dropout_p > 0 else None)
+    dq, dk, dv = _cp_backward(cfg, do, q, k, v, out, lse, qkv_h, out_h)
     return _own(dq, q.dtype), _own(dk, k.dtype), _own(dv, v.dtype)
 
 
@@ -801,7 +802,7 @@ def _cp_grads(ctx, dout, *unused):
         dout = torch.zeros_like(out)
     dq, dk, dv = _cp_bwd(dout, q, k, v, out, lse, seed, qkv_h, out_h, alibi_slopes, cu_seqlens,
                          *ctx.params)
-    return (dq, dk, dv) + (None,) * 12
+    return (dq, dk, dv, None, None) + (None,) * len(ctx.params)
 
 
 _cp_fwd.register_autograd(_cp_grads, setup_context=_cp_setup_context)
@@ -809,20 +810,21 @@ _cp_fwd.register_autograd(_cp_grads, setup_context=_cp_setup_context)
 
 class _ContextParallelAttn(torch.autograd.Function):
     """The eager call: :func:`_cp_forward` and :func:`_cp_backward` without the dispatcher's
-    round trip and the ops' copies (under ``torch.compile`` the ops run instead: :func:`_run`)."""
+    round trip and the ops' copies, the backward on the forward's configuration (no second
+    host read of ``cu_seqlens``; under ``torch.compile`` the ops run instead: :func:`_run`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, alibi_slopes, cu_seqlens, *params):
-        out, lse, seed, qkv_h, out_h = _cp_forward(q, k, v, alibi_slopes, cu_seqlens, *params)
-        ctx.save_for_backward(q, k, v, out, lse, seed, qkv_h, out_h)
-        ctx.extra = (alibi_slopes, cu_seqlens, params)
+        ctx.cfg, (out, lse, _, qkv_h, out_h) = _cp_forward(q, k, v, alibi_slopes, cu_seqlens,
+                                                           *params)
+        ctx.save_for_backward(q, k, v, out, lse, qkv_h, out_h)
+        ctx.n_params = len(params)
         return out
 
     @staticmethod
     def backward(ctx, do):
-        alibi_slopes, cu_seqlens, params = ctx.extra
-        dq, dk, dv = _cp_backward(do, *ctx.saved_tensors, alibi_slopes, cu_seqlens, *params)
-        return (dq, dk, dv, None, None) + (None,) * len(params)
+        dq, dk, dv = _cp_backward(ctx.cfg, do, *ctx.saved_tensors)
+        return (dq, dk, dv, None, None) + (None,) * ctx.n_params
 
 
 def _run(q, k, v, alibi_slopes, cu_seqlens, max_seqlen: int, *args):
