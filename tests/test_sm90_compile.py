@@ -279,8 +279,8 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                      DKDV_TMA=True)
                 # "v": packed sequences (cumulative lengths int32; 2-D views; dK and dV
                 # stored by the kernel, masked)
-                # (their query tiles: launch_sm90.bwd_rows(..., packed=True))
-                pm = launch_sm90.bwd_rows(head_dim, packed=True)
+                # (their query tiles: launch_sm90.bwd_rows(..., packed=True, masked=causal))
+                pm = launch_sm90.bwd_rows(head_dim, packed=True, masked=causal)
                 p_flat = f"tensordesc<fp32[{pm}],{launch_sm90._flat_layout()!r}>"
                 packed = dict(types, desc_q=desc(ty, pm, head_dim, dtype, False),
                               desc_do=desc(ty, pm, head_dim, dtype, False), desc_lse=p_flat,
@@ -425,7 +425,8 @@ def test_sm90_backward_compiles_for_hopper_with_its_structure(compiled, variant)
     row = compiled[variant]
     d = row["head_dim"]
     assert row["cubin_bytes"] > 0, "ptxas produced no binary"
-    keys, rows = launch_sm90.bwd_keys(d), launch_sm90.bwd_rows(d, variant.startswith("bwdv"))
+    keys = launch_sm90.bwd_keys(d)
+    rows = launch_sm90.bwd_rows(d, variant.startswith("bwdv"), variant.endswith("causal"))
     # K and V of an item's keys + STAGES (Q, dO) tiles (+ lse, delta, barriers)
     tiles = (2 * keys + 2 * launch_sm90.STAGES * rows) * d * 2
     if variant.startswith("bwd") and d <= 128:
@@ -1542,7 +1543,7 @@ def test_sm90_backward_plan_replays_its_prologue_bound(monkeypatch, case):
         if n not in launch_sm90._PROLOGUE_PTRS:
             assert got[n] == first[n], n
     if case == "packed":
-        tile = launch_sm90.bwd_rows(64, packed=True)
+        tile = launch_sm90.bwd_rows(64, packed=True, masked=True)
         assert got["SRC"] == launch_sm90._orders.get(("rows", sq, tile), (varlen[0],),
                                                      lambda: None).data_ptr()
 
@@ -2168,11 +2169,12 @@ def test_padded_head_dims_backward_dispatch(views, monkeypatch):
 
 
 @pytest.mark.parametrize("d, case", [(64, "dense"), (64, "ragged"), (64, "packed"),
-                                     (128, "dense")], ids=["d64-dense", "d64-ragged",
-                                                           "d64-packed", "d128-dense"])
+                                     (64, "packed-causal"), (128, "dense")],
+                         ids=["d64-dense", "d64-ragged", "d64-packed", "d64-packed-causal",
+                              "d128-dense"])
 def test_sm90_fused_backward_steps_through_its_query_tile(monkeypatch, d, case):
     """The fused backward's query tile (``bwd_rows``): 128 rows at d = 64, 64 for packed
-    sequences and at d = 128.  Q's, dO's and the dQ accumulator's descriptors tile that many
+    sequences with causal masking and at d = 128.  Q's, dO's and the dQ accumulator's descriptors tile that many
     rows, lse's and delta's are tiles of as many values, and the lse and delta the kernel reads
     hold whole tiles (``sq_pad``; ragged lengths padded by the prologue, +inf and 0 past Sq;
     packed sequences each from a tile's first row)."""
@@ -2184,12 +2186,13 @@ def test_sm90_fused_backward_steps_through_its_query_tile(monkeypatch, d, case):
     from flashtile.backends.triton.fastlaunch import poison_outputs
 
     calls = _direct_launches(monkeypatch, "bwd")
-    rows = launch_sm90.bwd_rows(d, packed=case == "packed")
-    assert rows == (128 if d == 64 and case != "packed" else 64)
-    sq = {"dense": 256, "ragged": 150, "packed": 200}[case]  # (150: 192 in 64-row tiles)
-    spec = AttnSpec(softmax_scale=0.125, window_right=0)
+    packed, causal = case.startswith("packed"), case != "packed"
+    rows = launch_sm90.bwd_rows(d, packed=packed, masked=causal)
+    assert rows == (128 if d == 64 and case != "packed-causal" else 64)
+    sq = {"dense": 256, "ragged": 150}.get(case, 200)  # (150: 192 in 64-row tiles)
+    spec = AttnSpec(softmax_scale=0.125, window_right=0 if causal else -1)
     varlen, lead = None, (2,)
-    if case == "packed":
+    if packed:
         cu = torch.tensor([0, 70, 200], dtype=torch.int32)
         varlen, lead = (cu, cu, 130, 130), ()
     q, o, do = (torch.randn(*lead, sq, 4, d) for _ in range(3))
@@ -2207,7 +2210,7 @@ def test_sm90_fused_backward_steps_through_its_query_tile(monkeypatch, d, case):
     lse_k, delta_k = a["desc_lse"][0], a["desc_delta"][0]
     assert sq_pad % rows == 0 and lse_k.numel() == delta_k.numel() == lse.numel() // sq * sq_pad
     lse_k, delta_k = lse_k.view(*lse.shape[:-1], sq_pad), delta_k.view(*lse.shape[:-1], sq_pad)
-    if case == "packed":  # the second sequence from the first tile boundary past 70 + 1 rows
+    if packed:  # the second sequence from the first tile boundary past 70 + 1 rows
         start = (70 + rows) // rows * rows
         assert torch.equal(lse_k[:, :70], lse[:, :70])
         assert torch.equal(lse_k[:, start:start + 130], lse[:, 70:])

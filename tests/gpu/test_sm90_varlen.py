@@ -21,6 +21,9 @@ pytestmark = pytest.mark.skipif(
 CASES = [
     ("d128-mixed", [1, 127, 128, 300, 1000], None, 4, 4, 128, False, (-1, -1)),
     ("d128-causal-gqa", [513, 64, 777, 2], None, 8, 2, 128, True, (-1, -1)),
+    # (d = 64 without masking: the backward in 128-row query tiles, launch_sm90.bwd_rows)
+    ("d64-mixed-gqa", [1, 127, 128, 300, 1000, 129], None, 4, 2, 64, False, (-1, -1)),
+    ("d64-more-keys", [100, 250, 640], [300, 250, 900], 2, 2, 64, False, (-1, -1)),
     ("d64-causal-more-keys", [100, 250, 640], [300, 250, 900], 4, 4, 64, True, (-1, -1)),
     ("d64-short-causal", [33, 200, 64, 7, 150], None, 6, 3, 64, True, (-1, -1)),
     ("d64-window", [900, 400], None, 4, 4, 64, True, (96, 0)),

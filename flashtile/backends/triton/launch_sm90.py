@@ -40,15 +40,17 @@ def block_n(head_dim: int) -> int:
     return 64 if head_dim == 256 else BLOCK_N
 
 
-def bwd_rows(head_dim: int, packed: bool = False) -> int:
+def bwd_rows(head_dim: int, packed: bool = False, masked: bool = False) -> int:
     """Query rows per step of the backward kernel of width ``head_dim`` (its Q, dO, lse and
     delta tiles, the dQ accumulator's tiles): 128 at d = 64, where one step's products are
     small enough that the barriers and hand-offs of a step weigh (``sᵀ`` and ``dpᵀ`` of 64
     keys by 128 rows fit the consumers' 240 registers with 20-96 bytes of spills; H200, bf16,
     1K-16K: the backward 1.05-1.11x faster than with 64 rows, docs/dev/tuning-log.md, step
-    115), but not for ``packed`` sequences (their variant spills 136 bytes; not measured);
-    else ``BWD_BLOCK_M`` (64: at d = 128 dK and dV take 128 registers a thread)."""
-    return 128 if head_dim == 64 and not packed else BWD_BLOCK_M
+    115; packed sequences without masking 1.07x), but not for ``packed`` sequences with a
+    window (``masked``, causal included: that variant spills 136 bytes and ran 1.06x slower,
+    step 116); else ``BWD_BLOCK_M`` (64: at d = 128 dK and dV take 128 registers a
+    thread)."""
+    return 128 if head_dim == 64 and not (packed and masked) else BWD_BLOCK_M
 
 
 def bwd_keys(head_dim: int) -> int:
@@ -1073,7 +1075,7 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
     device = q.device.index or 0
     fused = dq_acc is not None
     # lengths that are not multiples of the tiles: 3-D descriptors (_rows)
-    keys, rows = bwd_keys(head_dim), bwd_rows(head_dim, varlen is not None)
+    keys, rows = bwd_keys(head_dim), bwd_rows(head_dim, varlen is not None, spec.has_window)
     ragged = _bwd_ragged(sq, sk, head_dim) and varlen is None
     # a tile is half a head's columns of a query tile's rows, at d = 256 an eighth
     acc_tile = [rows, head_dim // (8 if head_dim == 256 else 2)]
@@ -1186,12 +1188,12 @@ def _stand_in(tile: tuple, dtype: torch.dtype, device) -> tuple:
 _PROLOGUE_PTRS = ("O", "DO", "DELTA", "DQ_ACC", "LSE", "LSE_P", "SRC", "COUNTER")
 
 
-def packed_prologue(q, out, do, lse, cu_q, bound=None, cols: int = 0):
+def packed_prologue(q, out, do, lse, cu_q, bound=None, cols: int = 0, masked: bool = False):
     """:func:`_prologue` of packed sequences (``q``, ``out``, ``do``: ``(1, total_q, H, D)``
     views; ``lse`` float32 ``(H, total_q)``), in one launch: the zeroed dQ accumulator, lse and
     delta laid out for the backward kernel's TMA loads, ``(H, sq_pad)`` with sequence ``b``'s
     rows from ``((cu_q[b] + b * R) // R) * R`` on (``R`` the kernel's query tile,
-    :func:`bwd_rows`: a whole tile,
+    :func:`bwd_rows` of ``cols`` and ``masked``, whether the call has a window: a whole tile,
     so every load starts 16-byte aligned; a misaligned start is an illegal instruction) and the
     gaps +inf and 0 as :func:`_pad_rows`' padding, and a zeroed int32 work counter.  Each
     sequence's offset grows by at least its length plus one over the previous one's, so
@@ -1201,7 +1203,7 @@ def packed_prologue(q, out, do, lse, cu_q, bound=None, cols: int = 0):
     nheads, total = lse.shape
     head_dim = q.shape[-1]
     cols = cols or head_dim
-    tile = bwd_rows(cols, packed=True)
+    tile = bwd_rows(cols, packed=True, masked=masked)
     width = -(-(total + (cu_q.numel() - 1) * tile) // tile) * tile
     src = _orders.get(("rows", total, tile), (cu_q,),
                       lambda: _packed_rows(cu_q, total, width, tile))
@@ -1411,8 +1413,8 @@ def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec,
     counter = None
     if varlen is not None:  # one batch entry of the packed rows (forward's views)
         q, k, v, out, do, dq, dk, dv = (x.unsqueeze(0) for x in (q, k, v, out, do, dq, dk, dv))
-        dq_acc, lse, delta, counter, prologue = packed_prologue(q, out, do, lse, varlen[0],
-                                                                cols=width)
+        dq_acc, lse, delta, counter, prologue = packed_prologue(
+            q, out, do, lse, varlen[0], cols=width, masked=spec.has_window)
     else:  # (lse and delta padded where the lengths are not multiples of the row tile)
         if bwd_persistent(width or q.shape[-1]):  # the prologue zeroes the work counter too
             counter = empty((1,), torch.int32, q.device)
@@ -1505,7 +1507,8 @@ def planned_backward(q, k, v, out, do, lse, spec: AttnSpec, setting, key_mask=No
         cu = varlen[:2]
         q, k, v, out, do, dq, dk, dv = (x.unsqueeze(0) for x in (q, k, v, out, do, dq, dk, dv))
         dq_acc, lse, delta, counter, _ = packed_prologue(q, out, do, lse, varlen[0],
-                                                         bound=plan.prologue, cols=width)
+                                                         bound=plan.prologue, cols=width,
+                                                         masked=spec.has_window)
     # a padded head dim's dK and dV: buffers of the kernel's width (padded_backward's), unless
     # the kernel stored them narrow
     dk_w, dv_w = ((empty((*x.shape[:-1], width), x.dtype, x.device) for x in (dk, dv))
