@@ -2174,8 +2174,9 @@ def test_padded_head_dims_backward_dispatch(views, monkeypatch):
                               "d128-dense"])
 def test_sm90_fused_backward_steps_through_its_query_tile(monkeypatch, d, case):
     """The fused backward's query tile (``bwd_rows``): 128 rows at d = 64, 64 for packed
-    sequences with causal masking and at d = 128.  Q's, dO's and the dQ accumulator's descriptors tile that many
-    rows, lse's and delta's are tiles of as many values, and the lse and delta the kernel reads
+    sequences with causal masking and at d = 128.  Q's, dO's and the dQ accumulator's
+    descriptors tile that many rows, lse's and delta's are tiles of as many values, and the
+    lse and delta the kernel reads
     hold whole tiles (``sq_pad``; ragged lengths padded by the prologue, +inf and 0 past Sq;
     packed sequences each from a tile's first row)."""
     import torch

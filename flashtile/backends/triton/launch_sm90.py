@@ -47,9 +47,9 @@ def bwd_rows(head_dim: int, packed: bool = False, masked: bool = False) -> int:
     keys by 128 rows fit the consumers' 240 registers with 20-96 bytes of spills; H200, bf16,
     1K-16K: the backward 1.05-1.11x faster than with 64 rows, docs/dev/tuning-log.md, step
     115; packed sequences without masking 1.07x), but not for ``packed`` sequences with a
-    window (``masked``, causal included: that variant spills 136 bytes and ran 1.06x slower,
-    step 116); else ``BWD_BLOCK_M`` (64: at d = 128 dK and dV take 128 registers a
-    thread)."""
+    window (``masked``, causal included: on sequences of ~1K that variant ran 1.06x slower,
+    and no faster with its masking code and spills dropped, step 116); else ``BWD_BLOCK_M``
+    (64: at d = 128 dK and dV take 128 registers a thread)."""
     return 128 if head_dim == 64 and not (packed and masked) else BWD_BLOCK_M
 
 
