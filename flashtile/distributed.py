@@ -54,7 +54,9 @@ inputs' dtype and are merged and summed in float32 (as ring-flash-attention and 
 Varlen: the packed sequence of documents (global ``cu_seqlens``) is what is sharded; a document
 may cross any shard boundary.  Each (query piece, key piece) pair is cut along the documents, one
 partial call per document it meets, with the document's index and ``max_seqlen`` in the dropout
-counters, exactly as ``flash_attn_varlen_func`` on the whole packed sequence.
+counters, exactly as ``flash_attn_varlen_func`` on the whole packed sequence.  The plain calls
+of a step's documents (one spec, query and key rows that follow one another) run as one packed
+call, each document's pair one of its sequences (:func:`_launches`).
 
 With dropout, rank 0 of the group draws the seed (every rank draws one, so their generators stay
 in step) and broadcasts it: one more collective in the forward.
@@ -66,6 +68,7 @@ group travels by name); an eager call runs the same functions through an autogra
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 from typing import Optional
@@ -383,17 +386,63 @@ def _pairs(cfg: _Cfg, q_pieces, k_pieces):
     return out
 
 
-def _block_forward(cfg: _Cfg, q, k, v, spec, q_off: int, k_off: int, b_off: int):
+def _launches(cfg: _Cfg, q_pieces, k_pieces):
+    """:func:`_pairs` as ``(call, spec, lens)``: ``lens`` None for one pair, or for a packed
+    call (``cfg.varlen``) ``(lengths_q, lengths_k)`` of the documents' plain calls it joins,
+    ``call`` then their rows (each document's pair one sequence, bottom-right as its own plain
+    call): runs of calls of one spec whose query rows and key rows each follow the previous
+    call's, so that a step over many documents is one launch a spec, not one a document."""
+    out, runs = [], {}
+    for call, spec in _pairs(cfg, q_pieces, k_pieces):
+        run = runs.get(spec) if cfg.varlen and spec is not None else None
+        if run is not None:
+            (ql, nq, kl, nk, *offs), _, lens = out[run]
+            if ql + nq == call[0] and kl + nk == call[2]:
+                lens = lens or ([nq], [nk])
+                out[run] = ((ql, nq + call[1], kl, nk + call[3], *offs), spec,
+                            (lens[0] + [call[1]], lens[1] + [call[3]]))
+                continue
+        if cfg.varlen and spec is not None:
+            runs[spec] = len(out)
+        out.append((call, spec, None))
+    return out
+
+
+_CU: dict = {}  # (lengths, device) -> int32 cumulative lengths (a step's calls repeat)
+
+
+def _packed_kw(lens, device) -> dict:
+    """The varlen arguments of a packed call of documents of ``lens`` (:func:`_launches`)."""
+    key = (tuple(lens[0]), tuple(lens[1]), device)
+    cu = _CU.get(key)
+    if cu is None:
+        if len(_CU) >= 256:
+            _CU.clear()
+        cu = _CU[key] = tuple(torch.tensor([0, *itertools.accumulate(x)], dtype=torch.int32,
+                                           device=device) for x in lens)
+    return dict(cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], max_seqlen_q=max(lens[0]),
+                max_seqlen_k=max(lens[1]))
+
+
+def _block_forward(cfg: _Cfg, q, k, v, spec, q_off: int, k_off: int, b_off: int, lens=None):
     """``(out, lse)`` of one pair of pieces: the plain call of ``spec`` (``out`` in q's
-    dtype), or the partial call at the global offsets (float32)."""
+    dtype; with ``lens`` the packed call of :func:`_launches`, on the rows of batch entry 0),
+    or the partial call at the global offsets (float32)."""
+    if lens is not None:
+        out, lse = _impl(q).forward(q[0], k[0], v[0], spec, **_packed_kw(lens, q.device))
+        return out[None], lse[None]
     if spec is not None:
         return _impl(q).forward(q, k, v, spec)
     return partial_attention(q, k, v, **_kw(cfg, q_off, k_off, b_off))
 
 
 def _block_backward(cfg: _Cfg, do, q, k, v, out, lse, spec, q_off: int, k_off: int,
-                    b_off: int):
+                    b_off: int, lens=None):
     """One pair of pieces' share of the gradients (as :func:`_block_forward` computes it)."""
+    if lens is not None:
+        grads = _impl(q).backward(do[0], q[0], k[0], v[0], out[0], lse[0].contiguous(), spec,
+                                  **_packed_kw(lens, q.device))
+        return tuple(g[None] for g in grads)
     if spec is not None:
         return _impl(q).backward(do, q, k, v, out, lse.contiguous(), spec)
     return partial_attention_backward(do, q, k, v, out, lse, **_kw(cfg, q_off, k_off, b_off))
@@ -420,9 +469,10 @@ def _attend(cfg, q, k, v, q_pieces, k_pieces, acc_o, acc_l, seen: list):
     """Merge the partials of ``q``'s pieces over ``k``/``v``'s pieces into the float32
     accumulators ``acc_o`` ``(B, Sq, H, D)`` / ``acc_l`` ``(B, H, Sq)``; ``seen`` holds the row
     ranges merged so far (the caller's, across calls)."""
-    for (ql, nq, kl, nk, q_off, k_off, b_off), spec in _pairs(cfg, q_pieces, k_pieces):
+    for (ql, nq, kl, nk, q_off, k_off, b_off), spec, lens in _launches(cfg, q_pieces,
+                                                                       k_pieces):
         o, lse = _block_forward(cfg, q[:, ql:ql + nq], k[:, kl:kl + nk], v[:, kl:kl + nk],
-                                spec, q_off, k_off, b_off)
+                                spec, q_off, k_off, b_off, lens)
         first = all(ql + nq <= a or b <= ql for a, b in seen)
         _merge(acc_o[:, ql:ql + nq], acc_l[:, :, ql:ql + nq], o, lse, first)
         seen.append((ql, ql + nq))
@@ -430,10 +480,12 @@ def _attend(cfg, q, k, v, q_pieces, k_pieces, acc_o, acc_l, seen: list):
 
 def _attend_bwd(cfg, do, q, k, v, out, lse, q_pieces, k_pieces, dq, dk, dv):
     """Add the gradient shares of the pairs of pieces into the float32 ``dq``/``dk``/``dv``."""
-    for (ql, nq, kl, nk, q_off, k_off, b_off), spec in _pairs(cfg, q_pieces, k_pieces):
+    for (ql, nq, kl, nk, q_off, k_off, b_off), spec, lens in _launches(cfg, q_pieces,
+                                                                       k_pieces):
         rq, rk = slice(ql, ql + nq), slice(kl, kl + nk)
         g_q, g_k, g_v = _block_backward(cfg, do[:, rq], q[:, rq], k[:, rk], v[:, rk],
-                                        out[:, rq], lse[:, :, rq], spec, q_off, k_off, b_off)
+                                        out[:, rq], lse[:, :, rq], spec, q_off, k_off, b_off,
+                                        lens)
         dq[:, rq] += g_q
         dk[:, rk] += g_k
         dv[:, rk] += g_v

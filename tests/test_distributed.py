@@ -175,6 +175,61 @@ def test_plain_blocks_equal_attention_over_their_global_keys(case, backend):
     assert plain
 
 
+PACKED_RUNS = [(c, b) for c in PLAIN_CASES for b in ("torch", "triton")
+               if b == "torch" or c == "causal"]
+
+
+@pytest.mark.parametrize("case,backend", PACKED_RUNS, ids=["-".join(r) for r in PACKED_RUNS])
+def test_packed_launches_equal_their_documents_plain_calls(case, backend):
+    """A packed call (``_launches``: the plain calls of a step's documents joined, each
+    document's pair one sequence of a varlen call) gives each row the output and LSE, and each
+    row and key the gradient shares, of the documents' own calls one by one (``_pairs``), for
+    every rank's ring steps and the all-gather's whole sequence (world sizes 2 and 4, zigzag
+    and contiguous), and a step over many documents takes fewer launches than pairs."""
+    from flashtile import distributed as cp_mod
+    from flashtile.distributed import _Cfg, _attend, _attend_bwd, _empty_acc, _pairs, pieces
+    c = PLAIN_CASES[case]
+    lens = [3, 7, 1, 10, 5, 9, 2, 11]                      # 8 documents, 48 tokens
+    cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    docs = [(d, a, b) for d, (a, b) in enumerate(zip(cu, cu[1:]))]
+    S, H, Hk, D = cu[-1], 2, 1, 16
+    window = c.get("window", (-1, -1))
+    worlds = (2, 4) if backend == "torch" else (2,)
+    joined = 0
+    with flashtile.use_backend(backend), poison_outputs():
+        for world, layout in ((w, lay) for w in worlds for lay in ("zigzag", "contiguous")):
+            n = S // world
+            cfg = _Cfg(world, 0, None, layout, "ring", c.get("causal", False), D ** -0.5, window,
+                       c.get("softcap", 0.0), 0.0, None, None, docs, max(lens), varlen=True)
+            q, do = randn(1, n, H, D), randn(1, n, H, D)
+            k_sets = [pieces(layout, world, src, n) for src in range(world)] + [[(0, 0, S)]]
+            for rank in range(world):
+                q_pieces = pieces(layout, world, rank, n)
+                for k_pieces in k_sets:
+                    nk = sum(p[2] for p in k_pieces)
+                    k, v = randn(1, nk, Hk, D), randn(1, nk, Hk, D)
+                    got, want = [], []
+                    for runs in (got, want):
+                        acc_o, acc_l = _empty_acc(q)
+                        _attend(cfg, q, k, v, q_pieces, k_pieces, acc_o, acc_l, [])
+                        # (the backward of the step's keys alone: its output and LSE)
+                        out, lse = (got or [acc_o, acc_l])[:2]
+                        grads = [torch.zeros(x.shape) for x in (q, k, v)]
+                        _attend_bwd(cfg, do, q, k, v, out, lse, q_pieces, k_pieces, *grads)
+                        runs.extend([acc_o, acc_l, *grads])
+                        # the documents one by one: every call with no lengths
+                        cfg.varlen = False
+                    cfg.varlen = True
+                    name = f"{case} w{world} {layout} rank {rank} keys {k_pieces}"
+                    for what, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+                        assert_close(f"{name} {what}", g, w, atol=1e-5, rtol=1e-5)
+                    launches = cp_mod._launches(cfg, q_pieces, k_pieces)
+                    assert sum(len(x[2][0]) if x[2] else 1 for x in launches) == \
+                        len(_pairs(cfg, q_pieces, k_pieces)), name
+                    joined += len(launches) < len(_pairs(cfg, q_pieces, k_pieces))
+    assert joined
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_in_place_merge_equals_merge_attention_states(dtype):
     """The ring's in-place float32 merge of a block (output in the inputs' dtype) against
