@@ -78,6 +78,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import backends
+from ._tensor_cache import TensorCache
 from .backends.spec import AttnSpec
 from .rng import draw_seed
 
@@ -291,7 +292,7 @@ class _Cfg:
     dropout_p: float
     alibi: torch.Tensor | None
     seed: torch.Tensor | None
-    docs: list  # (batch_offset, start, end) in the packed / whole sequence
+    docs: tuple  # (batch_offset, start, end) in the packed / whole sequence
     total: int  # dropout counter length (S dense, max_seqlen varlen)
     varlen: bool = False
     head_offset: int = 0
@@ -710,9 +711,17 @@ def _group_of(name: str):
     return None if not name else dist.distributed_c10d._resolve_process_group(name)
 
 
-def _docs(cu_seqlens, max_seqlen: int, total: int) -> list:
+_docs_read = TensorCache()  # a step's layers pass one cu_seqlens: one host read a step
+
+
+def _docs(cu_seqlens, max_seqlen: int, total: int) -> tuple:
     """The documents ``(index, start, end)`` of a packed sequence of ``total`` tokens, checked
-    (the cumulative lengths are read on the host)."""
+    (the cumulative lengths are read on the host, once while ``cu_seqlens`` is unchanged)."""
+    return _docs_read.get(("docs", int(max_seqlen), total), (cu_seqlens,),
+                          lambda: _read_docs(cu_seqlens, max_seqlen, total))
+
+
+def _read_docs(cu_seqlens, max_seqlen: int, total: int) -> tuple:
     cu = [int(x) for x in cu_seqlens.tolist()]
     if cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"cu_seqlens must rise from 0 to the packed length {total} "
@@ -721,7 +730,7 @@ def _docs(cu_seqlens, max_seqlen: int, total: int) -> list:
     if int(max_seqlen) < longest:
         raise ValueError(f"max_seqlen ({max_seqlen}) is shorter than the longest document "
                          f"({longest})")
-    return [(d, a, b) for d, (a, b) in enumerate(zip(cu, cu[1:]))]
+    return tuple((d, a, b) for d, (a, b) in enumerate(zip(cu, cu[1:])))
 
 
 def _op_cfg(q, alibi_slopes, cu_seqlens, max_seqlen, group_name, layout, mode, causal,
@@ -729,7 +738,7 @@ def _op_cfg(q, alibi_slopes, cu_seqlens, max_seqlen, group_name, layout, mode, c
     group = _group_of(group_name)
     world, rank = _group_info(group)
     total = q.shape[1] * world
-    docs = [(0, 0, total)] if cu_seqlens is None else _docs(cu_seqlens, max_seqlen, total)
+    docs = ((0, 0, total),) if cu_seqlens is None else _docs(cu_seqlens, max_seqlen, total)
     cfg = _Cfg(world, rank, group, layout, mode, causal, softmax_scale,
                (window_left, window_right), softcap, dropout_p, alibi_slopes, seed, docs,
                total if cu_seqlens is None else int(max_seqlen))

@@ -230,6 +230,26 @@ def test_packed_launches_equal_their_documents_plain_calls(case, backend):
     assert joined
 
 
+def test_varlen_documents_are_read_once_while_cu_seqlens_is_unchanged(monkeypatch):
+    """The documents of a packed sequence come from one host read of ``cu_seqlens`` while the
+    tensor is unchanged (a step's layers pass the same one); an in-place write reads it again,
+    and its checks still run on what it holds then."""
+    from flashtile import distributed as cp_mod
+    reads = []
+    real = cp_mod._read_docs
+    monkeypatch.setattr(cp_mod, "_read_docs", lambda *a: reads.append(1) or real(*a))
+    cu = torch.tensor([0, 5, 9, 16], dtype=torch.int32)
+    docs = ((0, 0, 5), (1, 5, 9), (2, 9, 16))
+    assert cp_mod._docs(cu, 7, 16) == docs and cp_mod._docs(cu, 7, 16) == docs
+    assert len(reads) == 1
+    assert cp_mod._docs(cu.clone(), 7, 16) == docs and len(reads) == 2  # another tensor
+    cu[1] = 3                                                          # an in-place write
+    assert cp_mod._docs(cu, 7, 16) == ((0, 0, 3), (1, 3, 9), (2, 9, 16)) and len(reads) == 3
+    cu[1] = 10
+    with pytest.raises(ValueError, match="cu_seqlens must rise"):
+        cp_mod._docs(cu, 7, 16)
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_in_place_merge_equals_merge_attention_states(dtype):
     """The ring's in-place float32 merge of a block (output in the inputs' dtype) against
