@@ -54,9 +54,9 @@ inputs' dtype and are merged and summed in float32 (as ring-flash-attention and 
 Varlen: the packed sequence of documents (global ``cu_seqlens``) is what is sharded; a document
 may cross any shard boundary.  Each (query piece, key piece) pair is cut along the documents, one
 partial call per document it meets, with the document's index and ``max_seqlen`` in the dropout
-counters, exactly as ``flash_attn_varlen_func`` on the whole packed sequence.  The plain calls
-of a step's documents (one spec, query and key rows that follow one another) run as one packed
-call, each document's pair one of its sequences (:func:`_launches`).
+counters, exactly as ``flash_attn_varlen_func`` on the whole packed sequence.  On the Triton
+kernels the plain calls of a step's documents (one spec, query and key rows that follow one
+another) run as one packed call, each document's pair one of its sequences (:func:`_launches`).
 
 With dropout, rank 0 of the group draws the seed (every rank draws one, so their generators stay
 in step) and broadcasts it: one more collective in the forward.
@@ -295,6 +295,10 @@ class _Cfg:
     docs: tuple  # (batch_offset, start, end) in the packed / whole sequence
     total: int  # dropout counter length (S dense, max_seqlen varlen)
     varlen: bool = False
+    # the documents' plain calls of a step joined into packed calls (_launches): with the
+    # Triton kernels, not on the torch engine, whose plain causal or full calls run PyTorch's
+    # fused CPU kernel and whose varlen calls its tiled engine (2-4x slower at 6-24 documents)
+    join: bool = False
     head_offset: int = 0
     nheads_total: int | None = None
 
@@ -389,13 +393,14 @@ def _pairs(cfg: _Cfg, q_pieces, k_pieces):
 
 def _launches(cfg: _Cfg, q_pieces, k_pieces):
     """:func:`_pairs` as ``(call, spec, lens)``: ``lens`` None for one pair, or for a packed
-    call (``cfg.varlen``) ``(lengths_q, lengths_k)`` of the documents' plain calls it joins,
+    call (``cfg.varlen`` and ``cfg.join``) ``(lengths_q, lengths_k)`` of the documents' plain calls it joins,
     ``call`` then their rows (each document's pair one sequence, bottom-right as its own plain
     call): runs of calls of one spec whose query rows and key rows each follow the previous
     call's, so that a step over many documents is one launch a spec, not one a document."""
     out, runs = [], {}
+    join = cfg.varlen and cfg.join
     for call, spec in _pairs(cfg, q_pieces, k_pieces):
-        run = runs.get(spec) if cfg.varlen and spec is not None else None
+        run = runs.get(spec) if join and spec is not None else None
         if run is not None:
             (ql, nq, kl, nk, *offs), _, lens = out[run]
             if ql + nq == call[0] and kl + nk == call[2]:
@@ -403,7 +408,7 @@ def _launches(cfg: _Cfg, q_pieces, k_pieces):
                 out[run] = ((ql, nq + call[1], kl, nk + call[3], *offs), spec,
                             (lens[0] + [call[1]], lens[1] + [call[3]]))
                 continue
-        if cfg.varlen and spec is not None:
+        if join and spec is not None:
             runs[spec] = len(out)
         out.append((call, spec, None))
     return out
@@ -743,6 +748,7 @@ def _op_cfg(q, alibi_slopes, cu_seqlens, max_seqlen, group_name, layout, mode, c
                (window_left, window_right), softcap, dropout_p, alibi_slopes, seed, docs,
                total if cu_seqlens is None else int(max_seqlen))
     cfg.varlen = cu_seqlens is not None
+    cfg.join = backends.select(q.device) != "torch"
     return cfg
 
 

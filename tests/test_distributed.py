@@ -200,7 +200,8 @@ def test_packed_launches_equal_their_documents_plain_calls(case, backend):
         for world, layout in ((w, lay) for w in worlds for lay in ("zigzag", "contiguous")):
             n = S // world
             cfg = _Cfg(world, 0, None, layout, "ring", c.get("causal", False), D ** -0.5, window,
-                       c.get("softcap", 0.0), 0.0, None, None, docs, max(lens), varlen=True)
+                       c.get("softcap", 0.0), 0.0, None, None, docs, max(lens), varlen=True,
+                       join=True)
             q, do = randn(1, n, H, D), randn(1, n, H, D)
             k_sets = [pieces(layout, world, src, n) for src in range(world)] + [[(0, 0, S)]]
             for rank in range(world):
@@ -218,8 +219,8 @@ def test_packed_launches_equal_their_documents_plain_calls(case, backend):
                         _attend_bwd(cfg, do, q, k, v, out, lse, q_pieces, k_pieces, *grads)
                         runs.extend([acc_o, acc_l, *grads])
                         # the documents one by one: every call with no lengths
-                        cfg.varlen = False
-                    cfg.varlen = True
+                        cfg.join = False
+                    cfg.join = True
                     name = f"{case} w{world} {layout} rank {rank} keys {k_pieces}"
                     for what, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
                         assert_close(f"{name} {what}", g, w, atol=1e-5, rtol=1e-5)
@@ -316,6 +317,9 @@ def _cases(world: int) -> dict:
                 kinds = {k: kinds[k] for k in ("dropout", "varlen-causal")}
             if mode == "ring" and layout == "zigzag":
                 kinds["alibi-softcap"] = dict(causal=True, alibi=True, softcap=4.0)
+                if world == 2:  # the Triton kernels (interpreted): documents' packed calls
+                    kinds["varlen-causal-triton"] = dict(causal=True, varlen=True,
+                                                         backend="triton")
             for kind, c in kinds.items():
                 cases[f"w{world}-{mode}-{layout}-{kind}"] = dict(mode=mode, layout=layout, **c)
     return cases
@@ -378,15 +382,18 @@ def _run_case(name, c, world, rank):
     orig_block, orig_partial = cp_mod._block_forward, cp_mod.partial_attention
     partial_calls = []
 
+    packed_calls = []
+
     def block(*a, **k):
         events.append("compute")
+        packed_calls.append(len(a) > 8 and a[8] is not None)  # (_launches' lens)
         return orig_block(*a, **k)
 
     def partial(*a, **k):
         partial_calls.append(1)
         return orig_partial(*a, **k)
 
-    with flashtile.use_backend("torch"):
+    with flashtile.use_backend(c.get("backend", "torch")):
         torch.manual_seed(1234)
         seed = next_seed()
         if varlen:
@@ -435,6 +442,10 @@ def _run_case(name, c, world, rank):
         # over one key piece, or one over both, joined)
         calls = fwd_events.count("compute")
         assert calls == 2 + world - 1, f"{name}: {calls} forward block calls"
+    # the documents' plain calls of a step joined into packed calls on the Triton kernels only
+    # (the torch engine runs PyTorch's fused CPU kernel for each)
+    assert any(packed_calls) == (varlen and c.get("backend") == "triton"), \
+        f"{name}: packed calls {packed_calls}"
     if mode == "ring":
         first = fwd_events[(1 if p > 0 else 0):]
         assert first[0] == "post" and "compute" in first[1:], \
