@@ -667,16 +667,18 @@ DECISIONS = [
     ("flash-alibi", _flash_call(alibi_slopes=torch.tensor([0.5, 0.25])), "flash",
      (2, 2, 24, 24), False, None),
     ("flash-dropout", _flash_call(dropout_p=0.2), "flash", (2, 2, 24, 24), False, None),
-    ("varlen-causal", _varlen_call, "flash", (2, 2, 24, 24), False, None),
+    # varlen: each sequence of as many queries as keys takes the fused kernel (2 sequences)
+    ("varlen-causal", _varlen_call, "flash", (2, 2, 24, 24), 2, None),
+    ("varlen-causal-bottom-right", _varlen_call, "flash", (2, 2, 20, 30), False, None),
     ("qkvpacked-causal", _qkvpacked_call, "flash", (2, 2, 24, 24), True, None),
 ]
 
 
 @pytest.mark.parametrize("case", DECISIONS, ids=lambda c: c[0])
 def test_public_routing_decisions(case):
-    """Each public call reaches the fused kernel (once a pass, no tiled op) exactly when it
-    computes that call; routed results equal the tiled engine's, and torch's SDPA where its
-    arguments are the same."""
+    """Each public call reaches the fused kernel (once a pass, a varlen call once a sequence; no
+    tiled op) exactly when it computes that call; routed results equal the tiled engine's, and
+    torch's SDPA where its arguments are the same."""
     import flashtile
     import torch.nn.functional as F
     name, fn, layout, (H, Hk, L, S), routed, torch_kw = case
@@ -690,7 +692,8 @@ def test_public_routing_decisions(case):
         out, grads, ops = _logged_fwd_bwd(fn, (q, k, v), do)
     tiled_ops = {"bmm", "baddbmm", "exp2"} & set(ops)
     if routed:
-        assert ops.count(_FUSED) == 1 and ops.count(_FUSED + "_backward") == 1, ops
+        calls = 1 if routed is True else routed
+        assert ops.count(_FUSED) == calls and ops.count(_FUSED + "_backward") == calls, ops
         assert not tiled_ops, f"the tiled engine ran: {tiled_ops}"
     else:
         assert _FUSED not in ops and _FUSED + "_backward" not in ops, ops

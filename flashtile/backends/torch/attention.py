@@ -12,10 +12,12 @@ Two paths, chosen per call (``forward``/``backward`` follow the interface in ``s
   ``flashtile.scaled_dot_product_attention`` passes) reach the kernel as they are, flash-layout
   ones as transposed views, and ``out``/``lse``/gradients come back in the buffers the kernel
   allocated (with a ``TorchDispatchMode`` counting, one causal fwd+bwd through the SDPA
-  drop-in issues exactly the 4 ATen ops of torch's own SDPA).
+  drop-in issues exactly the 4 ATen ops of torch's own SDPA).  A varlen call with nothing per
+  sequence hands it each sequence it computes exactly (``_sequence_route``).
 * **The tiled engine** below, for everything else: sliding windows, bottom-right causal with
   ``Sq != Sk``, softcap, ALiBi, dropout (flashtile's Philox stream), biases and bool masks
-  (with their gradient), block-sparse masks, varlen and paged calls, and empty inputs.
+  (with their gradient), block-sparse masks, paged calls, the other sequences of varlen
+  calls, and empty inputs.
 
 Both return the same natural-log ``lse``, so a forward of one path and a backward of the
 other agree.
@@ -650,10 +652,27 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None,
         seqs = _sequences(cu_seqlens_q, cu_seqlens_k)
         slopes = _slopes(alibi_slopes, len(seqs), H)
         for b, (q0, q1, k0, k1) in enumerate(seqs):
-            _forward_dense(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], spec,
-                           None if slopes is None else slopes[b:b + 1],
+            qs, ks, vs = q[None, q0:q1], k[None, k0:k1], v[None, k0:k1]
+            causal = _sequence_route(qs, ks, vs, spec, extras, out_dtype, alibi_slopes)
+            if causal is not None:
+                out[q0:q1], lse[:, q0:q1] = (x[0] for x in _aten_forward(qs, ks, vs, spec,
+                                                                        causal))
+                continue
+            _forward_dense(qs, ks, vs, spec, None if slopes is None else slopes[b:b + 1],
                            out[None, q0:q1], lse[None, :, q0:q1], _for_sequence(extras, b))
         return out, lse
+
+
+def _sequence_route(q, k, v, spec: AttnSpec, extras, dtype, alibi_slopes):
+    """:func:`aten_route` of one sequence of a varlen call (``(1, S, H, D)`` slices), where
+    the call has nothing per sequence (no bias, block mask, dropout or ALiBi: ``extras`` None)
+    and its results are in the inputs' dtype (``dtype``): a plain causal call whose sequence
+    has as many queries as keys, or a call without a mask, runs PyTorch's fused kernel like a
+    dense one (1.2-1.7x the tiled engine's speed at 4-32 sequences of 32-512 tokens, 2 CPU
+    threads; docs/dev/tuning-log.md, step 117)."""
+    if extras is not None or alibi_slopes is not None or dtype not in (None, q.dtype):
+        return None
+    return aten_route(q, k, v, spec)
 
 
 # ---------------------------------------------------------------------------------------
@@ -777,6 +796,13 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
             seqs = _sequences(cu_seqlens_q, cu_seqlens_k)
             slopes = _slopes(alibi_slopes, len(seqs), H)
             for b, (q0, q1, k0, k1) in enumerate(seqs):
+                qs, ks, vs = q[None, q0:q1], k[None, k0:k1], v[None, k0:k1]
+                causal = _sequence_route(qs, ks, vs, spec, extras, grad_dtype, alibi_slopes)
+                if causal is not None:
+                    dq[q0:q1], dk[k0:k1], dv[k0:k1] = (g[0] for g in _aten_backward(
+                        do[None, q0:q1], qs, ks, vs, out[None, q0:q1], lse[None, :, q0:q1],
+                        spec, causal))
+                    continue
                 db_b = None
                 if db_acc is not None:
                     db_b = db_acc[b:b + 1] if db_acc.shape[0] > 1 else db_acc
