@@ -394,10 +394,11 @@ def _pairs(cfg: _Cfg, q_pieces, k_pieces):
 
 def _launches(cfg: _Cfg, q_pieces, k_pieces):
     """:func:`_pairs` as ``(call, spec, lens)``: ``lens`` None for one pair, or for a packed
-    call (``cfg.varlen`` and ``cfg.join``) ``(lengths_q, lengths_k)`` of the documents' plain calls it joins,
-    ``call`` then their rows (each document's pair one sequence, bottom-right as its own plain
-    call): runs of calls of one spec whose query rows and key rows each follow the previous
-    call's, so that a step over many documents is one launch a spec, not one a document."""
+    call (``cfg.varlen`` and ``cfg.join``) ``(lengths_q, lengths_k)`` of the documents' plain
+    calls it joins, ``call`` then their rows (each document's pair one sequence, bottom-right as
+    its own plain call): runs of calls of one spec whose query rows and key rows each follow the
+    previous call's, so that a step over many documents is one launch a spec, not one a
+    document."""
     out, runs = [], {}
     join = cfg.varlen and cfg.join
     for call, spec in _pairs(cfg, q_pieces, k_pieces):
