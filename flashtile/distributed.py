@@ -68,6 +68,7 @@ group travels by name); an eager call runs the same functions through an autogra
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 
@@ -416,20 +417,17 @@ def _launches(cfg: _Cfg, q_pieces, k_pieces):
     return out
 
 
-_CU: dict = {}  # (lengths, device) -> int32 cumulative lengths (a step's calls repeat)
+@functools.lru_cache(maxsize=256)  # (a step's calls repeat their lengths)
+def _cumulative(lens: tuple, device) -> torch.Tensor:
+    """int32 cumulative lengths of ``lens`` on ``device``."""
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
 
 
 def _packed_kw(lens, device) -> dict:
     """The varlen arguments of a packed call of documents of ``lens`` (:func:`_launches`)."""
-    key = (tuple(lens[0]), tuple(lens[1]), device)
-    cu = _CU.get(key)
-    if cu is None:
-        if len(_CU) >= 256:
-            _CU.clear()
-        cu = _CU[key] = tuple(torch.tensor([0, *itertools.accumulate(x)], dtype=torch.int32,
-                                           device=device) for x in lens)
-    return dict(cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], max_seqlen_q=max(lens[0]),
-                max_seqlen_k=max(lens[1]))
+    return dict(cu_seqlens_q=_cumulative(tuple(lens[0]), device),
+                cu_seqlens_k=_cumulative(tuple(lens[1]), device),
+                max_seqlen_q=max(lens[0]), max_seqlen_k=max(lens[1]))
 
 
 def _block_forward(cfg: _Cfg, q, k, v, spec, q_off: int, k_off: int, b_off: int, lens=None):
