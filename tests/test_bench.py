@@ -1890,6 +1890,51 @@ def test_train_run_times_each_step_and_reports_the_median(monkeypatch):
     assert len(rec["losses"]) == 6 and all(x == x for x in rec["losses"])
 
 
+@pytest.mark.parametrize("kernel, kind", [
+    ("attn_fwd_sm90_kernel", "fwd"), ("attn_fwd_kernel", "fwd"), ("key_mask_ranges_kernel", "fwd"),
+    ("attn_bwd_delta_kernel", "bwd"), ("attn_bwd_sm90_kernel", "bwd"),
+    ("attn_bwd_dq_split_sm90_kernel", "bwd"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x", "fwd"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64", "bwd"),
+    ("void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*", "bwd"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>", "fwd"),
+    ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>", "bwd"),
+    ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", "fwd"), ("fmha_cutlassB_bf16_aligned", "bwd"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", None),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<8, float>", None),
+    ("void at::native::elementwise_kernel<128, 4, direct_copy_kernel_cuda>", None),
+], ids=["ft-fwd-sm90", "ft-fwd", "ft-keymask", "ft-delta", "ft-bwd-sm90", "ft-dq-split",
+        "cudnn-fprop", "cudnn-bprop", "cudnn-dot-do-o", "fa2-fwd", "fa2-bwd", "efficient-fwd",
+        "efficient-bwd", "gemm", "softmax", "copy"])
+def test_train_kernel_names_sort_into_attention_passes(kernel, kind):
+    """bench train --kernels: each implementation's attention kernels count as the attention
+    forward or backward; matrix products, softmax and copies (an eager model's attention,
+    flashtile's dQ conversion) as other kernels."""
+    from flashtile.bench import train
+    assert train.attention_pass(kernel) == kind
+
+
+def test_train_kernel_split_sums_per_step_and_compares_with_sdpa():
+    """bench train --kernels: kernel time per step by pass (µs of all profiled steps over
+    their count), and the summary's ratio of sdpa's time over each other implementation's."""
+    from flashtile.bench import train
+    split = train.kernel_split([("attn_fwd_sm90_kernel", 3000.0), ("gemm_a", 30000.0),
+                                ("attn_bwd_sm90_kernel", 6300.0), ("attn_bwd_delta_kernel", 600.0),
+                                ("attn_fwd_sm90_kernel", 3000.0)], steps=3)
+    assert split["total_ms"] == pytest.approx(14.3)
+    assert split["attention_fwd_ms"] == pytest.approx(2.0)
+    assert split["attention_bwd_ms"] == pytest.approx(2.3)
+    assert split["other_ms"] == pytest.approx(10.0)
+    assert list(split["attention"]) == ["attn_bwd_sm90_kernel", "attn_fwd_sm90_kernel",
+                                        "attn_bwd_delta_kernel"]
+    ref = dict(split, total_ms=14.9, attention_fwd_ms=1.9, attention_bwd_ms=3.0)
+    runs = [dict(model="small", impl=impl, context=1024, kind="timed", tokens_per_s=None,
+                 losses=[], kernels=k) for impl, k in (("sdpa", ref), ("flashtile", split))]
+    ratios = train.summarize(dict(runs=runs))["kernels_vs_sdpa"]["small/1024/flashtile"]
+    assert ratios == pytest.approx(dict(total_ms=14.9 / 14.3, attention_fwd_ms=0.95,
+                                        attention_bwd_ms=3.0 / 2.3))
+
+
 def test_train_stream_keeps_one_token_mapping_so_unigrams_are_learnable():
     """bench train's synthetic batches draw Zipf ranks per batch but map ranks to tokens once
     per seed: the most frequent token (rank 1, ~15% of draws at this vocabulary) is the same

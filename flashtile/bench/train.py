@@ -23,6 +23,10 @@ what was skipped)::
     python -m flashtile.bench train --preset cpu-dry      # tiny model, end-to-end check
     python -m flashtile.bench train --padded              # mask vs varlen on padded batches
 
+``--kernels N`` profiles N more steps after each run (``torch.profiler``, CUDA) and records the
+kernel time per step, all kernels and the attention forward / backward (record ``kernels``;
+summary ``kernels_vs_sdpa``): the GPU-side comparison, free of the host's step-to-step spread.
+
 A run goes to the device's results file (``benchmarks/results/<device>.json``, ``--out``) under
 ``train_<preset>`` (``train_padded`` for ``--padded`` alone, ``train`` otherwise).  ``--report``
 reads every ``train*`` entry of the results files it is given (default: all of them), writes the
@@ -131,17 +135,71 @@ def _oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
+# name fragments (lower case) of the attention kernels each implementation launches: flashtile's
+# (Triton and Gluon: ``attn_fwd*`` / ``attn_bwd*``, the key-mask summary before a masked
+# forward), cuDNN's (``...sdpa..._fprop`` / ``_bprop``, ``compute_dot_do_o``), FlashAttention-2's
+# (``flash_fwd*`` / ``flash_bwd*``) and the memory-efficient kernels (``fmha_cutlassF`` / ``B``)
+ATTENTION_KERNELS = {"fwd": ("attn_fwd", "key_mask_ranges", "fprop", "flash_fwd", "fmha_cutlassf"),
+                     "bwd": ("attn_bwd", "bprop", "dot_do_o", "flash_bwd", "fmha_cutlassb")}
+
+
+def attention_pass(kernel: str) -> str | None:
+    """``"fwd"`` / ``"bwd"`` for an attention kernel's name (:data:`ATTENTION_KERNELS`), else
+    None (matrix products, softmax, elementwise and copy kernels: an eager model's attention,
+    and flashtile's dQ conversion, a PyTorch copy, count as other kernels)."""
+    name = kernel.lower()
+    for kind, parts in ATTENTION_KERNELS.items():
+        if any(part in name for part in parts):
+            return kind
+    return None
+
+
+def kernel_split(kernels, steps: int) -> dict:
+    """Kernel time per step from ``(name, device µs)`` pairs of ``steps`` profiled steps:
+    ``total_ms``, ``attention_fwd_ms``, ``attention_bwd_ms``, ``other_ms`` and the attention
+    kernels by name (``attention``, ms a step, longest first)."""
+    out = dict(steps=steps, total_ms=0.0, attention_fwd_ms=0.0, attention_bwd_ms=0.0,
+               other_ms=0.0)
+    named: dict = {}
+    for name, us in kernels:
+        ms = us / 1e3 / steps
+        kind = attention_pass(name)
+        out["total_ms"] += ms
+        out[f"attention_{kind}_ms" if kind else "other_ms"] += ms
+        if kind:
+            named[name] = named.get(name, 0.0) + ms
+    out["attention"] = dict(sorted(named.items(), key=lambda kv: -kv[1]))
+    return out
+
+
+def _profile_kernels(step_fn, first: int, steps: int) -> dict:
+    """:func:`kernel_split` of ``steps`` calls ``step_fn(first + i)`` under torch.profiler
+    (CUDA kernels only)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step_fn(first + i)
+        torch.cuda.synchronize()
+    kernels = [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    return kernel_split(kernels, steps)
+
+
 def run_one(model: str, impl: str, context: int, steps: int, warmup: int, tokens_per_step: int,
             device, seed: int = 0, block_size: int = 128, lr: float = 6e-4,
-            deadline: float | None = None, compile_model: bool = False) -> dict:
+            deadline: float | None = None, compile_model: bool = False,
+            kernels: int = 0) -> dict:
     """Train ``steps`` steps (the first ``warmup`` untimed); returns the measurements.
     Every step ends in a host read of its loss (which waits for the step's kernels), so each
     timed step has a wall time of its own: ``step_s`` is their median (one step slowed by the
-    allocator or the host does not move it), ``tokens_per_s`` the tokens of a step over it."""
+    allocator or the host does not move it), ``tokens_per_s`` the tokens of a step over it.
+    ``kernels`` > 0 (CUDA): that many more steps under torch.profiler, whose kernel time per
+    step goes to ``rec["kernels"]`` (:func:`kernel_split`; their losses are not kept)."""
     batch = max(1, tokens_per_step // context)
     rec = dict(model=model, impl=impl, context=context, batch=batch, steps=0, status="ok",
                params_m=None,
-               losses=[], tokens_per_s=None, peak_mem_gib=None, step_s=None, step_times_s=[])
+               losses=[], tokens_per_s=None, peak_mem_gib=None, step_s=None, step_times_s=[],
+               kernels=None)
     if impl == "sdpa_fa2" and device.type != "cuda":
         rec["status"] = "unavailable: SDPA's flash kernel needs a CUDA device"
         return rec
@@ -159,10 +217,8 @@ def run_one(model: str, impl: str, context: int, steps: int, warmup: int, tokens
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         t_last = None
-        for step in range(steps):
-            if step == warmup:
-                _sync(device)
-                t_last = time.perf_counter()
+
+        def train_step(step: int) -> float:
             for group in opt.param_groups:
                 group["lr"] = lr * min(1.0, (step + 1) / warm_lr)
             ids = _batch(step, batch, context, vocab, device, seed)
@@ -173,7 +229,13 @@ def run_one(model: str, impl: str, context: int, steps: int, warmup: int, tokens
             torch.nn.utils.clip_grad_norm_(model_obj.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            rec["losses"].append(float(loss.detach()))  # one host read per step, all impls
+            return float(loss.detach())  # one host read per step, all impls
+
+        for step in range(steps):
+            if step == warmup:
+                _sync(device)
+                t_last = time.perf_counter()
+            rec["losses"].append(train_step(step))
             rec["steps"] = step + 1
             if step >= warmup:
                 now = time.perf_counter()
@@ -188,6 +250,8 @@ def run_one(model: str, impl: str, context: int, steps: int, warmup: int, tokens
             rec["tokens_per_s"] = batch * context / rec["step_s"]
         if device.type == "cuda":
             rec["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            if kernels > 0 and rec["status"] == "ok":
+                rec["kernels"] = _profile_kernels(train_step, rec["steps"], kernels)
     except Exception as e:  # noqa: BLE001 - out of memory is a result here
         if not _oom(e):
             raise
@@ -292,12 +356,14 @@ def run(args) -> dict:
         if val:
             p[key] = val
     for key in ("curve_steps", "timed_steps", "warmup", "tokens_per_step", "budget_s",
-                "block_size"):
+                "block_size", "kernels"):
         val = getattr(args, key)
         if val is not None:
             p[key] = val
-    p.setdefault("block_size", 128)
-    p.setdefault("long_contexts", [])
+    # (without a preset: gpu-a's steps and tokens where the command line gives none)
+    for key, default in (("block_size", 128), ("long_contexts", []), ("curve_steps", 200),
+                         ("timed_steps", 16), ("warmup", 2), ("tokens_per_step", 16384)):
+        p.setdefault(key, default)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     start = time.perf_counter()
     deadline = start + float(p.get("budget_s", 520))
@@ -309,7 +375,7 @@ def run(args) -> dict:
             return None
         r = run_one(model, impl, ctx, steps, warmup, p["tokens_per_step"], device,
                     seed=args.seed, block_size=p["block_size"], deadline=deadline,
-                    compile_model=args.compile)
+                    compile_model=args.compile, kernels=p.get("kernels", 0))
         r["kind"] = kind
         res["runs"].append(r)
         print(f"[train] {kind:6s} {model:6s} {impl:12s} ctx={ctx:6d} b={r['batch']:3d} "
@@ -392,6 +458,14 @@ def summarize(res: dict) -> dict:
         out["table4"] = dict(flashtile_4k_tokens_per_s=ft4[0]["tokens_per_s"],
                              eager_1k_tokens_per_s=e1[0]["tokens_per_s"],
                              ratio=ft4[0]["tokens_per_s"] / e1[0]["tokens_per_s"])
+    for r in runs:
+        ref = by.get((r["model"], "sdpa", r["context"], r.get("kind")))
+        if r["impl"] != "sdpa" and r.get("kernels") and ref and ref.get("kernels"):
+            mine, theirs = r["kernels"], ref["kernels"]
+            # sdpa's kernel time over this implementation's: above 1, this one's is shorter
+            out.setdefault("kernels_vs_sdpa", {})[f"{r['model']}/{r['context']}/{r['impl']}"] = {
+                part: theirs[part] / mine[part] if mine[part] else None
+                for part in ("total_ms", "attention_fwd_ms", "attention_bwd_ms")}
     long_runs = [r for r in runs if r["kind"] == "long"]
     for impl in IMPLS:
         best = _longest(long_runs, impl)
@@ -622,6 +696,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (off)")
+    ap.add_argument("--kernels", type=int, metavar="STEPS",
+                    help="after each run, profile this many more steps (torch.profiler, CUDA) "
+                         "and record the kernel time per step: total, attention forward and "
+                         "backward, other (run record 'kernels'; summary 'kernels_vs_sdpa')")
     ap.add_argument("--padded", action="store_true",
                     help="also time padded batches: flashtile mask vs varlen path vs sdpa")
     ap.add_argument("--out", default=None, metavar="FILE",
