@@ -48,7 +48,7 @@ def desc(ty, rows, head_dim, dtype, ragged, heads=False):
     return f"tensordesc<{ty}[{block}],{layout!r}>"
 
 
-def emit(name, kernel, types, head_dim, causal, **flags):
+def emit(name, kernel, types, head_dim, causal, maxnreg=None, **flags):
     # every other argument an integer, none equal to 1 (as the launcher specialises a call)
     names = kernel.arg_names
     if "DK_COLS" in names:  # dK, dV as wide as the kernel unless a variant says otherwise
@@ -62,8 +62,8 @@ def emit(name, kernel, types, head_dim, causal, **flags):
     constexprs.update({(names.index(flag),): value for flag, value in flags.items()})
     src = GluonASTSource(kernel, {n: types[n] for n in names}, constexprs)
     options = {"num_warps": launch_sm90.NUM_WARPS}
-    if flags.get("CONSUMERS") == 1:  # two CTAs an SM: the launcher's register budget
-        options["maxnreg"] = 128
+    if flags.get("CONSUMERS") == 1:  # two or three CTAs an SM: the launcher's register cap
+        options["maxnreg"] = maxnreg or launch_sm90._ONE_CONSUMER[2][1]
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     ptx = k.asm["ptx"]
     # ptxas's resource report of the same PTX: spilled registers (local memory) of the kernel
@@ -106,6 +106,13 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
             for n_c in {2, launch_sm90.consumers(head_dim, causal, 0, ragged or keymask)}:
                 emit(f"fwd{'' if n_c == 2 else n_c}{r}-{ty}", attn_fwd_sm90_kernel,
                      dict(fwd_types, Lists="*fp32"), head_dim, causal, CONSUMERS=n_c)
+                if n_c == 1:  # "1t": three CTAs an SM (launch_sm90.ONE_CONSUMER_CTAS = 3)
+                    tn, regs = launch_sm90._ONE_CONSUMER[3]
+                    emit(f"fwd1t{r}-{ty}", attn_fwd_sm90_kernel,
+                         dict(fwd_types, Lists="*fp32",
+                              desc_k=desc(ty, tn, head_dim, dtype, ragged),
+                              desc_v=desc(ty, tn, head_dim, dtype, ragged)),
+                         head_dim, causal, maxnreg=regs, CONSUMERS=1)
             if ty == "bf16" and head_dim != 64:
                 # "h": a head dim narrower than the tiles (96 at 128, 192 at 256) with heads
                 # side by side: each tensor's descriptor a view of one head's columns (with
@@ -130,6 +137,13 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                          dict(fwd_types, Lists="*fp32", CuQ="*i32", CuK="*i32", Items="*i32"),
                          head_dim,
                          causal, CONSUMERS=n_c)
+                    if n_c == 1:  # (three CTAs an SM, as "1t" above)
+                        tn, regs = launch_sm90._ONE_CONSUMER[3]
+                        emit("fwd1tv-bf16", attn_fwd_sm90_kernel,
+                             dict(fwd_types, Lists="*fp32", CuQ="*i32", CuK="*i32",
+                                  Items="*i32", desc_k=desc(ty, tn, head_dim, dtype, False),
+                                  desc_v=desc(ty, tn, head_dim, dtype, False)),
+                             head_dim, causal, maxnreg=regs, CONSUMERS=1)
         for head_dim in (192, 96) if ty == "bf16" else ():
             # "p": a head dim of two tile widths (launch_sm90.split_width: 128 + 64, 64 + 32),
             # two descriptors a tensor, the key tiles of the next width's kernel (with or
@@ -410,6 +424,28 @@ def test_sm90_forward_with_one_consumer_fits_two_ctas_an_sm(compiled, variant):
     assert rows * 64 * 2 <= row["shared"] and 2 * row["shared"] <= 228 * 1024
     # 1 consumer warpgroup, 1 producer warp padded to a warpgroup
     assert row["num_warps"] == 8 and 2 * 8 * 32 * row["maxnreg"] <= 65536
+    assert all(row["ops"].values()), row["ops"]
+    assert row["tma_stores"] == 1
+    assert row["spill_bytes"] <= 16
+
+
+@pytest.mark.parametrize("variant", ["fwd1t-bf16-d64-causal", "fwd1t-fp16-d64-causal",
+                                     "fwd1tr-bf16-d64-causal", "fwd1tk-bf16-d64-causal",
+                                     "fwd1tv-bf16-d64-causal"])
+def test_sm90_forward_with_one_consumer_fits_three_ctas_an_sm(compiled, variant):
+    """``launch_sm90.ONE_CONSUMER_CTAS = 3``: the one-consumer forward with 64-key tiles,
+    launched at 80 registers a thread (3 x 256 threads x 80 of the 65,536), a third of the SM's
+    shared memory at most (Q, two stages of K and V, the output tile), and no more spills than
+    with two CTAs (16 bytes, kept from before the loop to the epilogue)."""
+    from flashtile.backends.triton import launch_sm90
+
+    row = compiled[variant]
+    assert row["cubin_bytes"] > 0, "ptxas produced no binary"
+    tile_n, regs = launch_sm90._ONE_CONSUMER[3]
+    half = launch_sm90.BLOCK_M // 2
+    rows = half + 2 * launch_sm90.STAGES * tile_n + half
+    assert rows * 64 * 2 <= row["shared"] and 3 * (row["shared"] + 1024) <= 228 * 1024
+    assert row["num_warps"] == 8 and row["maxnreg"] == regs and 3 * 8 * 32 * regs <= 65536
     assert all(row["ops"].values()), row["ops"]
     assert row["tma_stores"] == 1
     assert row["spill_bytes"] <= 16

@@ -710,6 +710,48 @@ def test_sm90_forward_three_consumers_match_float64_reference(case, dtype, monke
     assert torch.isfinite(lse).all() and (lse.double() - ref_lse).abs().max().item() <= 1e-3
 
 
+ONE_CASES = [  # (batch, sq, sk, heads, heads_k, window_left, window_right): d = 64, one consumer
+    ("causal-rounds-gqa", 4, 1024, 1024, 9, 3, -1, 0),
+    ("causal-ragged-sk>sq", 2, 77, 500, 4, 2, -1, 0),
+    ("causal-ragged", 3, 1000, 1000, 4, 4, -1, 0),
+    ("causal-1536", 2, 1536, 1536, 4, 4, -1, 0),
+    ("diagonal-gqa", 1, 384, 384, 4, 2, 0, 0),
+    ("band-sk>sq", 2, 256, 640, 4, 4, 150, 37),
+    ("band-ragged", 2, 300, 457, 4, 4, 150, 37),
+]
+
+
+@pytest.mark.parametrize("case", ONE_CASES, ids=[c[0] for c in ONE_CASES])
+@pytest.mark.parametrize("ctas", [2, 3], ids=["two-ctas", "three-ctas"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_sm90_one_consumer_forward_matches_float64_reference(case, ctas, dtype, monkeypatch):
+    """The one-consumer forward (d = 64 with masking over few keys) at two CTAs an SM (128-key
+    tiles) and three (64-key tiles, ``launch_sm90.ONE_CONSUMER_CTAS``): output within 2x
+    PyTorch's same-dtype error of float64 and lse within 1e-3 on every row (outputs start as
+    NaN), and the public call, through its launch plan on the second call, equal to it."""
+    _, batch, sq, sk, heads, heads_k, left, right = case
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    monkeypatch.setattr(launch_sm90, "ONE_CONSUMER_CTAS", ctas)
+    q = torch.randn(batch, sq, heads, 64, device="cuda", dtype=dtype)
+    k = torch.randn(batch, sk, heads_k, 64, device="cuda", dtype=dtype)
+    v = torch.randn(batch, sk, heads_k, 64, device="cuda", dtype=dtype)
+    spec = flashtile.backends.spec.AttnSpec(softmax_scale=0.125, window_left=left,
+                                            window_right=right)
+    assert launch_sm90.eligible(q, k, v, spec)
+    w = launch_sm90._window(spec, sq, sk)
+    assert launch_sm90.consumers(64, True, launch_sm90._mean_keys(sq, sk, w["wl"], w["wr"])) == 1
+    with poison_outputs():
+        out, lse = launch_sm90.forward(q, k, v, spec)
+    ref, ref_lse = _reference(q, k, v, False, torch.float64, (left, right))
+    low, _ = _reference(q, k, v, False, dtype, (left, right))
+    base = (low.double() - ref).abs().max().item()
+    assert torch.isfinite(out).all() and (out.double() - ref).abs().max().item() <= 2 * base + 1e-4
+    assert (lse.double() - ref_lse).abs().max().item() <= 1e-3
+    for _ in range(2):  # the first call records the plan, the second replays it
+        got = flashtile.flash_attn_func(q, k, v, window_size=(left, right))
+        assert torch.equal(got, out)
+
+
 BWD_WINDOW_CASES = [  # (batch, sq, sk, heads, heads_k, d, window_left, window_right)
     ("d128-local-gqa", 1, 512, 512, 4, 2, 128, 100, 0),
     ("d64-band-sk>sq", 2, 256, 640, 2, 2, 64, 150, 37),

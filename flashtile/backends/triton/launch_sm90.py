@@ -82,6 +82,16 @@ def consumers(head_dim: int, masked: bool, keys: int = 1 << 30, ragged: bool = F
     return 3 if head_dim == 64 and not masked and not ragged else 2
 
 
+# CTAs an SM of the one-consumer forward (:func:`consumers`) and each one's key tile and register
+# cap: two of 128-key tiles at 128 registers a thread (step 51; 82 KB of shared memory each), or
+# three of 64-key tiles at 80 (49.5 KB each, the consumer raising itself to 136; ptxas spills
+# the same 16 bytes).  H200, bf16, causal d = 64 B16 H32: three 331-333 against 316-318 TFLOP/s
+# at N = 1K (0.98-1.00x against 0.95x cuDNN), 350-351 against 344 at 1536 (docs/dev/
+# tuning-log.md, step 120).  Two until the GPU test suite has run on three.
+ONE_CONSUMER_CTAS = 2
+_ONE_CONSUMER = {2: (BLOCK_N, 128), 3: (64, 80)}  # CTAs an SM -> (key tile, maxnreg)
+
+
 def _mean_keys(sq: int, sk: int, wl: int, wr: int) -> int:
     """About how many keys a query row sees on average (bottom-right, edges as ``_window``
     gives them): the causal triangle's mean, or the window's width."""
@@ -816,9 +826,11 @@ class _FwdPlan:
 
 def _fwd_key(q, k, v, spec: AttnSpec, key_mask, varlen) -> tuple:
     """The key of a forward's plan: the tensors' signatures, dtype, device, spec, the key mask's
-    view's signature, packed sequences' count and longest lengths, and ``FWD_SPLIT``."""
+    view's signature, packed sequences' count and longest lengths, ``FWD_SPLIT`` and
+    ``ONE_CONSUMER_CTAS``."""
     return (signature(q, k, v), q.dtype, q.device, spec, _mask_key(key_mask),
-            None if varlen is None else (varlen[0].shape[0], varlen[2], varlen[3]), FWD_SPLIT)
+            None if varlen is None else (varlen[0].shape[0], varlen[2], varlen[3]), FWD_SPLIT,
+            ONE_CONSUMER_CTAS)
 
 
 def _mask_key(key_mask):
@@ -992,10 +1004,14 @@ def forward(q, k, v, spec: AttnSpec, key_mask=None, sparse=None, varlen=None):
         n_c = 2
     block_m = n_c * (BLOCK_M // 2)
     n_m = -(-sq // block_m)
-    # persistent: one CTA per SM (two with one consumer: 128 registers a thread at launch, which
-    # the consumer raises to 232 and the producer lowers to 24), at most one per work item (row
-    # block, batch entry, head)
-    per_sm = 2 if n_c == 1 else 1
+    # persistent: one CTA per SM (with one consumer ONE_CONSUMER_CTAS, each at its register cap
+    # at launch, which the consumer raises and the producer lowers to 24), at most one per work
+    # item (row block, batch entry, head)
+    per_sm = 1
+    if n_c == 1:
+        per_sm = ONE_CONSUMER_CTAS
+        tile_n, maxnreg = _ONE_CONSUMER[per_sm]
+        ragged = bool(sq % BLOCK_M or sk % tile_n) and varlen is None
     grid = (min(n_m * batch * nheads, per_sm * _sm_count(device)),)
     args = dict(Lse=lse, **lse_strides,
                 batch=batch, sq=sq, sk=sk, nheads=nheads, group=nheads // nheads_k,
@@ -1009,7 +1025,7 @@ def forward(q, k, v, spec: AttnSpec, key_mask=None, sparse=None, varlen=None):
                                                               tile_n, window),
                 Out=out, stride_om=0 if varlen is None else out.stride(0))
     if n_c == 1:
-        args["maxnreg"] = 128
+        args["maxnreg"] = maxnreg
     cols = split or width
     descs = dict(desc_q=_rows(q, BLOCK_M // 2, ragged, "q", args, cols),
                  desc_k=_rows(k, tile_n, ragged, "kv", args, cols),

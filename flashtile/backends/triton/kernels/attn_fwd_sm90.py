@@ -1,8 +1,8 @@
 """Hopper (sm_90) forward kernel in Gluon, warp-specialised: a one-warp producer streams K/V
 tiles by TMA into a ``STAGES``-deep shared-memory ring; ``CONSUMERS`` warpgroups (two; three at
 d = 64 without masking, at 160 registers a thread; one at d = 64 with masking over few keys,
-where two CTAs share an SM and their turns interleave without a barrier: the launcher caps the
-registers at 128 a thread, ``launch_sm90.consumers``) own 64 query rows each and take turns on
+where two or three CTAs share an SM and their turns interleave without a barrier: the launcher
+caps the registers a thread, ``launch_sm90.consumers`` and ``ONE_CONSUMER_CTAS``) own 64 query rows each and take turns on
 the tensor cores in order (ping-pong: while one issues its Q·Kᵀ and P·V, the others compute their
 softmax); within a warpgroup the next tile's Q·Kᵀ is issued before this tile's P·V,
 so the softmax of one tile overlaps the tensor cores working on the other.
@@ -925,9 +925,10 @@ def _attn_fwd(desc_q, desc_k, desc_v, desc_o, desc_q2, desc_k2, desc_v2, desc_o2
                             (_ws_producer, producer_args)],
                            [4, 4, 1], [160, 160, 24])
     elif CONSUMERS == 1:
-        # two CTAs an SM (the launcher's 128 registers a thread): the consumer takes 232, the
-        # producer 24, and the other CTA's turns fill the tensor cores through this one's
-        # first tile and epilogue
+        # two or three CTAs an SM (launch_sm90.ONE_CONSUMER_CTAS: 128 or 80 registers a thread
+        # at launch): the producer's warpgroup drops to 24, the consumer takes the rest (232 or
+        # 136), and the other CTAs' turns fill the tensor cores through this one's first tile
+        # and epilogue
         gl.warp_specialize([(_ws_consumer0, (consumer_args, TURNS, U32)),
                             (_ws_producer, producer_args)],
                            [1], [24])
