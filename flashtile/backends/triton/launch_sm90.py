@@ -67,8 +67,9 @@ ONE_CONSUMER_KEYS = 768  # mean keys a row sees up to which masked d = 64 takes 
 
 def consumers(head_dim: int, masked: bool, keys: int = 1 << 30, ragged: bool = False) -> int:
     """Consumer warpgroups of the forward: three (192-row work items, 160 registers a thread)
-    at d = 64 without masking; one, in two CTAs an SM, at d = 64 with masking where a row sees
-    at most ``ONE_CONSUMER_KEYS`` keys on average (``keys``); else two.  H100, bf16, B H32 d64
+    at d = 64 without masking; one, in ``ONE_CONSUMER_CTAS`` CTAs an SM (two or three), at
+    d = 64 with masking where a row sees at most ``ONE_CONSUMER_KEYS`` keys on average
+    (``keys``); else two.  H100, bf16, B H32 d64
     non-causal, 3 rounds: 1.07-1.11x cuDNN at N = 2K-16K with three, 0.94-0.97x with two (equal
     at 1K); causal or windowed, the masking code spills at 160 registers (772 bytes) and three
     ran at 0.36-0.48x cuDNN.  Causal at 1K (4.5 key tiles an item), one consumer in two CTAs

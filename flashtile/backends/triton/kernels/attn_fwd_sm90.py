@@ -2,10 +2,11 @@
 tiles by TMA into a ``STAGES``-deep shared-memory ring; ``CONSUMERS`` warpgroups (two; three at
 d = 64 without masking, at 160 registers a thread; one at d = 64 with masking over few keys,
 where two or three CTAs share an SM and their turns interleave without a barrier: the launcher
-caps the registers a thread, ``launch_sm90.consumers`` and ``ONE_CONSUMER_CTAS``) own 64 query rows each and take turns on
-the tensor cores in order (ping-pong: while one issues its Q·Kᵀ and P·V, the others compute their
-softmax); within a warpgroup the next tile's Q·Kᵀ is issued before this tile's P·V,
-so the softmax of one tile overlaps the tensor cores working on the other.
+caps the registers a thread, ``launch_sm90.consumers`` and ``ONE_CONSUMER_CTAS``) own 64 query
+rows each and take turns on the tensor cores in order (ping-pong: while one issues its Q·Kᵀ and
+P·V, the others compute their softmax); within a warpgroup the next tile's Q·Kᵀ is issued
+before this tile's P·V, so the softmax of one tile overlaps the tensor cores working on the
+other.
 
 For each visible key tile ``j`` of a consumer (base-2 scores, ``qk_scale = scale * log2(e)``)::
 
