@@ -1873,9 +1873,10 @@ def test_ncu_run_end_to_end_with_a_stand_in_profiler(tmp_path):
 
 
 def test_train_run_times_each_step_and_reports_the_median(monkeypatch):
-    """bench train: every timed step gets its own wall time (the loss read waits for its
-    kernels); ``step_s`` is their median and ``tokens_per_s`` a step's tokens over it, so one
-    slow step does not move the result."""
+    """bench train: every timed step gets its own wall time (from one loss read to the next,
+    each read made once the next step is queued); ``step_s`` is their median and
+    ``tokens_per_s`` a step's tokens over it, so one slow step does not move the result; every
+    step's loss is read."""
     pytest.importorskip("transformers")
     from flashtile.bench import train
     clock = iter([0.0, 1.0, 1.5, 2.0, 10.0, 10.5] + [11.0] * 50)  # step times 0.5, 0.5, 8, 0.5

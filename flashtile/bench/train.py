@@ -121,7 +121,9 @@ def _batch(step: int, batch: int, context: int, vocab: int, device, seed: int):
     base = torch.multinomial(probs, batch * motif, replacement=True, generator=g)
     perm = torch.randperm(vocab, generator=torch.Generator(device="cpu").manual_seed(seed))
     seqs = perm[base].view(batch, motif).repeat(1, math.ceil(context / motif))[:, :context]
-    return seqs.contiguous().to(device, non_blocking=True)
+    if torch.device(device).type == "cuda":  # pinned: the copy queues without waiting
+        return seqs.contiguous().pin_memory().to(device, non_blocking=True)
+    return seqs.contiguous().to(device)
 
 
 # ----------------------------------------------------------------------------- one run
@@ -190,9 +192,12 @@ def run_one(model: str, impl: str, context: int, steps: int, warmup: int, tokens
             deadline: float | None = None, compile_model: bool = False,
             kernels: int = 0) -> dict:
     """Train ``steps`` steps (the first ``warmup`` untimed); returns the measurements.
-    Every step ends in a host read of its loss (which waits for the step's kernels), so each
-    timed step has a wall time of its own: ``step_s`` is their median (one step slowed by the
-    allocator or the host does not move it), ``tokens_per_s`` the tokens of a step over it.
+    As a training loop keeps the GPU fed, each step's loss is read on the host once the next
+    step is queued and its batch built (on CUDA from a copy queued right after the step's
+    kernels, so the read waits for them alone), and the GPU does not wait on the host between
+    steps; the time between two reads is a timed step's wall time: ``step_s`` is their median
+    (one step slowed by the allocator or the host does not move it), ``tokens_per_s`` the
+    tokens of a step over it.
     ``kernels`` > 0 (CUDA): that many more steps under torch.profiler, whose kernel time per
     step goes to ``rec["kernels"]`` (:func:`kernel_split`; their losses are not kept)."""
     batch = max(1, tokens_per_step // context)
@@ -216,12 +221,15 @@ def run_one(model: str, impl: str, context: int, steps: int, warmup: int, tokens
         warm_lr = max(1, min(20, steps // 10))
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        t_last = None
+        t_last = 0.0
 
-        def train_step(step: int) -> float:
+        def train_step(step: int, ids: torch.Tensor | None = None):
+            """Queue step ``step``'s kernels; its loss (on CUDA a pinned host copy still
+            being made, and the event that ends it)."""
             for group in opt.param_groups:
                 group["lr"] = lr * min(1.0, (step + 1) / warm_lr)
-            ids = _batch(step, batch, context, vocab, device, seed)
+            if ids is None:
+                ids = _batch(step, batch, context, vocab, device, seed)
             with _context(impl):
                 with torch.autocast(device.type, dtype=torch.bfloat16):
                     loss = model_obj(input_ids=ids, labels=ids).loss
@@ -229,21 +237,48 @@ def run_one(model: str, impl: str, context: int, steps: int, warmup: int, tokens
             torch.nn.utils.clip_grad_norm_(model_obj.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return float(loss.detach())  # one host read per step, all impls
+            if device.type != "cuda":
+                return loss.detach(), None
+            host = torch.empty((), dtype=loss.dtype, pin_memory=True)
+            host.copy_(loss.detach(), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            return host, done
 
-        for step in range(steps):
-            if step == warmup:
-                _sync(device)
-                t_last = time.perf_counter()
-            rec["losses"].append(train_step(step))
-            rec["steps"] = step + 1
+        def read(step: int, loss: torch.Tensor, done) -> None:
+            """The host read of step ``step``'s loss (one per step, all impls): waits for
+            that step's kernels, not for those queued after them; a timed step's wall time
+            ends there."""
+            nonlocal t_last
+            if done is not None:
+                done.synchronize()
+            rec["losses"].append(float(loss))
             if step >= warmup:
                 now = time.perf_counter()
                 rec["step_times_s"].append(now - t_last)
                 t_last = now
+
+        ids = _batch(0, batch, context, vocab, device, seed)
+        pending = None  # (step, loss, event) of the step queued, not read yet
+        for step in range(steps):
+            if step == warmup:  # the timed steps start from an idle GPU
+                if pending is not None:
+                    read(*pending)
+                    pending = None
+                _sync(device)
+                t_last = time.perf_counter()
+            loss, done = train_step(step, ids)
+            if step + 1 < steps:  # the next batch is built while this step's kernels run
+                ids = _batch(step + 1, batch, context, vocab, device, seed)
+            if pending is not None:
+                read(*pending)
+            pending = (step, loss, done)
+            rec["steps"] = step + 1
             if deadline is not None and time.perf_counter() > deadline and step >= warmup:
                 rec["status"] = "ok (stopped early: budget)"
                 break
+        if pending is not None:
+            read(*pending)
         _sync(device)
         if rec["step_times_s"]:
             rec["step_s"] = statistics.median(rec["step_times_s"])

@@ -86,10 +86,10 @@ def consumers(head_dim: int, masked: bool, keys: int = 1 << 30, ragged: bool = F
 # CTAs an SM of the one-consumer forward (:func:`consumers`) and each one's key tile and register
 # cap: two of 128-key tiles at 128 registers a thread (step 51; 82 KB of shared memory each), or
 # three of 64-key tiles at 80 (49.5 KB each, the consumer raising itself to 136; ptxas spills
-# the same 16 bytes).  H200, bf16, causal d = 64 B16 H32: three 331-333 against 316-318 TFLOP/s
-# at N = 1K (0.98-1.00x against 0.95x cuDNN), 350-351 against 344 at 1536 (docs/dev/
-# tuning-log.md, step 120).  Two until the GPU test suite has run on three.
-ONE_CONSUMER_CTAS = 2
+# the same 16 bytes).  H200, causal d = 64 B16 H32: three 327-333 against 316-319 TFLOP/s bf16
+# at N = 1K in alternated processes (0.98-1.00x against 0.95x cuDNN), fp16 308-313 against
+# 303-306; 350-351 against 344 at 1536 (docs/dev/tuning-log.md, step 120).
+ONE_CONSUMER_CTAS = 3
 _ONE_CONSUMER = {2: (BLOCK_N, 128), 3: (64, 80)}  # CTAs an SM -> (key tile, maxnreg)
 
 
