@@ -3,8 +3,8 @@ choice, cuDNN on H100), ``sdpa`` restricted to its FlashAttention-2 kernel, and 
 
 An offline version of the FlashAttention paper's GPT-2 experiments (its Tables 2 and 4): GPT-2
 small (124M) and medium (355M) built from a config with random weights, a synthetic token
-stream generated on the device from a fixed seed (no dataset download), AdamW, bf16 autocast,
-one GPU.  Every implementation trains the same model from the same initial weights on the same
+stream generated on the host from a fixed seed (no dataset download; each batch built while the
+step before it runs), AdamW, bf16 autocast, one GPU.  Every implementation trains the same model from the same initial weights on the same
 batches, so loss curves must agree within bf16 noise (the model definition is unchanged).
 
 Measured per (model, implementation, context): tokens/s over the median timed step after
