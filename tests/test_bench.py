@@ -1936,6 +1936,49 @@ def test_train_kernel_split_sums_per_step_and_compares_with_sdpa():
                                         attention_bwd_ms=3.0 / 2.3))
 
 
+def _train_result(gpu, date, runs, preset="gpu-a"):
+    env = dict(device="cuda", gpu=gpu, date=date, torch="2.11.0", transformers="5.17.0",
+               flashtile="0.1.0")
+    return dict(env=env, preset=preset, params={}, skipped=[], wall_s=1.0,
+                runs=[dict(model="small", impl=impl, context=ctx, batch=16, kind=kind,
+                           status="ok", tokens_per_s=tok, peak_mem_gib=23.4, losses=[])
+                      for impl, ctx, kind, tok in runs])
+
+
+def test_train_report_has_a_section_per_device_with_ratios_to_sdpa(tmp_path):
+    """bench train --report: each GPU's results in their own section (the newest first), the
+    ad-hoc ``train`` entry left out by default, every row's tokens/s over ``sdpa``'s of the
+    same device, and plots named by device."""
+    from flashtile.bench import train
+    from flashtile.bench.common import write_result
+    old, new = tmp_path / "h100.json", tmp_path / "h200.json"
+    write_result(old, "train_gpu-a", _train_result("NVIDIA H100 80GB HBM3", "2026-11-27T08:00:00",
+                                                   [("sdpa", 1024, "timed", 100.0),
+                                                    ("flashtile", 1024, "timed", 99.0)]))
+    write_result(new, "train_gpu-b", _train_result(
+        "NVIDIA H200", "2026-11-29T04:00:00",
+        [("sdpa", 1024, "timed", 200.0), ("flashtile", 1024, "timed", 202.0),
+         ("sdpa", 16384, "long", 50.0), ("flashtile", 16384, "long", 55.0)], preset="gpu-b"))
+    write_result(new, "train", _train_result("NVIDIA H200", "2026-11-29T05:00:00",
+                                             [("flashtile", 1024, "timed", 1.0)], preset=None))
+    groups = train.by_device(train.load_results([str(old), str(new)], adhoc=False))
+    assert [d for d, _ in groups] == ["NVIDIA H200", "NVIDIA H100 80GB HBM3"]
+    h200 = groups[0][1]
+    assert len(h200["runs"]) == 4
+    assert h200["summary"]["vs_sdpa"]["small/1024/flashtile"] == pytest.approx(1.01)
+    assert h200["summary"]["vs_sdpa"]["long/small/16384/flashtile"] == pytest.approx(1.1)
+    assert groups[1][1]["summary"]["vs_sdpa"]["small/1024/flashtile"] == pytest.approx(0.99)
+    images = {d: [str(tmp_path / f"end-to-end-loss-{train._slug(d)}.png")] for d, _ in groups}
+    text = train.report(groups, [], images, str(tmp_path / "doc.md"))
+    h200_at, h100_at = text.index("### NVIDIA H200"), text.index("### NVIDIA H100 80GB HBM3")
+    assert h200_at < h100_at
+    assert "| small | 1024 | 16 | flashtile | 202 | - | 1.010x | 23.4 |" in text[h200_at:h100_at]
+    assert "| flashtile | 16384 | ok | 55 | 1.100x | 23.4 |" in text[h200_at:h100_at]
+    assert "| small | 1024 | 16 | flashtile | 99 | - | 0.990x | 23.4 |" in text[h100_at:]
+    assert "(end-to-end-loss-h200.png)" in text and "(end-to-end-loss-h100.png)" in text
+    assert len(train.load_results([str(new)])) == 2  # named files: every train* entry
+
+
 def test_train_stream_keeps_one_token_mapping_so_unigrams_are_learnable():
     """bench train's synthetic batches draw Zipf ranks per batch but map ranks to tokens once
     per seed: the most frequent token (rank 1, ~15% of draws at this vocabulary) is the same

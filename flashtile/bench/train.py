@@ -29,8 +29,9 @@ summary ``kernels_vs_sdpa``): the GPU-side comparison, free of the host's step-t
 
 A run goes to the device's results file (``benchmarks/results/<device>.json``, ``--out``) under
 ``train_<preset>`` (``train_padded`` for ``--padded`` alone, ``train`` otherwise).  ``--report``
-reads every ``train*`` entry of the results files it is given (default: all of them), writes the
-report between the train-results markers of ``--doc`` and its plots to ``--plots``.
+reads every ``train*`` entry of the results files it is given (default: the ``train_<preset>``
+and ``train_padded`` entries of all of them), writes the report between the train-results
+markers of ``--doc``, one section a device, and each device's plots to ``--plots``.
 """
 from __future__ import annotations
 
@@ -468,7 +469,8 @@ def _curve_gap(a: list[float], b: list[float], tail: int = 50) -> dict:
 
 def summarize(res: dict) -> dict:
     runs = [r for r in res.get("runs", [])]
-    out: dict = {"curves": {}, "speedup_vs_eager": {}, "table4": None, "longest": {}}
+    out: dict = {"curves": {}, "speedup_vs_eager": {}, "vs_sdpa": {}, "table4": None,
+                 "longest": {}}
     by = {(r["model"], r["impl"], r["context"], r.get("kind")): r for r in runs}
     for (model, impl, ctx, kind), r in by.items():
         if kind != "curve" or impl == "sdpa":
@@ -485,6 +487,12 @@ def summarize(res: dict) -> dict:
         if e:
             out["speedup_vs_eager"][f"{r['model']}/{r['context']}/{r['impl']}"] = \
                 r["tokens_per_s"] / e["tokens_per_s"]
+    for r in runs:  # tokens/s over sdpa's of the same kind of run (long ones: "long/...")
+        ref = by.get((r["model"], "sdpa", r["context"], r.get("kind")))
+        if r["tokens_per_s"] and ref and ref["tokens_per_s"]:
+            out["vs_sdpa"][("long/" if r["kind"] == "long" else "")
+                           + f"{r['model']}/{r['context']}/{r['impl']}"] = \
+                r["tokens_per_s"] / ref["tokens_per_s"]
     ft4 = [r for r in runs if r["impl"] == "flashtile" and r["model"] == "small"
            and r["context"] == 4096 and r["tokens_per_s"]]
     e1 = [r for r in runs if r["impl"] == "eager" and r["model"] == "small"
@@ -509,14 +517,40 @@ def summarize(res: dict) -> dict:
     return out
 
 
-def load_results(paths: list[str]) -> list[tuple[str, dict]]:
-    """``(source, result)`` of every ``train*`` entry of the results files ``paths``."""
+def load_results(paths: list[str], adhoc: bool = True) -> list[tuple[str, dict]]:
+    """``(source, result)`` of every ``train*`` entry of the results files ``paths`` (without
+    ``adhoc``, not the ``train`` entry of a run without a preset: its rows repeat a preset's)."""
     found = []
     for path in paths:
         for key, r in read_results(path).items():
-            if key.startswith("train") and isinstance(r, dict) and "runs" in r:
+            if (key.startswith("train") and (adhoc or key != "train") and isinstance(r, dict)
+                    and "runs" in r):
                 found.append((f"{path} [{key}]", r))
     return found
+
+
+def device_name(env: dict) -> str:
+    """The machine a result was measured on: its GPU's name, else its CPU's."""
+    return env.get("gpu") or env.get("cpu") or env.get("device", "unknown")
+
+
+def by_device(results: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    """``(device, merged results)`` for each device of ``results``: GPUs first, the one with
+    the newest entry first, then CPUs."""
+    groups: dict[str, list] = {}
+    for source, r in results:
+        groups.setdefault(device_name(r["env"]), []).append((source, r))
+    order = sorted(groups, key=lambda d: (
+        all(r["env"].get("device") == "cpu" for _, r in groups[d]),
+        [-datetime.datetime.fromisoformat(max(r["env"]["date"] for _, r in groups[d]))
+         .timestamp()]))
+    return [(d, merge(groups[d])) for d in order]
+
+
+def _slug(device: str) -> str:
+    """A file-name part for ``device``: ``NVIDIA H100 80GB HBM3`` -> ``h100``."""
+    words = [w for w in device.lower().replace("nvidia", "").split() if w]
+    return "".join(c for c in (words[0] if words else "device") if c.isalnum() or c in "-_")
 
 
 def merge(results: list[tuple[str, dict]]) -> dict:
@@ -539,7 +573,9 @@ Megatron-LM 11.5 days, FlashAttention 6.9 days (3.0x HF), same perplexity (Table
 small with FlashAttention at 4K context 1.3x faster than Megatron-LM at 1K (Table 4)."""
 
 
-def plots(merged: dict, outdir: str) -> list[str]:
+def plots(merged: dict, outdir: str, slug: str) -> list[str]:
+    """Throughput / memory against context and the loss curves of one device's results, as
+    ``end-to-end-<plot>-<slug>.png`` in ``outdir``."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -567,7 +603,7 @@ def plots(merged: dict, outdir: str) -> list[str]:
                 ax.set_title(f"GPT-2 {model}")
                 ax.legend()
         fig.tight_layout()
-        path = os.path.join(outdir, "end-to-end-throughput-memory.png")
+        path = os.path.join(outdir, f"end-to-end-throughput-memory-{slug}.png")
         fig.savefig(path, dpi=110)
         plt.close(fig)
         files.append(path)
@@ -584,7 +620,7 @@ def plots(merged: dict, outdir: str) -> list[str]:
             ax.set_ylabel("training loss")
             ax.legend()
         fig.tight_layout()
-        path = os.path.join(outdir, "end-to-end-loss.png")
+        path = os.path.join(outdir, f"end-to-end-loss-{slug}.png")
         fig.savefig(path, dpi=110)
         plt.close(fig)
         files.append(path)
@@ -595,41 +631,26 @@ def _fmt(x, f="{:.0f}"):
     return "-" if x is None else f.format(x)
 
 
-def report(merged: dict, sources: list[str], images: list[str], doc_path: str) -> str:
-    """The markdown of the training results: the part of ``doc_path`` between the
-    train-results markers (its sections are ``###`` headings)."""
+def _device_report(merged: dict, images: list[str], doc_path: str) -> list[str]:
+    """One device's tables (``####`` sections) and plots."""
     s = merged["summary"]
     runs = merged["runs"]
-    lines = ["Generated by `python -m flashtile.bench train --report"
-             + "".join(" " + x for x in sources) + f" --doc {doc_path}` from the entries "
-             + ", ".join(f"`{e['file']}`" for e in merged["envs"]) + ".", ""]
-    for e in merged["envs"]:
-        lines.append(f"- `{e['file']}`: {e.get('gpu', e.get('cpu', e['device']))}, torch "
-                     f"{e['torch']}, transformers {e['transformers']}, flashtile "
-                     f"{e['flashtile']}, {e['date']}, preset `{e['preset']}`, "
-                     f"{_fmt(e.get('wall_s'))} s"
-                     + (f", load average {e['loadavg_1m']:.1f}" if "loadavg_1m" in e else ""))
-    lines += ["", "Method: GPT-2 from `GPT2Config` (random initialisation, seed 0, dropout 0), "
-              "synthetic Zipf-distributed token sequences with repeated motifs generated from "
-              "a fixed seed, AdamW (lr 6e-4, betas 0.9/0.95, weight decay 0.1, linear warm-up), "
-              "gradient clipping 1.0, bf16 autocast, one GPU. Implementations: HF `eager` "
-              "(standard attention), `sdpa` (PyTorch's choice; cuDNN on H100), `sdpa_fa2` "
-              "(`sdpa` inside `sdpa_kernel(SDPBackend.FLASH_ATTENTION)`), `flashtile` "
-              "(`flashtile.integrations.transformers.register()`). Tokens/s are measured "
-              "after warm-up steps; memory is the peak allocated by PyTorch.", ""]
+    lines: list[str] = []
     timed = [r for r in runs if r["kind"] in ("curve", "timed")]
     if timed:
-        lines += ["### Throughput and memory (Table 2 analogue)", "",
-                  "| model | context | batch | implementation | tokens/s | vs eager | peak GiB |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["#### Throughput and memory (Table 2 analogue)", "",
+                  "| model | context | batch | implementation | tokens/s | vs eager | vs sdpa "
+                  "| peak GiB |", "|---|---|---|---|---|---|---|---|"]
         for r in sorted(timed, key=lambda r: (r["model"], r["context"], IMPLS.index(r["impl"]))):
             sp = s["speedup_vs_eager"].get(f"{r['model']}/{r['context']}/{r['impl']}")
             tok = _fmt(r["tokens_per_s"]) if r["status"].startswith("ok") else r["status"]
+            vs = s["vs_sdpa"].get(f"{r['model']}/{r['context']}/{r['impl']}")
             lines.append(f"| {r['model']} | {r['context']} | {r['batch']} | {r['impl']} | {tok} "
-                         f"| {_fmt(sp, '{:.2f}x')} | {_fmt(r['peak_mem_gib'], '{:.1f}')} |")
+                         f"| {_fmt(sp, '{:.2f}x')} | {_fmt(vs, '{:.3f}x')} "
+                         f"| {_fmt(r['peak_mem_gib'], '{:.1f}')} |")
         lines.append("")
     if s["curves"]:
-        lines += ["### Loss curves", "",
+        lines += ["#### Loss curves", "",
                   "Same initial weights and batches; differences come from bf16 rounding in "
                   "different kernels. The gap between two PyTorch SDPA kernels (`sdpa_fa2` vs "
                   "`sdpa`) is the noise reference.", "",
@@ -640,21 +661,24 @@ def report(merged: dict, sources: list[str], images: list[str], doc_path: str) -
         lines.append("")
     if s["table4"]:
         t = s["table4"]
-        lines += ["### Longer context, still faster (Table 4 analogue)", "",
+        lines += ["#### Longer context, still faster (Table 4 analogue)", "",
                   f"GPT-2 small, flashtile at 4K context: {t['flashtile_4k_tokens_per_s']:.0f} "
                   f"tokens/s; HF eager at 1K: {t['eager_1k_tokens_per_s']:.0f} tokens/s "
                   f"(ratio {t['ratio']:.2f}).", ""]
     longs = [r for r in runs if r["kind"] == "long"]
     if longs:
-        lines += [f"### Longest context (GPT-2 {longs[0]['model']}, batch 1)", "",
-                  "| implementation | context | status | tokens/s | peak GiB |", "|---|---|---|---|---|"]
+        lines += [f"#### Longest context (GPT-2 {longs[0]['model']}, batch 1)", "",
+                  "| implementation | context | status | tokens/s | vs sdpa | peak GiB |",
+                  "|---|---|---|---|---|---|"]
         for r in longs:
+            vs = s["vs_sdpa"].get(f"long/{r['model']}/{r['context']}/{r['impl']}")
             lines.append(f"| {r['impl']} | {r['context']} | {r['status']} | "
-                         f"{_fmt(r['tokens_per_s'])} | {_fmt(r['peak_mem_gib'], '{:.1f}')} |")
+                         f"{_fmt(r['tokens_per_s'])} | {_fmt(vs, '{:.3f}x')} "
+                         f"| {_fmt(r['peak_mem_gib'], '{:.1f}')} |")
         lines += ["", "Longest context that trains: " + ", ".join(
             f"{k} {_fmt(v)}" for k, v in s["longest"].items()) + ".", ""]
     if merged["padded"]:
-        lines += ["### Padded batches: key-padding mask vs unpad + varlen", "",
+        lines += ["#### Padded batches: key-padding mask vs unpad + varlen", "",
                   "Forward + backward of GPT-2 on a left-padded batch whose row `r` of `B` is "
                   "padded by `pad fraction * r / (B - 1)` of the context (timed iterations "
                   "interleaved across implementations): flashtile's default key-padding mask path, its "
@@ -673,7 +697,37 @@ def report(merged: dict, sources: list[str], images: list[str], doc_path: str) -
         rel = os.path.relpath(img, os.path.dirname(doc_path) or ".")
         lines.append(f"![{os.path.basename(img)}]({rel})")
     lines.append("")
-    if not [r for r in runs if r["kind"] in ("curve", "timed", "long")]:
+    return lines
+
+
+def report(groups: list[tuple[str, dict]], sources: list[str], images: dict[str, list[str]],
+           doc_path: str) -> str:
+    """The markdown of the training results: the part of ``doc_path`` between the
+    train-results markers, a ``###`` section for each device of ``groups`` (``(device, merged
+    results)``, :func:`by_device`) with its plots ``images[device]``."""
+    envs = [e for _, merged in groups for e in merged["envs"]]
+    lines = ["Generated by `python -m flashtile.bench train --report"
+             + "".join(" " + x for x in sources) + f" --doc {doc_path}` from the entries "
+             + ", ".join(f"`{e['file']}`" for e in envs) + ".", ""]
+    for e in envs:
+        lines.append(f"- `{e['file']}`: {device_name(e)}, torch "
+                     f"{e['torch']}, transformers {e['transformers']}, flashtile "
+                     f"{e['flashtile']}, {e['date']}, preset `{e['preset']}`, "
+                     f"{_fmt(e.get('wall_s'))} s"
+                     + (f", load average {e['loadavg_1m']:.1f}" if "loadavg_1m" in e else ""))
+    lines += ["", "Method: GPT-2 from `GPT2Config` (random initialisation, seed 0, dropout 0), "
+              "synthetic Zipf-distributed token sequences with repeated motifs generated from "
+              "a fixed seed, AdamW (lr 6e-4, betas 0.9/0.95, weight decay 0.1, linear warm-up), "
+              "gradient clipping 1.0, bf16 autocast, one GPU. Implementations: HF `eager` "
+              "(standard attention), `sdpa` (PyTorch's choice; cuDNN on H100 and H200), "
+              "`sdpa_fa2` (`sdpa` inside `sdpa_kernel(SDPBackend.FLASH_ATTENTION)`), "
+              "`flashtile` (`flashtile.integrations.transformers.register()`). Tokens/s are "
+              "measured after warm-up steps (`vs sdpa`: over `sdpa`'s in the same run); memory "
+              "is the peak allocated by PyTorch.", ""]
+    for device, merged in groups:
+        lines += [f"### {device}", ""] + _device_report(merged, images.get(device, []),
+                                                         doc_path)
+    if not groups:
         lines += ["### Training results", "",
                   "Not measured yet: they come from two GPU commands (below); this section is "
                   "then regenerated with their results.", ""]
@@ -691,8 +745,8 @@ def report(merged: dict, sources: list[str], images: list[str], doc_path: str) -
               "pipeline on a tiny model on a CPU.", ""]
     lines += ["### Beside the paper", "", PAPER, "",
               "Differences that come from the set-up, not from the kernels: the paper trains on "
-              "8 A100s to convergence on OpenWebText and reports days; here one H100 runs a "
-              "few hundred steps on synthetic tokens and reports tokens/s. The paper's "
+              "8 A100s to convergence on OpenWebText and reports days; here one H100 or H200 "
+              "runs a few hundred steps on synthetic tokens and reports tokens/s. The paper's "
               "baselines (HF eager, Megatron-LM) predate PyTorch's fused SDPA kernels; today "
               "HF's default `sdpa` (cuDNN / FlashAttention-2 inside PyTorch) is the peer to "
               "beat, and the non-attention parts of the model (HF's GPT-2 MLP, layer norms, "
@@ -742,8 +796,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "goes to entry train_<preset> (train_padded for --padded alone)")
     ap.add_argument("--report", nargs="*", metavar="JSON", default=None,
                     help="write the report from the train* entries of these results files "
-                         f"(default: every {RESULTS_DIR}/*.json but h200.json, whose runs "
-                         "repeat the H100's cases) instead of running")
+                         f"(default: the train_<preset> and train_padded entries of every "
+                         f"{RESULTS_DIR}/*.json), a section a device, instead of running")
     ap.add_argument("--doc", default="docs/end-to-end.md",
                     help="markdown file whose train-results section the report replaces "
                          "(default %(default)s)")
@@ -775,14 +829,11 @@ def result_key(args) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.report is not None:
-        # (the doc's tables are the H100's and the CPU's: h200.json's rerun of a preset
-        # would mix its rows with the H100's of the same cases)
-        files = args.report or [str(p) for p in sorted(RESULTS_DIR.glob("*.json"))
-                                if p.name != "h200.json"]
-        merged = merge(load_results(files))
-        images = plots(merged, args.plots)
-        update_doc(args.doc, report(merged, args.report, images, args.doc))
-        print(f"wrote {args.doc} and {len(images)} plots in {args.plots}")
+        files = args.report or [str(p) for p in sorted(RESULTS_DIR.glob("*.json"))]
+        groups = by_device(load_results(files, adhoc=bool(args.report)))
+        images = {device: plots(merged, args.plots, _slug(device)) for device, merged in groups}
+        update_doc(args.doc, report(groups, args.report, images, args.doc))
+        print(f"wrote {args.doc} and {sum(map(len, images.values()))} plots in {args.plots}")
         return 0
     if not args.preset and not (args.models and (args.contexts or args.curve_contexts)):
         if not args.padded:
