@@ -1941,7 +1941,8 @@ def _train_result(gpu, date, runs, preset="gpu-a"):
                flashtile="0.1.0")
     return dict(env=env, preset=preset, params={}, skipped=[], wall_s=1.0,
                 runs=[dict(model="small", impl=impl, context=ctx, batch=16, kind=kind,
-                           status="ok", tokens_per_s=tok, peak_mem_gib=23.4, losses=[])
+                           steps=18, status="ok", tokens_per_s=tok, peak_mem_gib=23.4,
+                           losses=[])
                       for impl, ctx, kind, tok in runs])
 
 
@@ -1958,25 +1959,49 @@ def test_train_report_has_a_section_per_device_with_ratios_to_sdpa(tmp_path):
     write_result(new, "train_gpu-b", _train_result(
         "NVIDIA H200", "2026-11-29T04:00:00",
         [("sdpa", 1024, "timed", 200.0), ("flashtile", 1024, "timed", 202.0),
-         ("sdpa", 16384, "long", 50.0), ("flashtile", 16384, "long", 55.0)], preset="gpu-b"))
+         ("sdpa", 16384, "long", 50.0), ("flashtile", 16384, "long", 55.0),
+         ("sdpa", 1024, "curve", 200.0), ("flashtile", 1024, "curve", 204.0)], preset="gpu-b"))
     write_result(new, "train", _train_result("NVIDIA H200", "2026-11-29T05:00:00",
                                              [("flashtile", 1024, "timed", 1.0)], preset=None))
     groups = train.by_device(train.load_results([str(old), str(new)], adhoc=False))
     assert [d for d, _ in groups] == ["NVIDIA H200", "NVIDIA H100 80GB HBM3"]
     h200 = groups[0][1]
-    assert len(h200["runs"]) == 4
-    assert h200["summary"]["vs_sdpa"]["small/1024/flashtile"] == pytest.approx(1.01)
+    assert len(h200["runs"]) == 6
+    assert h200["summary"]["vs_sdpa"]["curve/small/1024/flashtile"] == pytest.approx(1.02)
+    assert h200["summary"]["vs_sdpa"]["timed/small/1024/flashtile"] == pytest.approx(1.01)
     assert h200["summary"]["vs_sdpa"]["long/small/16384/flashtile"] == pytest.approx(1.1)
-    assert groups[1][1]["summary"]["vs_sdpa"]["small/1024/flashtile"] == pytest.approx(0.99)
+    assert groups[1][1]["summary"]["vs_sdpa"]["timed/small/1024/flashtile"] == pytest.approx(0.99)
     images = {d: [str(tmp_path / f"end-to-end-loss-{train._slug(d)}.png")] for d, _ in groups}
     text = train.report(groups, [], images, str(tmp_path / "doc.md"))
     h200_at, h100_at = text.index("### NVIDIA H200"), text.index("### NVIDIA H100 80GB HBM3")
     assert h200_at < h100_at
-    assert "| small | 1024 | 16 | flashtile | 202 | - | 1.010x | 23.4 |" in text[h200_at:h100_at]
+    assert "| small | 1024 | 16 | 18 | flashtile | 202 | - | 1.010x | 23.4 |" in text[h200_at:h100_at]
     assert "| flashtile | 16384 | ok | 55 | 1.100x | 23.4 |" in text[h200_at:h100_at]
-    assert "| small | 1024 | 16 | flashtile | 99 | - | 0.990x | 23.4 |" in text[h100_at:]
+    assert "| small | 1024 | 16 | 18 | flashtile | 204 | - | 1.020x | 23.4 |" in text[h200_at:]
+    assert "| small | 1024 | 16 | 18 | flashtile | 99 | - | 0.990x | 23.4 |" in text[h100_at:]
     assert "(end-to-end-loss-h200.png)" in text and "(end-to-end-loss-h100.png)" in text
     assert len(train.load_results([str(new)])) == 2  # named files: every train* entry
+
+
+def test_train_preset_gpu_c_runs_its_model_context_pairs_as_curves(monkeypatch):
+    """bench train --preset gpu-c: 200-step curve runs of each (model, context) pair of the
+    preset, every compared implementation, in the preset's order."""
+    from flashtile.bench import train
+    calls = []
+
+    def fake_run_one(model, impl, ctx, steps, warmup, tokens, device, **kw):
+        calls.append((model, ctx, impl, steps))
+        return dict(model=model, impl=impl, context=ctx, batch=tokens // ctx, steps=steps,
+                    status="ok", tokens_per_s=1.0, peak_mem_gib=None, losses=[1.0] * steps)
+
+    monkeypatch.setattr(train, "run_one", fake_run_one)
+    res = train.run(train.build_parser().parse_args(["--preset", "gpu-c", "--device", "cpu"]))
+    impls = ["sdpa", "sdpa_fa2", "flashtile"]
+    assert calls == [(m, c, i, 200) for m, c in (("medium", 1024), ("small", 4096),
+                                                  ("small", 8192), ("medium", 8192))
+                     for i in impls]
+    assert {r["kind"] for r in res["runs"]} == {"curve"} and not res["skipped"]
+    assert res["summary"]["curves"]["small/8192/flashtile-vs-sdpa"]["max_abs_diff"] == 0.0
 
 
 def test_train_stream_keeps_one_token_mapping_so_unigrams_are_learnable():

@@ -19,6 +19,7 @@ what was skipped)::
 
     python -m flashtile.bench train --preset gpu-a --padded   # entry train_gpu-a
     python -m flashtile.bench train --preset gpu-b            # entry train_gpu-b
+    python -m flashtile.bench train --preset gpu-c            # entry train_gpu-c
     python -m flashtile.bench train --report --doc docs/end-to-end.md
     python -m flashtile.bench train --preset cpu-dry      # tiny model, end-to-end check
     python -m flashtile.bench train --padded              # mask vs varlen on padded batches
@@ -67,6 +68,14 @@ PRESETS = {
                   curve_contexts=[], curve_steps=0, contexts=[1024, 2048, 4096, 8192],
                   timed_steps=12, warmup=2, tokens_per_step=16384, long=True,
                   long_contexts=[16384, 32768, 65536, 131072], budget_s=520),
+    # 200-step loss curves (and their tokens/s) for the cells gpu-a and gpu-b only time for a
+    # few steps, with the implementations whose curves are compared (eager's 200 steps at
+    # these sizes would not fit the command): GPT-2 medium at 1K and 8K, small at 4K and 8K.
+    "gpu-c": dict(models=[], impls=["sdpa", "sdpa_fa2", "flashtile"],
+                  curve_cases=[("medium", 1024), ("small", 4096), ("small", 8192),
+                               ("medium", 8192)],
+                  curve_steps=200, contexts=[], warmup=2, tokens_per_step=16384, long=False,
+                  budget_s=530),
     # tiny model on the CPU: checks the whole pipeline (and the report) end to end.
     "cpu-dry": dict(models=["tiny"], impls=["eager", "sdpa", "flashtile"],
                     curve_contexts=[64], curve_steps=5, contexts=[128], timed_steps=2,
@@ -421,6 +430,9 @@ def run(args) -> dict:
               f"[{time.perf_counter() - start:5.0f}s]", flush=True)
         return r
 
+    for model, ctx in p.get("curve_cases", []):  # (model, context) pairs of a preset
+        for impl in p["impls"]:
+            go(model, impl, ctx, p["curve_steps"], p["warmup"], "curve")
     for model in p["models"]:
         for ctx in p.get("curve_contexts", []):
             for impl in p["impls"]:
@@ -462,7 +474,10 @@ def _curve_gap(a: list[float], b: list[float], tail: int = 50) -> dict:
         return {}
     tail = max(1, min(tail, n // 4 or 1))
     diffs = [abs(x - y) for x, y in zip(a[:n], b[:n])]
-    return dict(steps=n, max_abs_diff=max(diffs),
+    # (median and the steps apart by more than 0.5: at long contexts single steps spike in
+    # every implementation, each at its own step, which the maximum alone would hide)
+    return dict(steps=n, max_abs_diff=max(diffs), median_abs_diff=statistics.median(diffs),
+                steps_over_half=sum(d > 0.5 for d in diffs),
                 tail_mean_diff=abs(sum(a[n - tail:n]) / tail - sum(b[n - tail:n]) / tail),
                 tail_steps=tail)
 
@@ -481,17 +496,17 @@ def summarize(res: dict) -> dict:
     for r in runs:
         if r["kind"] == "long" or not r["tokens_per_s"]:
             continue
-        e = next((x for x in runs if x["model"] == r["model"] and x["impl"] == "eager"
-                  and x["context"] == r["context"] and x["tokens_per_s"]
-                  and x["kind"] != "long"), None)
+        # eager's run of the same kind, else its other run of that cell: "<kind>/<model>/..."
+        e = sorted((x for x in runs if x["model"] == r["model"] and x["impl"] == "eager"
+                    and x["context"] == r["context"] and x["tokens_per_s"]
+                    and x["kind"] != "long"), key=lambda x: x["kind"] != r["kind"])
         if e:
-            out["speedup_vs_eager"][f"{r['model']}/{r['context']}/{r['impl']}"] = \
-                r["tokens_per_s"] / e["tokens_per_s"]
-    for r in runs:  # tokens/s over sdpa's of the same kind of run (long ones: "long/...")
+            out["speedup_vs_eager"][f"{r['kind']}/{r['model']}/{r['context']}/{r['impl']}"] = \
+                r["tokens_per_s"] / e[0]["tokens_per_s"]
+    for r in runs:  # tokens/s over sdpa's in the same kind of run: "<kind>/<model>/<ctx>/<impl>"
         ref = by.get((r["model"], "sdpa", r["context"], r.get("kind")))
         if r["tokens_per_s"] and ref and ref["tokens_per_s"]:
-            out["vs_sdpa"][("long/" if r["kind"] == "long" else "")
-                           + f"{r['model']}/{r['context']}/{r['impl']}"] = \
+            out["vs_sdpa"][f"{r['kind']}/{r['model']}/{r['context']}/{r['impl']}"] = \
                 r["tokens_per_s"] / ref["tokens_per_s"]
     ft4 = [r for r in runs if r["impl"] == "flashtile" and r["model"] == "small"
            and r["context"] == 4096 and r["tokens_per_s"]]
@@ -581,7 +596,13 @@ def plots(merged: dict, outdir: str, slug: str) -> list[str]:
     import matplotlib.pyplot as plt
     os.makedirs(outdir, exist_ok=True)
     files = []
-    runs = [r for r in merged["runs"] if r["kind"] != "long" and r["tokens_per_s"]]
+    runs = {}  # (model, impl, context) -> its run of most steps (a curve over a timed run)
+    for r in merged["runs"]:
+        key = (r["model"], r["impl"], r["context"])
+        if r["kind"] != "long" and r["tokens_per_s"] and (
+                key not in runs or r["steps"] > runs[key]["steps"]):
+            runs[key] = r
+    runs = list(runs.values())
     # one figure: a row per metric, a column per model
     metrics = [(m, label) for m, label in (("tokens_per_s", "tokens/s"),
                                            ("peak_mem_gib", "peak memory (GiB)"))
@@ -610,8 +631,12 @@ def plots(merged: dict, outdir: str, slug: str) -> list[str]:
     curves = [r for r in merged["runs"] if r["kind"] == "curve" and r["losses"]]
     keys = sorted({(r["model"], r["context"]) for r in curves})
     if keys:
-        fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), squeeze=False)
-        for ax, (model, ctx) in zip(axes[0], keys):
+        cols = min(3, len(keys))
+        rows = -(-len(keys) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4 * rows), squeeze=False)
+        for ax in axes.flat[len(keys):]:
+            ax.set_visible(False)
+        for ax, (model, ctx) in zip(axes.flat, keys):
             for r in curves:
                 if (r["model"], r["context"]) == (model, ctx):
                     ax.plot(r["losses"], label=r["impl"], lw=1)
@@ -639,13 +664,15 @@ def _device_report(merged: dict, images: list[str], doc_path: str) -> list[str]:
     timed = [r for r in runs if r["kind"] in ("curve", "timed")]
     if timed:
         lines += ["#### Throughput and memory (Table 2 analogue)", "",
-                  "| model | context | batch | implementation | tokens/s | vs eager | vs sdpa "
-                  "| peak GiB |", "|---|---|---|---|---|---|---|---|"]
-        for r in sorted(timed, key=lambda r: (r["model"], r["context"], IMPLS.index(r["impl"]))):
-            sp = s["speedup_vs_eager"].get(f"{r['model']}/{r['context']}/{r['impl']}")
+                  "| model | context | batch | steps | implementation | tokens/s | vs eager "
+                  "| vs sdpa | peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in sorted(timed, key=lambda r: (r["model"], r["context"], r["kind"] != "curve",
+                                              IMPLS.index(r["impl"]))):
+            cell = f"{r['kind']}/{r['model']}/{r['context']}/{r['impl']}"
+            sp, vs = s["speedup_vs_eager"].get(cell), s["vs_sdpa"].get(cell)
             tok = _fmt(r["tokens_per_s"]) if r["status"].startswith("ok") else r["status"]
-            vs = s["vs_sdpa"].get(f"{r['model']}/{r['context']}/{r['impl']}")
-            lines.append(f"| {r['model']} | {r['context']} | {r['batch']} | {r['impl']} | {tok} "
+            lines.append(f"| {r['model']} | {r['context']} | {r['batch']} | {r['steps']} "
+                         f"| {r['impl']} | {tok} "
                          f"| {_fmt(sp, '{:.2f}x')} | {_fmt(vs, '{:.3f}x')} "
                          f"| {_fmt(r['peak_mem_gib'], '{:.1f}')} |")
         lines.append("")
@@ -654,9 +681,11 @@ def _device_report(merged: dict, images: list[str], doc_path: str) -> list[str]:
                   "Same initial weights and batches; differences come from bf16 rounding in "
                   "different kernels. The gap between two PyTorch SDPA kernels (`sdpa_fa2` vs "
                   "`sdpa`) is the noise reference.", "",
-                  "| curve | steps | max abs diff | mean diff over last steps |", "|---|---|---|---|"]
+                  "| curve | steps | median abs diff | max abs diff | steps apart by > 0.5 "
+                  "| mean diff over last steps |", "|---|---|---|---|---|---|"]
         for k, v in sorted(s["curves"].items()):
-            lines.append(f"| {k} | {v['steps']} | {v['max_abs_diff']:.4f} | "
+            lines.append(f"| {k} | {v['steps']} | {v['median_abs_diff']:.4f} | "
+                         f"{v['max_abs_diff']:.4f} | {v['steps_over_half']} | "
                          f"{v['tail_mean_diff']:.4f} (last {v['tail_steps']}) |")
         lines.append("")
     if s["table4"]:
@@ -729,19 +758,23 @@ def report(groups: list[tuple[str, dict]], sources: list[str], images: dict[str,
                                                          doc_path)
     if not groups:
         lines += ["### Training results", "",
-                  "Not measured yet: they come from two GPU commands (below); this section is "
+                  "Not measured yet: they come from the GPU commands (below); this section is "
                   "then regenerated with their results.", ""]
     lines += ["### How to reproduce", "",
-              "Two GPU commands of at most ~9 minutes each (`--budget-s` stops early and lists "
-              "what it skipped), then the report:", "",
+              "Three GPU commands of at most ~9 minutes each (`--budget-s` stops early and "
+              "lists what it skipped), then the report:", "",
               "    python -m flashtile.bench train --preset gpu-a --padded",
               "    python -m flashtile.bench train --preset gpu-b",
+              "    python -m flashtile.bench train --preset gpu-c",
               "    python -m flashtile.bench train --report --doc docs/end-to-end.md", "",
               "`gpu-a`: 200-step loss curves of GPT-2 small at 1K and 2K with every "
               "implementation, timed runs at 4K and 8K, and the padded-batch comparison. "
               "`gpu-b`: GPT-2 medium at 1K-8K, and the longest GPT-2 small context of each "
               "implementation (batch 1, doubling from 16K until out of memory), with "
-              "block-sparse flashtile at the longest one. `--preset cpu-dry` runs the whole "
+              "block-sparse flashtile at the longest one. `gpu-c`: 200-step loss curves of "
+              "`sdpa`, `sdpa_fa2` and flashtile where the other two only time a few steps "
+              "(GPT-2 medium at 1K and 8K, small at 4K and 8K). `--kernels N` adds each "
+              "run's GPU time per step. `--preset cpu-dry` runs the whole "
               "pipeline on a tiny model on a CPU.", ""]
     lines += ["### Beside the paper", "", PAPER, "",
               "Differences that come from the set-up, not from the kernels: the paper trains on "
