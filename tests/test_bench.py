@@ -1949,18 +1949,22 @@ def _train_result(gpu, date, runs, preset="gpu-a"):
 def test_train_report_has_a_section_per_device_with_ratios_to_sdpa(tmp_path):
     """bench train --report: each GPU's results in their own section (the newest first), the
     ad-hoc ``train`` entry left out by default, every row's tokens/s over ``sdpa``'s of the
-    same device, and plots named by device."""
+    same device, the profiled runs' kernel time against ``sdpa``'s, and plots named by
+    device."""
     from flashtile.bench import train
     from flashtile.bench.common import write_result
     old, new = tmp_path / "h100.json", tmp_path / "h200.json"
     write_result(old, "train_gpu-a", _train_result("NVIDIA H100 80GB HBM3", "2026-11-27T08:00:00",
                                                    [("sdpa", 1024, "timed", 100.0),
                                                     ("flashtile", 1024, "timed", 99.0)]))
-    write_result(new, "train_gpu-b", _train_result(
+    h200_b = _train_result(
         "NVIDIA H200", "2026-11-29T04:00:00",
         [("sdpa", 1024, "timed", 200.0), ("flashtile", 1024, "timed", 202.0),
          ("sdpa", 16384, "long", 50.0), ("flashtile", 16384, "long", 55.0),
-         ("sdpa", 1024, "curve", 200.0), ("flashtile", 1024, "curve", 204.0)], preset="gpu-b"))
+         ("sdpa", 1024, "curve", 200.0), ("flashtile", 1024, "curve", 204.0)], preset="gpu-b")
+    for run, ms in zip(h200_b["runs"], ((10.0, 1.0, 2.0), (8.0, 1.0, 1.6))):
+        run["kernels"] = dict(zip(("total_ms", "attention_fwd_ms", "attention_bwd_ms"), ms))
+    write_result(new, "train_gpu-b", h200_b)
     write_result(new, "train", _train_result("NVIDIA H200", "2026-11-29T05:00:00",
                                              [("flashtile", 1024, "timed", 1.0)], preset=None))
     groups = train.by_device(train.load_results([str(old), str(new)], adhoc=False))
@@ -1979,6 +1983,7 @@ def test_train_report_has_a_section_per_device_with_ratios_to_sdpa(tmp_path):
     assert "| flashtile | 16384 | ok | 55 | 1.100x | 23.4 |" in text[h200_at:h100_at]
     assert "| small | 1024 | 16 | 18 | flashtile | 204 | - | 1.020x | 23.4 |" in text[h200_at:]
     assert "| small | 1024 | 16 | 18 | flashtile | 99 | - | 0.990x | 23.4 |" in text[h100_at:]
+    assert "| small | 1024 | flashtile | 8.0 | 1.00 | 1.60 | 1.250x | 1.000x | 1.250x |" in text
     assert "(end-to-end-loss-h200.png)" in text and "(end-to-end-loss-h100.png)" in text
     assert len(train.load_results([str(new)])) == 2  # named files: every train* entry
 

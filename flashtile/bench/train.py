@@ -688,6 +688,27 @@ def _device_report(merged: dict, images: list[str], doc_path: str) -> list[str]:
                          f"{v['max_abs_diff']:.4f} | {v['steps_over_half']} | "
                          f"{v['tail_mean_diff']:.4f} (last {v['tail_steps']}) |")
         lines.append("")
+    profiled = [r for r in runs if r.get("kernels")]
+    if profiled:
+        lines += ["#### GPU time per step (`--kernels`)", "",
+                  "Kernel time a step from `torch.profiler` over the steps profiled after each "
+                  "run (free of the host's step-to-step spread): all kernels and the attention "
+                  "passes, ms; `sdpa / this`: `sdpa`'s time over this implementation's (above "
+                  "1, this one's is shorter).", "",
+                  "| model | context | implementation | all kernels | attention fwd "
+                  "| attention bwd | sdpa / this: all | fwd | bwd |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in sorted(profiled, key=lambda r: (r["model"], r["context"], r["kind"],
+                                                 IMPLS.index(r["impl"]))):
+            k = r["kernels"]
+            vs = s.get("kernels_vs_sdpa", {}).get(f"{r['model']}/{r['context']}/{r['impl']}", {})
+            # (an eager model's attention is matrix products and softmax: other kernels)
+            fwd, bwd = (k[x] or None for x in ("attention_fwd_ms", "attention_bwd_ms"))
+            lines.append(f"| {r['model']} | {r['context']} | {r['impl']} | {k['total_ms']:.1f} "
+                         f"| {_fmt(fwd, '{:.2f}')} | {_fmt(bwd, '{:.2f}')} | "
+                         + " | ".join(_fmt(vs.get(x), "{:.3f}x") for x in (
+                             "total_ms", "attention_fwd_ms", "attention_bwd_ms")) + " |")
+        lines.append("")
     if s["table4"]:
         t = s["table4"]
         lines += ["#### Longer context, still faster (Table 4 analogue)", "",
