@@ -482,6 +482,11 @@ def _curve_gap(a: list[float], b: list[float], tail: int = 50) -> dict:
                 tail_steps=tail)
 
 
+def _cell(r: dict) -> str:
+    """A run's key in the summary's ratios: ``<kind>/<model>/<context>/<impl>``."""
+    return f"{r['kind']}/{r['model']}/{r['context']}/{r['impl']}"
+
+
 def summarize(res: dict) -> dict:
     runs = [r for r in res.get("runs", [])]
     out: dict = {"curves": {}, "speedup_vs_eager": {}, "vs_sdpa": {}, "table4": None,
@@ -496,18 +501,16 @@ def summarize(res: dict) -> dict:
     for r in runs:
         if r["kind"] == "long" or not r["tokens_per_s"]:
             continue
-        # eager's run of the same kind, else its other run of that cell: "<kind>/<model>/..."
+        # eager's run of the same kind, else its other run of that cell
         e = sorted((x for x in runs if x["model"] == r["model"] and x["impl"] == "eager"
                     and x["context"] == r["context"] and x["tokens_per_s"]
                     and x["kind"] != "long"), key=lambda x: x["kind"] != r["kind"])
         if e:
-            out["speedup_vs_eager"][f"{r['kind']}/{r['model']}/{r['context']}/{r['impl']}"] = \
-                r["tokens_per_s"] / e[0]["tokens_per_s"]
-    for r in runs:  # tokens/s over sdpa's in the same kind of run: "<kind>/<model>/<ctx>/<impl>"
+            out["speedup_vs_eager"][_cell(r)] = r["tokens_per_s"] / e[0]["tokens_per_s"]
+    for r in runs:  # tokens/s over sdpa's in the same kind of run
         ref = by.get((r["model"], "sdpa", r["context"], r.get("kind")))
         if r["tokens_per_s"] and ref and ref["tokens_per_s"]:
-            out["vs_sdpa"][f"{r['kind']}/{r['model']}/{r['context']}/{r['impl']}"] = \
-                r["tokens_per_s"] / ref["tokens_per_s"]
+            out["vs_sdpa"][_cell(r)] = r["tokens_per_s"] / ref["tokens_per_s"]
     ft4 = [r for r in runs if r["impl"] == "flashtile" and r["model"] == "small"
            and r["context"] == 4096 and r["tokens_per_s"]]
     e1 = [r for r in runs if r["impl"] == "eager" and r["model"] == "small"
@@ -557,8 +560,8 @@ def by_device(results: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
         groups.setdefault(device_name(r["env"]), []).append((source, r))
     order = sorted(groups, key=lambda d: (
         all(r["env"].get("device") == "cpu" for _, r in groups[d]),
-        [-datetime.datetime.fromisoformat(max(r["env"]["date"] for _, r in groups[d]))
-         .timestamp()]))
+        -datetime.datetime.fromisoformat(max(r["env"]["date"] for _, r in groups[d]))
+        .timestamp()))
     return [(d, merge(groups[d])) for d in order]
 
 
@@ -668,8 +671,7 @@ def _device_report(merged: dict, images: list[str], doc_path: str) -> list[str]:
                   "| vs sdpa | peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(timed, key=lambda r: (r["model"], r["context"], r["kind"] != "curve",
                                               IMPLS.index(r["impl"]))):
-            cell = f"{r['kind']}/{r['model']}/{r['context']}/{r['impl']}"
-            sp, vs = s["speedup_vs_eager"].get(cell), s["vs_sdpa"].get(cell)
+            sp, vs = s["speedup_vs_eager"].get(_cell(r)), s["vs_sdpa"].get(_cell(r))
             tok = _fmt(r["tokens_per_s"]) if r["status"].startswith("ok") else r["status"]
             lines.append(f"| {r['model']} | {r['context']} | {r['batch']} | {r['steps']} "
                          f"| {r['impl']} | {tok} "
@@ -721,7 +723,7 @@ def _device_report(merged: dict, images: list[str], doc_path: str) -> list[str]:
                   "| implementation | context | status | tokens/s | vs sdpa | peak GiB |",
                   "|---|---|---|---|---|---|"]
         for r in longs:
-            vs = s["vs_sdpa"].get(f"long/{r['model']}/{r['context']}/{r['impl']}")
+            vs = s["vs_sdpa"].get(_cell(r))
             lines.append(f"| {r['impl']} | {r['context']} | {r['status']} | "
                          f"{_fmt(r['tokens_per_s'])} | {_fmt(vs, '{:.3f}x')} "
                          f"| {_fmt(r['peak_mem_gib'], '{:.1f}')} |")
