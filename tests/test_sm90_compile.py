@@ -1009,6 +1009,25 @@ def test_sm90_forward_takes_windows_and_passes_their_edges(monkeypatch, left, ri
                                                       window_right=right, softcap=5.0))
 
 
+@pytest.mark.parametrize("scale", [0.125, 0.0, -0.125], ids=["positive", "zero", "negative"])
+def test_sm90_forward_takes_no_negative_scale(monkeypatch, scale):
+    """The Hopper forward's row maxima are of the raw scores (the scale folded into exp2), which
+    bound the exponents only for a scale >= 0: a negative one takes the portable kernels
+    (the backward, whose exponents come from lse, keeps any)."""
+    import torch
+
+    from flashtile.backends.spec import AttnSpec
+    from flashtile.backends.triton import launch_sm90
+
+    monkeypatch.setattr(launch_sm90, "_dense", lambda *tensors: True)
+    q = k = v = torch.randn(1, 256, 2, 64)
+    spec = AttnSpec(softmax_scale=scale)
+    assert launch_sm90.eligible(q, k, v, spec) == (scale >= 0)
+    assert launch_sm90.eligible(q, k, v, spec, padded=True) == (scale >= 0)
+    assert launch_sm90.varlen_eligible(q[0], k[0], v[0], spec) == (scale >= 0)
+    assert launch_sm90.bwd_eligible(q, k, v, q, k, v, spec)
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "sdpa", "fused-qkv"])
 @pytest.mark.parametrize("ragged", [False, True], ids=["aligned", "ragged"])
 @pytest.mark.parametrize("d", [64, 96], ids=["d64", "d96-padded"])

@@ -12,13 +12,14 @@ pytestmark = pytest.mark.skipif(
     reason="needs an sm_90 GPU")
 
 
-def _reference(q, k, v, causal, dtype, window=(-1, -1)):
+def _reference(q, k, v, causal, dtype, window=(-1, -1), scale=None):
     """Attention of (B, S, H, D) inputs in ``dtype`` (bottom-right causal, or the bottom-right
-    ``window`` (left, right), -1 for no edge), with its lse."""
+    ``window`` (left, right), -1 for no edge; ``scale``: 1/sqrt(D) unless given), with its
+    lse."""
     qh, kh, vh = (x.to(dtype).transpose(1, 2) for x in (q, k, v))
     group = qh.shape[1] // kh.shape[1]
     kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
-    s = (qh @ kh.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    s = (qh @ kh.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
     left, right = window[0], 0 if causal else window[1]
     if left >= 0 or right >= 0:
         sq, sk = q.shape[1], k.shape[1]
@@ -733,6 +734,68 @@ def test_sm90_forward_three_consumers_match_float64_reference(case, dtype, monke
     base = (low.double() - ref).abs().max().item()
     assert torch.isfinite(out).all() and (out.double() - ref).abs().max().item() <= 2 * base + 1e-4
     assert torch.isfinite(lse).all() and (lse.double() - ref_lse).abs().max().item() <= 1e-3
+
+
+MOVING_CASES = [  # (head dim, the keys' scale along the sequence, softmax_scale)
+    ("d256-growing", 256, "growing", None),
+    ("d256-shrinking", 256, "shrinking", None),
+    ("d256-late-jump", 256, "jump", None),
+    ("d256-small-scale", 256, "growing", 0.01),
+    ("d128-growing", 128, "growing", None),
+]
+
+
+def _moving_inputs(d: int, profile: str, dtype):
+    """q, k, v (2, 2048, 4, d) with the keys scaled along the sequence by ``profile``."""
+    batch, n, heads = 2, 2048, 4
+    ramp = {"growing": torch.linspace(1.0, 6.0, n), "shrinking": torch.linspace(6.0, 1.0, n),
+            "jump": torch.cat([torch.ones(n - 64), torch.full((64,), 8.0)])}[profile]
+    q, k, v = (torch.randn(batch, n, heads, d, device="cuda") for _ in range(3))
+    k = k * ramp.to("cuda")[None, :, None, None]
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+@pytest.mark.parametrize("case", MOVING_CASES, ids=[c[0] for c in MOVING_CASES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_sm90_forward_with_maxima_moving_along_the_keys_matches_float64_reference(case, dtype,
+                                                                                   monkeypatch):
+    """Row maxima that move late in a walk, where the lazy rescale (``kernels/attn_fwd_sm90``,
+    ``LAZY``) keeps a row's maximum until a tile's is more than 2^8 above it: keys whose scale
+    grows 6x along the sequence (the maxima move many times, by more and by less than the
+    threshold), shrinks 6x (set by the first tiles), or jumps 8x on the last 64 keys; a small
+    scale (no move past the first tile).  Output within 2x PyTorch's same-dtype error of
+    float64, lse within 1e-3, equal to the public function's."""
+    _, d, profile, scale = case
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    q, k, v = _moving_inputs(d, profile, dtype)
+    spec = flashtile.backends.spec.AttnSpec(softmax_scale=d ** -0.5 if scale is None else scale)
+    assert launch_sm90.eligible(q, k, v, spec)
+    with poison_outputs():
+        out, lse = launch_sm90.forward(q, k, v, spec)
+    ref, ref_lse = _reference(q, k, v, False, torch.float64, scale=scale)
+    low, _ = _reference(q, k, v, False, dtype, scale=scale)
+    base = (low.double() - ref).abs().max().item()
+    assert torch.isfinite(out).all() and (out.double() - ref).abs().max().item() <= 2 * base + 1e-4
+    assert torch.isfinite(lse).all() and (lse.double() - ref_lse).abs().max().item() <= 1e-3
+    assert torch.equal(flashtile.flash_attn_func(q, k, v, softmax_scale=scale), out)
+
+
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_sm90_forward_with_a_negative_scale_takes_the_portable_kernel(d, dtype, monkeypatch):
+    """The Hopper forward takes its row maxima of the raw scores q.k and folds the scale into
+    exp2; with a negative scale those maxima bound nothing (exponents up to ~2^40 here, past
+    fp16's range), so such calls take the portable kernels, whose maxima are of the scaled
+    scores: output within 2x PyTorch's same-dtype error of float64."""
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    q, k, v = _moving_inputs(d, "growing", dtype)
+    spec = flashtile.backends.spec.AttnSpec(softmax_scale=-0.04)
+    assert not launch_sm90.eligible(q, k, v, spec)
+    out = flashtile.flash_attn_func(q, k, v, softmax_scale=-0.04)
+    ref, _ = _reference(q, k, v, False, torch.float64, scale=-0.04)
+    low, _ = _reference(q, k, v, False, dtype, scale=-0.04)
+    base = (low.double() - ref).abs().max().item()
+    assert torch.isfinite(out).all() and (out.double() - ref).abs().max().item() <= 2 * base + 1e-4
 
 
 ONE_CASES = [  # (batch, sq, sk, heads, heads_k, window_left, window_right): d = 64, one consumer
