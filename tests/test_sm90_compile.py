@@ -1010,10 +1010,11 @@ def test_sm90_forward_takes_windows_and_passes_their_edges(monkeypatch, left, ri
 
 
 @pytest.mark.parametrize("scale", [0.125, 0.0, -0.125], ids=["positive", "zero", "negative"])
-def test_sm90_forward_takes_no_negative_scale(monkeypatch, scale):
+def test_sm90_forward_takes_only_positive_scales(monkeypatch, scale):
     """The Hopper forward's row maxima are of the raw scores (the scale folded into exp2), which
-    bound the exponents only for a scale >= 0: a negative one takes the portable kernels
-    (the backward, whose exponents come from lse, keeps any)."""
+    bound the exponents only for a positive scale (with 0 the first tile's alpha would be
+    exp2(-inf * 0), NaN): others take the portable kernels (the backward, whose exponents come
+    from lse, keeps any)."""
     import torch
 
     from flashtile.backends.spec import AttnSpec
@@ -1022,9 +1023,9 @@ def test_sm90_forward_takes_no_negative_scale(monkeypatch, scale):
     monkeypatch.setattr(launch_sm90, "_dense", lambda *tensors: True)
     q = k = v = torch.randn(1, 256, 2, 64)
     spec = AttnSpec(softmax_scale=scale)
-    assert launch_sm90.eligible(q, k, v, spec) == (scale >= 0)
-    assert launch_sm90.eligible(q, k, v, spec, padded=True) == (scale >= 0)
-    assert launch_sm90.varlen_eligible(q[0], k[0], v[0], spec) == (scale >= 0)
+    assert launch_sm90.eligible(q, k, v, spec) == (scale > 0)
+    assert launch_sm90.eligible(q, k, v, spec, padded=True) == (scale > 0)
+    assert launch_sm90.varlen_eligible(q[0], k[0], v[0], spec) == (scale > 0)
     assert launch_sm90.bwd_eligible(q, k, v, q, k, v, spec)
 
 

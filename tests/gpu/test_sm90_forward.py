@@ -780,20 +780,23 @@ def test_sm90_forward_with_maxima_moving_along_the_keys_matches_float64_referenc
     assert torch.equal(flashtile.flash_attn_func(q, k, v, softmax_scale=scale), out)
 
 
+@pytest.mark.parametrize("scale", [-0.04, 0.0], ids=["negative", "zero"])
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_sm90_forward_with_a_negative_scale_takes_the_portable_kernel(d, dtype, monkeypatch):
+def test_sm90_forward_with_a_scale_not_above_zero_takes_the_portable_kernel(scale, d, dtype,
+                                                                             monkeypatch):
     """The Hopper forward takes its row maxima of the raw scores q.k and folds the scale into
     exp2; with a negative scale those maxima bound nothing (exponents up to ~2^40 here, past
-    fp16's range), so such calls take the portable kernels, whose maxima are of the scaled
-    scores: output within 2x PyTorch's same-dtype error of float64."""
+    fp16's range: main's kernel gave inf) and with 0 the first tile's alpha is exp2(-inf * 0),
+    so such calls take the portable kernels, whose maxima are of the scaled scores: output
+    within 2x PyTorch's same-dtype error of float64."""
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
     q, k, v = _moving_inputs(d, "growing", dtype)
-    spec = flashtile.backends.spec.AttnSpec(softmax_scale=-0.04)
+    spec = flashtile.backends.spec.AttnSpec(softmax_scale=scale)
     assert not launch_sm90.eligible(q, k, v, spec)
-    out = flashtile.flash_attn_func(q, k, v, softmax_scale=-0.04)
-    ref, _ = _reference(q, k, v, False, torch.float64, scale=-0.04)
-    low, _ = _reference(q, k, v, False, dtype, scale=-0.04)
+    out = flashtile.flash_attn_func(q, k, v, softmax_scale=scale)
+    ref, _ = _reference(q, k, v, False, torch.float64, scale=scale)
+    low, _ = _reference(q, k, v, False, dtype, scale=scale)
     base = (low.double() - ref).abs().max().item()
     assert torch.isfinite(out).all() and (out.double() - ref).abs().max().item() <= 2 * base + 1e-4
 

@@ -170,7 +170,7 @@ def _dense(q, *tensors) -> bool:
 def eligible(q, k, v, spec: AttnSpec, packed: bool = False, padded: bool = False) -> bool:
     """Dense fp16/bf16 ``(B, S, H, D)`` in a layout the TMA reads (:func:`_plan`; K and V alike),
     ``D`` in {64, 128, 256} (with ``padded``, any :func:`padded_width`), any sequence lengths
-    (not multiples of the tiles: 3-D descriptors, :func:`_rows`), a scale >= 0, no softcap /
+    (not multiples of the tiles: 3-D descriptors, :func:`_rows`), a scale > 0, no softcap /
     dropout, causal masking or a window only with ``sk >= sq`` (bottom-right).  The caller has
     already ruled out every optional tensor (ALiBi, bias, varlen, paging, sparsity);
     ``packed``: one batch entry of packed sequences (the windows are each sequence's, any
@@ -186,8 +186,9 @@ def eligible(q, k, v, spec: AttnSpec, packed: bool = False, padded: bool = False
     if sq == 0 or sk == 0 or batch == 0:
         return False
     # the kernel's row maxima are of the raw scores q.k (the scale folded into exp2): with a
-    # negative scale they bound no exponent (the portable kernels' are of the scaled scores)
-    if spec.softmax_scale < 0:
+    # negative scale they bound no exponent, and with 0 the first tile's alpha is
+    # exp2(-inf * 0), NaN (the portable kernels' maxima are of the scaled scores)
+    if not spec.softmax_scale > 0:
         return False
     # K and V are walked with the same coordinates
     return _plan(k)[2] == _plan(v)[2] and _plain(spec, sq, max(sk, sq) if packed else sk,
