@@ -759,12 +759,12 @@ def _moving_inputs(d: int, profile: str, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_sm90_forward_with_maxima_moving_along_the_keys_matches_float64_reference(case, dtype,
                                                                                    monkeypatch):
-    """Row maxima that move late in a walk, where the lazy rescale (``kernels/attn_fwd_sm90``,
-    ``LAZY``) keeps a row's maximum until a tile's is more than 2^8 above it: keys whose scale
-    grows 6x along the sequence (the maxima move many times, by more and by less than the
-    threshold), shrinks 6x (set by the first tiles), or jumps 8x on the last 64 keys; a small
-    scale (no move past the first tile).  Output within 2x PyTorch's same-dtype error of
-    float64, lse within 1e-3, equal to the public function's."""
+    """Row maxima that move late in a walk, so that the accumulator's rescale matters on late
+    tiles (at d = 256 it runs at the start of the next step, ``kernels/attn_fwd_sm90``'s
+    ``DEFER``): keys whose scale grows 6x along the sequence (the maxima move many times),
+    shrinks 6x (set by the first tiles), or jumps 8x on the last 64 keys; a small scale.
+    Output within 2x PyTorch's same-dtype error of float64, lse within 1e-3, equal to the
+    public function's."""
     _, d, profile, scale = case
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
     q, k, v = _moving_inputs(d, profile, dtype)
@@ -786,8 +786,8 @@ def test_sm90_forward_with_maxima_moving_along_the_keys_matches_float64_referenc
 def test_sm90_forward_with_a_scale_not_above_zero_takes_the_portable_kernel(scale, d, dtype,
                                                                              monkeypatch):
     """The Hopper forward takes its row maxima of the raw scores q.k and folds the scale into
-    exp2; with a negative scale those maxima bound nothing (exponents up to ~2^40 here, past
-    fp16's range: main's kernel gave inf) and with 0 the first tile's alpha is exp2(-inf * 0),
+    exp2; with a negative scale those maxima bound nothing (exponents up to ~2^40 here: the
+    Hopper kernel launched directly gives inf) and with 0 the first tile's alpha is exp2(-inf * 0),
     so such calls take the portable kernels, whose maxima are of the scaled scores: output
     within 2x PyTorch's same-dtype error of float64."""
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
