@@ -4,8 +4,9 @@ choice, cuDNN on H100), ``sdpa`` restricted to its FlashAttention-2 kernel, and 
 An offline version of the FlashAttention paper's GPT-2 experiments (its Tables 2 and 4): GPT-2
 small (124M) and medium (355M) built from a config with random weights, a synthetic token
 stream generated on the host from a fixed seed (no dataset download; each batch built while the
-step before it runs), AdamW, bf16 autocast, one GPU.  Every implementation trains the same model from the same initial weights on the same
-batches, so loss curves must agree within bf16 noise (the model definition is unchanged).
+step before it runs), AdamW, bf16 autocast, one GPU.  Every implementation trains the same model
+from the same initial weights on the same batches, so loss curves must agree within bf16 noise
+(the model definition is unchanged).
 
 Measured per (model, implementation, context): tokens/s over the median timed step after
 warm-up (``--timed-steps``, for the long contexts too), peak memory, and the per-step loss; contexts an implementation cannot fit are recorded as
@@ -482,9 +483,14 @@ def _curve_gap(a: list[float], b: list[float], tail: int = 50) -> dict:
                 tail_steps=tail)
 
 
+def _case(r: dict) -> str:
+    """A run's case: ``<model>/<context>/<impl>`` (the key of ``kernels_vs_sdpa``)."""
+    return f"{r['model']}/{r['context']}/{r['impl']}"
+
+
 def _cell(r: dict) -> str:
     """A run's key in the summary's ratios: ``<kind>/<model>/<context>/<impl>``."""
-    return f"{r['kind']}/{r['model']}/{r['context']}/{r['impl']}"
+    return f"{r['kind']}/{_case(r)}"
 
 
 def summarize(res: dict) -> dict:
@@ -524,7 +530,7 @@ def summarize(res: dict) -> dict:
         if r["impl"] != "sdpa" and r.get("kernels") and ref and ref.get("kernels"):
             mine, theirs = r["kernels"], ref["kernels"]
             # sdpa's kernel time over this implementation's: above 1, this one's is shorter
-            out.setdefault("kernels_vs_sdpa", {})[f"{r['model']}/{r['context']}/{r['impl']}"] = {
+            out.setdefault("kernels_vs_sdpa", {})[_case(r)] = {
                 part: theirs[part] / mine[part] if mine[part] else None
                 for part in ("total_ms", "attention_fwd_ms", "attention_bwd_ms")}
     long_runs = [r for r in runs if r["kind"] == "long"]
@@ -703,7 +709,7 @@ def _device_report(merged: dict, images: list[str], doc_path: str) -> list[str]:
         for r in sorted(profiled, key=lambda r: (r["model"], r["context"], r["kind"],
                                                  IMPLS.index(r["impl"]))):
             k = r["kernels"]
-            vs = s.get("kernels_vs_sdpa", {}).get(f"{r['model']}/{r['context']}/{r['impl']}", {})
+            vs = s.get("kernels_vs_sdpa", {}).get(_case(r), {})
             # (an eager model's attention is matrix products and softmax: other kernels)
             fwd, bwd = (k[x] or None for x in ("attention_fwd_ms", "attention_bwd_ms"))
             lines.append(f"| {r['model']} | {r['context']} | {r['impl']} | {k['total_ms']:.1f} "
