@@ -36,7 +36,9 @@ One step of a consumer, with ``p_j`` ready in registers::
 
 At d = 256 (``DEFER``) ``acc *= alpha_{j+1}`` moves to the start of the next step, before the
 turn: the same instructions in another order, measured 4-8% faster non-causal at 8K-16K; at
-d = 128 the same move is 4-6% slower (docs/dev/tuning-log.md, step 127).
+d = 128 the same move is 4-6% slower (docs/dev/tuning-log.md, step 127).  There the second
+consumer runs at 240 registers, which lets part of the softmax start before the P·V wait
+(step 128).
 
 K and V have separate rings: K_{j+1}'s stage is released as soon as both consumers' Q·K_{j+1}ᵀ
 completed (group 1), V_j's after P_j·V_j (group 2), and the producer loads K one tile ahead of V.
@@ -945,6 +947,10 @@ def _attn_fwd(desc_q, desc_k, desc_v, desc_o, desc_q2, desc_k2, desc_v2, desc_o2
                             (_ws_producer, producer_args)],
                            [1], [24])
     else:
+        # 240 registers for the second consumer at d = 256 (232 elsewhere): with the deferred
+        # rescale ptxas then starts 14 of a tile's 34 exponentials before the P.V wait instead
+        # of none (spilling 32 bytes), 0-7% faster (docs/dev/tuning-log.md, step 128)
         gl.warp_specialize([(_ws_consumer0, (consumer_args, TURNS, U32)),
                             (_ws_consumer1, (consumer_args, TURNS, U32)),
-                            (_ws_producer, producer_args)], [4, 1], [232, 24])
+                            (_ws_producer, producer_args)], [4, 1],
+                           [240 if HEAD_DIM == 256 else 232, 24])
