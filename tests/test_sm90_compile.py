@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -48,7 +49,16 @@ def desc(ty, rows, head_dim, dtype, ragged, heads=False):
     return f"tensordesc<{ty}[{block}],{layout!r}>"
 
 
+# this process compiles every SHARDS-th variant from the SHARD-th on (the fixture runs one
+# process per core)
+SHARD, SHARDS = map(int, os.environ.get("SM90_COMPILE_SHARD", "0/1").split("/"))
+_emitted = [0]
+
+
 def emit(name, kernel, types, head_dim, causal, maxnreg=None, **flags):
+    _emitted[0] += 1
+    if (_emitted[0] - 1) % SHARDS != SHARD:
+        return
     # every other argument an integer, none equal to 1 (as the launcher specialises a call)
     names = kernel.arg_names
     if "DK_COLS" in names:  # dK, dV as wide as the kernel unless a variant says otherwise
@@ -311,10 +321,30 @@ def compiled() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    run = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
-                         text=True, timeout=900)  # (~340 s on two cores, cold)
-    assert run.returncode == 0, run.stderr[-4000:]
-    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    # one process per core, each compiling a share of the variants (ptxas and Triton's
+    # compiler run on one core each): ~6 min on two cores with a cold cache, up to 15 min on a
+    # slow machine, hence the generous limit
+    # (their output into files: a process blocked on a full pipe would stall the others)
+    shards = max(1, min(4, os.cpu_count() or 1))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [(open(os.path.join(tmp, f"{i}.out"), "w+"), open(os.path.join(tmp, f"{i}.err"),
+                                                              "w+")) for i in range(shards)]
+        procs = [subprocess.Popen([sys.executable, "-c", _COMPILE], stdout=out, stderr=err,
+                                  env=dict(env, SM90_COMPILE_SHARD=f"{i}/{shards}"))
+                 for i, (out, err) in enumerate(outs)]
+        try:
+            for proc, (out, err) in zip(procs, outs):
+                proc.wait(timeout=2400)
+                err.seek(0)
+                assert proc.returncode == 0, err.read()[-4000:]
+                out.seek(0)
+                rows += [json.loads(line) for line in out if line.startswith("{")]
+        finally:
+            for proc, files in zip(procs, outs):
+                proc.kill()
+                for f in files:
+                    f.close()
     return {row["variant"]: row for row in rows}
 
 
