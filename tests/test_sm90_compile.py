@@ -322,9 +322,8 @@ def compiled() -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     # one process per core, each compiling a share of the variants (ptxas and Triton's
-    # compiler run on one core each): ~6 min on two cores with a cold cache, up to 15 min on a
-    # slow machine, hence the generous limit
-    # (their output into files: a process blocked on a full pipe would stall the others)
+    # compiler run on one core each): 4 min on two cores where one process took 15; their
+    # output goes into files (a process blocked on a full pipe would stall the others)
     shards = max(1, min(4, os.cpu_count() or 1))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
