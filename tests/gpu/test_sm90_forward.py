@@ -50,6 +50,10 @@ CASES = [  # (batch, sq, sk, heads, heads_k, d, causal)
     ("d256", 2, 256, 256, 4, 4, 256, False),
     ("d256-gqa-causal-sk>sq", 1, 256, 320, 4, 2, 256, True),
     ("d256-causal-rounds", 2, 1024, 1024, 40, 8, 256, True),
+    # from attn_fwd_sm90.PLAIN_KEYS keys on, the tiles below the diagonal in a loop without
+    # the mask (bottom-right: the diagonal shifted by sk - sq)
+    ("d256-long-causal-sk>sq", 1, 1536, 2560, 4, 2, 256, True),
+    ("d128-long-causal-sk>sq", 1, 1024, 3072, 4, 4, 128, True),
     # lengths that are not multiples of the tiles: 3-D descriptors, the rows past a sequence
     # read as zeros and not written, the keys past it masked in the first tile walked
     ("d128-ragged", 2, 200, 333, 4, 4, 128, False),
@@ -102,6 +106,13 @@ WINDOW_CASES = [  # (batch, sq, sk, heads, heads_k, d, window_left, window_right
     # a right edge past the diagonal reaches the keys past the end (masked) at lengths that
     # are not multiples of the tiles
     ("d128-band-ragged", 2, 300, 457, 4, 4, 128, 150, 37),
+    # from attn_fwd_sm90.PLAIN_KEYS keys on: windows whose lower edge cuts the first tiles
+    # (then one loop with the mask, as below it) or not (the tiles between in the loop
+    # without it), and a left edge alone
+    ("d128-long-local", 1, 2048, 2048, 4, 4, 128, 300, 0),
+    ("d64-long-band-sk>sq", 1, 2048, 3072, 4, 2, 64, 700, 50),
+    ("d256-long-left-only", 1, 1024, 2560, 2, 2, 256, 1500, -1),
+    ("d128-long-right-only", 1, 2048, 2048, 2, 2, 128, -1, 300),
 ]
 
 

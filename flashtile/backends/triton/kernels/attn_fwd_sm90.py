@@ -52,10 +52,19 @@ end before a consumer's rows (three run only at lengths that are multiples of 12
 192): that consumer takes its turns on rows of the next head or past the tensor's end (TMA
 reads zeros there) and stores nothing.
 
+With masking (``PLAIN``: a window, causal included; tiles walked in order, i.e. not RAGGED,
+VARLEN or SPARSE) and at least ``PLAIN_KEYS`` keys, a consumer walks the tiles that no row of
+its 64 cuts (all but the diagonal's, causal) in a loop compiled without the mask's code, then
+the others in a second loop with it: that first loop is about 30% fewer instructions (d = 128:
+472 against 690), 2-8% faster causal from 2K keys at d = 64-256.  Below ``PLAIN_KEYS`` the
+second loop takes every tile: there, where each item's few tiles cross both loops, the
+kernel was 4-5% slower with two (docs/dev/tuning-log.md, step 133).
+
 The grid is persistent: one CTA per SM walks the (row block, batch, head) work items
 ``w = k * G + (pid or G - 1 - pid)`` for rounds ``k`` (``_work_item`` gives their order).  The
-producer fetches the next item's Q and first K while the consumers finish the current one; every barrier phase runs on across items (``it`` counts K/V tiles,
-``ts`` tensor-core turns, ``c`` items).
+producer fetches the next item's Q and first K while the consumers finish the current one;
+every barrier phase runs on across items (``it`` counts K/V tiles, ``ts`` tensor-core turns,
+``c`` items).
 
 Scope (``launch_sm90.eligible`` checks it; every other call takes the portable Triton kernel):
 dense ``(B, S, H, D)`` inputs in a layout the TMA reads (contiguous, slices of a fused QKV
@@ -90,6 +99,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 
 LN2 = gl.constexpr(0.6931471805599453)
+# keys from which a masked forward walks its whole tiles in a loop of their own (``PLAIN``)
+PLAIN_KEYS = gl.constexpr(2048)
 
 
 @gluon.constexpr_function
@@ -184,13 +195,17 @@ def _online_softmax(b_s, m_i, l_i, n0, o_m, o_n, qk_scale, shift, wl, wr, sk,
     whose keys it then masks.  ``U32``: the window test as one subtraction and one unsigned
     comparison (``0 <= d <= wl + wr`` is ``unsigned(d) <= wl + wr``; ``wl + wr`` and ``d``
     stay far inside int32: ``launch_sm90._window``): with the select, 3 instructions a score
-    instead of 5."""
+    instead of 5.  A thread's key columns ``o_n`` are its lane's few low bits plus constants
+    (multiples of 8), so ``d`` is written as such a constant minus a value per row and low
+    bits: the constants become immediates instead of a register per column held across the
+    loop (the causal d = 64 kernel's 16 bytes of spills go)."""
     if MASKED:
         if masked:
             if U32:
                 # key n0 + o_n is visible to query o_m iff
-                # 0 <= o_n - (o_m + shift - wl - n0) <= wl + wr
-                m_d = o_n[None, :] - (o_m + (shift - wl - n0))[:, None]  # [BLOCK_M, BLOCK_N]
+                # 0 <= o_n - (o_m + shift - wl - n0) <= wl + wr (o_n = (o_n & -8) + (o_n & 7))
+                m_d = (o_n & -8)[None, :] - ((o_m + (shift - wl - n0))[:, None]
+                                             - (o_n & 7)[None, :])  # [BLOCK_M, BLOCK_N]
                 m_v = m_d.to(gl.uint32, bitcast=True) <= (wl + wr).to(gl.uint32, bitcast=True)
                 b_s = gl.where(m_v, b_s, float("-inf"))
             else:
@@ -502,7 +517,7 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
                  nheads, n_m, n_work, lpt, qk_scale, wl, wr, masked, Ranges, KeyMask, stride_mb,
                  Lists, stride_xb, stride_xh, stride_xr, tpb, ipr, CuQ, CuK, Items, batch, Out,
                  stride_om, q2_smem, k2_smem, v2_smem, o2_smem, desc_o2, TURNS: gl.constexpr,
-                 U32: gl.constexpr):
+                 U32: gl.constexpr, MASKED: gl.constexpr):
     # the values of a tuple bound to a name reach a partition as run-time values: the tile
     # shapes come from the buffers, RAGGED (_tma_load) from the output's descriptor, and the
     # constexprs TURNS and U32 beside the tuple (_ws_consumer0)
@@ -541,6 +556,10 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
     TAIL: gl.constexpr = RAGGED or VARLEN
     # the rescale of the accumulator at the start of the next step (module docstring)
     DEFER: gl.constexpr = HEAD_DIM == 256
+    # a masked kernel walks an item's tiles that no row's window cuts in a loop of their own,
+    # compiled without the mask's code, then the tiles that cross the window's edge (the
+    # tiles in walking order: not RAGGED, VARLEN or SPARSE; module docstring)
+    PLAIN: gl.constexpr = MASKED and not TAIL and not SPARSE
 
     pid = gl.program_id(0)
     n_ctas = gl.num_programs(0)
@@ -635,52 +654,72 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
             b_p, m_i, l_i, b_alpha = _online_softmax(b_s, m_i, l_i, t * BLOCK_N, o_m, o_n,
                                                      qk_scale, shift_i, wl_i, wr_i, sk_i, True,
                                                      masked0, TAIL, km, k_range, KEYMASK, U32)
-            for j in range(0, n_tiles - 1):
-                i_st = (it + j) % STAGES
-                i_nx = (it + j + 1) % STAGES
-                mbarrier.wait(bar_k.index(i_nx), ((it + j + 1) // STAGES) & 1)
-                mbarrier.wait(bar_v.index(i_st), ((it + j) // STAGES) & 1)
-                b_pv = gl.convert_layout(b_p.to(dtype), p_layout)            # [64, BLOCK_N]
-                if SPLIT:
-                    b_pv2 = gl.convert_layout(b_p.to(dtype), p2_layout)      # [64, BLOCK_N]
-                if DEFER:  # acc *= alpha_j (on the first step: zeros)
-                    b_acc = b_acc * gl.convert_layout(b_alpha, row_o)[:, None]
-                # a turn for Q·K_{j+1}ᵀ and P_j·V_j
-                if TURNS:
-                    mbarrier.wait(bar_mine, (ts + j + 1) & 1)
-                b_s = warpgroup_mma(q_tile, k_smem.index(i_nx).permute((1, 0)), b_s,
-                                    use_acc=False, is_async=True)
-                if SPLIT:
-                    b_s = warpgroup_mma(q2_tile, k2_smem.index(i_nx).permute((1, 0)), b_s,
-                                        is_async=True)
-                b_acc = warpgroup_mma(b_pv, v_smem.index(i_st), b_acc, is_async=True)
-                if SPLIT:
-                    b_acc2 = warpgroup_mma(b_pv2, v2_smem.index(i_st), b_acc2, is_async=True)
-                if TURNS:
-                    mbarrier.arrive(bar_other)
-                b_s = warpgroup_mma_wait(num_outstanding=PV_GROUPS, deps=(b_s,))
-                # Q·K_{j+1}ᵀ done (groups complete in order): its K stage goes back
-                mbarrier.arrive(bar_kfree.index(i_nx))
-                # the item's last Q·Kᵀ: Q's buffer goes back (a predicate, not a branch, keeps
-                # the softmax below in this basic block, where ptxas overlaps it with P·V)
-                mbarrier.arrive(bar_qfree.index(i_wg), pred=j == n_tiles - 2)
-                t = _tile_at(j + 1, lo, hi, rot, p_cols, tpb, TAIL, SPARSE)
-                if KEYMASK:
-                    km = _key_masked(t * BLOCK_N, BLOCK_N, k_range)
-                # (a whole tile: the keys past the end are in the first one walked)
-                b_p, m_i, l_i, b_alpha = _online_softmax(b_s, m_i, l_i, t * BLOCK_N, o_m, o_n,
-                                                         qk_scale, shift_i, wl_i, wr_i, sk_i, True,
-                                                         (t >= n_full) | (t * BLOCK_N < lo_key),
-                                                         False, km, k_range, KEYMASK, U32)
-                if SPLIT:
-                    b_acc, b_pv, b_acc2, b_pv2 = warpgroup_mma_wait(
-                        num_outstanding=0, deps=(b_acc, b_pv, b_acc2, b_pv2))
-                    b_acc2 = b_acc2 * gl.convert_layout(b_alpha, row_o2)[:, None]
-                else:
-                    b_acc, b_pv = warpgroup_mma_wait(num_outstanding=0, deps=(b_acc, b_pv))
-                mbarrier.arrive(bar_vfree.index(i_st))
-                if not DEFER:
-                    b_acc = b_acc * gl.convert_layout(b_alpha, row_o)[:, None]
+            # PLAIN: the steps j < n_plain walk tiles no row of this warpgroup's window cuts
+            # (tile lo + j + 1 below n_full, none of them below lo_key), the rest the others
+            # (causal: the diagonal's); below PLAIN_KEYS keys every step takes the second loop
+            n_plain = 0
+            if PLAIN:
+                n_plain = gl.where((lo_key <= (lo + 1) * BLOCK_N) & (sk_i >= PLAIN_KEYS),
+                                   gl.minimum(gl.maximum(n_full - lo - 1, 0), n_tiles - 1), 0)
+            for i_pass in gl.static_range(2 if PLAIN else 1):
+                j_lo = 0
+                j_hi = n_tiles - 1
+                if PLAIN:
+                    if i_pass == 0:
+                        j_hi = n_plain
+                    else:
+                        j_lo = n_plain
+                for j in range(j_lo, j_hi):
+                    i_st = (it + j) % STAGES
+                    i_nx = (it + j + 1) % STAGES
+                    mbarrier.wait(bar_k.index(i_nx), ((it + j + 1) // STAGES) & 1)
+                    mbarrier.wait(bar_v.index(i_st), ((it + j) // STAGES) & 1)
+                    b_pv = gl.convert_layout(b_p.to(dtype), p_layout)            # [64, BLOCK_N]
+                    if SPLIT:
+                        b_pv2 = gl.convert_layout(b_p.to(dtype), p2_layout)      # [64, BLOCK_N]
+                    if DEFER:  # acc *= alpha_j (on the first step: zeros)
+                        b_acc = b_acc * gl.convert_layout(b_alpha, row_o)[:, None]
+                    # a turn for Q·K_{j+1}ᵀ and P_j·V_j
+                    if TURNS:
+                        mbarrier.wait(bar_mine, (ts + j + 1) & 1)
+                    b_s = warpgroup_mma(q_tile, k_smem.index(i_nx).permute((1, 0)), b_s,
+                                        use_acc=False, is_async=True)
+                    if SPLIT:
+                        b_s = warpgroup_mma(q2_tile, k2_smem.index(i_nx).permute((1, 0)), b_s,
+                                            is_async=True)
+                    b_acc = warpgroup_mma(b_pv, v_smem.index(i_st), b_acc, is_async=True)
+                    if SPLIT:
+                        b_acc2 = warpgroup_mma(b_pv2, v2_smem.index(i_st), b_acc2, is_async=True)
+                    if TURNS:
+                        mbarrier.arrive(bar_other)
+                    b_s = warpgroup_mma_wait(num_outstanding=PV_GROUPS, deps=(b_s,))
+                    # Q·K_{j+1}ᵀ done (groups complete in order): its K stage goes back
+                    mbarrier.arrive(bar_kfree.index(i_nx))
+                    # the item's last Q·Kᵀ: Q's buffer goes back (a predicate, not a branch,
+                    # keeps the softmax below in this basic block, where ptxas overlaps it with
+                    # P·V)
+                    mbarrier.arrive(bar_qfree.index(i_wg), pred=j == n_tiles - 2)
+                    t = _tile_at(j + 1, lo, hi, rot, p_cols, tpb, TAIL, SPARSE)
+                    if KEYMASK:
+                        km = _key_masked(t * BLOCK_N, BLOCK_N, k_range)
+                    # (a whole tile: the keys past the end are in the first one walked; the
+                    # first of PLAIN's loops compiles without the window's mask)
+                    if PLAIN and i_pass == 0:
+                        m_j = False
+                    else:
+                        m_j = (t >= n_full) | (t * BLOCK_N < lo_key)
+                    b_p, m_i, l_i, b_alpha = _online_softmax(
+                        b_s, m_i, l_i, t * BLOCK_N, o_m, o_n, qk_scale, shift_i, wl_i, wr_i,
+                        sk_i, True, m_j, False, km, k_range, KEYMASK, U32)
+                    if SPLIT:
+                        b_acc, b_pv, b_acc2, b_pv2 = warpgroup_mma_wait(
+                            num_outstanding=0, deps=(b_acc, b_pv, b_acc2, b_pv2))
+                        b_acc2 = b_acc2 * gl.convert_layout(b_alpha, row_o2)[:, None]
+                    else:
+                        b_acc, b_pv = warpgroup_mma_wait(num_outstanding=0, deps=(b_acc, b_pv))
+                    mbarrier.arrive(bar_vfree.index(i_st))
+                    if not DEFER:
+                        b_acc = b_acc * gl.convert_layout(b_alpha, row_o)[:, None]
             i_st = (it + n_tiles - 1) % STAGES
             mbarrier.wait(bar_v.index(i_st), ((it + n_tiles - 1) // STAGES) & 1)
             b_pv = gl.convert_layout(b_p.to(dtype), p_layout)
@@ -780,23 +819,24 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
 
 
 @gluon.jit
-def _ws_consumer0(args, TURNS: gl.constexpr, U32: gl.constexpr):
+def _ws_consumer0(args, TURNS: gl.constexpr, U32: gl.constexpr, MASKED: gl.constexpr):
     """Consumer warpgroup 0: ``args`` the consumers' run-time arguments (one tuple for all),
-    ``TURNS`` whether they take turns on the tensor cores and ``U32`` whether the window test
-    is the unsigned one (``_online_softmax``): constexprs apart from the tuple."""
-    _ws_consumer(0, *args, TURNS=TURNS, U32=U32)
+    ``TURNS`` whether they take turns on the tensor cores, ``U32`` whether the window test
+    is the unsigned one (``_online_softmax``) and ``MASKED`` the kernel's (``PLAIN``):
+    constexprs apart from the tuple."""
+    _ws_consumer(0, *args, TURNS=TURNS, U32=U32, MASKED=MASKED)
 
 
 @gluon.jit
-def _ws_consumer1(args, TURNS: gl.constexpr, U32: gl.constexpr):
+def _ws_consumer1(args, TURNS: gl.constexpr, U32: gl.constexpr, MASKED: gl.constexpr):
     """Consumer warpgroup 1 (``_ws_consumer0``)."""
-    _ws_consumer(1, *args, TURNS=TURNS, U32=U32)
+    _ws_consumer(1, *args, TURNS=TURNS, U32=U32, MASKED=MASKED)
 
 
 @gluon.jit
-def _ws_consumer2(args, TURNS: gl.constexpr, U32: gl.constexpr):
+def _ws_consumer2(args, TURNS: gl.constexpr, U32: gl.constexpr, MASKED: gl.constexpr):
     """Consumer warpgroup 2 (``_ws_consumer0``)."""
-    _ws_consumer(2, *args, TURNS=TURNS, U32=U32)
+    _ws_consumer(2, *args, TURNS=TURNS, U32=U32, MASKED=MASKED)
 
 
 @gluon.jit
@@ -933,9 +973,9 @@ def _attn_fwd(desc_q, desc_k, desc_v, desc_o, desc_q2, desc_k2, desc_v2, desc_o2
                      desc_q2, desc_k2, desc_v2, q2_smem, k2_smem, v2_smem)
     if CONSUMERS == 3:
         # FlashAttention-3's split at d = 64: three consumers at 160 registers a thread
-        gl.warp_specialize([(_ws_consumer0, (consumer_args, TURNS, U32)),
-                            (_ws_consumer1, (consumer_args, TURNS, U32)),
-                            (_ws_consumer2, (consumer_args, TURNS, U32)),
+        gl.warp_specialize([(_ws_consumer0, (consumer_args, TURNS, U32, MASKED)),
+                            (_ws_consumer1, (consumer_args, TURNS, U32, MASKED)),
+                            (_ws_consumer2, (consumer_args, TURNS, U32, MASKED)),
                             (_ws_producer, producer_args)],
                            [4, 4, 1], [160, 160, 24])
     elif CONSUMERS == 1:
@@ -943,14 +983,15 @@ def _attn_fwd(desc_q, desc_k, desc_v, desc_o, desc_q2, desc_k2, desc_v2, desc_o2
         # at launch): the producer's warpgroup drops to 24, the consumer takes the rest (232 or
         # 136), and the other CTAs' turns fill the tensor cores through this one's first tile
         # and epilogue
-        gl.warp_specialize([(_ws_consumer0, (consumer_args, TURNS, U32)),
+        gl.warp_specialize([(_ws_consumer0, (consumer_args, TURNS, U32, MASKED)),
                             (_ws_producer, producer_args)],
                            [1], [24])
     else:
         # 240 registers for the second consumer at d = 256 (232 elsewhere): with the deferred
         # rescale ptxas then starts 14 of a tile's 34 exponentials before the P.V wait instead
-        # of none (spilling 32 bytes), 0-7% faster (docs/dev/tuning-log.md, step 128)
-        gl.warp_specialize([(_ws_consumer0, (consumer_args, TURNS, U32)),
-                            (_ws_consumer1, (consumer_args, TURNS, U32)),
+        # of none (spilling 32 bytes), 0-7% faster (docs/dev/tuning-log.md, step 128); and at
+        # d = 128 with masking, where the two loops of PLAIN spilled in both at 232 (step 133)
+        gl.warp_specialize([(_ws_consumer0, (consumer_args, TURNS, U32, MASKED)),
+                            (_ws_consumer1, (consumer_args, TURNS, U32, MASKED)),
                             (_ws_producer, producer_args)], [4, 1],
-                           [240 if HEAD_DIM == 256 else 232, 24])
+                           [240 if HEAD_DIM == 256 or (HEAD_DIM == 128 and MASKED) else 232, 24])
