@@ -53,11 +53,11 @@ end before a consumer's rows (three run only at lengths that are multiples of 12
 reads zeros there) and stores nothing.
 
 With masking (``PLAIN``: a window, causal included; tiles walked in order, i.e. not RAGGED,
-VARLEN or SPARSE) and at least ``PLAIN_KEYS`` keys, a consumer walks the tiles that no row of
-its 64 cuts (all but the diagonal's, causal) in a loop compiled without the mask's code, then
-the others in a second loop with it: that first loop is about 30% fewer instructions (d = 128:
-472 against 690), 2-8% faster causal from 2K keys at d = 64-256.  Below ``PLAIN_KEYS`` the
-second loop takes every tile: there, where each item's few tiles cross both loops, the
+VARLEN or SPARSE; no key mask) and at least ``PLAIN_KEYS`` keys, a consumer walks the tiles that
+no row of its 64 cuts (all but the diagonal's, causal) in a loop compiled without the mask's
+code, then the others in a second loop with it: that first loop is about 30% fewer instructions
+(d = 128: 472 against 690), 2-8% faster causal from 2K keys at d = 64-256. Below ``PLAIN_KEYS``
+the second loop takes every tile: there, where each item's few tiles cross both loops, the
 kernel was 4-5% slower with two (docs/dev/tuning-log.md, step 133).
 
 The grid is persistent: one CTA per SM walks the (row block, batch, head) work items
@@ -558,8 +558,9 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
     DEFER: gl.constexpr = HEAD_DIM == 256
     # a masked kernel walks an item's tiles that no row's window cuts in a loop of their own,
     # compiled without the mask's code, then the tiles that cross the window's edge (the
-    # tiles in walking order: not RAGGED, VARLEN or SPARSE; module docstring)
-    PLAIN: gl.constexpr = MASKED and not TAIL and not SPARSE
+    # tiles in walking order: not RAGGED, VARLEN or SPARSE; with a key mask the two loops
+    # spilled 172-760 bytes: one loop; module docstring)
+    PLAIN: gl.constexpr = MASKED and not TAIL and not SPARSE and not KEYMASK
 
     pid = gl.program_id(0)
     n_ctas = gl.num_programs(0)
@@ -994,4 +995,5 @@ def _attn_fwd(desc_q, desc_k, desc_v, desc_o, desc_q2, desc_k2, desc_v2, desc_o2
         gl.warp_specialize([(_ws_consumer0, (consumer_args, TURNS, U32, MASKED)),
                             (_ws_consumer1, (consumer_args, TURNS, U32, MASKED)),
                             (_ws_producer, producer_args)], [4, 1],
-                           [240 if HEAD_DIM == 256 or (HEAD_DIM == 128 and MASKED) else 232, 24])
+                           [240 if HEAD_DIM == 256 or (HEAD_DIM == 128 and MASKED and not KEYMASK)
+                            else 232, 24])
