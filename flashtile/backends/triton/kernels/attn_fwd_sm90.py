@@ -520,7 +520,7 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
                  U32: gl.constexpr, MASKED: gl.constexpr):
     # the values of a tuple bound to a name reach a partition as run-time values: the tile
     # shapes come from the buffers, RAGGED (_tma_load) from the output's descriptor, and the
-    # constexprs TURNS and U32 beside the tuple (_ws_consumer0)
+    # constexprs TURNS, U32 and MASKED beside the tuple (_ws_consumer0)
     BLOCK_MQ: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     STAGES: gl.constexpr = k_smem.shape[0]
