@@ -514,7 +514,7 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
 @gluon.jit
 def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v,
                  bar_kfree, bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk,
-                 nheads, n_m, n_work, lpt, qk_scale, wl, wr, masked, Ranges, KeyMask, stride_mb,
+                 nheads, n_m, n_work, lpt, qk_scale, wl, wr, Ranges, KeyMask, stride_mb,
                  Lists, stride_xb, stride_xh, stride_xr, tpb, ipr, CuQ, CuK, Items, batch, Out,
                  stride_om, q2_smem, k2_smem, v2_smem, o2_smem, desc_o2, TURNS: gl.constexpr,
                  U32: gl.constexpr, MASKED: gl.constexpr):
@@ -576,7 +576,7 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
     c = 0   # work items done so far
     for k in range(gl.cdiv(n_work, n_ctas)):
         w, i_m, i_b, i_h = _work_item(k, pid, n_ctas, n_m, n_work // n_m, nheads, lpt,
-                                      masked)
+                                      MASKED)
         if VARLEN:  # (the producer's order)
             i_m, i_b, i_h = _packed_item(w, Items, n_m, nheads, n_work)
         # the item's sequence (_sequence; the producer skips the same items)
@@ -587,7 +587,7 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
             shift_i = sk_i - sq_i
             live_item = live_item & (i_m * NC * BLOCK_MQ < sq_i)
         if live_item:
-            lo, hi = _tile_range(i_m, sk_i, shift_i, wl, wr, masked, NC * BLOCK_MQ, BLOCK_N)
+            lo, hi = _tile_range(i_m, sk_i, shift_i, wl, wr, MASKED, NC * BLOCK_MQ, BLOCK_N)
             if VARLEN:
                 hi = gl.maximum(hi, lo + 1)
             k_range = (0, 0, 0, Ranges)
@@ -615,7 +615,7 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
             if SPARSE:  # (the tiles of the list are not below hi)
                 n_full = 1 << 30
             lo_key = 0
-            if masked:
+            if MASKED:
                 n_full = (mq0 + shift_i + wr + 1) // BLOCK_N
                 lo_key = mq0 + BLOCK_MQ - 1 + shift_i - wl
             o_m = mq0 + o_r
@@ -964,7 +964,7 @@ def _attn_fwd(desc_q, desc_k, desc_v, desc_o, desc_q2, desc_k2, desc_v2, desc_o2
 
     consumer_args = (q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, bar_v, bar_kfree,
                      bar_vfree, bar_turn, bar_o, desc_o, Lse, stride_lb, stride_lh, sq, sk, nheads,
-                     n_m, n_work, lpt, qk_scale, wl, wr, MASKED, Ranges, KeyMask, stride_mb, Lists,
+                     n_m, n_work, lpt, qk_scale, wl, wr, Ranges, KeyMask, stride_mb, Lists,
                      stride_xb, stride_xh, stride_xr, tpb, ipr, CuQ, CuK, Items, batch, Out,
                      stride_om, q2_smem, k2_smem, v2_smem, o2_smem, desc_o2)
     producer_args = (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfree, bar_k,
