@@ -64,7 +64,6 @@ def emit(name, kernel, types, head_dim, causal, maxnreg=None, **flags):
     names = kernel.arg_names
     if "DK_COLS" in names:  # dK, dV as wide as the kernel unless a variant says otherwise
         flags.setdefault("DK_COLS", head_dim)
-        flags.setdefault("COUNT", False)  # (items counted for the dQ conversion: "bwdc")
     mask = "MASKED" if "MASKED" in names else "CAUSAL"  # the forward masks any window
     types = dict(types, STAGES="constexpr", num_warps="constexpr",
                  **{flag: "constexpr" for flag in (mask, *flags)})
@@ -293,12 +292,6 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                 persistent = launch_sm90.bwd_persistent(head_dim)
                 emit(f"{kind}-{ty}", attn_bwd_sm90_kernel, types, head_dim, causal, WINDOW=False,
                      DQ=fused, PERSISTENT=persistent, RAGGED=ragged, DKDV_TMA=tma_dkdv)
-                if fused and persistent and tma_dkdv and not keymask:
-                    # "c": items counted done per (batch, head) pair, dQ converted beside the
-                    # kernel (launch_sm90.DQ_TRAIL)
-                    emit(f"{kind}c-{ty}", attn_bwd_sm90_kernel, types, head_dim, causal,
-                         WINDOW=False, DQ=True, PERSISTENT=True, RAGGED=False, DKDV_TMA=True,
-                         COUNT=True)
                 if causal and not r:  # a window other than the causal one: "-causal"
                     emit(f"{kind}w-{ty}", attn_bwd_sm90_kernel, types, head_dim, True,
                          WINDOW=True, DQ=fused, PERSISTENT=persistent, RAGGED=ragged,
@@ -368,7 +361,7 @@ BWD_VARIANTS = [f"{kind}{r}-{ty}-d{d}-{mode}" for kind in ("bwd", "dkdv")
                 if not (kind == "dkdv" and r == "k")
                 for d in (64, 128, 256) for mode in ("full", "causal")] + [
     f"{kind}w-{ty}-d{d}-causal" for kind in ("bwd", "dkdv") for ty in ("bf16", "fp16")
-    for d in (64, 128, 256)] + [f"bwd{x}-bf16-d{d}-{mode}" for x in "svc" for d in (64, 128)
+    for d in (64, 128, 256)] + [f"bwd{x}-bf16-d{d}-{mode}" for x in "sv" for d in (64, 128)
                                 for mode in ("full", "causal")] + [  # (a block mask, packed)
     f"{kind}h{r}-bf16-d{d}-{mode}" for kind, d in (("bwd", 128), ("dkdv", 256))
     for r in ("", "r") for mode in ("full", "causal")] + [
@@ -521,9 +514,6 @@ def test_sm90_backward_compiles_for_hopper_with_its_structure(compiled, variant)
         assert row["spill_bytes"] <= SPILL_LIMIT
     # persistent (d = 64): the producer's two claims of a work item, its only atomics
     claims = 2 if launch_sm90.bwd_persistent(d) else 0
-    kind = variant.split("-")[0]
-    if kind == "bwdc":  # and its counts of finished items (in and after its loop)
-        claims += 2
     if variant.startswith("bwd"):
         # one dq reduction in each consumer's loop and one after it; at d = 256 a reduction
         # per quarter tile, in the loop and after it
@@ -532,6 +522,7 @@ def test_sm90_backward_compiles_for_hopper_with_its_structure(compiled, variant)
         assert row["tma_reductions"] == 0 and row["atomics"] == claims
     # dK and dV: one TMA store each in each consumer, but with ragged lengths, packed
     # sequences, narrower than the kernel ("n": the kernel's own stores) and at d = 256
+    kind = variant.split("-")[0]
     own = (kind.rstrip("w").endswith("r") or kind.endswith("n")
            or kind in ("bwdv", "bwdhv"))
     assert row["tma_stores"] == (0 if own or d == 256 else 4), row["tma_stores"]

@@ -109,7 +109,7 @@ def setting() -> tuple:
     launch plan's key must hold besides the call's own arguments (with the padded backward's
     module switches: a process that turns them, as a benchmark's A/B does, gets the path it
     asked for)."""
-    return _sm90_env(), _dq_env(), PAD_BWD_VIEWS, PAD_NARROW_DKDV, DQ_TRAIL
+    return _sm90_env(), _dq_env(), PAD_BWD_VIEWS, PAD_NARROW_DKDV
 
 
 @functools.lru_cache(maxsize=None)
@@ -1067,7 +1067,7 @@ def _flat_layout():
 
 
 def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None, sparse=None,
-         varlen=None, counter=None, width: int = 0, trail: bool = False):
+         varlen=None, counter=None, width: int = 0):
     """Launch the backward kernel: with ``dq_acc`` (float32 like ``q``, zeroed) it also adds
     dQ into it; without, dK and dV only; ``key_mask`` as :func:`forward`'s; ``sparse`` the
     transposed lists of a block mask (:func:`sparse_bwd_eligible`, :func:`_bwd_sparse_args`);
@@ -1076,9 +1076,7 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
     :func:`packed_prologue`).  ``width`` wider than ``D`` (:func:`padded_backward`): the
     kernel of that width reads q, dO, k and v through views whose tiles reach past each head's
     last column (:func:`_rows`: zeros there), ``dq_acc``, ``dk`` and ``dv`` are ``width``
-    wide.  ``trail`` (:func:`dq_trails` holds; ``counter`` ``(1 + B * Hk,)``, zeroed): the
-    kernel counts each work item done on its pair's count and leaves ``DQ_TRAIL_CTAS`` SMs to
-    the conversion (:func:`_convert_dq`).
+    wide.
     ``(launch, grid, descriptors, persistent, ragged)`` when it launched a compiled variant
     directly (what a plan repeats), else None."""
     batch, sq, nheads, d = q.shape
@@ -1114,7 +1112,7 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
     persistent = bwd_persistent(head_dim)
     # persistent: at most one CTA per SM, claiming work items from a counter zeroed here;
     # else one CTA per item, and the kernel reads no counter (``dk`` stands in)
-    grid = (min(n_items, n_sm - (DQ_TRAIL_CTAS if trail else 0)) if persistent else n_items,)
+    grid = (min(n_items, n_sm) if persistent else n_items,)
     if counter is None:  # (packed: packed_prologue's, zeroed)
         counter = zeros(1, torch.int32, q.device) if persistent else dk
     window = _window(spec, sq, sk)
@@ -1134,7 +1132,7 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
                 qk_scale=spec.softmax_scale * LOG2E, **window,
                 # edges other than the causal diagonal (without, the causal-only code)
                 WINDOW=window["MASKED"] and (window["wl"] < sq + sk or window["wr"] != 0),
-                DQ=fused, PERSISTENT=persistent, RAGGED=ragged, COUNT=trail, STAGES=STAGES,
+                DQ=fused, PERSISTENT=persistent, RAGGED=ragged, STAGES=STAGES,
                 num_warps=NUM_WARPS, **_key_mask_args(key_mask, lse),
                 **_bwd_sparse_args(sparse, lse, keys, rows),
                 CuQ=lse if varlen is None else varlen[0], CuK=lse if varlen is None else varlen[1])
@@ -1180,7 +1178,7 @@ def _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec: AttnSpec, key_mask=None,
     # split one's tiles on the head dim)
     launched = _launch("bwd_split" if split else "bwd", device,
                        (q.dtype, head_dim, window["MASKED"], args["WINDOW"], fused, persistent,
-                        ragged, args["DKDV_TMA"], trail, args["DK_COLS"], split and d,
+                        ragged, args["DKDV_TMA"], args["DK_COLS"], split and d,
                         tuple(len(x[3]) for x in descs.values()), sparse is not None,
                         varlen is not None, key_mask is not None),
                        grid, args, descs)
@@ -1244,7 +1242,7 @@ def packed_prologue(q, out, do, lse, cu_q, bound=None, cols: int = 0, masked: bo
     grid = (-(-rows // DELTA_ROWS),)
     launched = launch(attn_bwd_delta_kernel, grid, **dict(zip(_PROLOGUE_PTRS, ptrs)),
                       stride_db=0, stride_ds=do.stride(1), stride_dh=do.stride(2), n_rows=rows,
-                      seqlen_q=width, nheads=nheads, total=total, n_count=1, HEAD_DIM=cols,
+                      seqlen_q=width, nheads=nheads, total=total, HEAD_DIM=cols,
                       O_COLS=head_dim, ROWS=DELTA_ROWS, ZERO=True, PACKED=True, COUNT=True,
                       PAD=False, num_warps=4)
     return dq_acc, lse_p, delta_p, counter, launched and (launched, grid)
@@ -1376,8 +1374,7 @@ def _prologue(q, out, do, delta, zero: bool = True, counter=None, lse=None, boun
     """The Hopper backward's prologue: ``delta = rowsum(dO * O)``, for the fused kernel
     (``zero``) a zeroed float32 dQ accumulator like ``q``, which it returns (without, ``delta``
     stands in for the accumulator the kernel then does not write), and ``counter`` (int32
-    ``(1,)``, the persistent kernel's work counter, or ``(1 + B * Hk,)`` with its counts of
-    finished items: :func:`dq_trails`) zeroed where given.  With ``lse``
+    ``(1,)``, the persistent kernel's work counter) zeroed where given.  With ``lse``
     (float32 ``(B, H, Sq)``) ``(dq_acc, lse, delta)`` for the fused kernel: where ``Sq`` is not
     a multiple of the kernel's query tile (:func:`bwd_rows`), lse and delta padded to whole
     tiles as :func:`_pad_rows`
@@ -1407,85 +1404,16 @@ def _prologue(q, out, do, delta, zero: bool = True, counter=None, lse=None, boun
     else:
         rows = batch * width * nheads
         grid = (-(-rows // DELTA_ROWS),)
-        assert counter is None or counter.numel() <= grid[0] * DELTA_ROWS
         launched = launch(attn_bwd_delta_kernel, grid, **dict(zip(_PROLOGUE_PTRS, ptrs)),
                           stride_db=do.stride(0), stride_ds=do.stride(1),
                           stride_dh=do.stride(2), n_rows=rows, seqlen_q=width, nheads=nheads,
-                          total=sq, n_count=1 if counter is None else counter.numel(),
-                          HEAD_DIM=cols, O_COLS=head_dim, ROWS=DELTA_ROWS,
+                          total=sq, HEAD_DIM=cols, O_COLS=head_dim, ROWS=DELTA_ROWS,
                           ZERO=zero, PACKED=False, COUNT=counter is not None,
                           PAD=width != sq, num_warps=4)
         launched = launched and (launched, grid)
     if lse is None:
         return dq_acc
     return dq_acc, (lse if width == sq else lse_p), delta, launched
-
-
-# dQ converted beside the fused backward (kernels/dq_convert.py): the persistent kernel counts
-# each (batch, key/value head) pair's finished work items and leaves DQ_TRAIL_CTAS SMs to a
-# conversion kernel on a second stream, which writes each pair's dQ as soon as it is complete,
-# from L2, instead of a copy after the kernel reading the accumulator back from DRAM
-DQ_TRAIL = True
-DQ_TRAIL_CTAS = 4      # the conversion's programs (and the SMs the backward leaves it)
-DQ_TRAIL_PROGRAMS = 24  # the conversion's programs (several an SM: loads in flight)
-DQ_TRAIL_WARPS = 8
-DQ_TRAIL_VALUES = 4096  # accumulator values a program converts a step (16 a thread)
-_side_streams: dict = {}
-
-
-def dq_trails(q, k, dq, dk, dv, width: int = 0, key_mask=None, sparse=None,
-              varlen=None) -> bool:
-    """Whether :func:`fused_backward` converts dQ beside its kernel (``DQ_TRAIL``): the
-    persistent kernel (d = 64 and 128) on dense inputs whose lengths are multiples of its tiles
-    (dK and dV stored by TMA), no key mask, block mask, packed sequences or padded head dim, dQ
-    with contiguous rows."""
-    d = q.shape[-1]
-    return (DQ_TRAIL and not width and key_mask is None and sparse is None and varlen is None
-            and bwd_persistent(d) and d in (64, 128) and dq.stride(-1) == 1
-            and not _bwd_ragged(q.shape[1], k.shape[1], d) and _dense(q, dk, dv)
-            and _sm_count(q.device.index or 0) > 2 * DQ_TRAIL_CTAS)
-
-
-def _side_stream(device: int):
-    """A second stream of ``device`` (one, kept) for the dQ conversion."""
-    s = _side_streams.get(device)
-    if s is None:
-        s = _side_streams[device] = torch.cuda.Stream(device)
-    return s
-
-
-def _convert_dq(dq_acc, dq, counter, q, k, bound=None):
-    """Launch the dQ conversion (``kernels/dq_convert.py``) of ``dq_acc`` into ``dq`` as the
-    counts in ``counter`` complete, on the current stream; ``bound``: a plan's
-    :class:`fastlaunch.BoundLaunch` of it.  The launch's result (:func:`fastlaunch.launch`)."""
-    if bound is not None:
-        bound((dq_acc, dq, counter), q.device.index)
-        return None
-    from .kernels.dq_convert import attn_bwd_dq_convert_kernel
-
-    batch, sq, nheads, d = q.shape
-    nheads_k = k.shape[2]
-    return launch(attn_bwd_dq_convert_kernel, (DQ_TRAIL_PROGRAMS,), ACC=dq_acc, DQ=dq,
-                  COUNTER=counter, n_bh=batch * nheads_k, nheads_k=nheads_k,
-                  group=nheads // nheads_k, seqlen_q=sq, n_kb=-(-k.shape[1] // bwd_keys(d)),
-                  stride_ab=dq_acc.stride(0), stride_as=dq_acc.stride(1),
-                  stride_ah=dq_acc.stride(2), stride_qb=dq.stride(0), stride_qs=dq.stride(1),
-                  stride_qh=dq.stride(2), HEAD_DIM=d, ROWS=DQ_TRAIL_VALUES // d, DISCARD=True,
-                  num_warps=DQ_TRAIL_WARPS)
-
-
-def _trailed(device: int, run_kernel, convert):
-    """``run_kernel()`` (the backward kernel) on the current stream and ``convert()`` on the
-    side stream, both after what the current stream holds so far (the prologue), then the
-    current stream waits for the conversion; ``convert()``'s result."""
-    main = torch.cuda.current_stream(device)
-    side = _side_stream(device)
-    side.wait_stream(main)  # (the prologue's zeroed counts; not the kernel below)
-    launched = run_kernel()
-    with torch.cuda.stream(side):
-        converted = convert()
-    main.wait_stream(side)
-    return launched, converted
 
 
 def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec,
@@ -1495,9 +1423,7 @@ def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec,
     buffer ``delta`` contiguous float32 ``(B, H, Sq)``): a prologue kernel computes ``delta``
     (where ``Sq`` is not a multiple of the query tile, into a padded buffer of its own, with
     lse's padded copy) and zeroes a float32 dQ accumulator, the backward kernel adds every dQ
-    tile into it, and one copy converts it into ``dq`` (where :func:`dq_trails` holds, a
-    conversion kernel beside the backward kernel, pair by pair: :func:`_trailed`).  With
-    ``plan_key``
+    tile into it, and one copy converts it into ``dq``.  With ``plan_key``
     (:func:`bwd_plan_key`) a direct launch leaves a plan that :func:`planned_backward`
     repeats; ``key_mask`` as
     :func:`forward`'s; ``sparse`` as :func:`_bwd`'s (no plan: its key does not see the
@@ -1512,30 +1438,16 @@ def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec,
         q, k, v, out, do, dq, dk, dv = (x.unsqueeze(0) for x in (q, k, v, out, do, dq, dk, dv))
         dq_acc, lse, delta, counter, prologue = packed_prologue(
             q, out, do, lse, varlen[0], cols=width, masked=spec.has_window)
-    trail = dq_trails(q, k, dq, dk, dv, width, key_mask, sparse, varlen)
-    if varlen is None:  # (lse and delta padded where the lengths are not multiples of the tile)
+    else:  # (lse and delta padded where the lengths are not multiples of the row tile)
         if bwd_persistent(width or q.shape[-1]):  # the prologue zeroes the work counter too
-            # (and with trail the counts of finished items, one a (batch, key/value head))
-            counter = empty((1 + q.shape[0] * k.shape[2] if trail else 1,), torch.int32,
-                            q.device)
+            counter = empty((1,), torch.int32, q.device)
         dq_acc, lse, delta, prologue = _prologue(q, out, do, delta, counter=counter, lse=lse,
                                                  cols=width)
-
-    def run_kernel():
-        return _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec, key_mask, sparse, varlen,
-                    counter, width, trail)
-
-    converted = None
-    if trail:
-        launched, converted = _trailed(q.device.index or 0, run_kernel,
-                                       lambda: _convert_dq(dq_acc, dq, counter, q, k))
-    else:
-        launched = run_kernel()
-        dq.copy_(dq_acc[..., :dq.shape[-1]] if width else dq_acc)
-    if (plan_key is not None and launched is not None and sparse is None
-            and (converted is not None or not trail)):
-        _bwd_plans.put(plan_key, _BwdPlan(*launched, q.device.index or 0, prologue, width,
-                                          converted))
+    launched = _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec, key_mask, sparse, varlen,
+                    counter, width)
+    dq.copy_(dq_acc[..., :dq.shape[-1]] if width else dq_acc)
+    if plan_key is not None and launched is not None and sparse is None:
+        _bwd_plans.put(plan_key, _BwdPlan(*launched, q.device.index or 0, prologue, width))
 
 
 # Plans of the fused backward: a call whose q, k, v, out, dO and lse have the shapes, strides
@@ -1550,11 +1462,10 @@ _BWD_ROLES = ("desc_q", "desc_do", "desc_k", "desc_v", "desc_lse", "desc_delta",
 
 class _BwdPlan:
     __slots__ = ("compiled", "grid", "values", "descs", "at", "mask_at", "cu_at", "persistent",
-                 "ragged", "device", "fast", "prologue", "width", "wide_dkdv", "narrow_switch",
-                 "convert", "n_count")
+                 "ragged", "device", "fast", "prologue", "width", "wide_dkdv", "narrow_switch")
 
     def __init__(self, launched, grid, descs, persistent, ragged, device, prologue=None,
-                 width: int = 0, convert=None):
+                 width: int = 0):
         # (a split head dim's kernel: the second descriptors take their tensors' roles)
         names = _kernel("bwd_split" if "desc_q2" in descs else "bwd").arg_names
         self.compiled, self.grid, self.device = launched[0], grid, device
@@ -1579,16 +1490,6 @@ class _BwdPlan:
         # count); None where it was not direct
         self.prologue = prologue and BoundLaunch(attn_bwd_delta_kernel, *prologue,
                                                  _PROLOGUE_PTRS)
-        # the dQ conversion beside the kernel (dq_trails), bound: then no copy, and the
-        # counter holds the pairs' counts too
-        self.convert = None
-        if convert is not None:
-            from .kernels.dq_convert import attn_bwd_dq_convert_kernel
-
-            self.convert = BoundLaunch(attn_bwd_dq_convert_kernel, convert, (DQ_TRAIL_PROGRAMS,),
-                                       ("ACC", "DQ", "COUNTER"))
-        counter = launched[1][names.index("Counter")]
-        self.n_count = counter.numel() if persistent else 0
         # the plan keeps no tensor of the call it was made from alive (every call fills them)
         for at in (*self.at, *self.mask_at, *self.cu_at, *(d[0] for d in self.descs)):
             self.values[at] = None
@@ -1599,11 +1500,11 @@ def bwd_plan_key(q, k, v, out, do, lse, spec: AttnSpec, setting, key_mask=None,
     """The key of a fused backward's plan: the tensors' signatures, dtype, device, spec,
     ``setting`` (what else the caller's choice of path reads), the key mask's view's
     signature, packed sequences' count and longest lengths (``varlen`` as
-    :func:`fused_backward`'s), ``BWD128_SPLIT`` and ``DQ_TRAIL``."""
+    :func:`fused_backward`'s) and ``BWD128_SPLIT``."""
     return (signature(q, k, v, out, do, lse), q.dtype, q.device, spec, setting,
             _mask_key(key_mask),
             None if varlen is None else (varlen[0].shape[0], varlen[2], varlen[3]),
-            BWD128_SPLIT, DQ_TRAIL)
+            BWD128_SPLIT)
 
 
 def planned_backward(q, k, v, out, do, lse, spec: AttnSpec, setting, key_mask=None,
@@ -1621,7 +1522,7 @@ def planned_backward(q, k, v, out, do, lse, spec: AttnSpec, setting, key_mask=No
     width = plan.width
     if varlen is None:
         cu = (lse, lse)  # (stand-ins without packed sequences)
-        counter = empty((plan.n_count,), torch.int32, q.device) if plan.persistent else dk
+        counter = empty((1,), torch.int32, q.device) if plan.persistent else dk
         dq_acc, lse, delta, _ = _prologue(q, out, do, None, lse=lse, bound=plan.prologue,
                                           counter=counter if plan.persistent else None,
                                           cols=width)
@@ -1640,13 +1541,8 @@ def planned_backward(q, k, v, out, do, lse, spec: AttnSpec, setting, key_mask=No
     values[plan.at[2]] = counter
     values[plan.cu_at[0]], values[plan.cu_at[1]] = cu
     _fill_mask(values, plan.mask_at, key_mask, lse)
-    tensors = (q, do, k, v, lse, delta, dq_acc, dk_w, dv_w)
-    if plan.convert is not None:
-        _trailed(plan.device, lambda: _run_plan(plan, values, tensors),
-                 lambda: _convert_dq(dq_acc, dq, counter, q, k, plan.convert))
-    else:
-        _run_plan(plan, values, tensors)
-        dq.copy_(dq_acc[..., :dq.shape[-1]] if width else dq_acc)
+    _run_plan(plan, values, (q, do, k, v, lse, delta, dq_acc, dk_w, dv_w))
+    dq.copy_(dq_acc[..., :dq.shape[-1]] if width else dq_acc)
     if plan.wide_dkdv:
         dk.copy_(dk_w[..., :dk.shape[-1]])
         dv.copy_(dv_w[..., :dv.shape[-1]])

@@ -290,43 +290,6 @@ def _claim(Counter):
 
 
 @gluon.jit
-def _count_item(Counter, item_smem, n_kb, n_bh, bh_group):
-    """Count the CTA's last work item (its index still in ``item_smem``) done on its (batch,
-    key/value head) pair's counter ``Counter[1 + i_bh]``: lane 0 of the (one-warp) producer, a
-    release at GPU scope, after the producer's wait for both consumers' arrival on
-    ``bar_kvfree``, before which each consumer's dQ reductions of the item were performed and
-    fenced (``_dq_flush``).  Whoever reads the count with acquire (``kernels/dq_convert.py``)
-    then reads the pair's accumulator with every item's reductions in it.  (The index is read
-    back rather than carried over the producer's loop: a value carried that way reached the
-    count as the first item's.)"""
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    w = gl.max(item_smem.load(lay), axis=0)
-    _, i_bh = _item_keys(w, n_kb, n_bh, bh_group)
-    p_c = Counter + 1 + i_bh + gl.zeros([1], gl.int32, layout=lay)
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0;"
-        " mov.u32 $0, 0; @p red.release.gpu.global.add.u32 [$1], 1; }",
-        "=r,l", [p_c], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _dq_flush():
-    """Wait until this consumer's dQ reductions are performed, all but its two newest bulk
-    groups (the item's dV and dK stores, ``_store_dkdv_tma``), and order them before the
-    thread's later accesses (the arrival on ``bar_kvfree`` after which the producer counts the
-    item: ``_count_item``).  Every thread runs it; the one that issued the reductions (an
-    elected lane of the warpgroup's first warp) is the one that waits, and its warp's lanes
-    (thread 0 of the warpgroup arrives) pass the warp barrier after it.  The reductions were
-    issued before the dV and dK stores and their reads of shared memory, so by then they are
-    mostly done."""
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    gl.inline_asm_elementwise(
-        "cp.async.bulk.wait_group 2; fence.proxy.async.global; bar.warp.sync -1;"
-        " mov.u32 $0, $1;", "=r,r",
-        [gl.zeros([1], gl.int32, layout=lay)], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _dq_add(b_dq, desc_dq, dq_tile, base, row, col, scale, RAGGED: gl.constexpr):
     """``dq_accumulator[row:, col:] += scale * b_dq`` (a ``[BLOCK_M, D / 2]`` float32 tile of
     batch entry ``base``'s rows: ``_tma_load``'s coordinates) through this consumer's
@@ -364,14 +327,11 @@ def _produce_item(w, c, t, b_w, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_
                   do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl, wr, masked, window, Ranges,
                   Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ, CuK,
                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, desc_q2, desc_do2, desc_k2,
-                  desc_v2, q2_smem, do2_smem, k2_smem, v2_smem, Counter,
-                  COUNT: gl.constexpr):
+                  desc_v2, q2_smem, do2_smem, k2_smem, v2_smem):
     """Load work item ``w`` (the CTA's ``c``-th): its K and V, then its (Q, dO, lse, delta)
     tiles into the ring from position ``t`` on; the ring position after them.  A split head
     dim (``attn_bwd_split_sm90_kernel``) loads each tile's columns from ``HEAD_DIM`` on through
-    the second descriptors into the second buffers, on the same barriers.  With ``COUNT``
-    (persistent) the CTA's previous item is counted done once its consumers arrived
-    (``_count_item``)."""
+    the second descriptors into the second buffers, on the same barriers."""
     SPARSE: gl.constexpr = Lists.dtype.element_ty == gl.int32
     # packed sequences' cumulative lengths are int32 (without them the lse pointer stands in)
     VARLEN: gl.constexpr = CuQ.dtype.element_ty == gl.int32
@@ -401,10 +361,6 @@ def _produce_item(w, c, t, b_w, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_
         # the consumers read the previous item's K and V to its last dq: then the slots are
         # free; the item goes to the consumers with the arrival on bar_kv below
         mbarrier.wait(bar_kvfree, (c & 1) ^ 1, pred=c > 0)
-        if COUNT:  # the previous item is done (its consumers arrived)
-            if c > 0:
-                _count_item(Counter, item_smem, _blocks(sk, KEYS, RAGGED or VARLEN), n_bh,
-                            bh_group)
         item_smem.store(b_w)
     mbarrier.expect(bar_kv, _split_sum(KV_LOADS * (desc_k.block_type.nbytes
                                                    + desc_v.block_type.nbytes),
@@ -473,7 +429,7 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
                   do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl, wr, masked, window, Ranges,
                   Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ, CuK,
                   PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, desc_q2, desc_do2, desc_k2,
-                  desc_v2, q2_smem, do2_smem, k2_smem, v2_smem, COUNT: gl.constexpr):
+                  desc_v2, q2_smem, do2_smem, k2_smem, v2_smem):
     n_items = _blocks(sk, k_smem.shape[0], RAGGED or CuQ.dtype.element_ty == gl.int32) * n_bh
     if PERSISTENT:
         c = 0  # items of this CTA so far (K/V phase)
@@ -488,17 +444,13 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
                               do_ch, kv_rb, kv_rh, kv_ch, wl, wr, masked, window, Ranges,
                               Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ, CuK,
                               PERSISTENT, RAGGED, desc_q2, desc_do2, desc_k2, desc_v2, q2_smem,
-                              do2_smem, k2_smem, v2_smem, Counter, COUNT)
+                              do2_smem, k2_smem, v2_smem)
             c += 1
             # claimed while the consumers still work on this item's last tiles
             b_w = _claim(Counter)
             w = gl.max(b_w, axis=0)
         # no item left: the consumers read an index past the last one and stop
         mbarrier.wait(bar_kvfree, (c & 1) ^ 1, pred=c > 0)
-        if COUNT:
-            if c > 0:
-                _count_item(Counter, item_smem, _blocks(sk, k_smem.shape[0], RAGGED), n_bh,
-                            bh_group)  # (COUNT: not packed)
         item_smem.store(b_w)
         mbarrier.arrive(bar_kv)
     else:
@@ -509,8 +461,7 @@ def _bwd_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem,
                       nheads_k, n_bh, bh_group, group, q_rb, q_rh, q_ch, do_rb, do_rh, do_ch,
                       kv_rb, kv_rh, kv_ch, wl, wr, masked, window, Ranges, Lists, stride_xb,
                       stride_xh, stride_xr, tpr, ipc, CuQ, CuK, PERSISTENT, RAGGED, desc_q2,
-                      desc_do2, desc_k2, desc_v2, q2_smem, do2_smem, k2_smem, v2_smem, Counter,
-                      False)
+                      desc_do2, desc_k2, desc_v2, q2_smem, do2_smem, k2_smem, v2_smem)
 
 
 @gluon.jit
@@ -763,8 +714,6 @@ def _consume_item(i_wg, w, t, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_s
         _store_dkdv_tma(b_dk, b_dv, v_smem.index(0).slice(i_wg * BLOCK_NW, BLOCK_NW), desc_dk,
                         desc_dv, i_b * dk_rb + i_hk * dk_rh + k0, i_hk * dk_ch, scale)
         if PERSISTENT:
-            if DQ:  # the item's dQ reductions performed before the producer counts it
-                _dq_flush()
             mbarrier.arrive(bar_kvfree)
     else:
         if PERSISTENT:
@@ -1135,8 +1084,8 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
                          Ranges, KeyMask, stride_mb, Lists, stride_xb, stride_xh, stride_xr, tpr,
                          ipc, CuQ, CuK, MASKED: gl.constexpr, WINDOW: gl.constexpr,
                          DQ: gl.constexpr, PERSISTENT: gl.constexpr, RAGGED: gl.constexpr,
-                         DKDV_TMA: gl.constexpr, DK_COLS: gl.constexpr, COUNT: gl.constexpr,
-                         STAGES: gl.constexpr, num_warps: gl.constexpr):
+                         DKDV_TMA: gl.constexpr, DK_COLS: gl.constexpr, STAGES: gl.constexpr,
+                         num_warps: gl.constexpr):
     """Persistent grid (at most one CTA per SM): a work item is 128 keys of one key/value head
     (``Sk / 128 * n_bh`` items, ``n_bh = B * Hk``, in the order of ``_item_keys``), and a CTA's
     producer claims the next from ``Counter`` (an int32 zero before the launch) as the last one
@@ -1169,7 +1118,7 @@ def attn_bwd_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
               do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, dk_rb, dk_rh, dk_ch, scale, qk_scale, wl,
               wr, Ranges,
               KeyMask, stride_mb, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ, CuK,
-              MASKED, WINDOW, DQ, PERSISTENT, RAGGED, DKDV_TMA, DK_COLS, COUNT, STAGES)
+              MASKED, WINDOW, DQ, PERSISTENT, RAGGED, DKDV_TMA, DK_COLS, STAGES)
 
 
 @gluon.jit
@@ -1183,8 +1132,7 @@ def attn_bwd_split_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_d
                                tpr, ipc, CuQ, CuK, MASKED: gl.constexpr, WINDOW: gl.constexpr,
                                DQ: gl.constexpr, PERSISTENT: gl.constexpr, RAGGED: gl.constexpr,
                                DKDV_TMA: gl.constexpr, DK_COLS: gl.constexpr,
-                               COUNT: gl.constexpr, STAGES: gl.constexpr,
-                               num_warps: gl.constexpr):
+                               STAGES: gl.constexpr, num_warps: gl.constexpr):
     """The kernel at a head dim that is two tiles' widths, ``desc_q``, ``desc_do``, ``desc_k``
     and ``desc_v`` tiling each head's first ``D`` columns, ``desc_q2`` ... ``desc_v2`` the rest
     (``D2``), in buffers of their own; no column computed past the head.
@@ -1204,7 +1152,7 @@ def attn_bwd_split_sm90_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_d
               do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, dk_rb, dk_rh, dk_ch, scale, qk_scale, wl,
               wr, Ranges,
               KeyMask, stride_mb, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ, CuK,
-              MASKED, WINDOW, DQ, PERSISTENT, RAGGED, DKDV_TMA, DK_COLS, COUNT, STAGES)
+              MASKED, WINDOW, DQ, PERSISTENT, RAGGED, DKDV_TMA, DK_COLS, STAGES)
 
 
 @gluon.jit
@@ -1215,7 +1163,7 @@ def _attn_bwd(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, de
               Ranges, KeyMask, stride_mb, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc, CuQ,
               CuK, MASKED: gl.constexpr, WINDOW: gl.constexpr, DQ: gl.constexpr,
               PERSISTENT: gl.constexpr, RAGGED: gl.constexpr, DKDV_TMA: gl.constexpr,
-              DK_COLS: gl.constexpr, COUNT: gl.constexpr, STAGES: gl.constexpr):
+              DK_COLS: gl.constexpr, STAGES: gl.constexpr):
     """The kernels' body: the second descriptors are the first ones again but for a split
     head dim (``attn_bwd_split_sm90_kernel``)."""
     # (a padded head dim's views have a tile [rows, 1, D] or [1, rows, 1, D]: _tma_load)
@@ -1235,9 +1183,6 @@ def _attn_bwd(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, de
     # (_consume_item_wide); else each owns 64 of its 128
     WIDE: gl.constexpr = HEAD_DIM == 256 or (SPLIT and not NARROW)
     gl.static_assert(not (WIDE and PERSISTENT), "the d = 256 consumers walk one item a CTA")
-    # counted items: the consumers' dQ reductions flushed before their dK/dV TMA stores' end
-    gl.static_assert(not COUNT or (DQ and PERSISTENT and DKDV_TMA and not SPLIT),
-                     "counted items: the persistent fused kernel, dK and dV stored by TMA")
     gl.static_assert(not (WIDE and Lists.dtype.element_ty == gl.int32),
                      "block masks: d <= 128 only")
     gl.static_assert(not ((WIDE or DKDV_TMA or RAGGED or not PERSISTENT)
@@ -1346,5 +1291,5 @@ def _attn_bwd(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, desc_dq, de
                          q_rb, q_rh, q_ch, do_rb, do_rh, do_ch, kv_rb, kv_rh, kv_ch, wl, wr,
                          MASKED, WINDOW, Ranges, Lists, stride_xb, stride_xh, stride_xr, tpr, ipc,
                          CuQ, CuK, PERSISTENT, RAGGED, desc_q2, desc_do2, desc_k2, desc_v2,
-                         q2_smem, do2_smem, k2_all.index(0), v2_all.index(0), COUNT)),
+                         q2_smem, do2_smem, k2_all.index(0), v2_all.index(0))),
     ], [4, 1], [CONSUMER_REGS, 24])

@@ -344,7 +344,7 @@ def attn_bwd_dq_kernel(
 
 @triton.jit
 def attn_bwd_delta_kernel(O, DO, DELTA, DQ_ACC, stride_db, stride_ds, stride_dh, n_rows,
-                          seqlen_q, nheads, LSE, LSE_P, SRC, COUNTER, total, n_count,
+                          seqlen_q, nheads, LSE, LSE_P, SRC, COUNTER, total,
                           HEAD_DIM: tl.constexpr, O_COLS: tl.constexpr, ROWS: tl.constexpr,
                           ZERO: tl.constexpr, PACKED: tl.constexpr, COUNT: tl.constexpr,
                           PAD: tl.constexpr):
@@ -353,10 +353,8 @@ def attn_bwd_delta_kernel(O, DO, DELTA, DQ_ACC, stride_db, stride_ds, stride_dh,
     fused kernel, ``attn_bwd_sm90.py`` with ``DQ``) the float32 dQ accumulator zeroed, for
     ``ROWS`` of the ``B * Sq * H`` rows of the contiguous ``(B, Sq, H, D)`` tensors ``O`` and
     ``DQ_ACC`` a program (``DO``: the same shape with strides ``stride_d*`` and contiguous
-    rows).  With ``COUNT`` the programs zero the persistent kernel's counters ``COUNTER``
-    (int32 ``(n_count,)``: its work counter, and with ``launch_sm90.DQ_TRAIL`` one count of
-    finished items a (batch, key/value head) pair; ``n_count`` is at most the programs' rows):
-    one device op less than a separate fill.
+    rows).  With ``COUNT`` program 0 zeroes the persistent kernel's work counter ``COUNTER``
+    (int32 ``(1,)``): one device op less than a separate fill.
 
     ``PACKED`` (packed sequences, ``B = 1``, ``Sq = total``): the rows are those of the padded
     layout ``(H, seqlen_q)`` of ``launch_sm90.packed_prologue`` instead, position ``i`` of head
@@ -394,7 +392,8 @@ def attn_bwd_delta_kernel(O, DO, DELTA, DQ_ACC, stride_db, stride_ds, stride_dh,
         m_live = m_r & (i_s < total)
         i_row = (i_b * total + i_s) * nheads + i_h
     if COUNT:
-        tl.store(COUNTER + o_r, tl.zeros([ROWS], tl.int32), mask=o_r < n_count)
+        if i_r == 0:
+            tl.store(COUNTER, 0)
     p = i_row.to(tl.int64)[:, None] * HEAD_DIM + o_d[None, :]      # [ROWS, D] of DQ_ACC
     p_o = i_row.to(tl.int64)[:, None] * O_COLS + o_d[None, :]      # [ROWS, D] of O
     p_do = ((i_bs // seqlen_q).to(tl.int64) * stride_db
