@@ -114,7 +114,9 @@ for dtype, ragged, keymask in ((torch.bfloat16, False, False), (torch.float16, F
                              desc_o=desc(ty, bq, head_dim, dtype, ragged), Lse="*fp32",
                              qk_scale="fp32", **masks, CuQ="*fp32", CuK="*fp32", Items="*fp32",
                              Out=f"*{ty}")
-            for n_c in {2, launch_sm90.consumers(head_dim, causal, 0, ragged or keymask)}:
+            # (and three consumers with masking: causal from THREE_CONSUMER_ROWS queries)
+            three = {3} if head_dim == 64 and causal and not (ragged or keymask) else set()
+            for n_c in {2, launch_sm90.consumers(head_dim, causal, 0, ragged or keymask)} | three:
                 emit(f"fwd{'' if n_c == 2 else n_c}{r}-{ty}", attn_fwd_sm90_kernel,
                      dict(fwd_types, Lists="*fp32"), head_dim, causal, CONSUMERS=n_c)
                 if n_c == 1:  # "1t": three CTAs an SM (launch_sm90.ONE_CONSUMER_CTAS = 3)
@@ -419,10 +421,15 @@ def test_sm90_split_forward_compiles_for_hopper_with_its_structure(compiled, var
     assert row["spill_bytes"] <= SPILL_LIMIT
 
 
-@pytest.mark.parametrize("variant", ["fwd3-bf16-d64-full", "fwd3-fp16-d64-full"])
+@pytest.mark.parametrize("variant", ["fwd3-bf16-d64-full", "fwd3-fp16-d64-full",
+                                     "fwd3-bf16-d64-causal", "fwd3-fp16-d64-causal"])
 def test_sm90_forward_with_three_consumers_compiles_without_spills(compiled, variant):
-    """d = 64 without masking: three consumer warpgroups at 160 registers a thread, each with
-    its own Q and output tile, and no spilled register."""
+    """d = 64: three consumer warpgroups at 160 registers a thread, each with its own Q and
+    output tile, and no spilled register without masking; with it (causal) ptxas keeps a few of
+    an item's values in local memory outside the key loops (72 bytes; nvdisasm: none in the loop
+    without the mask, two loads a step in the other; with a branch on the tile in the masked
+    loop, 612 bytes and 30-35 local loads and stores a step in both: docs/dev/tuning-log.md,
+    step 137)."""
     from flashtile.backends.triton import launch_sm90
 
     row = compiled[variant]
@@ -430,11 +437,11 @@ def test_sm90_forward_with_three_consumers_compiles_without_spills(compiled, var
     half = launch_sm90.BLOCK_M // 2
     rows = 3 * half + 2 * launch_sm90.STAGES * launch_sm90.block_n(64) + 3 * half
     assert rows * 64 * 2 <= row["shared"] <= SMEM_LIMIT
-    # 3 consumer warpgroups, 1 producer warp padded to a warpgroup
+    # 3 consumer warpgroups and the producer's (the default partition)
     assert row["num_warps"] == 16
     assert all(row["ops"].values()), row["ops"]
     assert row["tma_stores"] == 3
-    assert row["spill_bytes"] == 0
+    assert row["spill_bytes"] <= (80 if variant.endswith("causal") else 0), row["spill_bytes"]
 
 
 @pytest.mark.parametrize("variant", ["fwd1-bf16-d64-causal", "fwd1-fp16-d64-causal",
@@ -628,25 +635,29 @@ def test_sm90_split_dq_kernel_compiles_for_hopper_with_its_structure(compiled, v
     (1024, 1024, (-1, 0), 64, 1),     # causal 1K: 512 keys a row on average
     (128, 512, (-1, 0), 64, 1),       # sk > sq: 448
     (2048, 2048, (-1, 0), 64, 2),     # causal 2K: 1024
+    (3072, 3072, (-1, 0), 64, 3),     # causal from 3K queries: three consumers
+    (2048, 8192, (-1, 0), 64, 2),     # sk > sq: 2K queries
+    (4096, 4096, (-1, 100), 64, 3),   # no lower edge
     (8192, 8192, (255, 0), 64, 1),    # a 256-key window
     (4096, 4096, (1023, 0), 64, 2),   # a 1024-key window
     (1024, 1024, (-1, -1), 64, 3),    # no mask: three consumers
     (1024, 1024, (-1, 0), 128, 2),
     (1024, 1024, (-1, 0), 256, 2),
-], ids=["causal-1k", "causal-sk>sq", "causal-2k", "window-256", "window-1024", "full", "d128",
-        "d256"])
+], ids=["causal-1k", "causal-sk>sq", "causal-2k", "causal-3k", "causal-2k-sk>sq",
+        "right-edge-only-4k", "window-256", "window-1024", "full", "d128", "d256"])
 def test_sm90_forward_consumer_count_follows_the_keys_a_row_sees(sq, sk, window, head_dim,
                                                                   expected):
     """The forward's consumer count: one (two CTAs an SM) for masked d = 64 calls whose rows see
-    few keys, where an item's first tile and epilogue weigh most; two otherwise; three at d = 64
-    without masking."""
+    few keys, where an item's first tile and epilogue weigh most; three at d = 64 without
+    masking, or with a window without a lower edge from 3K queries; two otherwise."""
     from flashtile.backends.spec import AttnSpec
     from flashtile.backends.triton import launch_sm90
 
     spec = AttnSpec(softmax_scale=0.125, window_left=window[0], window_right=window[1])
     w = launch_sm90._window(spec, sq, sk)
     keys = launch_sm90._mean_keys(sq, sk, w["wl"], w["wr"])
-    assert launch_sm90.consumers(head_dim, w["MASKED"], keys) == expected
+    assert launch_sm90.consumers(head_dim, w["MASKED"], keys, False, sq,
+                                 window[0] >= 0) == expected
 
 
 def _worst_over_mean(n_m, n_bh, sq, sk, n_ctas, lpt):

@@ -854,6 +854,53 @@ def test_sm90_one_consumer_forward_matches_float64_reference(case, ctas, dtype, 
         assert torch.equal(got, out)
 
 
+WG3_MASKED_CASES = [  # (batch, sq, sk, heads, heads_k, window_left, window_right): d = 64
+    ("causal-exact-items", 2, 384, 384, 4, 4, -1, 0),
+    ("causal-first-item-a-third", 2, 256, 256, 4, 2, -1, 0),
+    ("causal-gqa-first-item-a-third", 1, 640, 640, 6, 2, -1, 0),
+    ("causal-sk>sq-two-loops", 1, 1280, 3072, 4, 4, -1, 0),
+    ("causal-3k-two-loops", 2, 3072, 3072, 4, 4, -1, 0),
+    ("right-edge-only-two-loops", 1, 2176, 2176, 4, 4, -1, 100),
+    ("causal-many-rounds", 8, 1024, 1024, 24, 24, -1, 0),
+]
+
+
+@pytest.mark.parametrize("case", WG3_MASKED_CASES, ids=[c[0] for c in WG3_MASKED_CASES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_sm90_three_consumer_causal_forward_matches_float64_reference(case, dtype,
+                                                                      monkeypatch):
+    """Three consumers with a window that has no lower edge (causal; the launcher's choice
+    from ``THREE_CONSUMER_ROWS`` queries, lowered here to reach short sequences): row blocks
+    laid from the sequence's end (a first block of 64 or 128 rows whose other consumers store
+    nothing), the tiles an edge cuts all masked below ``PLAIN_KEYS`` keys or in a loop of
+    their own from it: output within 2x PyTorch's same-dtype error of float64 and lse within
+    1e-3 on every row (outputs start as NaN), and the public call, through its launch plan on
+    the second call, equal to it."""
+    _, batch, sq, sk, heads, heads_k, left, right = case
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    monkeypatch.setattr(launch_sm90, "THREE_CONSUMER_ROWS", 0)
+    monkeypatch.setattr(launch_sm90, "ONE_CONSUMER_KEYS", 0)
+    q = torch.randn(batch, sq, heads, 64, device="cuda", dtype=dtype)
+    k = torch.randn(batch, sk, heads_k, 64, device="cuda", dtype=dtype)
+    v = torch.randn(batch, sk, heads_k, 64, device="cuda", dtype=dtype)
+    spec = flashtile.backends.spec.AttnSpec(softmax_scale=0.125, window_left=left,
+                                            window_right=right)
+    assert launch_sm90.eligible(q, k, v, spec)
+    w = launch_sm90._window(spec, sq, sk)
+    keys = launch_sm90._mean_keys(sq, sk, w["wl"], w["wr"])
+    assert launch_sm90.consumers(64, True, keys, False, sq, False) == 3
+    with poison_outputs():
+        out, lse = launch_sm90.forward(q, k, v, spec)
+    ref, ref_lse = _reference(q, k, v, False, torch.float64, (left, right))
+    low, _ = _reference(q, k, v, False, dtype, (left, right))
+    base = (low.double() - ref).abs().max().item()
+    assert torch.isfinite(out).all() and (out.double() - ref).abs().max().item() <= 2 * base + 1e-4
+    assert (lse.double() - ref_lse).abs().max().item() <= 1e-3
+    for _ in range(2):  # the first call records the plan, the second replays it
+        got = flashtile.flash_attn_func(q, k, v, window_size=(left, right))
+        assert torch.equal(got, out)
+
+
 BWD_WINDOW_CASES = [  # (batch, sq, sk, heads, heads_k, d, window_left, window_right)
     ("d128-local-gqa", 1, 512, 512, 4, 2, 128, 100, 0),
     ("d64-band-sk>sq", 2, 256, 640, 2, 2, 64, 150, 37),

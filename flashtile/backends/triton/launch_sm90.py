@@ -63,16 +63,23 @@ _sm90_env = env_reader("FLASHTILE_SM90")
 
 
 ONE_CONSUMER_KEYS = 768  # mean keys a row sees up to which masked d = 64 takes one consumer
+# queries from which a masked d = 64 call without a lower edge (causal) takes three consumers
+THREE_CONSUMER_ROWS = 3072
 
 
-def consumers(head_dim: int, masked: bool, keys: int = 1 << 30, ragged: bool = False) -> int:
+def consumers(head_dim: int, masked: bool, keys: int = 1 << 30, ragged: bool = False,
+              rows: int = 0, lower: bool = True) -> int:
     """Consumer warpgroups of the forward: three (192-row work items, 160 registers a thread)
-    at d = 64 without masking; one, in ``ONE_CONSUMER_CTAS`` CTAs an SM (two or three), at
-    d = 64 with masking where a row sees at most ``ONE_CONSUMER_KEYS`` keys on average
-    (``keys``); else two.  H100, bf16, B H32 d64
+    at d = 64 without masking, and with a window that has no lower edge (``lower`` false:
+    causal) from ``THREE_CONSUMER_ROWS`` queries (``rows``) on; one, in ``ONE_CONSUMER_CTAS``
+    CTAs an SM (two or three), at d = 64 with masking where a row sees at most
+    ``ONE_CONSUMER_KEYS`` keys on average (``keys``); else two.  Causal, H200, B H32, bf16 /
+    fp16, one process: three 1.03x cuDNN at 3K, 1.04x at 4K, 1.05x at 8K and 1.09x at 16K
+    where two ran 0.98-1.00x; at 2K three measured 0.72-0.75x against two's 0.96x
+    (docs/dev/tuning-log.md, step 137; before it three spilled in their key loops and ran
+    0.36-0.56x).  H100, bf16, B H32 d64
     non-causal, 3 rounds: 1.07-1.11x cuDNN at N = 2K-16K with three, 0.94-0.97x with two (equal
-    at 1K); causal or windowed, the masking code spills at 160 registers (772 bytes) and three
-    ran at 0.36-0.48x cuDNN.  Causal at 1K (4.5 key tiles an item), one consumer in two CTAs
+    at 1K).  Causal at 1K (4.5 key tiles an item), one consumer in two CTAs
     an SM: 0.88-0.93x cuDNN against 0.81-0.86x with two (the other CTA's turns fill the
     tensor cores through this one's first tile and epilogue); from 2K two are faster
     (docs/dev/tuning-log.md, step 51).  Lengths that are not multiples of the tiles
@@ -80,6 +87,8 @@ def consumers(head_dim: int, masked: bool, keys: int = 1 << 30, ragged: bool = F
     spills 768 bytes (compiled for sm_90a)."""
     if head_dim == 64 and masked and keys <= ONE_CONSUMER_KEYS:
         return 1
+    if head_dim == 64 and masked and not ragged and not lower and rows >= THREE_CONSUMER_ROWS:
+        return 3
     return 3 if head_dim == 64 and not masked and not ragged else 2
 
 
@@ -1006,7 +1015,7 @@ def forward(q, k, v, spec: AttnSpec, key_mask=None, sparse=None, varlen=None):
     # (with a key mask, two consumers where three would run: its code spills with three;
     # packed sequences' lengths are not multiples of three consumers' rows)
     n_c = consumers(width, masked, _mean_keys(sq, sk, window["wl"], window["wr"]),
-                    ragged or keymask or varlen is not None)
+                    ragged or keymask or varlen is not None, sq, spec.window_left >= 0)
     if sparse is not None:  # work items of BLOCK_M rows, whole parts of the mask's blocks
         n_c = 2
     block_m = n_c * (BLOCK_M // 2)

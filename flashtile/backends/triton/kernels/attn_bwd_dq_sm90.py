@@ -89,7 +89,7 @@ def _dq_producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, 
         p_l = (i_b * nheads + i_h) * sq_pad + m0 + c * HALF
         tma.async_copy_global_to_shared(desc_lse, [p_l], bar_q, lse_smem.index(c))
         tma.async_copy_global_to_shared(desc_delta, [p_l], bar_q, delta_smem.index(c))
-    lo, hi = _tile_range(i_m, sk, sk - sq, wl, wr, masked, 2 * HALF, BLOCK_N)
+    lo, hi = _tile_range(i_m * 2 * HALF, sk, sk - sq, wl, wr, masked, 2 * HALF, BLOCK_N)
     base_k = i_b * kv_rb + i_hk * kv_rh
     for j in range(hi - lo):
         i_s = j % STAGES
@@ -157,7 +157,7 @@ def _dq_consumer(i_wg, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ba
     i_m, i_b, i_h, i_hk = _dq_item(gl.program_id(0), n_m, n_bh, nheads, group)
     m0 = i_m * 2 * HALF + i_wg * HALF                          # this consumer's first row
     shift = sk - sq
-    lo, hi = _tile_range(i_m, sk, shift, wl, wr, masked, 2 * HALF, BLOCK_N)
+    lo, hi = _tile_range(i_m * 2 * HALF, sk, shift, wl, wr, masked, 2 * HALF, BLOCK_N)
     q_tile = q_smem.index(i_wg)                                 # [64, D]
     do_tile = do_smem.index(i_wg)                               # [64, D]
     o_m = m0 + gl.arange(0, HALF, layout=row_s)                 # [64] rows

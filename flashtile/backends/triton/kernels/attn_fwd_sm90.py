@@ -1,6 +1,7 @@
-"""Hopper (sm_90) forward kernel in Gluon, warp-specialised: a one-warp producer streams K/V
-tiles by TMA into a ``STAGES``-deep shared-memory ring; ``CONSUMERS`` warpgroups (two; three at
-d = 64 without masking, at 160 registers a thread; one at d = 64 with masking over few keys,
+"""Hopper (sm_90) forward kernel in Gluon, warp-specialised: a one-warp producer (with three
+consumers the default partition's warpgroup) streams K/V tiles by TMA into a ``STAGES``-deep
+shared-memory ring; ``CONSUMERS`` warpgroups (two; three at d = 64 without masking, or causal
+from 3K queries, at 160 registers a thread; one at d = 64 with masking over few keys,
 where two or three CTAs share an SM and their turns interleave without a barrier: the launcher
 caps the registers a thread, ``launch_sm90.consumers`` and ``ONE_CONSUMER_CTAS``) own 64 query
 rows each and take turns on the tensor cores in order (ping-pong: while one issues its Q·Kᵀ and
@@ -50,7 +51,10 @@ for causal masking up to the block's last row, so the extra tile of the first co
 masked), so their turns pair up one for one.  With three consumers a sequence's last block may
 end before a consumer's rows (three run only at lengths that are multiples of 128, never of
 192): that consumer takes its turns on rows of the next head or past the tensor's end (TMA
-reads zeros there) and stores nothing.
+reads zeros there) and stores nothing.  With masking (causal) the blocks are laid from the
+sequence's end instead (``_block_row``): the block with fewer rows is the first, whose rows see
+the fewest keys, and its consumers before row 0 take their turns on rows of the previous head
+(or zeros before the tensor) and store nothing.
 
 With masking (``PLAIN``: a window, causal included; tiles walked in order, i.e. not RAGGED,
 VARLEN or SPARSE; no key mask) and at least ``PLAIN_KEYS`` keys, a consumer walks the tiles that
@@ -362,13 +366,26 @@ def _packed_item(w, Items, n_m, nheads, n_work):
 
 
 @gluon.jit
-def _tile_range(i_m, sk, shift, wl, wr, masked, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Key tiles ``[lo, hi)`` that some row of row block ``i_m`` sees."""
+def _block_row(i_m, sq, BLOCK_M: gl.constexpr, end):
+    """The first query row of row block ``i_m`` (``BLOCK_M`` rows): ``i_m * BLOCK_M``, or with
+    ``end`` (three consumers with masking) the blocks laid from the sequence's end, so that
+    the block of fewer rows is the first, whose rows see the fewest keys, and not the last,
+    whose see the most while the consumers past its rows walk the same tiles for nothing
+    (causal d = 64 at 4K: the last block is a third full); rows before 0 are no work."""
+    m0 = i_m * BLOCK_M
+    if end:
+        m0 = m0 - (gl.cdiv(sq, BLOCK_M) * BLOCK_M - sq)
+    return m0
+
+
+@gluon.jit
+def _tile_range(m0, sk, shift, wl, wr, masked, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Key tiles ``[lo, hi)`` that some row of the row block from row ``m0`` sees."""
     lo = 0
     hi = sk
     if masked:
-        lo = gl.maximum(i_m * BLOCK_M + shift - wl, 0) // BLOCK_N
-        hi = gl.minimum(sk, i_m * BLOCK_M + BLOCK_M + shift + wr)
+        lo = gl.maximum(m0 + shift - wl, 0) // BLOCK_N
+        hi = gl.minimum(sk, m0 + BLOCK_M + shift + wr)
     return lo, gl.cdiv(hi, BLOCK_N)
 
 
@@ -443,7 +460,12 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
         if VARLEN:  # the row blocks past a sequence's end are no work
             live_item = live_item & (i_m * NC * BLOCK_MQ < sq_i)
         if live_item:
-            lo, hi = _tile_range(i_m, sk_i, sk_i - sq_i, wl, wr, masked, NC * BLOCK_MQ, BLOCK_N)
+            # (three consumers with masking: blocks laid from the end, _block_row)
+            end = False
+            if NC == 3:
+                end = masked
+            m0 = _block_row(i_m, sq_i, NC * BLOCK_MQ, end)
+            lo, hi = _tile_range(m0, sk_i, sk_i - sq_i, wl, wr, masked, NC * BLOCK_MQ, BLOCK_N)
             if VARLEN:  # a sequence whose rows see no key still walks one tile (all masked)
                 hi = gl.maximum(hi, lo + 1)
             if KEYMASK:  # only the tiles of the batch entry's visible keys
@@ -478,10 +500,10 @@ def _ws_producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, bar_q, bar_qfre
                 # consumer i's Q buffer is free once its last Q·Kᵀ of the previous item completed
                 mbarrier.wait(bar_qfree.index(i), (c & 1) ^ 1, pred=c > 0)
                 mbarrier.expect(bar_q.index(i), Q_BYTES)
-                _tma_load(desc_q, base_q, i_m * NC * BLOCK_MQ + i * BLOCK_MQ, i_h * q_ch,
+                _tma_load(desc_q, base_q, m0 + i * BLOCK_MQ, i_h * q_ch,
                           bar_q.index(i), q_smem.index(i))
                 if SPLIT:
-                    _tma_load(desc_q2, base_q, i_m * NC * BLOCK_MQ + i * BLOCK_MQ,
+                    _tma_load(desc_q2, base_q, m0 + i * BLOCK_MQ,
                               i_h * q_ch + HEAD_DIM, bar_q.index(i), q2_smem.index(i))
             # K runs one tile ahead of V: a consumer's step issues Q·K_{t+1}ᵀ with P_t·V_t
             for t in range(n_tiles):
@@ -561,6 +583,11 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
     # tiles in walking order: not RAGGED, VARLEN or SPARSE; with a key mask the two loops
     # spilled 172-760 bytes: one loop; module docstring)
     PLAIN: gl.constexpr = MASKED and not TAIL and not SPARSE and not KEYMASK
+    # three consumers (160 registers a thread): the second loop masks every tile it walks. A
+    # branch there on whether the tile needs the mask carried the score tile through both of
+    # its arms, and ptxas spilled in both loops (612 bytes; 30-35 local loads and stores a
+    # step) where without the branch it spills nothing in them (docs/dev/tuning-log.md, step 137)
+    MASK_ALL: gl.constexpr = PLAIN and NC == 3
 
     pid = gl.program_id(0)
     n_ctas = gl.num_programs(0)
@@ -587,7 +614,8 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
             shift_i = sk_i - sq_i
             live_item = live_item & (i_m * NC * BLOCK_MQ < sq_i)
         if live_item:
-            lo, hi = _tile_range(i_m, sk_i, shift_i, wl, wr, MASKED, NC * BLOCK_MQ, BLOCK_N)
+            m0 = _block_row(i_m, sq_i, NC * BLOCK_MQ, MASKED and NC == 3)
+            lo, hi = _tile_range(m0, sk_i, shift_i, wl, wr, MASKED, NC * BLOCK_MQ, BLOCK_N)
             if VARLEN:
                 hi = gl.maximum(hi, lo + 1)
             k_range = (0, 0, 0, Ranges)
@@ -608,7 +636,7 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
                                                      stride_xr, tpb, ipr)
                 wl_i = gl.where(empty, 1 << 29, wl)
                 wr_i = gl.where(empty, -(1 << 29), wr)
-            mq0 = i_m * NC * BLOCK_MQ + i_wg * BLOCK_MQ
+            mq0 = m0 + i_wg * BLOCK_MQ
             # tiles from n_full on cross the upper edge of this warpgroup's window (its
             # diagonal when causal), tiles starting below lo_key its lower edge: both masked
             n_full = hi
@@ -707,6 +735,8 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
                     # first of PLAIN's loops compiles without the window's mask)
                     if PLAIN and i_pass == 0:
                         m_j = False
+                    elif MASK_ALL:
+                        m_j = True
                     else:
                         m_j = (t >= n_full) | (t * BLOCK_N < lo_key)
                     b_p, m_i, l_i, b_alpha = _online_softmax(
@@ -757,7 +787,7 @@ def _ws_consumer(i_wg, q_smem, k_smem, v_smem, o_smem, bar_q, bar_qfree, bar_k, 
             # which then ran the turns on rows of no use and store nothing
             live = True
             if NC > 2:
-                live = mq0 < sq
+                live = (mq0 >= 0) & (mq0 < sq)
             # (_tma_store's coordinates of the output, a contiguous (B, Sq, H, D))
             o_base = i_b * sq
             if RAGGED:
@@ -952,9 +982,10 @@ def _attn_fwd(desc_q, desc_k, desc_v, desc_o, desc_q2, desc_k2, desc_v2, desc_o2
     # consumer 0 takes the first tensor-core turn.  The consumers take turns on the tensor
     # cores except at d = 64 with masking and at d = 128 without, which are 1-3% faster with
     # each consumer issuing freely (docs/dev/tuning-log.md, step 68); calls with a key mask
-    # keep them (at d = 128 ptxas spills 144 bytes without)
+    # keep them (at d = 128 ptxas spills 144 bytes without), and so do three consumers (causal
+    # d = 64 at 3K-16K 0-8% faster with them, step 137)
     KEYMASK: gl.constexpr = Ranges.dtype.element_ty == gl.int32
-    TURNS: gl.constexpr = KEYMASK or not ((WIDTH == 64 and MASKED)
+    TURNS: gl.constexpr = KEYMASK or CONSUMERS == 3 or not ((WIDTH == 64 and MASKED)
                                           or (WIDTH == 128 and not MASKED))
     # the window test in 3 instructions a score, not 5, where masking is on (step 70: causal
     # N = 1K 8% faster at d = 128, 5% at d = 64); with a key mask or at d = 256, ptxas spills
@@ -973,12 +1004,16 @@ def _attn_fwd(desc_q, desc_k, desc_v, desc_o, desc_q2, desc_k2, desc_v2, desc_o2
                      Lists, stride_xb, stride_xh, stride_xr, tpb, ipr, CuQ, CuK, Items, batch,
                      desc_q2, desc_k2, desc_v2, q2_smem, k2_smem, v2_smem)
     if CONSUMERS == 3:
-        # FlashAttention-3's split at d = 64: three consumers at 160 registers a thread
-        gl.warp_specialize([(_ws_consumer0, (consumer_args, TURNS, U32, MASKED)),
+        # FlashAttention-3's split at d = 64: three consumers at 160 registers a thread, all
+        # three workers, the producer the default partition (its warpgroup keeps the 32 left).
+        # As the default partition at 168 a consumer spilled 145 local loads and stores a step
+        # where the workers at 160 spilled none to 35 (causal, compiled for sm_90a): the slowest
+        # consumer sets the pace of the K/V ring (docs/dev/tuning-log.md, step 137)
+        gl.warp_specialize([(_ws_producer, producer_args),
+                            (_ws_consumer0, (consumer_args, TURNS, U32, MASKED)),
                             (_ws_consumer1, (consumer_args, TURNS, U32, MASKED)),
-                            (_ws_consumer2, (consumer_args, TURNS, U32, MASKED)),
-                            (_ws_producer, producer_args)],
-                           [4, 4, 1], [160, 160, 24])
+                            (_ws_consumer2, (consumer_args, TURNS, U32, MASKED))],
+                           [4, 4, 4], [160, 160, 160])
     elif CONSUMERS == 1:
         # two or three CTAs an SM (launch_sm90.ONE_CONSUMER_CTAS: 128 or 80 registers a thread
         # at launch): the producer's warpgroup drops to 24, the consumer takes the rest (232 or
