@@ -812,6 +812,34 @@ def test_sm90_forward_with_a_scale_not_above_zero_takes_the_portable_kernel(scal
     assert torch.isfinite(out).all() and (out.double() - ref).abs().max().item() <= 2 * base + 1e-4
 
 
+def _check_windowed_d64_forward(case, dtype, n_consumers):
+    """A d = 64 forward with the window of ``case`` (name, batch, sq, sk, heads, heads_k,
+    window_left, window_right) on ``n_consumers`` consumer warpgroups (the launcher's choice):
+    output within 2x PyTorch's same-dtype error of float64 and lse within 1e-3 on every row
+    (outputs start as NaN), and the public call, through its launch plan on the second call,
+    equal to it."""
+    _, batch, sq, sk, heads, heads_k, left, right = case
+    q = torch.randn(batch, sq, heads, 64, device="cuda", dtype=dtype)
+    k = torch.randn(batch, sk, heads_k, 64, device="cuda", dtype=dtype)
+    v = torch.randn(batch, sk, heads_k, 64, device="cuda", dtype=dtype)
+    spec = flashtile.backends.spec.AttnSpec(softmax_scale=0.125, window_left=left,
+                                            window_right=right)
+    assert launch_sm90.eligible(q, k, v, spec)
+    w = launch_sm90._window(spec, sq, sk)
+    keys = launch_sm90._mean_keys(sq, sk, w["wl"], w["wr"])
+    assert launch_sm90.consumers(64, True, keys, False, sq, left >= 0) == n_consumers
+    with poison_outputs():
+        out, lse = launch_sm90.forward(q, k, v, spec)
+    ref, ref_lse = _reference(q, k, v, False, torch.float64, (left, right))
+    low, _ = _reference(q, k, v, False, dtype, (left, right))
+    base = (low.double() - ref).abs().max().item()
+    assert torch.isfinite(out).all() and (out.double() - ref).abs().max().item() <= 2 * base + 1e-4
+    assert (lse.double() - ref_lse).abs().max().item() <= 1e-3
+    for _ in range(2):  # the first call records the plan, the second replays it
+        got = flashtile.flash_attn_func(q, k, v, window_size=(left, right))
+        assert torch.equal(got, out)
+
+
 ONE_CASES = [  # (batch, sq, sk, heads, heads_k, window_left, window_right): d = 64, one consumer
     ("causal-rounds-gqa", 4, 1024, 1024, 9, 3, -1, 0),
     ("causal-ragged-sk>sq", 2, 77, 500, 4, 2, -1, 0),
@@ -831,27 +859,9 @@ def test_sm90_one_consumer_forward_matches_float64_reference(case, ctas, dtype, 
     tiles) and three (64-key tiles, ``launch_sm90.ONE_CONSUMER_CTAS``): output within 2x
     PyTorch's same-dtype error of float64 and lse within 1e-3 on every row (outputs start as
     NaN), and the public call, through its launch plan on the second call, equal to it."""
-    _, batch, sq, sk, heads, heads_k, left, right = case
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
     monkeypatch.setattr(launch_sm90, "ONE_CONSUMER_CTAS", ctas)
-    q = torch.randn(batch, sq, heads, 64, device="cuda", dtype=dtype)
-    k = torch.randn(batch, sk, heads_k, 64, device="cuda", dtype=dtype)
-    v = torch.randn(batch, sk, heads_k, 64, device="cuda", dtype=dtype)
-    spec = flashtile.backends.spec.AttnSpec(softmax_scale=0.125, window_left=left,
-                                            window_right=right)
-    assert launch_sm90.eligible(q, k, v, spec)
-    w = launch_sm90._window(spec, sq, sk)
-    assert launch_sm90.consumers(64, True, launch_sm90._mean_keys(sq, sk, w["wl"], w["wr"])) == 1
-    with poison_outputs():
-        out, lse = launch_sm90.forward(q, k, v, spec)
-    ref, ref_lse = _reference(q, k, v, False, torch.float64, (left, right))
-    low, _ = _reference(q, k, v, False, dtype, (left, right))
-    base = (low.double() - ref).abs().max().item()
-    assert torch.isfinite(out).all() and (out.double() - ref).abs().max().item() <= 2 * base + 1e-4
-    assert (lse.double() - ref_lse).abs().max().item() <= 1e-3
-    for _ in range(2):  # the first call records the plan, the second replays it
-        got = flashtile.flash_attn_func(q, k, v, window_size=(left, right))
-        assert torch.equal(got, out)
+    _check_windowed_d64_forward(case, dtype, 1)
 
 
 WG3_MASKED_CASES = [  # (batch, sq, sk, heads, heads_k, window_left, window_right): d = 64
@@ -876,29 +886,10 @@ def test_sm90_three_consumer_causal_forward_matches_float64_reference(case, dtyp
     their own from it: output within 2x PyTorch's same-dtype error of float64 and lse within
     1e-3 on every row (outputs start as NaN), and the public call, through its launch plan on
     the second call, equal to it."""
-    _, batch, sq, sk, heads, heads_k, left, right = case
     monkeypatch.delenv("FLASHTILE_SM90", raising=False)
     monkeypatch.setattr(launch_sm90, "THREE_CONSUMER_ROWS", 0)
     monkeypatch.setattr(launch_sm90, "ONE_CONSUMER_KEYS", 0)
-    q = torch.randn(batch, sq, heads, 64, device="cuda", dtype=dtype)
-    k = torch.randn(batch, sk, heads_k, 64, device="cuda", dtype=dtype)
-    v = torch.randn(batch, sk, heads_k, 64, device="cuda", dtype=dtype)
-    spec = flashtile.backends.spec.AttnSpec(softmax_scale=0.125, window_left=left,
-                                            window_right=right)
-    assert launch_sm90.eligible(q, k, v, spec)
-    w = launch_sm90._window(spec, sq, sk)
-    keys = launch_sm90._mean_keys(sq, sk, w["wl"], w["wr"])
-    assert launch_sm90.consumers(64, True, keys, False, sq, False) == 3
-    with poison_outputs():
-        out, lse = launch_sm90.forward(q, k, v, spec)
-    ref, ref_lse = _reference(q, k, v, False, torch.float64, (left, right))
-    low, _ = _reference(q, k, v, False, dtype, (left, right))
-    base = (low.double() - ref).abs().max().item()
-    assert torch.isfinite(out).all() and (out.double() - ref).abs().max().item() <= 2 * base + 1e-4
-    assert (lse.double() - ref_lse).abs().max().item() <= 1e-3
-    for _ in range(2):  # the first call records the plan, the second replays it
-        got = flashtile.flash_attn_func(q, k, v, window_size=(left, right))
-        assert torch.equal(got, out)
+    _check_windowed_d64_forward(case, dtype, 3)
 
 
 BWD_WINDOW_CASES = [  # (batch, sq, sk, heads, heads_k, d, window_left, window_right)
