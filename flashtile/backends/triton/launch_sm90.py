@@ -74,7 +74,7 @@ def consumers(head_dim: int, masked: bool, keys: int = 1 << 30, ragged: bool = F
     causal) from ``THREE_CONSUMER_ROWS`` queries (``rows``) on; one, in ``ONE_CONSUMER_CTAS``
     CTAs an SM (two or three), at d = 64 with masking where a row sees at most
     ``ONE_CONSUMER_KEYS`` keys on average (``keys``); else two.  Causal, H200, B H32, bf16 /
-    fp16, one process: three 1.03x cuDNN at 3K, 1.04x at 4K, 1.05x at 8K and 1.09x at 16K
+    fp16, one process: three 1.03x cuDNN at 3K, 1.04x at 4K, 1.05x at 8K, 1.08-1.09x at 16K
     where two ran 0.98-1.00x; at 2K three measured 0.72-0.75x against two's 0.96x
     (docs/dev/tuning-log.md, step 137; before it three spilled in their key loops and ran
     0.36-0.56x).  H100, bf16, B H32 d64
@@ -712,14 +712,16 @@ def _kernel(name: str):
 
 @functools.lru_cache(maxsize=256)
 def causal_order(n_m: int, n_bh: int, sq: int, sk: int, n_ctas: int,
-                 tile_n: int = BLOCK_N, block_m: int = BLOCK_M) -> int:
+                 tile_n: int = BLOCK_N, block_m: int = BLOCK_M, pad: int = 0) -> int:
     """1 where the causal work items should be sorted longest first (``_work_item``'s ``lpt``),
     else 0.  The kernel's default order keeps the row blocks of a head together (their K/V
     shared through L2: 1.0-1.33x faster than longest-first at N <= 8K on the H200), but when a
     head has about as many row blocks as there are CTAs every CTA of the snake keeps landing on
     long (or on short) blocks: at B1 H16 N16K one CTA gets 1.5x the mean work.  Both schedules
     are counted here (tiles per CTA, one tile more per item for its Q and first Q·Kᵀ); the
-    default stays unless it is more than 8% over the mean and longest-first is better."""
+    default stays unless it is more than 8% over the mean and longest-first is better.
+    ``pad``: rows the first block starts before row 0 (three consumers lay the blocks from the
+    sequence's end, the kernel's ``_block_row``)."""
     n_work = n_m * n_bh
     shift = sk - sq
 
@@ -729,7 +731,7 @@ def causal_order(n_m: int, n_bh: int, sq: int, sk: int, n_ctas: int,
             k, r = divmod(w, n_ctas)
             pid = r if k % 2 == 0 else n_ctas - 1 - r
             i_m = n_m - 1 - (w // n_bh if lpt else w % n_m)
-            hi = min(sk, (i_m + 1) * block_m + shift)
+            hi = min(sk, (i_m + 1) * block_m - pad + shift)
             load[pid] += -(-hi // tile_n) + 1
         return max(load) * n_ctas / sum(load)
 
@@ -1033,7 +1035,8 @@ def forward(q, k, v, spec: AttnSpec, key_mask=None, sparse=None, varlen=None):
                 batch=batch, sq=sq, sk=sk, nheads=nheads, group=nheads // nheads_k,
                 qk_scale=spec.softmax_scale * LOG2E, **window,
                 STAGES=STAGES, num_warps=NUM_WARPS, CONSUMERS=n_c,
-                lpt=causal_order(n_m, batch * nheads, sq, sk, grid[0], tile_n, block_m)
+                lpt=causal_order(n_m, batch * nheads, sq, sk, grid[0], tile_n, block_m,
+                                 n_m * block_m - sq if n_c == 3 else 0)
                 if spec.causal and varlen is None else 0, **_key_mask_args(key_mask, lse),
                 **_sparse_args(sparse, lse, tile_n),
                 CuQ=lse if varlen is None else varlen[0], CuK=lse if varlen is None else varlen[1],
