@@ -75,9 +75,9 @@ def consumers(head_dim: int, masked: bool, keys: int = 1 << 30, ragged: bool = F
     CTAs an SM (two or three), at d = 64 with masking where a row sees at most
     ``ONE_CONSUMER_KEYS`` keys on average (``keys``); else two.  Causal, H200, B H32, bf16 /
     fp16, one process: three 1.03x cuDNN at 3K, 1.04x at 4K, 1.05x at 8K, 1.08-1.09x at 16K
-    where two ran 0.98-1.00x; at 2K three measured 0.72-0.75x against two's 0.96x
-    (docs/dev/tuning-log.md, step 137; before it three spilled in their key loops and ran
-    0.36-0.56x).  H100, bf16, B H32 d64
+    where two ran 0.98-1.00x; at 2K three measured 0.70-0.73x against two's 0.96x, 0.89-0.95x
+    longest first, one consumer 0.77-0.93x (docs/dev/tuning-log.md, steps 137-138; before
+    step 137 three spilled in their key loops and ran 0.36-0.56x).  H100, bf16, B H32 d64
     non-causal, 3 rounds: 1.07-1.11x cuDNN at N = 2K-16K with three, 0.94-0.97x with two (equal
     at 1K).  Causal at 1K (4.5 key tiles an item), one consumer in two CTAs
     an SM: 0.88-0.93x cuDNN against 0.81-0.86x with two (the other CTA's turns fill the
