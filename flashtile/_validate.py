@@ -18,7 +18,7 @@ import numbers
 import torch
 
 from ._tensor_cache import TensorCache
-from .backends.spec import AttnSpec, KVCacheSpec
+from .backends.spec import AttnSpec, KVCacheSpec, spec_of
 from .paged_kv import check_page_size, row_capacity
 
 
@@ -190,12 +190,21 @@ def spec(q, softmax_scale_, causal, window_size, softcap_, dropout_p, bottom_rig
     ``q``: the query tensor, or its head dim as an int; ``scale_name`` names the scale argument
     in errors (``scale`` in the SDPA drop-in)."""
     head_dim_ = q if isinstance(q, int) else q.shape[-1]
-    left, right = window(window_size)
-    if causal:
-        right = 0
-    return AttnSpec(softmax_scale(softmax_scale_, head_dim_, scale_name), left, right,
-                    bottom_right, softcap(softcap_), dropout(dropout_p),
-                    deterministic=bool(deterministic))
+
+    def make():
+        left, right = window(window_size)
+        if causal:
+            right = 0
+        return AttnSpec(softmax_scale(softmax_scale_, head_dim_, scale_name), left, right,
+                        bottom_right, softcap(softcap_), dropout(dropout_p),
+                        deterministic=bool(deterministic))
+
+    # (a window that is not a tuple of two is keyed by itself: a list or a tensor, which
+    # spec_of does not cache)
+    pair = type(window_size) is tuple and len(window_size) == 2
+    wl, wr = window_size if pair else (window_size, window_size)
+    return spec_of((head_dim_, softmax_scale_, causal, wl, wr, softcap_, dropout_p,
+                    bottom_right, scale_name, deterministic), make)
 
 
 def alibi(slopes, batch: int, nheads: int, device: torch.device):

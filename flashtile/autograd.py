@@ -31,14 +31,18 @@ from torch import Tensor
 
 from . import backends, paged_kv
 from . import _validate as V
-from .backends.spec import AttnSpec
+from .backends.spec import AttnSpec, spec_of
 from .rng import draw_seed
 
 
 def _spec(softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p,
           deterministic=False):
-    return AttnSpec(float(softmax_scale), int(window_left), int(window_right), bool(bottom_right),
-                    float(softcap), float(dropout_p), deterministic=bool(deterministic))
+    return spec_of(
+        (softmax_scale, window_left, window_right, bottom_right, softcap, dropout_p,
+         deterministic),
+        lambda: AttnSpec(float(softmax_scale), int(window_left), int(window_right),
+                         bool(bottom_right), float(softcap), float(dropout_p),
+                         deterministic=bool(deterministic)))
 
 
 def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor], max_seqlen_q: int,

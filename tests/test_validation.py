@@ -400,3 +400,36 @@ def test_tensor_cache_keys_on_the_tensor_objects_and_their_versions():
     with torch.inference_mode():
         frozen = torch.zeros(4)
         assert get("x", frozen) == 5 and get("x", frozen) == 6
+
+
+def test_spec_cache_keys_on_values_and_their_types():
+    """``spec_of`` hands back the spec an earlier call with the same values of the same types
+    made, so a repeated call builds none; a value equal to a valid one but of a rejected type
+    (``softcap=False`` after ``softcap=0``, ``softmax_scale=True`` after ``1``) still raises,
+    and a window given as a list or a tensor is read anew on every call."""
+    from flashtile import _validate as V
+
+    q = torch.empty(1, 4, 2, 16)
+    first = V.spec(q, 1, True, (-1, -1), 0, 0.0)
+    assert V.spec(q, 1, True, (-1, -1), 0, 0.0) is first
+    assert first.softmax_scale == 1.0 and first.window_right == 0
+    with pytest.raises(TypeError, match="softcap"):
+        V.spec(q, 1, True, (-1, -1), False, 0.0)
+    with pytest.raises(TypeError, match="softmax_scale"):
+        V.spec(q, True, True, (-1, -1), 0, 0.0)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        V.spec(q, float("nan"), False, (-1, -1), 0, 0.0)
+    w = [3, 1]
+    assert V.spec(q, None, False, w, 0.0, 0.0).window_left == 3
+    w[0] = 5
+    assert V.spec(q, None, False, w, 0.0, 0.0).window_left == 5
+    t = torch.tensor([2, 0])
+    assert V.spec(q, None, False, t, 0.0, 0.0).window_left == 2
+    t[0] = 7
+    assert V.spec(q, None, False, t, 0.0, 0.0).window_left == 7
+    # the other head dim's default scale, and the autograd layer's own specs
+    assert V.spec(torch.empty(1, 4, 2, 64), None, False, (-1, -1), 0.0, 0.0).softmax_scale \
+        == 64 ** -0.5
+    from flashtile.autograd import _spec
+    assert _spec(0.5, -1, 0, True, 0.0, 0.0) is _spec(0.5, -1, 0, True, 0.0, 0.0)
+    assert _spec(0.5, -1, 0, True, 0.0, 0.0, True).deterministic

@@ -120,6 +120,35 @@ class AttnSpec:
         return gk - gq + self.q_offset - self.k_offset
 
 
+# AttnSpecs by the plain Python values they were made from (spec_of): a model's layers make
+# the same one on every call, and building a frozen dataclass costs ~5 us of host time
+_SPECS: dict = {}
+_SPECS_SIZE = 256
+_PLAIN = (float, int, bool, str, type(None))
+
+
+def spec_of(key: tuple, make) -> "AttnSpec":
+    """``make()``, or the :class:`AttnSpec` that ``make`` returned before for a key of the same
+    values of the same types (``1``, ``1.0`` and ``True`` are different keys: ``make`` may
+    accept one and reject another).  ``key`` holds every value ``make`` reads; it is cached
+    only when all are plain ``float``, ``int``, ``bool``, ``str`` or None, never while
+    ``torch.compile`` traces (symbolic values, and no global state in the graph).  A ``make``
+    that raises caches nothing."""
+    if torch.compiler.is_compiling():
+        return make()
+    types = tuple(map(type, key))
+    if not all(t in _PLAIN for t in types):
+        return make()
+    full = (key, types)
+    spec = _SPECS.get(full)
+    if spec is None:
+        spec = make()
+        if len(_SPECS) >= _SPECS_SIZE:
+            _SPECS.clear()
+        _SPECS[full] = spec
+    return spec
+
+
 class KVCacheSpec(NamedTuple):
     """A validated ``flash_attn_with_kvcache`` call, as the decode backends receive it.
 
