@@ -603,6 +603,56 @@ def test_num_splits_heuristic():
             assert 1 <= choose_num_splits(n_prog, 132, tiles) <= 128
 
 
+_TILE_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", _TILE_DTYPES, ids=["fp16", "bf16", "fp32"])
+def test_gpu_tile_shapes_fit_shared_memory_and_pages(dtype):
+    """The compiled kernels' tiles (computed, not launched): powers of two that with three
+    stages and the query tile fit SMEM_BUDGET; a program alone on its SM gets at least the
+    tile of one sharing it; a tile never straddles a page of 64 slots or more."""
+    from flashtile.backends.triton import launch_decode as ld
+
+    elt = dtype.itemsize
+    for d in (32, 64, 96, 128, 256):
+        for rows in (1, 4, 64):
+            for page in (0, 16, 32, 48, 64, 128, 256, 1024):
+                tiles = {}
+                for alone in (True, False):
+                    bm, bn, bd, warps, stages = ld._attn_config(True, d, rows, dtype, page, alone)
+                    case = f"d={d} rows={rows} page={page} alone={alone}: tile {bn}"
+                    assert bn >= 16 and bn & (bn - 1) == 0, case
+                    assert stages * 2 * bn * bd * elt + bm * bd * elt <= ld.SMEM_BUDGET, case
+                    if page and page & -page >= 64:
+                        assert page % bn == 0, case
+                    tiles[alone] = bn
+                assert tiles[True] >= tiles[False], f"d={d} rows={rows} page={page}"
+
+
+def test_programs_alone_on_their_sms_get_the_larger_tiles():
+    """``_plan`` (batch, 8 KV heads, one query, d = 128 bf16, 132 SMs): up to 132 programs
+    before splitting (batch <= 16) each stream 128-key tiles, more stream 64-key ones; the
+    split count keeps at least MIN_KEYS_PER_SPLIT keys a split."""
+    from flashtile.backends.triton import launch_decode as ld
+
+    def plan(batch, cap, splits=0, page=0):
+        bm, bn, _, _, _, m_blocks, s = ld._plan(True, 128, 1, 4, torch.bfloat16, batch, 8, cap,
+                                                132, splits, page)
+        return bn, s
+
+    assert plan(1, 4096) == (128, 16)  # 8 programs x 16 splits of 256 keys
+    assert plan(1, 16384) == (128, 16)
+    assert plan(8, 16384) == (128, 2)
+    assert plan(16, 65536) == (128, 1)  # 128 programs: one wave without splitting
+    assert plan(32, 4096) == (64, 1)  # 256 programs: two an SM
+    assert plan(64, 16384) == (64, 4)
+    assert plan(8, 16384, splits=5) == (128, 5)  # the tile follows the programs, not the split
+    assert plan(8, 16384, page=256) == (128, 4)  # paged: two programs an SM hide the lookups
+    assert plan(8, 16384, page=64) == (64, 4)  # a tile inside one page
+    assert plan(1, 512) == (128, 2)
+    assert plan(1, 200)[1] == 1
+
+
 # --------------------------------------------------------------------------------------------
 # host side of the triton path (no kernel runs: launches are recorded, not executed)
 # --------------------------------------------------------------------------------------------

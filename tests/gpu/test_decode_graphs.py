@@ -299,3 +299,46 @@ def test_graph_replay_with_bad_indices_is_reported(cache, fresh_errors, append):
     flashtile.check_kvcache_errors()
     want = flash_attn_with_kvcache(cache["q"], k0.clone(), v0.clone(), **kw)
     assert torch.equal(out, want)
+
+
+_TILE_CASES = [(d, dt, b, sq, page) for d in (64, 128, 256) for dt in ("bf16", "fp32")
+               for b in (2, 32) for sq, page in ((1, 0), (1, 256), (1, 64), (16, 0), (16, 256))
+               if dt == "bf16" or (sq, page) == (1, 0)] + [(128, "fp16", 2, 1, 0)]
+
+
+@pytest.mark.parametrize("d,dt,batch,sq,page", _TILE_CASES,
+                         ids=[f"d{d}-{dt}-b{b}-sq{sq}-page{p}" for d, dt, b, sq, p in _TILE_CASES])
+def test_every_tile_shape_matches_the_oracle(d, dt, batch, sq, page):
+    """Each tile shape the launcher picks (programs alone on an SM at batch 2, sharing one at
+    batch 32; 1 or 64 query rows; contiguous, 256- and 64-slot pages; bf16 / fp16 / fp32)
+    against the float64 oracle by flash-attn's rule (2x the same-dtype oracle's error)."""
+    from flashtile.backends.triton.fastlaunch import poison_outputs
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
+    cap, hk, h = 2048, 8, 32
+    g = torch.Generator(device="cuda").manual_seed(hash((d, dt, batch, sq, page)) % 2 ** 31)
+    q = torch.randn(batch, sq, h, d, device="cuda", dtype=dtype, generator=g)
+    kc = torch.randn(batch, cap, hk, d, device="cuda", dtype=dtype, generator=g)
+    vc = torch.randn(batch, cap, hk, d, device="cuda", dtype=dtype, generator=g)
+    lens = torch.randint(sq, cap + 1, (batch,), device="cuda", dtype=torch.int32, generator=g)
+    lens[0] = cap
+    kw = {}
+    kk, vv = kc, vc
+    if page:
+        per = cap // page
+        perm = torch.randperm(batch * per, device="cuda", generator=g)
+        kk = torch.empty(batch * per, page, hk, d, device="cuda", dtype=dtype)
+        vv = torch.empty_like(kk)
+        kk[perm] = kc.reshape(batch * per, page, hk, d)
+        vv[perm] = vc.reshape(batch * per, page, hk, d)
+        kw["block_table"] = perm.reshape(batch, per).to(torch.int32)
+    with poison_outputs():
+        out = flash_attn_with_kvcache(q, kk, vv, cache_seqlens=lens, causal=True, **kw)
+    spec = AttnSpec(d ** -0.5, window_right=0, bottom_right=True)
+    for i in range(batch):
+        n = int(lens[i])
+        args = (q[i:i + 1], kc[i:i + 1, :n], vc[i:i + 1, :n], spec)
+        want = reference(*args, dtype=torch.float64)
+        base = (reference(*args, dtype=dtype).double() - want).abs().max().item()
+        err = (out[i:i + 1].double() - want).abs().max().item()
+        assert err <= 2 * base + 1e-6, f"sequence {i} ({n} keys): {err:.3e} > 2 x {base:.3e}"

@@ -50,11 +50,24 @@ __all__ = ["decode", "decode_forward", "record_decode", "merge_states", "combine
            "choose_num_splits", "default_num_splits", "num_sms", "attn_config", "check_mode",
            "check_errors", "MAX_SPLITS"]
 
-# a split should stream at least this many key tiles, or its fixed cost (q load, partial
-# store, combine read) outweighs the parallelism it buys
+# a split should stream at least this many keys, or its fixed cost (q load, partial store,
+# combine read) outweighs the parallelism it buys
+MIN_KEYS_PER_SPLIT = 256
+# the default of choose_num_splits: 256 keys in tiles of 64
 MIN_TILES_PER_SPLIT = 4
 
-
+# Bytes of K and V tiles one pipeline stage holds (three stages in flight).  A program alone on
+# its SM keeps 192 KB of keys and values in flight; where two programs share an SM each keeps
+# half.  Decode only streams K and V, so the bytes in flight set its speed: on the H200 (4.8
+# TB/s) 32 KB a stage for a lone program (64-key tiles at d = 128) reached 0.88-1.00x cuDNN's
+# speed, 64 KB (128-key tiles) 0.997-1.04x (docs/dev/tuning-log.md, step 142).
+STAGE_BYTES_ALONE = 64 * 1024
+STAGE_BYTES_SHARED = 32 * 1024
+# shared memory the pipelined K/V tiles and the query tile may take (an H100 / H200 block can
+# have 227 KB)
+SMEM_BUDGET = 208 * 1024
+# pipeline depth where pages cut the tiles short (more stages of smaller tiles)
+MAX_STAGES = 6
 
 
 def _on_gpu(x: torch.Tensor) -> bool:
@@ -83,54 +96,90 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(index)
 
 
-def attn_config(on_gpu: bool, head_dim: int, rows: int, dtype: torch.dtype) -> dict:
+def attn_config(on_gpu: bool, head_dim: int, rows: int, dtype: torch.dtype, page_size: int = 0,
+                alone: bool = False) -> dict:
     """Block shapes of the split-KV kernel.
 
     ``rows = seqlen_q * (nheads // nheads_k)`` query rows share each K/V tile; up to 64 of
     them go into one program (``BLOCK_M``, at least 16 for ``tl.dot``).  ``BLOCK_N`` keys per
-    tile is independent of the page size: a tile inside one page (page size a multiple of
-    ``BLOCK_N``) looks its page up once, any other tile per key.
+    tile: as many as make one stage's K and V tiles ``STAGE_BYTES_ALONE`` (``alone``: each
+    program has an SM to itself) or ``STAGE_BYTES_SHARED``, three stages deep, within
+    ``SMEM_BUDGET``.  Through a block table (``page_size`` slots a page) a tile inside one
+    page looks its page up once, any other tile per key: a page smaller than the tile cuts
+    ``BLOCK_N`` to the largest power of two dividing it where that is 64 or more, with up to
+    ``MAX_STAGES`` stages keeping the bytes in flight; smaller pages (16 or 32 slots) get
+    64-key tiles (32 at d = 256) whose pages are looked up per key.
     """
     block_m, block_n, block_d, warps, stages = _attn_config(bool(on_gpu), int(head_dim),
-                                                            int(rows), dtype)
+                                                            int(rows), dtype, int(page_size),
+                                                            bool(alone))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps,
                 num_stages=stages)
 
 
+def _block_m(rows: int) -> int:
+    """Query rows of a program: all ``rows`` of a K/V head up to 64, at least 16."""
+    return min(64, max(16, _next_pow2(rows)))
+
+
+def _tile_keys(stage_bytes: int, block_d: int, elt: int) -> int:
+    """Keys of a K (and a V) tile of ``block_d``-wide rows that together take ``stage_bytes``:
+    a power of two in [16, 256]."""
+    return max(16, min(256, stage_bytes // (2 * block_d * elt)))
+
+
 @functools.lru_cache(maxsize=1024)
-def _attn_config(on_gpu: bool, head_dim: int, rows: int, dtype: torch.dtype) -> tuple:
+def _attn_config(on_gpu: bool, head_dim: int, rows: int, dtype: torch.dtype, page_size: int = 0,
+                 alone: bool = False) -> tuple:
     """``(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages)``; see :func:`attn_config`."""
     block_d = max(16, _next_pow2(head_dim))
-    block_m = min(64, max(16, _next_pow2(rows)))
+    block_m = _block_m(rows)
     if not on_gpu:
         # the interpreter runs every program in numpy: small tiles keep splits meaningful on
         # short test caches
         return block_m, 16, block_d, 1, 1
-    wide = dtype == torch.float32  # fp32 tiles take twice the shared memory
-    if block_d <= 64:
-        block_n, warps, stages = 64, 4, 3
-    elif block_d <= 128:
-        block_n, warps, stages = 64, 4, (2 if wide else 3)
-    else:
-        block_n, warps, stages = 32, 4, 2
-        if wide:
-            block_n = 16
-    if block_m * block_d >= 64 * 256:
-        warps = 8
+    elt = dtype.itemsize
+    shared = _tile_keys(STAGE_BYTES_SHARED, block_d, elt)
+    block_n = _tile_keys(STAGE_BYTES_ALONE if alone else STAGE_BYTES_SHARED, block_d, elt)
+    stages = 3
+    if page_size and page_size % block_n:
+        # a tile inside one page looks it up once: the largest power of two dividing the page,
+        # with more stages keeping the bytes in flight (64-slot pages at d = 128: 6 stages of
+        # 64 keys 0.92-0.98x cuDNN, 3 stages 0.83-0.86x); for pages of 16 or 32 slots,
+        # per-key lookups of 64-key tiles (32 at d = 256) cost less than tiles that small
+        fits = page_size & -page_size
+        if fits >= 64:
+            stages = min(MAX_STAGES, 3 * block_n // fits)
+            block_n = fits
+        else:
+            block_n = min(shared, 64)
+    q_bytes = block_m * block_d * elt
+
+    def smem(n, st):
+        return st * 2 * n * block_d * elt + q_bytes
+
+    # a query tile of 64 rows (a chunk of queries, or a large group) leaves less room
+    while stages > 3 and smem(block_n, stages) > SMEM_BUDGET:
+        stages -= 1
+    while block_n > 16 and smem(block_n, stages) > SMEM_BUDGET:
+        block_n //= 2
+    warps = 8 if block_m * block_d >= 64 * 256 else 4
     return block_m, block_n, block_d, warps, stages
 
 
 @functools.lru_cache(maxsize=4096)
 def choose_num_splits(n_programs: int, n_sms: int, n_tiles: int, max_splits: int = MAX_SPLITS,
-                      paged: bool = False, per_key_pages: bool = False) -> int:
+                      paged: bool = False, per_key_pages: bool = False,
+                      min_tiles: int = MIN_TILES_PER_SPLIT) -> int:
     """How many slices to cut each row's keys into so that the grid fills the GPU.
 
     ``n_programs``: programs without splitting (batch * kv heads * query blocks);
     ``n_tiles``: key tiles of a full cache row; ``paged``: the keys are read through a block
     table; ``per_key_pages``: pages are smaller than a key tile, so the kernel looks the page up
-    for every key (``PAGE_SIZE % BLOCK_N != 0``).  Rules (measured on the H100, d=128 bf16;
-    docs/dev/tuning-log.md),
-    always keeping ``MIN_TILES_PER_SPLIT`` tiles per split:
+    for every key (``PAGE_SIZE % BLOCK_N != 0``).  Rules (measured on the H100, d=128 bf16,
+    with 64-key tiles, and kept on the H200 with the tiles of step 142; docs/dev/tuning-log.md),
+    always keeping ``min_tiles`` tiles per split (the launcher passes the tiles of
+    ``MIN_KEYS_PER_SPLIT`` keys):
 
     * fewer programs than ``per_sm`` waves of SMs (``per_sm = 1``, or 2 for a paged cache;
       batch 1-2 at 8 KV heads): the most splits that still fit, ``n_programs * splits <=
@@ -149,7 +198,7 @@ def choose_num_splits(n_programs: int, n_sms: int, n_tiles: int, max_splits: int
     """
     if n_sms <= 1:
         return 1
-    cap = min(max_splits, max(1, n_tiles // MIN_TILES_PER_SPLIT))
+    cap = min(max_splits, max(1, n_tiles // max(1, min_tiles)))
     per_sm = 2 if paged else 1
     if n_programs < 0.8 * per_sm * n_sms:
         return max(1, min(cap, per_sm * n_sms // n_programs))
@@ -173,14 +222,19 @@ def _plan(on_gpu: bool, head_dim: int, seqlen_q: int, group: int, dtype: torch.d
     """Launch shape of the split-KV kernel for one call signature (memoised):
     ``(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages, m_blocks, num_splits)``, with
     ``num_splits <= 0`` resolved by :func:`choose_num_splits` (``page_size`` 0: a contiguous
-    cache)."""
-    block_m, block_n, block_d, warps, stages = _attn_config(on_gpu, head_dim, seqlen_q * group,
-                                                            dtype)
-    m_blocks = _cdiv(seqlen_q * group, block_m)
+    cache).  Where the programs before splitting fit on the SMs one each (batch x KV heads x
+    query blocks <= SMs) the tiles are those of a program alone on its SM
+    (:func:`attn_config`), whatever the split count."""
+    rows = seqlen_q * group
+    m_blocks = _cdiv(rows, _block_m(rows))
+    alone = on_gpu and batch * nheads_k * m_blocks <= n_sms
+    block_m, block_n, block_d, warps, stages = _attn_config(on_gpu, head_dim, rows, dtype,
+                                                            page_size, alone)
     if num_splits <= 0:
         num_splits = choose_num_splits(batch * nheads_k * m_blocks, n_sms, _cdiv(capacity, block_n),
                                        paged=page_size > 0,
-                                       per_key_pages=page_size > 0 and page_size % block_n != 0)
+                                       per_key_pages=page_size > 0 and page_size % block_n != 0,
+                                       min_tiles=max(1, MIN_KEYS_PER_SPLIT // block_n))
     num_splits = max(1, min(int(num_splits), MAX_SPLITS))
     return block_m, block_n, block_d, warps, stages, m_blocks, num_splits
 
@@ -865,8 +919,8 @@ def _launch_all(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
         return out, lse
 
     block_m, block_n, block_d, warps, stages, m_blocks, num_splits = _plan(
-        on_gpu, d, sq, group, q.dtype, b, hk, capacity, num_sms(device) if num_splits <= 0 else 1,
-        int(num_splits), page_size if paged else 0)
+        on_gpu, d, sq, group, q.dtype, b, hk, capacity, num_sms(device), int(num_splits),
+        page_size if paged else 0)
 
     if num_splits == 1:
         o_part, lse_part = out, lse
