@@ -30,6 +30,14 @@ CASES = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def fresh_plans(monkeypatch):
+    """Each test starts without launch plans, so its first call takes the full launch path
+    (a plan an earlier test left for the same shapes would skip the launches spied on)."""
+    monkeypatch.setattr(launch_sm90, "_fwd_plans", type(launch_sm90._fwd_plans)())
+    monkeypatch.setattr(launch_sm90, "_bwd_plans", type(launch_sm90._bwd_plans)())
+
+
 def _inputs(case, dtype):
     _, batch, sq, sk, heads, heads_k, d, causal, bs, density, per_head, empty = case
     gen = torch.Generator().manual_seed(sum(map(ord, case[0])))
@@ -123,3 +131,47 @@ def test_sm90_block_sparse_takes_the_portable_kernels_where_the_tiles_do_not_fit
     block_sparse_attn_func(q, k, v, torch.ones(1, 1, 4, 4, dtype=torch.bool, device="cuda"),
                            dropout_p=0.1)
     assert calls == []
+
+
+@pytest.mark.parametrize("case", [CASES[2], CASES[4]], ids=[CASES[2][0], CASES[4][0]])
+def test_sm90_block_sparse_plans_repeat_the_launch_with_a_new_mask(case, monkeypatch):
+    """A block-sparse call like an earlier one (shapes, strides, the lists' geometry and block
+    size) repeats the forward and the fused backward through their plans with its own tensors
+    and mask: output, dK and dV bitwise those of the full launch path (outputs poisoned), dQ
+    within 3x PyTorch's same-dtype error of float64; the plans hold no tensor."""
+    monkeypatch.delenv("FLASHTILE_SM90", raising=False)
+    q, k, v, mask, causal, bs = _inputs(case, torch.bfloat16)
+
+    def call(q, k, v, do, mask):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = block_sparse_attn_func(*leaves, mask, bs, causal=causal)
+        out.backward(do)
+        return out, *(x.grad for x in leaves)
+
+    do = torch.randn_like(q)
+    call(q, k, v, do, mask)  # compiled
+    call(q, k, v, do, mask)  # launched directly: leaves the plans
+    for plans in (launch_sm90._fwd_plans, launch_sm90._bwd_plans):
+        (plan,) = plans._plans.values()
+        assert not any(isinstance(x, torch.Tensor) for x in plan.values)
+    new_mask = torch.rand(mask.shape, device="cuda") < 0.5  # the same geometry, other blocks
+    if causal:
+        new_mask |= mask
+    new = [torch.randn_like(x) for x in (q, k, v, do)] + [new_mask]
+    used = (spy_keyword(monkeypatch, launch_sm90, "planned_forward", "sparse"),
+            spy_keyword(monkeypatch, launch_sm90, "planned_backward", "sparse"))
+    full = (spy_keyword(monkeypatch, launch_sm90, "forward", "sparse"),
+            spy_keyword(monkeypatch, launch_sm90, "fused_backward", "sparse"))
+    planned = call(*new)
+    assert all(len(c) == 1 and c[0] is not None for c in used) and full == ([], [])
+    monkeypatch.setattr(launch_sm90, "_fwd_plans", type(launch_sm90._fwd_plans)())
+    monkeypatch.setattr(launch_sm90, "_bwd_plans", type(launch_sm90._bwd_plans)())
+    with poison_outputs():
+        direct = call(*new)
+    assert len(full[0]) == 1 and len(full[1]) == 1
+    for name, a, b in zip(("out", "dk", "dv"), (planned[0], *planned[2:]),
+                          (direct[0], *direct[2:])):
+        assert torch.equal(a, b), name
+    assert_grads_flash_rule([planned[1], direct[2], direct[3]], tuple(new[:3]), new[3],
+                            lambda q_, k_, v_, dt: _reference(q_, k_, v_, new_mask, bs, causal,
+                                                              dt)[0], torch.bfloat16)

@@ -200,6 +200,16 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
                                              varlen=packed)
         if grads is not None:
             return grads
+    if (block_mask is not None and alibi_slopes is None and cu_seqlens_q is None
+            and attn_bias is None and rng_seed is None and dbias is None and grad_dtype is None
+            and do.stride(-1) == 1 and q.dim() == 4 and not _deterministic(spec)
+            and plans_enabled() and launch_sm90.on_hopper(q)):
+        # a block mask's plan (the transposed lists are cached per mask)
+        sparse = sparse_args(block_mask, block_size, q.shape[1], k.shape[1], spec, transpose=True)
+        grads = launch_sm90.planned_backward(q, k, v, out, do, lse, spec, _chunk_env(),
+                                             sparse=sparse)
+        if grads is not None:
+            return grads
     mask = None
     if not plain and do.stride(-1) == 1:  # (a plain call has no mask)
         mask = _key_mask(q, k, spec, attn_bias, dbias, alibi_slopes, cu_seqlens_q, rng_seed,
@@ -236,12 +246,13 @@ def backward(do, q, k, v, out, lse, spec: AttnSpec, *, alibi_slopes=None, cu_seq
     return grads
 
 
-def _plan_key(q, k, v, out, do, lse, spec: AttnSpec, key_mask=None, varlen=None):
+def _plan_key(q, k, v, out, do, lse, spec: AttnSpec, key_mask=None, varlen=None, sparse=None):
     """The key under which a fused Hopper backward's direct launch leaves its plan
     (``launch_sm90.bwd_plan_key`` with this module's chunk setting), or None with plans off."""
     if not plans_enabled():
         return None
-    return launch_sm90.bwd_plan_key(q, k, v, out, do, lse, spec, _chunk_env(), key_mask, varlen)
+    return launch_sm90.bwd_plan_key(q, k, v, out, do, lse, spec, _chunk_env(), key_mask, varlen,
+                                    sparse)
 
 
 def _padded_backward(do, q, k, v, out, lse, spec: AttnSpec, width: int, dq, dk, dv):
@@ -332,6 +343,7 @@ def _backward(do, q, k, v, out, lse, spec: AttnSpec, alibi_slopes=None, cu_seqle
         # block's column of the transposed lists
         sparse = sparse_args(block_mask, block_size, sq, sk, spec, transpose=True)
         launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec,
+                                   _plan_key(q, k, v, out, do, lse, spec, sparse=sparse),
                                    sparse=sparse)
         return dq, dk, dv
     packed_plain = (varlen and alibi_slopes is None and attn_bias is None and rng_seed is None

@@ -52,11 +52,16 @@ def forward(q, k, v, spec: AttnSpec, *, alibi_slopes=None, cu_seqlens_q=None, cu
                 return launch_sm90.forward(q, k, v, spec, key_mask=mask)
     elif (block_mask is not None and alibi_slopes is None and cu_seqlens_q is None
           and attn_bias is None and rng_seed is None and block_table is None
-          and out_dtype is None and q.dim() == 4
-          and launch_sm90.sparse_eligible(q, k, v, spec, block_size)):
+          and out_dtype is None and q.dim() == 4 and launch_sm90.on_hopper(q)):
         # a block mask of whole tiles: the Hopper forward walks each row's list of blocks
+        # (the lists are cached per mask), through the plan of an earlier call like this one
+        # where there is one
         sparse = sparse_args(block_mask, block_size, q.shape[1], k.shape[1], spec)
-        return launch_sm90.forward(q, k, v, spec, sparse=sparse)
+        res = launch_sm90.planned_forward(q, k, v, spec, sparse=sparse)
+        if res is not None:
+            return res
+        if launch_sm90.sparse_eligible(q, k, v, spec, block_size):
+            return launch_sm90.forward(q, k, v, spec, sparse=sparse)
     elif (cu_seqlens_q is not None and block_table is None and alibi_slopes is None
           and attn_bias is None and rng_seed is None and block_mask is None
           and out_dtype is None and launch_sm90.on_hopper(q)):

@@ -826,7 +826,7 @@ class _FwdPlan:
         names = _kernel(kernel).arg_names
         self.compiled, self.grid, self.device = compiled, grid, device
         self.values, self.lse_at = list(values), names.index("Lse")
-        # KeyMask, Ranges; Lists (plans are of calls without a block mask: lse stands in)
+        # KeyMask, Ranges; Lists (lse stands in for those a call does not have)
         self.mask_at = (names.index("KeyMask"), names.index("Ranges"), names.index("Lists"))
         # CuQ, CuK, Items, Out: packed sequences' (lse stands in for the first three and the
         # kernel stores through desc_o, without)
@@ -842,13 +842,13 @@ class _FwdPlan:
             self.values[at] = None
 
 
-def _fwd_key(q, k, v, spec: AttnSpec, key_mask, varlen) -> tuple:
+def _fwd_key(q, k, v, spec: AttnSpec, key_mask, varlen, sparse=None) -> tuple:
     """The key of a forward's plan: the tensors' signatures, dtype, device, spec, the key mask's
-    view's signature, packed sequences' count and longest lengths, ``FWD_SPLIT`` and
-    ``ONE_CONSUMER_CTAS``."""
+    view's signature, packed sequences' count and longest lengths, the block mask's lists
+    (:func:`_sparse_key`), ``FWD_SPLIT`` and ``ONE_CONSUMER_CTAS``."""
     return (signature(q, k, v), q.dtype, q.device, spec, _mask_key(key_mask),
-            None if varlen is None else (varlen[0].shape[0], varlen[2], varlen[3]), FWD_SPLIT,
-            ONE_CONSUMER_CTAS)
+            None if varlen is None else (varlen[0].shape[0], varlen[2], varlen[3]),
+            _sparse_key(sparse), FWD_SPLIT, ONE_CONSUMER_CTAS)
 
 
 def _mask_key(key_mask):
@@ -857,11 +857,18 @@ def _mask_key(key_mask):
     return None if key_mask is None else signature(key_mask[0])
 
 
-def _fill_mask(values: list, mask_at: tuple, key_mask, stand_in) -> None:
-    """Put ``key_mask``'s view and ranges (or ``stand_in`` in both places) and ``stand_in``
-    for the block-mask lists into a plan's argument values (``mask_at``: their positions)."""
+def _sparse_key(sparse):
+    """What a plan's launch depends on in a block mask's lists (``sparse_index.sparse_args``'
+    ``(lists, strides, bs_m, bs_n)``): the lists' shape, strides and alignment, the strides the
+    kernel walks them with (0 where the mask is broadcast) and the block size."""
+    return None if sparse is None else (signature(sparse[0]), *sparse[1:])
+
+
+def _fill_mask(values: list, mask_at: tuple, key_mask, stand_in, sparse=None) -> None:
+    """Put ``key_mask``'s view and ranges (or ``stand_in`` in both places) and the block mask's
+    lists (or ``stand_in``) into a plan's argument values (``mask_at``: their positions)."""
     values[mask_at[0]], values[mask_at[1]] = key_mask or (stand_in, stand_in)
-    values[mask_at[2]] = stand_in
+    values[mask_at[2]] = stand_in if sparse is None else sparse[0]
 
 
 def _plan_of(plans: PlanCache, key):
@@ -897,12 +904,13 @@ def _run_plan(plan, values: list, tensors: tuple) -> None:
     _run(plan.compiled, plan.grid, values, plan.device)
 
 
-def planned_forward(q, k, v, spec: AttnSpec, key_mask=None, varlen=None):
+def planned_forward(q, k, v, spec: AttnSpec, key_mask=None, varlen=None, sparse=None):
     """:func:`forward`'s ``(out, lse)`` through the plan of an earlier call like this one (its
     key mask's view alike; ``varlen`` as :func:`forward`'s, as many sequences of the same
-    longest lengths), or None where there is none or plans are off (the caller then checks
-    :func:`eligible` or :func:`varlen_eligible`)."""
-    plan = _plan_of(_fwd_plans, lambda: _fwd_key(q, k, v, spec, key_mask, varlen))
+    longest lengths; ``sparse`` as :func:`forward`'s, lists of the same geometry), or None
+    where there is none or plans are off (the caller then checks :func:`eligible`,
+    :func:`varlen_eligible` or :func:`sparse_eligible`)."""
+    plan = _plan_of(_fwd_plans, lambda: _fwd_key(q, k, v, spec, key_mask, varlen, sparse))
     if plan is None:
         return None
     out = empty(q.shape, q.dtype, q.device)
@@ -918,7 +926,7 @@ def planned_forward(q, k, v, spec: AttnSpec, key_mask=None, varlen=None):
     values[plan.lse_at] = lse
     for at, x in zip(plan.packed_at, packed):
         values[at] = x
-    _fill_mask(values, plan.mask_at, key_mask, lse)
+    _fill_mask(values, plan.mask_at, key_mask, lse, sparse)
     _run_plan(plan, values, tensors)
     return out, lse
 
@@ -1060,9 +1068,9 @@ def forward(q, k, v, spec: AttnSpec, key_mask=None, sparse=None, varlen=None):
                                       sparse is not None, varlen is not None,
                                       tuple(len(d[3]) for d in descs.values()), keymask),
                        grid, args, descs)
-    if launched is not None and sparse is None:
+    if launched is not None:
         # (packed: the 3-D tensors' key, as planned_forward sees them)
-        key = (_fwd_key(q, k, v, spec, key_mask, None) if varlen is None else
+        key = (_fwd_key(q, k, v, spec, key_mask, None, sparse) if varlen is None else
                _fwd_key(q[0], k[0], v[0], spec, None, varlen))
         _fwd_plans.put(key, _FwdPlan(launched[0], grid, launched[1], descs, device,
                                      None if varlen is None else (n_m, block_m, tile_n, window),
@@ -1437,11 +1445,11 @@ def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec,
     lse's padded copy) and zeroes a float32 dQ accumulator, the backward kernel adds every dQ
     tile into it, and one copy converts it into ``dq``.  With ``plan_key``
     (:func:`bwd_plan_key`) a direct launch leaves a plan that :func:`planned_backward`
-    repeats; ``key_mask`` as
-    :func:`forward`'s; ``sparse`` as :func:`_bwd`'s (no plan: its key does not see the
-    mask); ``varlen``: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` of packed
-    ``(total, H, D)`` tensors (:func:`varlen_bwd_eligible`; lse ``(H, total_q)``; ``delta``
-    unused: :func:`packed_prologue` lays out its own); ``width`` wider than ``D``
+    repeats; ``key_mask`` as :func:`forward`'s; ``sparse`` as :func:`_bwd`'s (its plan key
+    sees the lists' geometry: :func:`bwd_plan_key`); ``varlen``: ``(cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` of packed ``(total, H, D)`` tensors
+    (:func:`varlen_bwd_eligible`; lse ``(H, total_q)``; ``delta`` unused:
+    :func:`packed_prologue` lays out its own); ``width`` wider than ``D``
     (:func:`padded_backward`): the kernel of that width, ``dk`` and ``dv`` that wide (or, packed,
     as wide as the head: ``PAD_NARROW_DKDV``), the accumulator cropped into ``dq`` (a plan keeps
     the width: :func:`planned_backward` crops as well)."""
@@ -1458,7 +1466,7 @@ def fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec: AttnSpec,
     launched = _bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, spec, key_mask, sparse, varlen,
                     counter, width)
     dq.copy_(dq_acc[..., :dq.shape[-1]] if width else dq_acc)
-    if plan_key is not None and launched is not None and sparse is None:
+    if plan_key is not None and launched is not None:
         _bwd_plans.put(plan_key, _BwdPlan(*launched, q.device.index or 0, prologue, width))
 
 
@@ -1492,7 +1500,7 @@ class _BwdPlan:
         # positions of DK, DV and Counter; (position, role, shape, strides, block, layout)
         # of each descriptor
         self.at = tuple(names.index(n) for n in ("DK", "DV", "Counter"))
-        # KeyMask, Ranges; Lists (plans are of calls without a block mask: lse stands in)
+        # KeyMask, Ranges; Lists (lse stands in for those a call does not have)
         self.mask_at = (names.index("KeyMask"), names.index("Ranges"), names.index("Lists"))
         self.cu_at = (names.index("CuQ"), names.index("CuK"))  # (packed sequences)
         self.descs = tuple((names.index(n), _BWD_ROLES.index(n.rstrip("2")), *d[1:])
@@ -1508,25 +1516,26 @@ class _BwdPlan:
 
 
 def bwd_plan_key(q, k, v, out, do, lse, spec: AttnSpec, setting, key_mask=None,
-                 varlen=None) -> tuple:
+                 varlen=None, sparse=None) -> tuple:
     """The key of a fused backward's plan: the tensors' signatures, dtype, device, spec,
     ``setting`` (what else the caller's choice of path reads), the key mask's view's
     signature, packed sequences' count and longest lengths (``varlen`` as
-    :func:`fused_backward`'s) and ``BWD128_SPLIT``."""
+    :func:`fused_backward`'s), the transposed block-mask lists' geometry
+    (:func:`_sparse_key`) and ``BWD128_SPLIT``."""
     return (signature(q, k, v, out, do, lse), q.dtype, q.device, spec, setting,
             _mask_key(key_mask),
             None if varlen is None else (varlen[0].shape[0], varlen[2], varlen[3]),
-            BWD128_SPLIT)
+            _sparse_key(sparse), BWD128_SPLIT)
 
 
 def planned_backward(q, k, v, out, do, lse, spec: AttnSpec, setting, key_mask=None,
-                     varlen=None):
+                     varlen=None, sparse=None):
     """``(dq, dk, dv)`` of :func:`fused_backward` through the plan of an earlier call like this
-    one (``lse`` contiguous; ``key_mask`` as :func:`forward`'s, ``varlen`` as
+    one (``lse`` contiguous; ``key_mask`` as :func:`forward`'s, ``varlen`` and ``sparse`` as
     :func:`fused_backward`'s), or None where there is none or plans are off (the caller then
     takes its full path)."""
     plan = _plan_of(_bwd_plans, lambda: bwd_plan_key(q, k, v, out, do, lse, spec, setting,
-                                                      key_mask, varlen))
+                                                      key_mask, varlen, sparse))
     if plan is None or (plan.width and (not PAD_BWD_VIEWS
                                          or plan.narrow_switch != PAD_NARROW_DKDV)):
         return None
@@ -1552,7 +1561,7 @@ def planned_backward(q, k, v, out, do, lse, spec: AttnSpec, setting, key_mask=No
     values[plan.at[0]], values[plan.at[1]] = dk_w, dv_w
     values[plan.at[2]] = counter
     values[plan.cu_at[0]], values[plan.cu_at[1]] = cu
-    _fill_mask(values, plan.mask_at, key_mask, lse)
+    _fill_mask(values, plan.mask_at, key_mask, lse, sparse)
     _run_plan(plan, values, (q, do, k, v, lse, delta, dq_acc, dk_w, dv_w))
     dq.copy_(dq_acc[..., :dq.shape[-1]] if width else dq_acc)
     if plan.wide_dkdv:
