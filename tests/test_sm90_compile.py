@@ -1158,7 +1158,7 @@ def test_sm90_block_sparse_forward_passes_its_lists(monkeypatch):
     """A block-sparse call takes the Hopper forward where its blocks are whole 128-row work
     items and whole key tiles and the lengths are multiples of the tiles: two consumers,
     every kernel parameter by name, the lists with their strides, the key tiles a block and
-    the work items a mask row; no launch plan is kept for it."""
+    the work items a mask row; its launch plan is kept under a key that sees the lists."""
     import torch
 
     from flashtile.backends.spec import AttnSpec
@@ -1185,15 +1185,20 @@ def test_sm90_block_sparse_forward_passes_its_lists(monkeypatch):
     launch_sm90.forward(q2, k2, v2, spec, sparse=sparse_args(mask[:1, :, :1, :2], (256, 128),
                                                                256, 256, spec))
     assert (calls[-1][2]["tpb"], calls[-1][2]["ipr"]) == (2, 2)
-    # a plan repeats a launch from its tensors' signature alone, which knows no block mask:
-    # none for block-sparse calls; without a block mask the lse stands in for the lists
+    # a plan repeats a launch from its tensors' signature and the lists' geometry: the
+    # block-sparse call's plan is not the dense call's; without a block mask the lse stands in
+    # for the lists
     plan_key = launch_sm90._fwd_key(q, k, v, spec, None, None)
     assert launch_sm90._fwd_plans.get(plan_key) is None
+    assert launch_sm90._fwd_plans.get(launch_sm90._fwd_key(q, k, v, spec, None, None,
+                                                           sparse)) is not None
     launch_sm90.forward(q, k, v, spec)
     assert calls[-1][1][5] is False and calls[-1][2]["Lists"] is calls[-1][2]["Lse"]
     assert launch_sm90._fwd_plans.get(plan_key) is not None
     # the dispatch: a block mask goes to the Hopper forward with its lists where eligible
+    # (after looking for a plan: none under the interpreter)
     seen = []
+    monkeypatch.setattr(launch_sm90, "on_hopper", lambda q: True)
     monkeypatch.setattr(launch_sm90, "sparse_eligible", lambda *a: True)
     monkeypatch.setattr(launch_sm90, "forward", lambda *a, **kw: seen.append(kw["sparse"])
                         or (None, None))
@@ -1272,7 +1277,8 @@ def test_sm90_block_sparse_backward_passes_its_lists(monkeypatch):
     """A block-sparse backward takes the fused Hopper kernel where its blocks are whole 128-key
     items and 128-row blocks, d <= 128 and one mask serves a key/value head's query heads:
     every kernel parameter by name, the transposed lists with their strides, the query tiles a
-    mask row and the work items a mask column; no launch plan is kept for it."""
+    mask row and the work items a mask column; its launch plan is kept under a key that sees
+    the lists."""
     import torch
 
     from flashtile.backends.spec import AttnSpec
@@ -1294,7 +1300,7 @@ def test_sm90_block_sparse_backward_passes_its_lists(monkeypatch):
     sparse = sparse_args(mask, (256, 256), 512, 512, spec, transpose=True)
     dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
     delta = torch.empty_like(lse)
-    key = ("plan",)
+    key, dense_key = ("plan", "sparse"), ("plan",)
     launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec, key,
                                sparse=sparse)
     (name, launch_key, args), = calls
@@ -1303,11 +1309,15 @@ def test_sm90_block_sparse_backward_passes_its_lists(monkeypatch):
     assert sorted(args) == sorted(launch_sm90._kernel("bwd").arg_names)
     assert args["Lists"] is sparse[0] and (args["tpr"], args["ipc"]) == (4, 2)
     assert (args["stride_xb"], args["stride_xh"], args["stride_xr"]) == tuple(sparse[1])
-    assert launch_sm90._bwd_plans.get(key) is None
-    launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec, key)
+    assert launch_sm90._bwd_plans.get(key) is not None
+    assert launch_sm90._bwd_plans.get(dense_key) is None
+    launch_sm90.fused_backward(q, k, v, out, do, lse, delta, dq, dk, dv, spec, dense_key)
     # (without a block mask or key mask the lse stands in for both)
     assert calls[-1][1][-3] is False and calls[-1][2]["Lists"] is calls[-1][2]["Ranges"]
-    assert launch_sm90._bwd_plans.get(key) is not None
+    assert launch_sm90._bwd_plans.get(dense_key) is not None
+    # the plan keys: the lists' signature, strides and block size
+    assert launch_sm90.bwd_plan_key(q, k, v, out, do, lse, spec, None, sparse=sparse) != \
+        launch_sm90.bwd_plan_key(q, k, v, out, do, lse, spec, None)
     # the dispatch: a block mask goes to the fused kernel with the transposed lists
     seen = []
     monkeypatch.setattr(launch_sm90, "sparse_bwd_eligible", lambda *a: True)
