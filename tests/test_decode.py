@@ -598,6 +598,13 @@ def test_num_splits_heuristic():
     assert choose_num_splits(512, 132, 256, paged=True, per_key_pages=True) == 1
     assert choose_num_splits(8, 132, 256, paged=True, per_key_pages=True) == 33  # batch 1 still splits
     assert choose_num_splits(8, 132, 8) <= 2  # a short cache is not worth splitting
+    # three programs an SM (396 slots): batch 48 / 96 at 8 KV heads fill 0.97 / 1.94 waves
+    # unsplit; batch 64's 1.29 waves are split; unknown slots or a paged cache: the 16-an-SM rule
+    assert choose_num_splits(384, 132, 64, resident=3) == 1
+    assert choose_num_splits(768, 132, 64, resident=3) == 1
+    assert choose_num_splits(512, 132, 64, resident=3) == 4
+    assert choose_num_splits(384, 132, 64) == 5
+    assert choose_num_splits(384, 132, 64, paged=True, resident=3) == 5
     for n_prog in (1, 3, 8, 24, 64, 100):
         for tiles in (1, 16, 64, 2048):
             assert 1 <= choose_num_splits(n_prog, 132, tiles) <= 128
@@ -629,6 +636,22 @@ def test_gpu_tile_shapes_fit_shared_memory_and_pages(dtype):
                 assert tiles[True] >= tiles[False], f"d={d} rows={rows} page={page}"
 
 
+@pytest.mark.parametrize("tile,want", [((16, 64, 128), 71680), ((16, 128, 64), 71680),
+                                       ((16, 32, 256), 74752), ((16, 256, 64), 141312),
+                                       ((16, 128, 128), 139264), ((16, 64, 256), 141312)],
+                         ids=["d128", "d64", "d256", "d64-alone", "d128-alone", "d256-alone"])
+def test_resident_programs_count_the_compiled_kernels_shared_memory(tile, want):
+    """``resident_programs`` by the shared memory the compiled bf16 kernels of three stages
+    take (``metadata.shared`` on the H200, ``want``) plus the 1 KB a block reserves: three an
+    SM of 228 KB for the 32 KB stages, one for the 64 KB ones, none where the SM is unknown."""
+    from flashtile.backends.triton.launch_decode import resident_programs
+
+    sm = 233472
+    assert resident_programs(*tile, 3, 2, sm) == sm // (want + 1024)
+    assert resident_programs(*tile, 3, 2, sm) == (3 if want < 75000 else 1)
+    assert resident_programs(*tile, 3, 2, 0) == 0
+
+
 def test_programs_alone_on_their_sms_get_the_larger_tiles():
     """``_plan`` (batch, 8 KV heads, one query, d = 128 bf16, 132 SMs): up to 132 programs
     before splitting (batch <= 16) each stream 128-key tiles, more stream 64-key ones; the
@@ -651,6 +674,11 @@ def test_programs_alone_on_their_sms_get_the_larger_tiles():
     assert plan(8, 16384, page=64) == (64, 4)  # a tile inside one page
     assert plan(1, 512) == (128, 2)
     assert plan(1, 200)[1] == 1
+    # with the SM's shared memory known (228 KB: three programs of 64-key tiles an SM), batch
+    # 48 fills 0.97 of a wave unsplit; batch 64 is split as before
+    assert ld._plan(True, 128, 1, 4, torch.bfloat16, 48, 8, 4096, 132, 0, 0, 233472)[-1] == 1
+    assert ld._plan(True, 128, 1, 4, torch.bfloat16, 48, 8, 4096, 132, 0, 0)[-1] == 5
+    assert ld._plan(True, 128, 1, 4, torch.bfloat16, 64, 8, 4096, 132, 0, 0, 233472)[-1] == 4
 
 
 # --------------------------------------------------------------------------------------------

@@ -342,3 +342,39 @@ def test_every_tile_shape_matches_the_oracle(d, dt, batch, sq, page):
         base = (reference(*args, dtype=dtype).double() - want).abs().max().item()
         err = (out[i:i + 1].double() - want).abs().max().item()
         assert err <= 2 * base + 1e-6, f"sequence {i} ({n} keys): {err:.3e} > 2 x {base:.3e}"
+
+
+_RESIDENT_CASES = [(d, dt, b) for d in (64, 128, 256) for dt in ("bf16", "fp16", "fp32")
+                   for b in (2, 64)]
+
+
+@pytest.mark.parametrize("d,dt,batch", _RESIDENT_CASES,
+                         ids=[f"d{d}-{dt}-b{b}" for d, dt, b in _RESIDENT_CASES])
+def test_resident_programs_never_exceed_what_the_compiled_kernel_allows(d, dt, batch):
+    """The split-KV kernel compiled for a contiguous cache (programs alone on an SM at batch
+    2, sharing one at batch 64): ``resident_programs`` from the launch's tile is at most the
+    programs an SM holds by the compiled kernel's shared memory (plus 1 KB a block) and by
+    its registers, so the full-wave rule of ``choose_num_splits`` never counts slots the GPU
+    does not have."""
+    from flashtile.backends.triton import fastlaunch
+    from flashtile.backends.triton import launch_decode as ld
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
+    q = torch.randn(batch, 1, 32, d, device="cuda", dtype=dtype)
+    kc = torch.randn(batch, 1024, 8, d, device="cuda", dtype=dtype)
+    lens = torch.full((batch,), 1024, device="cuda", dtype=torch.int32)
+    # (plans off: a recorded plan would take the launches into a recorder of its own)
+    with fastlaunch.launch_plans(False), fastlaunch.recording() as rec:
+        flash_attn_with_kvcache(q, kc, kc, cache_seqlens=lens)
+    compiled = [launched[0] for kernel, _, launched in rec.launches
+                if kernel is ld._split_kv_kernel and launched is not None]
+    assert compiled, "no direct launch of the split-KV kernel was recorded"
+    kernel = compiled[0]
+    bm, bn, bd, warps, stages, _, _ = ld._plan(True, d, 1, 4, dtype, batch, 8, 1024,
+                                                ld.num_sms(q.device), 0)
+    sm = ld.sm_shared_bytes(q.device)
+    by_shared = sm // (kernel.metadata.shared + 1024)
+    regs_per_warp = -(-kernel.n_regs * 32 // 256) * 256
+    by_regs = 65536 // (regs_per_warp * kernel.metadata.num_warps)
+    assert kernel.metadata.num_warps == warps and kernel.metadata.num_stages == stages
+    assert ld.resident_programs(bm, bn, bd, stages, dtype.itemsize, sm) <= min(by_shared, by_regs)

@@ -33,6 +33,7 @@ capturing): a replay that finds a bad index writes it, and :func:`check_errors` 
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import time
 
@@ -68,6 +69,12 @@ STAGE_BYTES_SHARED = 32 * 1024
 SMEM_BUDGET = 208 * 1024
 # pipeline depth where pages cut the tiles short (more stages of smaller tiles)
 MAX_STAGES = 6
+# how full the last wave of an unsplit grid must be (programs over the slots its SMs hold) for
+# it to run unsplit where the 16-programs-an-SM rule would cut it: H200, d = 128 bf16, batch 48
+# at 4K keys (384 programs, 396 slots) 1.03x cuDNN unsplit against 0.97x in 5 splits, batch 96
+# (1.94 waves) 0.995x against 0.97x; unsplit grids of 1.13-1.62 or 2.26-2.59 waves ran
+# 0.83-0.97x, slower than split (docs/dev/tuning-log.md, step 147)
+FULL_WAVE = 0.9
 
 
 def _on_gpu(x: torch.Tensor) -> bool:
@@ -86,6 +93,35 @@ def _cdiv(a: int, b: int) -> int:
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_bytes(index: int) -> int:
+    return int(getattr(torch.cuda.get_device_properties(index),
+                       "shared_memory_per_multiprocessor", 0))
+
+
+def sm_shared_bytes(device: torch.device) -> int:
+    """Shared memory of one SM of ``device`` in bytes; 0 for anything that is not a CUDA
+    device (or where PyTorch does not say)."""
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_bytes(index)
+
+
+def resident_programs(block_m: int, block_n: int, block_d: int, stages: int, elt: int,
+                      sm_bytes: int) -> int:
+    """How many split-KV programs of a contiguous cache one SM of ``sm_bytes`` shared memory
+    holds at once (0 where ``sm_bytes`` is unknown): Triton's pipeline keeps ``stages - 1``
+    K and V tiles in shared memory, beside the query tile and the probabilities' tile on its
+    way to ``P @ V`` (``block_m x block_n``), and the driver reserves 1 KB a block.  The
+    compiled kernels take exactly that much (H200, every tile of d = 64 / 128 / 256; a GPU test
+    compares them) and fewer than 128 registers a thread, so shared memory is what limits."""
+    if not sm_bytes:
+        return 0
+    per = ((stages - 1) * 2 * block_n * block_d + block_m * block_d + block_m * block_n) * elt
+    return sm_bytes // (per + 1024)
 
 
 def num_sms(device: torch.device) -> int:
@@ -170,7 +206,7 @@ def _attn_config(on_gpu: bool, head_dim: int, rows: int, dtype: torch.dtype, pag
 @functools.lru_cache(maxsize=4096)
 def choose_num_splits(n_programs: int, n_sms: int, n_tiles: int, max_splits: int = MAX_SPLITS,
                       paged: bool = False, per_key_pages: bool = False,
-                      min_tiles: int = MIN_TILES_PER_SPLIT) -> int:
+                      min_tiles: int = MIN_TILES_PER_SPLIT, resident: int = 0) -> int:
     """How many slices to cut each row's keys into so that the grid fills the GPU.
 
     ``n_programs``: programs without splitting (batch * kv heads * query blocks);
@@ -192,7 +228,10 @@ def choose_num_splits(n_programs: int, n_sms: int, n_tiles: int, max_splits: int
       one leaves SMs idle; about 16 programs per SM even that out (batch 64: 4 splits, 8%
       faster than none).  Not for pages smaller than a tile: there the per-key page lookups
       of the extra programs cost more than the waves (batch 64, 16-slot pages: no split 5%
-      faster than 4 at 16K and 64K).
+      faster than 4 at 16K and 64K).  Nor where the unsplit grid's last wave fills at least
+      ``FULL_WAVE`` of the program slots (``resident`` programs an SM, contiguous caches; 0:
+      unknown): there the waves are already even (batch 48 and 96 at 8 KV heads on 132 SMs
+      of three slots, H200: 5-7% faster unsplit at 4K keys, within 2% at 16K).
 
     Memoised: a decode loop asks for the same shapes every step.
     """
@@ -204,6 +243,10 @@ def choose_num_splits(n_programs: int, n_sms: int, n_tiles: int, max_splits: int
         return max(1, min(cap, per_sm * n_sms // n_programs))
     if n_programs <= 2 * n_sms or per_key_pages:
         return 1
+    if resident and not paged:
+        waves = n_programs / (resident * n_sms)
+        if math.ceil(waves) - waves <= 1 - FULL_WAVE:
+            return 1
     return max(1, min(cap, (16 * n_sms) // n_programs))
 
 
@@ -213,18 +256,21 @@ def default_num_splits(q: torch.Tensor, nheads_k: int, capacity: int, page_size:
     of ``page_size``-slot pages; 0: a contiguous cache)."""
     b, sq, h, d = q.shape
     return _plan(_on_gpu(q), d, sq, h // nheads_k, q.dtype, b, nheads_k, capacity,
-                 num_sms(q.device), 0, page_size)[-1]
+                 num_sms(q.device), 0, page_size, sm_shared_bytes(q.device))[-1]
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(on_gpu: bool, head_dim: int, seqlen_q: int, group: int, dtype: torch.dtype, batch: int,
-          nheads_k: int, capacity: int, n_sms: int, num_splits: int, page_size: int = 0) -> tuple:
+          nheads_k: int, capacity: int, n_sms: int, num_splits: int, page_size: int = 0,
+          sm_bytes: int = 0) -> tuple:
     """Launch shape of the split-KV kernel for one call signature (memoised):
     ``(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages, m_blocks, num_splits)``, with
     ``num_splits <= 0`` resolved by :func:`choose_num_splits` (``page_size`` 0: a contiguous
     cache).  Where the programs before splitting fit on the SMs one each (batch x KV heads x
     query blocks <= SMs) the tiles are those of a program alone on its SM
-    (:func:`attn_config`), whatever the split count."""
+    (:func:`attn_config`), whatever the split count.  ``sm_bytes``: an SM's shared memory
+    (:func:`sm_shared_bytes`; 0 unknown), for the programs an SM holds
+    (:func:`resident_programs`)."""
     rows = seqlen_q * group
     m_blocks = _cdiv(rows, _block_m(rows))
     alone = on_gpu and batch * nheads_k * m_blocks <= n_sms
@@ -234,7 +280,10 @@ def _plan(on_gpu: bool, head_dim: int, seqlen_q: int, group: int, dtype: torch.d
         num_splits = choose_num_splits(batch * nheads_k * m_blocks, n_sms, _cdiv(capacity, block_n),
                                        paged=page_size > 0,
                                        per_key_pages=page_size > 0 and page_size % block_n != 0,
-                                       min_tiles=max(1, MIN_KEYS_PER_SPLIT // block_n))
+                                       min_tiles=max(1, MIN_KEYS_PER_SPLIT // block_n),
+                                       resident=resident_programs(block_m, block_n, block_d,
+                                                                  stages, dtype.itemsize,
+                                                                  sm_bytes))
     num_splits = max(1, min(int(num_splits), MAX_SPLITS))
     return block_m, block_n, block_d, warps, stages, m_blocks, num_splits
 
@@ -920,7 +969,7 @@ def _launch_all(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
 
     block_m, block_n, block_d, warps, stages, m_blocks, num_splits = _plan(
         on_gpu, d, sq, group, q.dtype, b, hk, capacity, num_sms(device), int(num_splits),
-        page_size if paged else 0)
+        page_size if paged else 0, sm_shared_bytes(device))
 
     if num_splits == 1:
         o_part, lse_part = out, lse
