@@ -681,6 +681,27 @@ def test_programs_alone_on_their_sms_get_the_larger_tiles():
     assert ld._plan(True, 128, 1, 4, torch.bfloat16, 64, 8, 4096, 132, 0, 0, 233472)[-1] == 4
 
 
+def test_narrow_heads_share_sms_from_two_batch_rows():
+    """d = 64 in 16-bit types (``_plan``, 8 KV heads, 132 SMs): batch 1 keeps the 256-key
+    tiles of programs alone on their SMs; batch 2-16 take 128-key tiles and about two
+    programs an SM after splitting; fp32, paged caches and d = 128 keep their rules."""
+    from flashtile.backends.triton import launch_decode as ld
+
+    def plan(batch, cap, d=64, dtype=torch.bfloat16, page=0):
+        bm, bn, _, _, _, _, s = ld._plan(True, d, 1, 4, dtype, batch, 8, cap, 132, 0, page)
+        return bn, s
+
+    assert plan(1, 4096) == (256, 16)
+    assert plan(2, 16384) == (128, 16)
+    assert plan(4, 16384) == (128, 8)
+    assert plan(8, 16384) == (128, 4)
+    assert plan(16, 4096, dtype=torch.float16) == (128, 2)
+    assert plan(32, 4096) == (128, 1)
+    assert plan(4, 16384, dtype=torch.float32) == (128, 4)  # alone: 64 KB stages of fp32
+    assert plan(8, 16384, page=256) == (256, 4)
+    assert plan(4, 16384, d=128) == (128, 4)
+
+
 # --------------------------------------------------------------------------------------------
 # host side of the triton path (no kernel runs: launches are recorded, not executed)
 # --------------------------------------------------------------------------------------------

@@ -75,6 +75,11 @@ MAX_STAGES = 6
 # (1.94 waves) 0.995x against 0.97x; unsplit grids of 1.13-1.62 or 2.26-2.59 waves ran
 # 0.83-0.97x, slower than split (docs/dev/tuning-log.md, step 147)
 FULL_WAVE = 0.9
+# d = 64 in 16-bit types: the 256-key tiles of a program alone on its SM only where the
+# programs before splitting fill at most 1/NARROW_ALONE of the SMs (batch 1 at 8 KV heads);
+# more programs take 128-key tiles, about two an SM after splitting: H200, batch 2 / 4 / 16 at
+# 4K-16K 0.93-1.11x cuDNN against 0.85-1.01x, batch 8 level (docs/dev/tuning-log.md, step 149)
+NARROW_ALONE = 16
 
 
 def _on_gpu(x: torch.Tensor) -> bool:
@@ -206,7 +211,8 @@ def _attn_config(on_gpu: bool, head_dim: int, rows: int, dtype: torch.dtype, pag
 @functools.lru_cache(maxsize=4096)
 def choose_num_splits(n_programs: int, n_sms: int, n_tiles: int, max_splits: int = MAX_SPLITS,
                       paged: bool = False, per_key_pages: bool = False,
-                      min_tiles: int = MIN_TILES_PER_SPLIT, resident: int = 0) -> int:
+                      min_tiles: int = MIN_TILES_PER_SPLIT, resident: int = 0,
+                      two_per_sm: bool = False) -> int:
     """How many slices to cut each row's keys into so that the grid fills the GPU.
 
     ``n_programs``: programs without splitting (batch * kv heads * query blocks);
@@ -217,11 +223,13 @@ def choose_num_splits(n_programs: int, n_sms: int, n_tiles: int, max_splits: int
     always keeping ``min_tiles`` tiles per split (the launcher passes the tiles of
     ``MIN_KEYS_PER_SPLIT`` keys):
 
-    * fewer programs than ``per_sm`` waves of SMs (``per_sm = 1``, or 2 for a paged cache;
-      batch 1-2 at 8 KV heads): the most splits that still fit, ``n_programs * splits <=
-      per_sm * n_sms``.  For a contiguous cache one program per SM streaming a long slice beat
-      two per SM (batch 1, 16K: 16 splits 5% faster than 33); a paged cache needs the second
-      program per SM to hide the page-table lookups (batch 8, 16K: 2 splits 25% slower than 4);
+    * fewer programs than ``per_sm`` waves of SMs (``per_sm = 1``, or 2 for a paged cache and
+      with ``two_per_sm``; batch 1-2 at 8 KV heads): the most splits that still fit,
+      ``n_programs * splits <= per_sm * n_sms``.  For a contiguous cache one program per SM
+      streaming a long slice beat two per SM (batch 1, 16K: 16 splits 5% faster than 33),
+      at d = 128; a paged cache needs the second
+      program per SM to hide the page-table lookups (batch 8, 16K: 2 splits 25% slower than 4),
+      and so do the 128-key tiles of d = 64 (``two_per_sm``; :data:`NARROW_ALONE`);
     * up to two programs per SM (batch 16-32): no split, the grid already fills every SM once
       and the combine would only add work;
     * more (batch 64): programs that each stream a whole row run in uneven waves, and the last
@@ -238,7 +246,7 @@ def choose_num_splits(n_programs: int, n_sms: int, n_tiles: int, max_splits: int
     if n_sms <= 1:
         return 1
     cap = min(max_splits, max(1, n_tiles // max(1, min_tiles)))
-    per_sm = 2 if paged else 1
+    per_sm = 2 if paged or two_per_sm else 1
     if n_programs < 0.8 * per_sm * n_sms:
         return max(1, min(cap, per_sm * n_sms // n_programs))
     if n_programs <= 2 * n_sms or per_key_pages:
@@ -267,23 +275,29 @@ def _plan(on_gpu: bool, head_dim: int, seqlen_q: int, group: int, dtype: torch.d
     ``(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages, m_blocks, num_splits)``, with
     ``num_splits <= 0`` resolved by :func:`choose_num_splits` (``page_size`` 0: a contiguous
     cache).  Where the programs before splitting fit on the SMs one each (batch x KV heads x
-    query blocks <= SMs) the tiles are those of a program alone on its SM
+    query blocks <= SMs; at d = 64 in 16-bit types on a contiguous cache, a
+    ``NARROW_ALONE``-th of the SMs) the tiles are those of a program alone on its SM
     (:func:`attn_config`), whatever the split count.  ``sm_bytes``: an SM's shared memory
     (:func:`sm_shared_bytes`; 0 unknown), for the programs an SM holds
     (:func:`resident_programs`)."""
     rows = seqlen_q * group
     m_blocks = _cdiv(rows, _block_m(rows))
-    alone = on_gpu and batch * nheads_k * m_blocks <= n_sms
+    programs = batch * nheads_k * m_blocks
+    # d = 64 in 16-bit types on a contiguous cache: alone only for the fewest programs
+    narrow = (on_gpu and not page_size and dtype.itemsize == 2
+              and max(16, _next_pow2(head_dim)) == 64)
+    alone = on_gpu and programs * (NARROW_ALONE if narrow else 1) <= n_sms
     block_m, block_n, block_d, warps, stages = _attn_config(on_gpu, head_dim, rows, dtype,
                                                             page_size, alone)
     if num_splits <= 0:
-        num_splits = choose_num_splits(batch * nheads_k * m_blocks, n_sms, _cdiv(capacity, block_n),
+        num_splits = choose_num_splits(programs, n_sms, _cdiv(capacity, block_n),
                                        paged=page_size > 0,
                                        per_key_pages=page_size > 0 and page_size % block_n != 0,
                                        min_tiles=max(1, MIN_KEYS_PER_SPLIT // block_n),
                                        resident=resident_programs(block_m, block_n, block_d,
                                                                   stages, dtype.itemsize,
-                                                                  sm_bytes))
+                                                                  sm_bytes),
+                                       two_per_sm=narrow and not alone)
     num_splits = max(1, min(int(num_splits), MAX_SPLITS))
     return block_m, block_n, block_d, warps, stages, m_blocks, num_splits
 
