@@ -96,23 +96,26 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _sm_props(index: int) -> tuple:
+    """``(SMs, shared memory of one SM in bytes)`` of CUDA device ``index`` (0 bytes where
+    PyTorch does not say)."""
+    props = torch.cuda.get_device_properties(index)
+    return (props.multi_processor_count,
+            int(getattr(props, "shared_memory_per_multiprocessor", 0)))
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_bytes(index: int) -> int:
-    return int(getattr(torch.cuda.get_device_properties(index),
-                       "shared_memory_per_multiprocessor", 0))
+def _device_sms(device: torch.device):
+    """:func:`_sm_props` of ``device``, or None where it is not a CUDA device."""
+    if device.type != "cuda":
+        return None
+    return _sm_props(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def sm_shared_bytes(device: torch.device) -> int:
     """Shared memory of one SM of ``device`` in bytes; 0 for anything that is not a CUDA
     device (or where PyTorch does not say)."""
-    if device.type != "cuda":
-        return 0
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _sm_bytes(index)
+    props = _device_sms(device)
+    return 0 if props is None else props[1]
 
 
 def resident_programs(block_m: int, block_n: int, block_d: int, stages: int, elt: int,
@@ -131,10 +134,8 @@ def resident_programs(block_m: int, block_n: int, block_d: int, stages: int, elt
 
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of ``device``; 1 for anything that is not a CUDA device."""
-    if device.type != "cuda":
-        return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _sm_count(index)
+    props = _device_sms(device)
+    return 1 if props is None else props[0]
 
 
 def attn_config(on_gpu: bool, head_dim: int, rows: int, dtype: torch.dtype, page_size: int = 0,
@@ -225,11 +226,11 @@ def choose_num_splits(n_programs: int, n_sms: int, n_tiles: int, max_splits: int
 
     * fewer programs than ``per_sm`` waves of SMs (``per_sm = 1``, or 2 for a paged cache and
       with ``two_per_sm``; batch 1-2 at 8 KV heads): the most splits that still fit,
-      ``n_programs * splits <= per_sm * n_sms``.  For a contiguous cache one program per SM
-      streaming a long slice beat two per SM (batch 1, 16K: 16 splits 5% faster than 33),
-      at d = 128; a paged cache needs the second
-      program per SM to hide the page-table lookups (batch 8, 16K: 2 splits 25% slower than 4),
-      and so do the 128-key tiles of d = 64 (``two_per_sm``; :data:`NARROW_ALONE`);
+      ``n_programs * splits <= per_sm * n_sms``.  For a contiguous cache at d = 128 one program
+      per SM streaming a long slice beat two per SM (batch 1, 16K: 16 splits 5% faster than
+      33); a paged cache needs the second program per SM to hide the page-table lookups
+      (batch 8, 16K: 2 splits 25% slower than 4), and so do the 128-key tiles of d = 64
+      (``two_per_sm``; :data:`NARROW_ALONE`);
     * up to two programs per SM (batch 16-32): no split, the grid already fills every SM once
       and the combine would only add work;
     * more (batch 64): programs that each stream a whole row run in uneven waves, and the last
